@@ -1,0 +1,14 @@
+"""cuflash: FlashAttention-2 on CuPy arrays, kernels compiled at run time by NVRTC.
+
+Public API::
+
+    out = cuflash.attention(q, k, v, causal=False, softmax_scale=None)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+
+See README.md for the conventions (layout, GQA, causal alignment, lse) and cuflash.reference for
+the float64 oracle the kernels are tested against.
+"""
+from ._version import __version__
+from .attention import attention
+
+__all__ = ["__version__", "attention"]

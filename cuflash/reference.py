@@ -1,0 +1,471 @@
+"""Float64 NumPy oracle for attention, used to test the cuflash kernels.
+
+Conventions (the same as flash-attn):
+
+* Layout: ``q`` is ``(batch, seqlen_q, nheads, headdim)``; ``k`` and ``v`` are
+  ``(batch, seqlen_k, nheads_kv, headdim)``.
+* GQA / MQA: ``nheads % nheads_kv == 0`` and query head ``i`` uses kv head
+  ``i // (nheads // nheads_kv)``.
+* ``softmax_scale`` defaults to ``1 / sqrt(headdim)``.
+* Causal masking with ``seqlen_q != seqlen_k`` is aligned to the bottom-right
+  corner: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
+  A query row that sees no key outputs 0, has ``lse = -inf`` and receives
+  (and contributes) zero gradients.
+* ``lse`` is float64 with shape ``(batch, nheads, seqlen_q)``: the natural log
+  of ``sum_j exp(scale * q_i . k_j)`` over the visible keys ``j``.
+* Inputs may be NumPy arrays of any float dtype (float16, ml_dtypes.bfloat16,
+  float32, float64), with any strides, or CuPy arrays (anything with a
+  ``.get()`` method, which is used to copy it to the host).  Everything is
+  converted to float64 before any arithmetic.
+
+Notation follows the FlashAttention papers: ``S = scale * Q K^T`` are the
+scores, ``m`` the row maximum, ``l`` the row sum of ``exp(S - m)``,
+``P = exp(S - m) / l`` the probabilities, ``O = P V`` the output.
+
+Memory bound: the full ``seqlen_q x seqlen_k`` matrix of a whole batch is
+never built.  The code loops over batch and heads and, within one
+(batch, head), over chunks of query rows so that a score block holds at most
+``MAX_BLOCK_ELEMENTS`` elements (or one row, if a row alone is longer).
+
+Besides the exact oracle, :func:`plain_attention` and
+:func:`plain_attention_backward` compute attention the "plain" way in a low
+precision (inputs and intermediate probabilities rounded to ``dtype``,
+matmuls accumulated in float32).  Their error against the oracle sets the
+tolerance of the kernel tests, see :func:`within_tolerance`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator
+
+import numpy as np
+
+__all__ = [
+    "MAX_BLOCK_ELEMENTS",
+    "visible_mask",
+    "attention_forward",
+    "attention_backward",
+    "attention_with_kvcache",
+    "plain_attention",
+    "plain_attention_backward",
+    "max_abs_error",
+    "within_tolerance",
+]
+
+#: Largest number of elements in one score block ``S`` (rows x seqlen_k).
+MAX_BLOCK_ELEMENTS = 1 << 24
+
+Rounder = Callable[[np.ndarray], np.ndarray]
+
+
+# ---------------------------------------------------------------------------
+# Input handling
+# ---------------------------------------------------------------------------
+
+def _to_host(x):
+    """Return ``x`` as something NumPy can read (CuPy arrays via ``.get()``)."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "get"):
+        x = x.get()
+    return x
+
+
+def _to_f64(x, name: str) -> np.ndarray:
+    """Convert an array-like (NumPy or CuPy, any float dtype) to float64."""
+    try:
+        return np.asarray(_to_host(x), dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: cannot convert to a float64 array ({exc})") from exc
+
+
+def _require_shape(x: np.ndarray, name: str, expected: tuple) -> None:
+    if x.shape != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {x.shape}")
+
+
+def _check_ndim4(x: np.ndarray, name: str, layout: str) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"{name} must be 4-D {layout}, got shape {x.shape}")
+
+
+def _check_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, ...]:
+    """Validate q, k, v; return (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim)."""
+    _check_ndim4(q, "q", "(batch, seqlen_q, nheads, headdim)")
+    _check_ndim4(k, "k", "(batch, seqlen_k, nheads_kv, headdim)")
+    batch, seqlen_q, nheads, headdim = q.shape
+    if headdim < 1:
+        raise ValueError(f"q: headdim must be >= 1, got shape {q.shape}")
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    _require_shape(k, "k", (batch, seqlen_k, nheads_kv, headdim))
+    _require_shape(v, "v", (batch, seqlen_k, nheads_kv, headdim))
+    _check_heads(nheads, nheads_kv)
+    return batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim
+
+
+def _check_heads(nheads: int, nheads_kv: int) -> None:
+    if nheads_kv < 1 or nheads % nheads_kv != 0:
+        raise ValueError(
+            f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv}) "
+            "and nheads_kv must be >= 1"
+        )
+
+
+def _scale(softmax_scale, headdim: int) -> float:
+    return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+
+def _head_pairs(nheads: int, nheads_kv: int) -> Iterator[tuple[int, int]]:
+    """Yield (query head, kv head) pairs following the GQA convention."""
+    group = nheads // nheads_kv
+    for h in range(nheads):
+        yield h, h // group
+
+
+def _row_chunks(seqlen_q: int, seqlen_k: int) -> Iterator[tuple[int, int]]:
+    """Split query rows so that a (rows x seqlen_k) block stays bounded."""
+    rows = max(1, MAX_BLOCK_ELEMENTS // max(1, seqlen_k))
+    for start in range(0, seqlen_q, rows):
+        yield start, min(start + rows, seqlen_q)
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+# ---------------------------------------------------------------------------
+# Mask and softmax
+# ---------------------------------------------------------------------------
+
+def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool,
+                 q_start: int = 0, q_stop: int | None = None) -> np.ndarray:
+    """Boolean mask of shape (q_stop - q_start, seqlen_k).
+
+    Entry ``[r, j]`` is True when query row ``i = q_start + r`` may see key
+    ``j``: always when not causal, else iff ``j <= i + seqlen_k - seqlen_q``.
+    """
+    if q_stop is None:
+        q_stop = seqlen_q
+    if not 0 <= q_start <= q_stop <= seqlen_q:
+        raise ValueError(
+            f"need 0 <= q_start <= q_stop <= seqlen_q, got q_start={q_start}, "
+            f"q_stop={q_stop}, seqlen_q={seqlen_q}"
+        )
+    rows = q_stop - q_start
+    if not causal:
+        return np.ones((rows, seqlen_k), dtype=bool)
+    i = np.arange(q_start, q_stop)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def _scores(q: np.ndarray, k: np.ndarray, scale, mask: np.ndarray) -> np.ndarray:
+    """S = scale * q k^T with invisible entries set to -inf (dtype of q kept)."""
+    S = (q @ k.T) * scale
+    return np.where(mask, S, -np.inf).astype(S.dtype, copy=False)
+
+
+def _softmax_rows(S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stable row softmax of masked scores; returns (P, lse).
+
+    Rows without a visible (finite) score get P = 0 and lse = -inf.
+    """
+    m = S.max(axis=1, initial=-np.inf)
+    m_safe = np.where(np.isfinite(m), m, 0).astype(S.dtype, copy=False)
+    P = np.exp(S - m_safe[:, None])          # masked entries: exp(-inf) = 0
+    l = P.sum(axis=1)
+    seen = l > 0
+    l_safe = np.where(seen, l, 1).astype(S.dtype, copy=False)
+    P = P / l_safe[:, None]
+    lse = np.where(seen, m_safe + np.log(l_safe), -np.inf)
+    return P, lse
+
+
+# ---------------------------------------------------------------------------
+# One (batch, head) slice: q (seqlen_q, d), k and v (seqlen_k, d)
+# ---------------------------------------------------------------------------
+
+def _forward_head(q, k, v, scale, causal, rnd: Rounder = _identity):
+    """Attention of one head.  ``rnd`` rounds P before P @ V (identity = exact)."""
+    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+    out = np.zeros(q.shape, dtype=q.dtype)
+    lse = np.full(seqlen_q, -np.inf)
+    for start, stop in _row_chunks(seqlen_q, seqlen_k):
+        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop)
+        P, lse[start:stop] = _softmax_rows(_scores(q[start:stop], k, scale, mask))
+        out[start:stop] = rnd(P) @ v
+    return out, lse
+
+
+def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity):
+    """Gradients (dq, dk, dv) of one head.
+
+    ``rnd`` rounds P, O and dS where a low-precision implementation would
+    store them (identity = exact).  The gradients themselves are returned
+    unrounded: callers accumulate dk and dv over a GQA group, then round.
+    """
+    seqlen_q, seqlen_k = q.shape[0], k.shape[0]
+    dq = np.zeros(q.shape, dtype=q.dtype)
+    dk = np.zeros(k.shape, dtype=q.dtype)
+    dv = np.zeros(v.shape, dtype=q.dtype)
+    for start, stop in _row_chunks(seqlen_q, seqlen_k):
+        q_c, do_c = q[start:stop], dout[start:stop]
+        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop)
+        P, _ = _softmax_rows(_scores(q_c, k, scale, mask))
+        P_r = rnd(P)
+        O = rnd(P_r @ v)                       # the forward output, recomputed
+        dv += P_r.T @ do_c                     # dV = P^T dO
+        dP = do_c @ v.T                        # dP = dO V^T
+        D = np.sum(do_c * O, axis=1)           # D = rowsum(dO * O)
+        dS = rnd(P * (dP - D[:, None]))        # dS = P * (dP - D)
+        dq[start:stop] = (dS @ k) * scale      # dQ = scale * dS K
+        dk += (dS.T @ q_c) * scale             # dK = scale * dS^T Q
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------
+# Public oracle
+# ---------------------------------------------------------------------------
+
+def attention_forward(q, k, v, *, causal=False, softmax_scale=None):
+    """Exact attention in float64.
+
+    Returns ``(out, lse)``: out ``(batch, seqlen_q, nheads, headdim)`` and
+    lse ``(batch, nheads, seqlen_q)``, both float64.
+    """
+    q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
+    batch, seqlen_q, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
+    scale = _scale(softmax_scale, headdim)
+    out = np.zeros(q.shape)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf)
+    for b in range(batch):
+        for h, hk in _head_pairs(nheads, nheads_kv):
+            out[b, :, h], lse[b, h] = _forward_head(
+                q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal)
+    return out, lse
+
+
+def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
+    """Exact gradients of ``sum(out * dout)`` in float64; returns (dq, dk, dv).
+
+    With GQA, dk and dv of a kv head are summed over its query heads.
+    """
+    q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
+    dout = _to_f64(dout, "dout")
+    batch, _, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
+    _require_shape(dout, "dout", q.shape)
+    scale = _scale(softmax_scale, headdim)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(batch):
+        for h, hk in _head_pairs(nheads, nheads_kv):
+            dq_h, dk_h, dv_h = _backward_head(
+                dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal)
+            dq[b, :, h] = dq_h
+            dk[b, :, hk] += dk_h
+            dv[b, :, hk] += dv_h
+    return dq, dk, dv
+
+
+def _cache_lengths(cache_seqlens, batch: int, capacity: int) -> np.ndarray:
+    """cache_seqlens (None, int or (batch,) ints) as an int64 array (batch,)."""
+    if cache_seqlens is None:
+        lengths = np.full(batch, capacity, dtype=np.int64)
+    else:
+        raw = np.asarray(_to_host(cache_seqlens))
+        if raw.ndim == 0:
+            lengths = np.full(batch, int(raw), dtype=np.int64)
+        else:
+            _require_shape(raw, "cache_seqlens", (batch,))
+            if not np.issubdtype(raw.dtype, np.integer):
+                raise ValueError(f"cache_seqlens must hold integers, got {raw.dtype}")
+            lengths = raw.astype(np.int64)
+    if np.any(lengths < 0) or np.any(lengths > capacity):
+        raise ValueError(
+            f"cache_seqlens must lie in [0, {capacity}], got {lengths.tolist()}")
+    return lengths
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
+                           cache_seqlens=None, block_table=None,
+                           causal=False, softmax_scale=None):
+    """Decode-style attention against a KV cache (``flash_attn_with_kvcache``).
+
+    Contiguous cache: k_cache, v_cache ``(batch_cache, seqlen_cache, nheads_kv,
+    headdim)`` with ``batch_cache >= batch``; sequence b uses cache row b.
+    Paged cache (``block_table`` given, int ``(batch, max_blocks_per_seq)``):
+    k_cache, v_cache ``(num_blocks, page_size, nheads_kv, headdim)``; token t of
+    sequence b is at ``[block_table[b, t // page_size], t % page_size]``.
+
+    ``cache_seqlens`` (None = full capacity, an int, or ints ``(batch,)``) is
+    the number of tokens already cached.  New ``k``, ``v``
+    ``(batch, seqlen_new, nheads_kv, headdim)`` are written into float64
+    copies of the caches right after them (ValueError if they do not fit);
+    the inputs are never modified.  Sequence b then attends to its first
+    ``L_b = cache_seqlens[b] + seqlen_new`` keys, causal aligned bottom-right
+    against ``L_b``.
+
+    Returns ``(out, lse, k_cache_new, v_cache_new)`` in float64.
+    """
+    q = _to_f64(q, "q")
+    _check_ndim4(q, "q", "(batch, seqlen_q, nheads, headdim)")
+    batch, seqlen_q, nheads, headdim = q.shape
+    k_cache_new = np.array(_to_f64(k_cache, "k_cache"), copy=True)
+    v_cache_new = np.array(_to_f64(v_cache, "v_cache"), copy=True)
+    _check_ndim4(k_cache_new, "k_cache", "(batch_cache or num_blocks, seqlen, nheads_kv, headdim)")
+    rows, slots, nheads_kv = k_cache_new.shape[:3]
+    _require_shape(k_cache_new, "k_cache", (rows, slots, nheads_kv, headdim))
+    _require_shape(v_cache_new, "v_cache", k_cache_new.shape)
+    _check_heads(nheads, nheads_kv)
+
+    if block_table is None:
+        if rows < batch:
+            raise ValueError(f"k_cache has batch_cache={rows} rows, need >= batch={batch}")
+        capacity = slots
+    else:
+        block_table = np.asarray(_to_host(block_table))
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(
+                f"block_table must have shape ({batch}, max_blocks_per_seq), "
+                f"got {block_table.shape}")
+        if not np.issubdtype(block_table.dtype, np.integer):
+            raise ValueError(f"block_table must hold integers, got {block_table.dtype}")
+        capacity = block_table.shape[1] * slots
+
+    def locate(b: int, positions: np.ndarray):
+        """Index (rows, slots) of the given token positions of sequence b."""
+        if block_table is None:
+            return np.full_like(positions, b), positions
+        pages = block_table[b, positions // slots].astype(np.int64)
+        if np.any(pages < 0) or np.any(pages >= rows):
+            raise ValueError(f"block_table[{b}] refers to pages outside [0, {rows})")
+        return pages, positions % slots
+
+    lengths = _cache_lengths(cache_seqlens, batch, capacity)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if k is not None:
+        k, v = _to_f64(k, "k"), _to_f64(v, "v")
+        _check_ndim4(k, "k", "(batch, seqlen_new, nheads_kv, headdim)")
+        seqlen_new = k.shape[1]
+        _require_shape(k, "k", (batch, seqlen_new, nheads_kv, headdim))
+        _require_shape(v, "v", (batch, seqlen_new, nheads_kv, headdim))
+        if np.any(lengths + seqlen_new > capacity):
+            raise ValueError(
+                f"{seqlen_new} new tokens do not fit: cache_seqlens "
+                f"{lengths.tolist()} + {seqlen_new} exceeds capacity {capacity}")
+        for b in range(batch):
+            where = locate(b, np.arange(lengths[b], lengths[b] + seqlen_new))
+            k_cache_new[where] = k[b]
+            v_cache_new[where] = v[b]
+        lengths = lengths + seqlen_new
+
+    out = np.zeros(q.shape)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf)
+    for b in range(batch):
+        where = locate(b, np.arange(lengths[b]))
+        out[b:b + 1], lse[b:b + 1] = attention_forward(
+            q[b:b + 1], k_cache_new[where][None], v_cache_new[where][None],
+            causal=causal, softmax_scale=softmax_scale)
+    return out, lse, k_cache_new, v_cache_new
+
+
+# ---------------------------------------------------------------------------
+# Plain low-precision implementation (sets the test tolerance)
+# ---------------------------------------------------------------------------
+
+def _rounder(dtype) -> Rounder:
+    """Round float32 values to ``dtype`` and back to float32."""
+    dtype = np.dtype(dtype)
+
+    def rnd(x: np.ndarray) -> np.ndarray:
+        return x.astype(dtype).astype(np.float32)
+    return rnd
+
+
+def _round_input(x: np.ndarray, dtype) -> np.ndarray:
+    """Round a float64 input straight to ``dtype`` (one rounding), as float32."""
+    return x.astype(np.dtype(dtype)).astype(np.float32)
+
+
+def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dtype):
+    """Attention the plain way in precision ``dtype`` (e.g. float16, bfloat16).
+
+    Inputs are rounded to ``dtype``; S and the softmax are computed in float32;
+    P is rounded to ``dtype``; P @ V is accumulated in float32 and the output
+    rounded to ``dtype``.  Returned as float64 of q's shape.
+    """
+    rnd = _rounder(dtype)
+    q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
+    batch, _, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
+    q, k, v = (_round_input(x, dtype) for x in (q, k, v))
+    scale = np.float32(_scale(softmax_scale, headdim))
+    out = np.zeros(q.shape, dtype=np.float32)
+    for b in range(batch):
+        for h, hk in _head_pairs(nheads, nheads_kv):
+            out[b, :, h], _ = _forward_head(
+                q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, rnd)
+    return rnd(out).astype(np.float64)
+
+
+def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, dtype):
+    """Gradients the plain way in precision ``dtype``; returns float64 (dq, dk, dv).
+
+    Inputs are rounded to ``dtype``, the math runs in float32, P, O and dS are
+    rounded to ``dtype`` before the matmuls that consume them, and the
+    gradients are rounded to ``dtype`` at the end.
+    """
+    rnd = _rounder(dtype)
+    q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
+    dout = _to_f64(dout, "dout")
+    batch, _, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
+    _require_shape(dout, "dout", q.shape)
+    dout, q, k, v = (_round_input(x, dtype) for x in (dout, q, k, v))
+    scale = np.float32(_scale(softmax_scale, headdim))
+    dq = np.zeros(q.shape, dtype=np.float32)
+    dk = np.zeros(k.shape, dtype=np.float32)
+    dv = np.zeros(v.shape, dtype=np.float32)
+    for b in range(batch):
+        for h, hk in _head_pairs(nheads, nheads_kv):
+            dq_h, dk_h, dv_h = _backward_head(
+                dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, rnd)
+            dq[b, :, h] = dq_h
+            dk[b, :, hk] += dk_h
+            dv[b, :, hk] += dv_h
+    return tuple(rnd(x).astype(np.float64) for x in (dq, dk, dv))
+
+
+# ---------------------------------------------------------------------------
+# Comparison helpers
+# ---------------------------------------------------------------------------
+
+def max_abs_error(a, b) -> float:
+    """max |a - b| in float64 (0.0 for empty arrays).
+
+    Returns NaN if either array contains NaN.  Entries that are equal
+    (including equal infinities, e.g. lse = -inf on both sides) count as 0.
+    """
+    a, b = _to_f64(a, "a"), _to_f64(b, "b")
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: a has shape {a.shape}, b has shape {b.shape}")
+    if np.isnan(a).any() or np.isnan(b).any():
+        return float("nan")
+    if a.size == 0:
+        return 0.0
+    with np.errstate(invalid="ignore"):
+        diff = np.where(a == b, 0.0, np.abs(a - b))
+    return float(np.max(diff))
+
+
+def within_tolerance(kernel_out, ref, plain_out, factor=2.0, atol=1e-5) -> bool:
+    """The kernel pass rule:
+    ``max|kernel - ref| <= factor * max|plain - ref| + atol``.
+
+    Shapes must match exactly; any NaN (in any argument) fails.
+    """
+    kernel_out, ref = _to_f64(kernel_out, "kernel_out"), _to_f64(ref, "ref")
+    plain_out = _to_f64(plain_out, "plain_out")
+    if kernel_out.shape != ref.shape or plain_out.shape != ref.shape:
+        return False
+    err = max_abs_error(kernel_out, ref)
+    bound = factor * max_abs_error(plain_out, ref) + atol
+    if math.isnan(err) or math.isnan(bound):
+        return False
+    return err <= bound
