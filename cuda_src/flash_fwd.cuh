@@ -1,0 +1,379 @@
+// FlashAttention-2 forward (Dao 2023, Algorithm 1) on tensor cores with mma.sync (sm_80 and newer).
+//
+// Computes, for one (batch b, query head h) and a tile of kBlockM query rows,
+//     O = softmax(scale * Q K^T + mask) V      lse = log(sum_j exp(scale * q.k_j))   (natural log)
+// without ever writing the kBlockM x seqlen_k score matrix to global memory.
+//
+// Grid and tiles
+//   grid  = (ceil(seqlen_q / kBlockM), nheads, batch); CTA (m, h, b) owns query rows
+//           [m*kBlockM, (m+1)*kBlockM) of head h. Causal grids run the heaviest row tiles first.
+//   block = kNWarps warps. Warp w owns kRowsPerWarp = kBlockM / kNWarps consecutive query rows
+//           (kMSlabs slabs of 16 rows, one MMA row block each). All warps share the K and V
+//           tiles: no warp ever needs another warp's partial results (paper section 3.3).
+//   smem  = sQ[kBlockM][kHeadDim+8] + 2 stages x (sK[kBlockN][kHeadDim+8] + sV[...]).
+//           Rows are padded by 16 bytes so the 8 row addresses of an ldmatrix hit 8 distinct
+//           16-byte bank groups (stride of an odd number of 16-byte units: conflict free).
+//   K/V tiles are walked from the last visible block down to block 0. The blocks that need a
+//   mask (causal diagonal, ragged end of seqlen_k) therefore come first; the rest run mask-free.
+//   While tile j is being used, cp.async brings tile j-1 into the other stage.
+//
+// Per thread (g = lane / 4, t = lane % 4) for each slab s and half r (row g or g + 8):
+//   acc_o[s][d/8][2r..2r+1]: unnormalized O, fp32     row_max[s][r]: running max m (raw score units)
+//   row_sum[s][r]: this thread's part of the running sum l (the 4 threads of a quad are added once, at the end)
+// Online softmax per K/V tile (paper Algorithm 1, lines 8-10):
+//   m_new = max(m, rowmax(S));  P = exp2(S * scale_log2 - m_new * scale_log2)
+//   l = l * exp2((m - m_new) * scale_log2) + rowsum(P);  O = O * exp2(...) + P V
+//   and only after the last tile: O /= l (the one division of FA2), lse = m * scale + ln(l).
+// P goes from the S accumulator registers straight into the A operand of P V (no smem round trip).
+//
+// Preconditions (checked in Python, cuflash/attention.py): head_dim <= kHeadDim; kAligned variants
+// need 16-byte aligned rows (base pointers % 16 == 0, strides % 8 elements, head_dim % 8 == 0);
+// softmax_scale > 0; seqlen_q, seqlen_k >= 1.
+#pragma once
+
+#include "common.cuh"
+#include "params.h"
+
+namespace cuflash {
+
+// Compile-time shape of one kernel variant. Tile choices come from cuflash/plan.py (FWD_TILES).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_,
+          bool kAligned_, bool kQInRegs_>
+struct FwdConfig {
+    static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
+    static constexpr int kBlockM = kBlockM_;     // query rows per CTA
+    static constexpr int kBlockN = kBlockN_;     // key rows per K/V tile
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr bool kIsBF16 = kIsBF16_;
+    static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr bool kAligned = kAligned_;  // 16-byte cp.async loads; else element-wise loads
+    static constexpr bool kQInRegs = kQInRegs_;  // Q fragments loaded once into registers
+
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kRowsPerWarp = kBlockM / kNWarps;
+    static constexpr int kMSlabs = kRowsPerWarp / 16;  // 16-row MMA blocks per warp
+    static constexpr int kNBlocksS = kBlockN / 8;      // 8-column MMA blocks of S
+    static constexpr int kDBlocks = kHeadDim / 8;      // 8-column MMA blocks of O
+    static constexpr int kKStepsQK = kHeadDim / 16;    // k-steps of S = Q K^T
+    static constexpr int kKStepsPV = kBlockN / 16;     // k-steps of O += P V
+    static constexpr int kSmemStride = kHeadDim + 8;   // elements per smem row (16 bytes pad)
+    static constexpr int kChunksPerRow = kHeadDim / 8; // 16-byte chunks per row
+    static constexpr int kSmemQ = kBlockM * kSmemStride;
+    static constexpr int kSmemKV = kBlockN * kSmemStride;
+    static constexpr int kSmemBytes = 2 * (kSmemQ + 4 * kSmemKV);  // Q + 2 stages of (K, V)
+
+    static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head-dim buckets are multiples of 32");
+    static_assert(kBlockM % (16 * kNWarps) == 0, "every warp owns whole 16-row MMA slabs");
+    static_assert(kBlockN % 16 == 0, "K/V tiles are whole MMA k-steps");
+    static_assert((kSmemStride / 8) % 2 == 1, "odd 16-byte row stride keeps ldmatrix conflict free");
+};
+
+// Which scores survive, and which K/V blocks a query tile visits. Future score modifiers
+// (sliding window, ALiBi, softcap, additive bias) slot in here: the main loop only asks for the
+// block range, whether a block needs the per-element step, and then applies it.
+template <bool kIsCausal>
+struct CausalMask {
+    int seqlen_q, seqlen_k;
+
+    // Causal is aligned bottom-right: query row i sees keys j <= i + seqlen_k - seqlen_q.
+    CUFLASH_DEVICE int last_key_plus_one(int row) const {
+        if constexpr (kIsCausal) {
+            return min(seqlen_k, row + seqlen_k - seqlen_q + 1);
+        } else {
+            return seqlen_k;
+        }
+    }
+    // K/V blocks [0, n_block_end) hold every key any row of [m0, m0 + block_m) can see.
+    CUFLASH_DEVICE int n_block_end(int m0, int block_m, int block_n) const {
+        const int last_row = min(seqlen_q, m0 + block_m) - 1;
+        return ceil_div_nonneg(last_key_plus_one(last_row), block_n);
+    }
+    // True when some element of tile (m0.., n0..) is masked for some row: diagonal or ragged end.
+    CUFLASH_DEVICE bool block_needs_mask(int m0, int n0, int block_n) const {
+        return n0 + block_n > last_key_plus_one(m0);
+    }
+    // S[s][nb][2r + e] is row (row0 + 16 s + 8 r), column (col0 + 8 nb + e).
+    template <int kMSlabs, int kNB>
+    CUFLASH_DEVICE void apply(float (&S)[kMSlabs][kNB][4], int row0, int col0) const {
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int limit = last_key_plus_one(row0 + 16 * s + 8 * r);
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        if (col0 + 8 * nb + e >= limit) S[s][nb][2 * r + e] = -kInf;
+                    }
+                }
+            }
+        }
+    }
+};
+
+// Copy a kRows x kHeadDim tile (rows_valid real rows, head_dim real columns) into shared memory,
+// zero-filling the rest. The tile is cut in 16-byte chunks; thread tid moves chunks tid,
+// tid + kNThreads, ... When a row's chunk count divides the thread count, each thread keeps one
+// column and walks down the rows with a single 64-bit pointer (no per-chunk 64-bit products to
+// keep alive across the main loop).
+template <class Cfg, int kRows>
+CUFLASH_DEVICE void load_tile(u16* s_tile, const u16* g_tile, i64 row_stride, int rows_valid, int head_dim,
+                              int tid) {
+    constexpr int kC = Cfg::kChunksPerRow;
+    constexpr int kChunks = kRows * kC;
+    constexpr int kPasses = (kChunks + Cfg::kNThreads - 1) / Cfg::kNThreads;
+    constexpr bool kColumnFixed = Cfg::kNThreads % kC == 0;  // chunk tid + i*kNThreads keeps its column
+    constexpr int kRowsPerPass = Cfg::kNThreads / kC;
+    const u16* g_walk = g_tile + (tid / kC) * row_stride + (tid % kC) * 8;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+        const int chunk = tid + i * Cfg::kNThreads;
+        if (kChunks % Cfg::kNThreads != 0 && chunk >= kChunks) break;
+        const int row = chunk / kC;
+        const int col = (chunk % kC) * 8;
+        u16* s_dst = s_tile + row * Cfg::kSmemStride + col;
+        const bool row_ok = row < rows_valid;
+        const u16* g_src = kColumnFixed ? g_walk : g_tile + row * row_stride + col;
+        if constexpr (kColumnFixed) g_walk += kRowsPerPass * row_stride;
+        if constexpr (Cfg::kAligned) {
+            // head_dim % 8 == 0 here, so a chunk is either wholly inside the tensor or wholly outside.
+            const bool valid = row_ok && col < head_dim;
+            cp_async_16(smem_u32(s_dst), valid ? g_src : g_tile, valid);
+        } else {
+            u32 packed[4];
+#pragma unroll
+            for (int e = 0; e < 8; e += 2) {
+                const u32 lo = (row_ok && col + e < head_dim) ? g_src[e] : 0u;
+                const u32 hi = (row_ok && col + e + 1 < head_dim) ? g_src[e + 1] : 0u;
+                packed[e / 2] = lo | (hi << 16);
+            }
+            *reinterpret_cast<uint4*>(s_dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        }
+    }
+}
+
+template <class Cfg>
+CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
+    constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
+    constexpr int kMSlabs = Cfg::kMSlabs, kNB = Cfg::kNBlocksS, kDB = Cfg::kDBlocks;
+    constexpr int kStride = Cfg::kSmemStride;
+    constexpr bool kBF16 = Cfg::kIsBF16;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+    // Causal row tiles differ in cost (tile m visits about m+1 K/V blocks): launch the heavy ones first.
+    const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / p.head_ratio;  // GQA: query head h reads kv head h / (nheads / nheads_kv)
+    const int m0 = m_block * kBlockM;
+
+    // 64-bit offsets: batch * batch_stride and m0 * row_stride can exceed 2^31 elements.
+    const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
+    float* g_lse = p.lse + ((i64)b * p.nheads + h) * p.seqlen_q + m0;
+
+    const CausalMask<Cfg::kIsCausal> mask{p.seqlen_q, p.seqlen_k};
+    const int n_block_end = mask.n_block_end(m0, kBlockM, kBlockN);
+    const int rows_valid = min(kBlockM, p.seqlen_q - m0);
+    const int warp_row0 = warp * Cfg::kRowsPerWarp;  // first row of this warp inside the tile
+
+    if (n_block_end == 0) {  // no row of this tile sees any key: O = 0, lse = -inf
+        for (int i = tid; i < rows_valid * p.head_dim; i += Cfg::kNThreads) {
+            g_o[(i / p.head_dim) * p.o_row_stride + i % p.head_dim] = 0;
+        }
+        for (int i = tid; i < rows_valid; i += Cfg::kNThreads) g_lse[i] = -kInf;
+        return;
+    }
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* s_q = reinterpret_cast<u16*>(smem_raw);
+    u16* s_k0 = s_q + Cfg::kSmemQ;              // K stage 0; stage 1 follows
+    u16* s_v0 = s_k0 + 2 * Cfg::kSmemKV;        // V stage 0; stage 1 follows
+
+    // Prologue: Q (group 0) and the last visible K/V tile into stage 0 (group 1).
+    load_tile<Cfg, kBlockM>(s_q, g_q, p.q_row_stride, rows_valid, p.head_dim, tid);
+    cp_async_commit();
+    {
+        const int n0 = (n_block_end - 1) * kBlockN;
+        load_tile<Cfg, kBlockN>(s_k0, g_k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        load_tile<Cfg, kBlockN>(s_v0, g_v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        cp_async_commit();
+    }
+
+    // Per-lane ldmatrix offsets (elements) inside a tile; see common.cuh for the fragment layouts.
+    // A operand (Q rows): lane l addresses row (l % 16), column 8 * (l / 16) of a 16x16 block.
+    const int q_lane_off = (warp_row0 + lane % 16) * kStride + (lane / 16) * 8;
+    // B operand of S = Q K^T from K rows (non-transposed): matrices (n-block 2i, k lo), (2i, k hi),
+    // (2i+1, k lo), (2i+1, k hi) -> lane l addresses key (l % 8) + 8 (l / 16), column 8 ((l / 8) % 2).
+    const int k_lane_off = (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
+    // B operand of O += P V from V rows (transposed): matrices (keys lo, d-block 2i), (keys hi, 2i),
+    // (keys lo, 2i+1), (keys hi, 2i+1) -> lane l addresses key (l % 8) + 8 ((l / 8) % 2), column 8 (l / 16).
+    const int v_lane_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
+
+    float acc_o[kMSlabs][kDB][4];
+    float row_max[kMSlabs][2], row_sum[kMSlabs][2];
+#pragma unroll
+    for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+        for (int d = 0; d < kDB; ++d) acc_o[s][d][0] = acc_o[s][d][1] = acc_o[s][d][2] = acc_o[s][d][3] = 0.f;
+        row_max[s][0] = row_max[s][1] = -kInf;
+        row_sum[s][0] = row_sum[s][1] = 0.f;
+    }
+
+    // Q fragments, kept for the whole loop when the variant has the registers for it.
+    u32 q_frag[Cfg::kQInRegs ? kMSlabs : 1][Cfg::kQInRegs ? Cfg::kKStepsQK : 1][4];
+    if constexpr (Cfg::kQInRegs) {
+        cp_async_wait<1>();
+        __syncthreads();  // Q tile in smem (group 0 done) for every warp before ldmatrix
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+            for (int ks = 0; ks < Cfg::kKStepsQK; ++ks) {
+                ldmatrix_x4(q_frag[s][ks], smem_u32(s_q + q_lane_off + s * 16 * kStride + ks * 16));
+            }
+        }
+    }
+
+    const float scale_log2 = p.scale_log2;
+    const int row_abs0 = m0 + warp_row0 + g;  // absolute query row of this thread's slab 0, half 0
+
+    for (int n_block = n_block_end - 1, stage = 0; n_block >= 0; --n_block, stage ^= 1) {
+        const u16* s_k = s_k0 + stage * Cfg::kSmemKV;
+        const u16* s_v = s_v0 + stage * Cfg::kSmemKV;
+        cp_async_wait<0>();
+        // K/V tile n_block has landed and is visible to every warp; every warp has also finished the
+        // previous iteration, so the other stage is free to be overwritten by the prefetch below.
+        __syncthreads();
+        if (n_block > 0) {
+            const int n0 = (n_block - 1) * kBlockN;
+            u16* s_k_next = s_k0 + (stage ^ 1) * Cfg::kSmemKV;
+            u16* s_v_next = s_v0 + (stage ^ 1) * Cfg::kSmemKV;
+            load_tile<Cfg, kBlockN>(s_k_next, g_k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+            load_tile<Cfg, kBlockN>(s_v_next, g_v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        }
+        cp_async_commit();
+
+        // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
+        float S[kMSlabs][kNB][4];
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s)
+#pragma unroll
+            for (int nb = 0; nb < kNB; ++nb) S[s][nb][0] = S[s][nb][1] = S[s][nb][2] = S[s][nb][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < Cfg::kKStepsQK; ++ks) {
+            u32 a[kMSlabs][4];
+#pragma unroll
+            for (int s = 0; s < kMSlabs; ++s) {
+                if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[s][i] = q_frag[s][ks][i];
+                } else {
+                    ldmatrix_x4(a[s], smem_u32(s_q + q_lane_off + s * 16 * kStride + ks * 16));
+                }
+            }
+#pragma unroll
+            for (int nb = 0; nb < kNB; nb += 2) {
+                u32 bk[4];
+                ldmatrix_x4(bk, smem_u32(s_k + k_lane_off + nb * 8 * kStride + ks * 16));
+#pragma unroll
+                for (int s = 0; s < kMSlabs; ++s) {
+                    mma_16816<kBF16>(S[s][nb], a[s], bk[0], bk[1]);
+                    mma_16816<kBF16>(S[s][nb + 1], a[s], bk[2], bk[3]);
+                }
+            }
+        }
+
+        // Mask only the tiles that need it (paper 3.1.1): the diagonal and the ragged end of seqlen_k.
+        if (mask.block_needs_mask(m0, n_block * kBlockN, kBlockN)) {
+            mask.apply(S, row_abs0, n_block * kBlockN + 2 * t);
+        }
+
+        // Online softmax: new running max, rescale l and O, P = exp2(S * scale_log2 - m * scale_log2).
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float m_new = row_max[s][r];
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb) m_new = fmaxf(m_new, fmaxf(S[s][nb][2 * r], S[s][nb][2 * r + 1]));
+                m_new = quad_max(m_new);
+                // A row that has seen only masked keys keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
+                const float m_scaled = m_new == -kInf ? 0.f : m_new * scale_log2;
+                const float correction = fast_exp2(row_max[s][r] * scale_log2 - m_scaled);
+                row_max[s][r] = m_new;
+                row_sum[s][r] *= correction;
+#pragma unroll
+                for (int d = 0; d < kDB; ++d) {
+                    acc_o[s][d][2 * r] *= correction;
+                    acc_o[s][d][2 * r + 1] *= correction;
+                }
+                float sum = 0.f;
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float pe = fast_exp2(fmaf(S[s][nb][2 * r + e], scale_log2, -m_scaled));
+                        S[s][nb][2 * r + e] = pe;
+                        sum += pe;
+                    }
+                }
+                row_sum[s][r] += sum;
+            }
+        }
+
+        // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
+            u32 a[kMSlabs][4];  // P as the A operand: the S accumulators of n-blocks 2kk and 2kk+1
+#pragma unroll
+            for (int s = 0; s < kMSlabs; ++s) {
+                a[s][0] = pack2<kBF16>(S[s][2 * kk][0], S[s][2 * kk][1]);
+                a[s][1] = pack2<kBF16>(S[s][2 * kk][2], S[s][2 * kk][3]);
+                a[s][2] = pack2<kBF16>(S[s][2 * kk + 1][0], S[s][2 * kk + 1][1]);
+                a[s][3] = pack2<kBF16>(S[s][2 * kk + 1][2], S[s][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int d = 0; d < kDB; d += 2) {
+                u32 bv[4];
+                ldmatrix_x4_trans(bv, smem_u32(s_v + v_lane_off + kk * 16 * kStride + d * 8));
+#pragma unroll
+                for (int s = 0; s < kMSlabs; ++s) {
+                    mma_16816<kBF16>(acc_o[s][d], a[s], bv[0], bv[1]);
+                    mma_16816<kBF16>(acc_o[s][d + 1], a[s], bv[2], bv[3]);
+                }
+            }
+        }
+    }
+
+    // Epilogue: l = sum over the quad, O /= l once, lse = m * scale + ln(l). Rows that saw no key
+    // (l == 0) write O = 0 and lse = -inf.
+#pragma unroll
+    for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = warp_row0 + 16 * s + 8 * r + g;  // row inside the tile
+            const float l = quad_sum(row_sum[s][r]);
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+            if (row < rows_valid) {
+                if (t == 0) g_lse[row] = l > 0.f ? row_max[s][r] * p.softmax_scale + __logf(l) : -kInf;
+                u16* g_row = g_o + row * p.o_row_stride;
+#pragma unroll
+                for (int d = 0; d < kDB; ++d) {
+                    const int col = d * 8 + 2 * t;
+                    const u32 packed = pack2<kBF16>(acc_o[s][d][2 * r] * inv_l, acc_o[s][d][2 * r + 1] * inv_l);
+                    if constexpr (Cfg::kAligned) {
+                        if (col < p.head_dim) *reinterpret_cast<u32*>(g_row + col) = packed;
+                    } else {
+                        if (col < p.head_dim) g_row[col] = static_cast<u16>(packed & 0xffffu);
+                        if (col + 1 < p.head_dim) g_row[col + 1] = static_cast<u16>(packed >> 16);
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,432 @@
+"""Kernel pipeline: KernelSpec -> source text -> NVRTC -> cubin -> disk cache -> loaded function.
+
+The one place for compile flags, cache paths, environment variables and compile logging.
+
+Environment
+    CUFLASH_CACHE_DIR   cache folder (default: $XDG_CACHE_HOME/cuflash or ~/.cache/cuflash)
+    CUFLASH_LOG_LEVEL   level of the "cuflash" logger (default INFO: one line per compile)
+
+Cache entries are single files ``<variant name>-<key>.cubin`` holding a checksum, a JSON header
+(variant, arch, NVRTC version, ptxas register/spill report, compile seconds) and the cubin. The
+key hashes every byte NVRTC sees (the generated entry source and every header it includes, which
+are handed to NVRTC from memory, never read again from disk), the NVRTC version, the options, the
+arch and the cuflash version. Entries are written to a temporary file and renamed into place, so
+concurrent compiles of one variant both succeed and the last rename wins; there are no locks to
+go stale. An entry whose checksum does not match is deleted and rebuilt.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import re
+import struct
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import plan
+from ._version import __version__
+
+logger = logging.getLogger("cuflash")
+
+# ---------------------------------------------------------------------------------------------
+# Environment and flags
+# ---------------------------------------------------------------------------------------------
+
+#: Options every compile gets; the arch is added per variant. -Xptxas=-v puts ptxas's register /
+#: spill report into the NVRTC log, which is parsed into each cache entry's header.
+BASE_OPTIONS = ("-std=c++17", "-Xptxas=-v")
+
+#: Generated entry point per kernel family: an extern "C" wrapper named after the variant, which
+#: instantiates the templated kernel with the variant's arguments.
+ENTRY_TEMPLATES = {
+    "flash_fwd": (
+        '#include "flash_fwd.cuh"\n'
+        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
+        "{name}(const cuflash::FwdParams params) {{\n"
+        "    cuflash::flash_fwd_kernel<cuflash::FwdConfig<{template_args}>>(params);\n"
+        "}}\n"
+    ),
+}
+
+_MAGIC = b"CUFLASH-CUBIN-1\n"
+
+
+def _configure_logging() -> None:
+    level = os.environ.get("CUFLASH_LOG_LEVEL", "INFO").upper()
+    logger.setLevel(getattr(logging, level, logging.INFO))
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[cuflash] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+_configure_logging()
+
+
+def cache_dir() -> Path:
+    """Folder of the disk cache (created on first write)."""
+    env = os.environ.get("CUFLASH_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cuflash"
+
+
+def source_dir() -> Path:
+    """Folder of the CUDA sources: cuflash/cuda_src in a wheel, <repo>/cuda_src in a checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"cuflash kernel sources not found next to {here}; the installation is incomplete")
+
+
+def compile_options(arch: str) -> tuple[str, ...]:
+    return BASE_OPTIONS + (f"-arch={arch}",)
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cupy.cuda import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+# ---------------------------------------------------------------------------------------------
+# Source text and cache key
+# ---------------------------------------------------------------------------------------------
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def entry_source(spec: plan.KernelSpec) -> str:
+    return ENTRY_TEMPLATES[spec.family].format(
+        threads=spec.threads, min_blocks=spec.tile.min_blocks, name=spec.name, template_args=spec.template_args()
+    )
+
+
+def included_headers(text: str, src_dir: Path | None = None) -> dict[str, str]:
+    """Every quoted #include reachable from ``text``, by name, read from ``src_dir``."""
+    src_dir = src_dir or source_dir()
+    found: dict[str, str] = {}
+    pending = _INCLUDE_RE.findall(text)
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        path = src_dir / name
+        if not path.is_file():
+            raise FileNotFoundError(f"header {name!r} included by a cuflash kernel is missing from {src_dir}")
+        found[name] = path.read_text()
+        pending.extend(_INCLUDE_RE.findall(found[name]))
+    return dict(sorted(found.items()))
+
+
+def cache_key(spec: plan.KernelSpec, src_dir: Path | None = None, nvrtc: tuple[int, int] | None = None) -> str:
+    text = entry_source(spec)
+    headers = included_headers(text, src_dir)
+    h = hashlib.sha256()
+    for part in (
+        f"cuflash {__version__}",
+        f"nvrtc {nvrtc or nvrtc_version()}",
+        f"arch {spec.arch}",
+        "options " + " ".join(compile_options(spec.arch)),
+        text,
+    ):
+        h.update(part.encode())
+        h.update(b"\0")
+    for name, body in headers.items():
+        h.update(name.encode() + b"\0" + body.encode() + b"\0")
+    return h.hexdigest()[:24]
+
+
+def entry_path(spec: plan.KernelSpec, key: str) -> Path:
+    return cache_dir() / f"{spec.name}-{key}.cubin"
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC
+# ---------------------------------------------------------------------------------------------
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel variant; the message holds the variant name and NVRTC's log."""
+
+
+_PTXAS_RE = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stack_frame": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def parse_ptxas_report(log: str) -> dict[str, int]:
+    """Registers, stack frame and spill bytes from ptxas -v output (first kernel in the log)."""
+    out = {}
+    for key, rx in _PTXAS_RE.items():
+        m = rx.search(log)
+        if m:
+            out[key] = int(m.group(1))
+    return out
+
+
+def compile_cubin(spec: plan.KernelSpec, src_dir: Path | None = None) -> tuple[bytes, dict]:
+    """Compile ``spec`` with NVRTC (no GPU needed). Returns (cubin, header dict)."""
+    from cupy.cuda import nvrtc
+
+    text = entry_source(spec)
+    headers = included_headers(text, src_dir)
+    options = compile_options(spec.arch)
+    t0 = time.perf_counter()
+    prog = nvrtc.createProgram(
+        text, f"{spec.name}.cu", [h.encode() for h in headers.values()], [n.encode() for n in headers]
+    )
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(f"NVRTC failed to compile {spec.name} ({' '.join(options)}):\n{log}") from exc
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    seconds = time.perf_counter() - t0
+    header = {
+        "name": spec.name,
+        "arch": spec.arch,
+        "nvrtc": list(nvrtc_version()),
+        "cuflash": __version__,
+        "options": list(options),
+        "compile_seconds": round(seconds, 3),
+        "smem_bytes": spec.smem_bytes,
+        "threads": spec.threads,
+        "ptxas": parse_ptxas_report(log),
+        "created": time.time(),
+    }
+    return cubin, header
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk cache
+# ---------------------------------------------------------------------------------------------
+
+
+def _encode_entry(cubin: bytes, header: dict) -> bytes:
+    meta = json.dumps(header, sort_keys=True).encode()
+    payload = struct.pack("<I", len(meta)) + meta + cubin
+    return _MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def _decode_entry(blob: bytes) -> tuple[bytes, dict]:
+    """(cubin, header); raises ValueError on a truncated or corrupted entry."""
+    n = len(_MAGIC)
+    if len(blob) < n + 36 or blob[:n] != _MAGIC:
+        raise ValueError("not a cuflash cache entry")
+    digest, payload = blob[n : n + 32], blob[n + 32 :]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError("checksum mismatch (truncated or corrupted)")
+    (meta_len,) = struct.unpack("<I", payload[:4])
+    header = json.loads(payload[4 : 4 + meta_len])
+    cubin = payload[4 + meta_len :]
+    if not cubin:
+        raise ValueError("empty cubin")
+    return cubin, header
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+_stats_lock = threading.Lock()
+_stats = {"compiles": 0, "disk_loads": 0, "module_loads": 0, "corrupt_entries": 0}
+
+
+def _count(key: str) -> None:
+    with _stats_lock:
+        _stats[key] += 1
+
+
+def stats() -> dict[str, int]:
+    """Counters of this process: NVRTC compiles, cubins read from the disk cache, modules loaded."""
+    with _stats_lock:
+        return dict(_stats)
+
+
+def reset_stats() -> None:
+    with _stats_lock:
+        for k in _stats:
+            _stats[k] = 0
+
+
+def get_cubin(spec: plan.KernelSpec) -> tuple[bytes, dict, str]:
+    """Cubin of ``spec`` from the disk cache, compiling (and caching) it if absent or damaged.
+
+    Returns (cubin, header, how) with how in {"cache", "compiled"}.
+    """
+    key = cache_key(spec)
+    path = entry_path(spec, key)
+    if path.exists():
+        try:
+            cubin, header = _decode_entry(path.read_bytes())
+            _count("disk_loads")
+            return cubin, header, "cache"
+        except (ValueError, OSError) as exc:
+            _count("corrupt_entries")
+            logger.warning("cache entry %s is damaged (%s); recompiling", path.name, exc)
+            try:
+                path.unlink()
+            except OSError:  # gone already, or a read-only cache: the rewrite below will say so
+                pass
+    logger.info("compiling %s ...", spec.name)
+    cubin, header = compile_cubin(spec)
+    _count("compiles")
+    try:
+        _write_atomic(path, _encode_entry(cubin, header))
+    except OSError as exc:  # a read-only cache still lets the process run
+        logger.warning("could not write cache entry %s: %s", path, exc)
+    p = header["ptxas"]
+    logger.info(
+        "compiled %s in %.1fs (%s registers, %s bytes spilled)",
+        spec.name,
+        header["compile_seconds"],
+        p.get("registers", "?"),
+        p.get("spill_stores", "?"),
+    )
+    return cubin, header, "compiled"
+
+
+@dataclass
+class CacheEntry:
+    path: Path
+    header: dict | None  # None when the entry is damaged
+    size: int
+    error: str | None = None
+
+
+def list_cache() -> list[CacheEntry]:
+    entries = []
+    d = cache_dir()
+    if not d.is_dir():
+        return entries
+    for path in sorted(d.glob("*.cubin")):
+        size = path.stat().st_size
+        try:
+            _, header = _decode_entry(path.read_bytes())
+            entries.append(CacheEntry(path, header, size))
+        except (ValueError, OSError) as exc:
+            entries.append(CacheEntry(path, None, size, str(exc)))
+    return entries
+
+
+def clear_cache() -> int:
+    """Delete every cache entry (and stray temporary files); returns the number of files removed."""
+    d = cache_dir()
+    if not d.is_dir():
+        return 0
+    n = 0
+    for path in list(d.glob("*.cubin")) + list(d.glob("*.tmp")):
+        try:
+            path.unlink()
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compilation
+# ---------------------------------------------------------------------------------------------
+
+
+def _precompile_one(spec: plan.KernelSpec) -> tuple[str, str, dict]:
+    _, header, how = get_cubin(spec)
+    return spec.name, how, header
+
+
+def precompile(specs, jobs: int = 1, on_done=None) -> list[tuple[str, str, dict]]:
+    """Compile ``specs`` into the disk cache (no GPU needed). ``on_done(result)`` is called after each.
+
+    With jobs > 1 the compiles run in separate processes (NVRTC holds the interpreter otherwise).
+    """
+    specs = list(specs)
+    results = []
+    if jobs <= 1 or len(specs) <= 1:
+        for spec in specs:
+            r = _precompile_one(spec)
+            results.append(r)
+            if on_done:
+                on_done(r)
+        return results
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold a CUDA context
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(_precompile_one, s) for s in specs]
+        for fut in concurrent.futures.as_completed(futures):
+            r = fut.result()
+            if r[1] == "compiled":
+                _count("compiles")
+            results.append(r)
+            if on_done:
+                on_done(r)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading on a device
+# ---------------------------------------------------------------------------------------------
+
+_functions: dict = {}
+_functions_lock = threading.Lock()
+
+
+def device_arch(device_id: int) -> str:
+    import cupy
+
+    cc = cupy.cuda.Device(device_id).compute_capability  # e.g. "90"
+    return plan.arch_for_capability(int(cc[:-1]), int(cc[-1]))
+
+
+def get_function(spec: plan.KernelSpec, device_id: int):
+    """Loaded kernel of ``spec`` on ``device_id``: memoized per process and device."""
+    key = (spec, device_id)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    with _functions_lock:
+        fn = _functions.get(key)
+        if fn is not None:
+            return fn
+        import cupy
+        from cupy.cuda import driver, function
+
+        cubin, header, _ = get_cubin(spec)
+        with cupy.cuda.Device(device_id):
+            module = function.Module()
+            module.load(cubin)
+            fn = module.get_function(spec.name)
+            if spec.smem_bytes > 48 * 1024:  # above 48 KB the dynamic limit must be raised first
+                driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
+        _count("module_loads")
+        _functions[key] = fn
+        return fn

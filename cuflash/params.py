@@ -1,0 +1,59 @@
+"""NumPy mirror of the kernels' parameter structs (cuda_src/params.h).
+
+Each struct is filled on the host as one NumPy record and handed to the launch by address, so the
+driver copies its bytes as the kernel's by-value argument. tests/test_params_layout.py compiles
+params.h with the host C compiler and checks every offset against these dtypes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_PTR = np.uint64
+_I64 = np.int64
+_I32 = np.int32
+_F32 = np.float32
+
+#: Field order, names and types of struct FwdParams.
+FWD_FIELDS = [
+    ("q", _PTR),
+    ("k", _PTR),
+    ("v", _PTR),
+    ("o", _PTR),
+    ("lse", _PTR),
+    ("q_batch_stride", _I64),
+    ("q_row_stride", _I64),
+    ("q_head_stride", _I64),
+    ("k_batch_stride", _I64),
+    ("k_row_stride", _I64),
+    ("k_head_stride", _I64),
+    ("v_batch_stride", _I64),
+    ("v_row_stride", _I64),
+    ("v_head_stride", _I64),
+    ("o_batch_stride", _I64),
+    ("o_row_stride", _I64),
+    ("o_head_stride", _I64),
+    ("batch", _I32),
+    ("nheads", _I32),
+    ("nheads_kv", _I32),
+    ("head_ratio", _I32),
+    ("seqlen_q", _I32),
+    ("seqlen_k", _I32),
+    ("head_dim", _I32),
+    ("num_m_blocks", _I32),
+    ("softmax_scale", _F32),
+    ("scale_log2", _F32),
+]
+
+FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
+
+
+def make_record(dtype: np.dtype, **values) -> np.ndarray:
+    """A one-element record array of ``dtype`` with every field set (missing fields are an error)."""
+    missing = set(dtype.names) - set(values)
+    extra = set(values) - set(dtype.names)
+    if missing or extra:
+        raise KeyError(f"parameter fields missing {sorted(missing)} / unknown {sorted(extra)}")
+    rec = np.zeros(1, dtype=dtype)
+    for name, value in values.items():
+        rec[name] = value
+    return rec

@@ -1,0 +1,192 @@
+"""Planning: shapes, dtype, flags and device facts -> which kernel variant to run and how.
+
+Pure Python (no CuPy, no GPU): everything here is testable on a CPU machine. The JIT layer
+(cuflash/jit.py) turns a KernelSpec into source text and a compiled function; the API layer
+(cuflash/attention.py) checks arguments and calls plan_forward.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+#: Head-dim buckets a kernel is compiled for. A head dim d runs in the smallest bucket >= d; the
+#: columns between d and the bucket are zero-filled by predicated loads inside the kernel.
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+DTYPES = ("fp16", "bf16")
+
+#: Oldest architecture the mma.sync / ldmatrix / cp.async kernels run on.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Tile shape of one forward variant (see FWD_TILES for the reason of each choice)."""
+
+    block_m: int  # query rows per CTA
+    block_n: int  # key rows per K/V tile
+    warps: int  # warps per CTA; each owns block_m / warps query rows
+    q_in_regs: bool  # Q MMA fragments held in registers for the whole loop (else re-read from smem)
+    min_blocks: int  # __launch_bounds__ minimum CTAs per SM (caps registers per thread)
+
+
+#: Forward tiles per head-dim bucket, one row each, with the reason.
+#: Register budget per thread ~ O accumulator (rows_per_warp * d / 32) + S accumulator
+#: (rows_per_warp * block_n / 32) + Q fragments if q_in_regs (rows_per_warp * d / 64).
+#: Shared memory = 2 * (block_m + 4 * block_n) * (d + 8) bytes (Q + 2 stages of K and V).
+FWD_TILES: dict[int, Tile] = {
+    # 32 rows/warp: O 32 + S 64 + Q 16 regs; tiny tiles, so 2 CTAs/SM and Q in registers.
+    32: Tile(128, 64, 4, True, 2),
+    # 32 rows/warp: O 64 + S 64 + Q 32 regs fits 255; Q in regs saves a third of the smem reads.
+    64: Tile(128, 64, 4, True, 2),
+    # 32 rows/warp: O 96 + S 64; Q re-read from smem (no room for 48 more regs). 2 CTAs/SM.
+    96: Tile(128, 64, 4, False, 2),
+    # FA2's sm90 choice: 32 rows/warp, O 128 + S 64 regs, Q from smem, 2 CTAs/SM (104 KB smem each).
+    128: Tile(128, 64, 4, False, 2),
+    # 8 warps of 16 rows: O 80 + S 32 + Q 40 regs; 138 KB smem -> 1 CTA of 8 warps per SM.
+    160: Tile(128, 64, 8, True, 1),
+    # 8 warps of 16 rows: O 96 + S 32 + Q 48 regs; 158 KB smem.
+    192: Tile(128, 64, 8, True, 1),
+    # 8 warps of 16 rows: O 112 + S 32 regs, Q from smem; 178 KB smem.
+    224: Tile(128, 64, 8, False, 1),
+    # FA2's choice for 256: 8 warps of 16 rows, O 128 + S 32 regs, Q from smem; 203 KB smem.
+    256: Tile(128, 64, 8, False, 1),
+}
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """Smallest compiled head-dim bucket that holds ``head_dim``."""
+    if head_dim < 1 or head_dim > HEAD_DIM_BUCKETS[-1]:
+        raise ValueError(f"head dim must be between 1 and {HEAD_DIM_BUCKETS[-1]}, got {head_dim}")
+    return next(b for b in HEAD_DIM_BUCKETS if b >= head_dim)
+
+
+def fwd_smem_bytes(head_dim_bucket: int, tile: Tile) -> int:
+    """Dynamic shared memory of the forward kernel: must match FwdConfig::kSmemBytes."""
+    stride = head_dim_bucket + 8
+    return 2 * (tile.block_m * stride + 4 * tile.block_n * stride)
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """NVRTC target for a device of compute capability (major, minor)."""
+    if (major, minor) < MIN_COMPUTE_CAPABILITY:
+        raise RuntimeError(
+            f"cuflash needs a GPU of compute capability 8.0 or newer (Ampere, Ada, Hopper); "
+            f"this one is {major}.{minor}"
+        )
+    # sm_90a: the Hopper-specific target (wgmma, setmaxnreg); its cubins run on every 9.0 device.
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+def parse_arch(arch: str) -> str:
+    """Normalize a user-given arch ('90a', 'sm_90a', 'sm80', '8.0') to 'sm_XY[a]'."""
+    a = arch.strip().lower().replace("compute_", "sm_")
+    if "." in a:
+        major, minor = a.split(".", 1)
+        a = f"sm_{major}{minor}"
+    if a.startswith("sm") and not a.startswith("sm_"):
+        a = "sm_" + a[2:]
+    if not a.startswith("sm_"):
+        a = "sm_" + a
+    digits = a[3:].rstrip("a")
+    if not digits.isdigit() or len(digits) < 2 or int(digits) < 80:
+        raise ValueError(f"unsupported arch {arch!r}: expected sm_80 or newer, e.g. sm_80, sm_86, sm_90a")
+    return a
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled kernel variant: every template argument, and the target arch."""
+
+    family: str  # "flash_fwd"
+    head_dim: int  # bucket
+    dtype: str  # "fp16" | "bf16"
+    causal: bool
+    aligned: bool  # 16-byte vector loads (else element-wise loads for odd head dims / strides)
+    tile: Tile
+    arch: str  # "sm_80", "sm_90a", ...
+
+    @property
+    def name(self) -> str:
+        """Human-readable name spelling every template argument; also the kernel's symbol."""
+        t = self.tile
+        return (
+            f"{self.family}_hd{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}"
+            f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_{'qreg' if t.q_in_regs else 'qsmem'}"
+            f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+        )
+
+    @property
+    def threads(self) -> int:
+        return self.tile.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        return fwd_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        """C++ template argument list of cuflash::FwdConfig for this variant."""
+        t = self.tile
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (
+            f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, "
+            f"{b(self.causal)}, {b(self.aligned)}, {b(t.q_in_regs)}"
+        )
+
+
+@dataclass(frozen=True)
+class Launch:
+    spec: KernelSpec
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+
+
+def fwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: Tile | None = None) -> KernelSpec:
+    bucket = head_dim_bucket(head_dim)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if aligned and head_dim % 8 != 0:
+        raise ValueError("the 16-byte load path needs head_dim % 8 == 0")
+    return KernelSpec("flash_fwd", bucket, dtype, bool(causal), bool(aligned), tile or FWD_TILES[bucket], arch)
+
+
+def plan_forward(
+    *,
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    nheads: int,
+    nheads_kv: int,
+    head_dim: int,
+    dtype: str,
+    causal: bool,
+    aligned: bool,
+    arch: str,
+    tile: Tile | None = None,
+) -> Launch:
+    """Kernel variant, grid, block and shared memory for one forward call (all sizes >= 1)."""
+    if min(batch, seqlen_q, seqlen_k, nheads, nheads_kv) < 1:
+        raise ValueError("plan_forward needs non-empty dimensions; empty inputs never launch")
+    if nheads % nheads_kv != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+    spec = fwd_spec(head_dim, dtype, causal, aligned, arch, tile)
+    num_m_blocks = -(-seqlen_q // spec.tile.block_m)
+    return Launch(spec, (num_m_blocks, nheads, batch), (spec.threads, 1, 1), spec.smem_bytes)
+
+
+def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False)):
+    """Every forward variant the library can launch for ``arch`` (what `cuflash precompile --all` builds)."""
+    specs = []
+    for d in head_dims:
+        bucket = head_dim_bucket(d)
+        for dt in dtypes:
+            for c in causals:
+                for al in aligned:
+                    specs.append(KernelSpec("flash_fwd", bucket, dt, c, al, FWD_TILES[bucket], arch))
+    return list(dict.fromkeys(specs))  # unique, order kept
+
+
+def with_tile(spec: KernelSpec, tile: Tile) -> KernelSpec:
+    """The same variant with another tile (for tuning sweeps)."""
+    return dataclasses.replace(spec, tile=tile)

@@ -1,0 +1,491 @@
+"""CPU tests of the kernel cache in cuflash/jit.py: key, entry format, damage, concurrency, logging.
+
+NVRTC compiles on the CPU (no GPU, no driver). Every test uses a temporary cache folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cuflash import jit, plan
+
+REPO = Path(__file__).resolve().parent.parent
+NVRTC = (12, 9)  # a fixed version for key tests: the key must not depend on the machine's NVRTC
+#: The cheapest variant to compile (~0.3 s).
+CHEAP = plan.fwd_spec(32, "fp16", False, True, "sm_80")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "kernel-cache"
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(d))
+    jit.reset_stats()
+    return d
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(cubin, header, encoded entry) of CHEAP, compiled once for the module."""
+    cubin, header = jit.compile_cubin(CHEAP)
+    return cubin, header, jit._encode_entry(cubin, header)
+
+
+@pytest.fixture
+def records():
+    """Log records of the "cuflash" logger (jit does not propagate to the root logger)."""
+
+    class ListHandler(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    h = ListHandler()
+    log = logging.getLogger("cuflash")
+    old = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(h)
+    yield h.records
+    log.removeHandler(h)
+    log.setLevel(old)
+
+
+def copy_sources(tmp_path) -> Path:
+    dst = tmp_path / "cuda_src"
+    shutil.copytree(jit.source_dir(), dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache key
+# ---------------------------------------------------------------------------------------------
+
+
+def test_key_is_stable(tmp_path, monkeypatch):
+    src = copy_sources(tmp_path)
+    k = jit.cache_key(CHEAP, nvrtc=NVRTC)
+    assert jit.cache_key(CHEAP, nvrtc=NVRTC) == k
+    assert jit.cache_key(plan.fwd_spec(32, "fp16", False, True, "sm_80"), nvrtc=NVRTC) == k  # equal spec
+    assert jit.cache_key(CHEAP, src_dir=src, nvrtc=NVRTC) == k  # byte-identical copy of the sources
+    (src / "unrelated.cuh").write_text("#error never included\n")  # not reachable from the entry
+    assert jit.cache_key(CHEAP, src_dir=src, nvrtc=NVRTC) == k
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "elsewhere"))  # location is not part of it
+    assert jit.cache_key(CHEAP, nvrtc=NVRTC) == k
+    assert jit.cache_key(CHEAP) == jit.cache_key(CHEAP, nvrtc=jit.nvrtc_version())
+
+
+def _positions(text: str) -> list[int]:
+    """Spread-out byte positions of ``text`` outside #include lines (a changed include name would
+    make the header missing, a different failure)."""
+    n = len(text)
+    out = []
+    for p in sorted({0, 1, n // 7, n // 3, n // 2, 2 * n // 3, 6 * n // 7, n - 2, n - 1}):
+        line_start = text.rfind("\n", 0, p) + 1
+        line_end = text.find("\n", p)
+        if "#include" in text[line_start : line_end if line_end >= 0 else n]:
+            p = line_end + 1 if 0 <= line_end < n - 1 else line_start - 1
+        out.append(p)
+    return sorted(set(out))
+
+
+@pytest.mark.parametrize("header", ["params.h", "common.cuh", "flash_fwd.cuh"])
+def test_key_changes_with_any_byte_of_any_header(tmp_path, header):
+    src = copy_sources(tmp_path)
+    base = jit.cache_key(CHEAP, src_dir=src, nvrtc=NVRTC)
+    path = src / header
+    original = path.read_bytes()
+    seen = {base}
+    positions = _positions(original.decode())
+    assert len(positions) >= 5
+    for p in positions:
+        changed = bytearray(original)
+        changed[p] = ord("y") if changed[p] == ord("x") else ord("x")
+        path.write_bytes(bytes(changed))
+        key = jit.cache_key(CHEAP, src_dir=src, nvrtc=NVRTC)
+        assert key not in seen, f"changing byte {p} of {header} left the key unchanged"
+        seen.add(key)
+    path.write_bytes(original + b" ")  # one trailing byte
+    assert jit.cache_key(CHEAP, src_dir=src, nvrtc=NVRTC) not in seen
+    path.write_bytes(original)
+    assert jit.cache_key(CHEAP, src_dir=src, nvrtc=NVRTC) == base
+
+
+def test_key_changes_with_arch_nvrtc_version_and_options(monkeypatch):
+    base = jit.cache_key(CHEAP, nvrtc=NVRTC)
+    others = {
+        "arch": jit.cache_key(plan.fwd_spec(32, "fp16", False, True, "sm_86"), nvrtc=NVRTC),
+        "arch 90a": jit.cache_key(plan.fwd_spec(32, "fp16", False, True, "sm_90a"), nvrtc=NVRTC),
+        "nvrtc minor": jit.cache_key(CHEAP, nvrtc=(12, 8)),
+        "nvrtc major": jit.cache_key(CHEAP, nvrtc=(13, 9)),
+    }
+    monkeypatch.setattr(jit, "BASE_OPTIONS", jit.BASE_OPTIONS + ("-lineinfo",))
+    others["options"] = jit.cache_key(CHEAP, nvrtc=NVRTC)
+    monkeypatch.undo()
+    monkeypatch.setattr(jit, "__version__", "0.0.0+other")
+    others["cuflash version"] = jit.cache_key(CHEAP, nvrtc=NVRTC)
+    for what, key in others.items():
+        assert key != base, what
+    assert len(set(others.values())) == len(others)
+
+
+def test_key_differs_for_every_variant():
+    specs = plan.all_fwd_specs("sm_80") + plan.all_fwd_specs("sm_90a")
+    other_tile = plan.with_tile(CHEAP, plan.Tile(64, 64, 4, True, 2))
+    specs += [other_tile, plan.with_tile(CHEAP, plan.Tile(128, 64, 4, False, 2)), plan.with_tile(CHEAP, plan.Tile(128, 64, 4, True, 1))]
+    keys = [jit.cache_key(s, nvrtc=NVRTC) for s in specs]
+    assert len(set(keys)) == len(specs)
+    # and the entry file name spells the variant
+    assert jit.entry_path(CHEAP, keys[0]).name == f"{CHEAP.name}-{keys[0]}.cubin"
+
+
+# ---------------------------------------------------------------------------------------------
+# included_headers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_included_headers_of_the_forward_entry():
+    text = jit.entry_source(CHEAP)
+    assert CHEAP.name in text and CHEAP.template_args() in text
+    headers = jit.included_headers(text)
+    assert {"flash_fwd.cuh", "common.cuh", "params.h"} <= set(headers)
+    for name, body in headers.items():
+        assert body == (jit.source_dir() / name).read_text()
+
+
+def test_included_headers_follows_chains_and_cycles(tmp_path):
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\n#include <cuda_fp16.h>\n')
+    (tmp_path / "b.h").write_text('  #  include "sub/c.h"\n// #include "commented_out.h"\n')
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.h").write_text('#include "a.h"\nint c;\n')  # cycle back to a.h
+    headers = jit.included_headers('#include "a.h"\n', tmp_path)
+    assert list(headers) == ["a.h", "b.h", "sub/c.h"]
+    assert headers["sub/c.h"] == '#include "a.h"\nint c;\n'
+
+
+def test_included_headers_missing_file(tmp_path):
+    src = copy_sources(tmp_path)
+    (src / "params.h").unlink()
+    with pytest.raises(FileNotFoundError, match="params.h"):
+        jit.included_headers(jit.entry_source(CHEAP), src)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry format
+# ---------------------------------------------------------------------------------------------
+
+
+def test_entry_round_trip():
+    header = {"name": "x", "ptxas": {"registers": 3}, "nvrtc": [12, 9]}
+    cubin = bytes(range(256)) * 3
+    assert jit._decode_entry(jit._encode_entry(cubin, header)) == (cubin, header)
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"",
+        b"garbage",
+        b"\x7fELF" + b"\0" * 200,  # a bare cubin is not an entry
+        jit._MAGIC,
+        jit._MAGIC + b"\0" * 36,
+        jit._MAGIC + b"\0" * 400,
+        jit._encode_entry(b"", {"name": "no cubin"}),
+    ],
+)
+def test_decode_rejects_garbage(blob):
+    with pytest.raises(ValueError):
+        jit._decode_entry(blob)
+
+
+@settings(deadline=None, max_examples=200)
+@given(prefix=st.sampled_from([b"", b"CUFLASH-CUBIN-1\n"]), body=st.binary(max_size=300))
+def test_decode_rejects_random_bytes(prefix, body):
+    with pytest.raises(ValueError):
+        jit._decode_entry(prefix + body)
+
+
+@settings(deadline=None, max_examples=150)
+@given(data=st.data())
+def test_decode_detects_every_single_byte_change(data):
+    blob = jit._encode_entry(b"\x7fELF" + bytes(range(100)), {"name": "v", "arch": "sm_80"})
+    i = data.draw(st.integers(0, len(blob) - 1), label="position")
+    delta = data.draw(st.integers(1, 255), label="xor")
+    bad = bytearray(blob)
+    bad[i] ^= delta
+    with pytest.raises(ValueError):
+        jit._decode_entry(bytes(bad))
+    cut = data.draw(st.integers(0, len(blob) - 1), label="truncate to")
+    with pytest.raises(ValueError):
+        jit._decode_entry(blob[:cut])
+
+
+# ---------------------------------------------------------------------------------------------
+# get_cubin: hits, damage, read-only caches
+# ---------------------------------------------------------------------------------------------
+
+
+def test_compile_then_hit(cache, compiled, records):
+    cubin, header, how = jit.get_cubin(CHEAP)
+    assert how == "compiled"
+    assert cubin == compiled[0]  # NVRTC is deterministic
+    assert header["name"] == CHEAP.name and header["arch"] == "sm_80"
+    assert header["nvrtc"] == list(jit.nvrtc_version())
+    assert header["ptxas"]["registers"] > 0
+    assert jit.stats()["compiles"] == 1
+    files = list(cache.iterdir())
+    assert [f.name for f in files] == [jit.entry_path(CHEAP, jit.cache_key(CHEAP)).name]
+
+    compile_lines = [r for r in records if r.getMessage().startswith(f"compiled {CHEAP.name} in ")]
+    assert len(compile_lines) == 1 and compile_lines[0].levelno == logging.INFO
+    assert "registers" in compile_lines[0].getMessage()
+
+    records.clear()
+    cubin2, header2, how2 = jit.get_cubin(CHEAP)
+    assert (cubin2, header2, how2) == (cubin, header, "cache")
+    assert jit.stats() == {"compiles": 1, "disk_loads": 1, "module_loads": 0, "corrupt_entries": 0}
+    assert not [r for r in records if r.getMessage().startswith("compiled")]
+
+
+def _damage(kind: str, blob: bytes) -> bytes:
+    n = len(jit._MAGIC)
+    if kind == "empty":
+        return b""
+    if kind == "truncated":
+        return blob[: len(blob) // 2]
+    if kind == "last byte missing":
+        return blob[:-1]
+    if kind == "extra bytes":
+        return blob + b"\0"
+    pos = {"magic": 3, "checksum": n + 5, "header": n + 32 + 10, "cubin": len(blob) - 100}[kind]
+    bad = bytearray(blob)
+    bad[pos] ^= 0x40
+    return bytes(bad)
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "last byte missing", "extra bytes", "magic", "checksum", "header", "cubin"])
+def test_damaged_entry_is_recompiled(cache, compiled, records, kind):
+    cubin, _, blob = compiled
+    path = jit.entry_path(CHEAP, jit.cache_key(CHEAP))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(_damage(kind, blob))
+
+    got, header, how = jit.get_cubin(CHEAP)
+    assert how == "compiled" and got == cubin
+    s = jit.stats()
+    assert s["corrupt_entries"] == 1 and s["compiles"] == 1 and s["disk_loads"] == 0
+    assert any(r.levelno == logging.WARNING and "damaged" in r.getMessage() for r in records)
+    assert jit._decode_entry(path.read_bytes())[0] == cubin  # rewritten whole
+    assert [p.name for p in cache.iterdir()] == [path.name]
+    assert jit.get_cubin(CHEAP)[2] == "cache"
+
+
+def test_damaged_entry_is_deleted_even_if_rewrite_fails(cache, compiled, monkeypatch):
+    path = jit.entry_path(CHEAP, jit.cache_key(CHEAP))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(compiled[2][:-10])
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(jit, "_write_atomic", refuse)
+    cubin, _, how = jit.get_cubin(CHEAP)
+    assert how == "compiled" and cubin == compiled[0]
+    assert not path.exists()
+    assert jit.stats()["corrupt_entries"] == 1
+
+
+def test_failed_write_leaves_no_partial_file(cache, monkeypatch):
+    path = cache / "x.cubin"
+
+    def crash(src, dst):
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        jit._write_atomic(path, b"data")
+    assert list(cache.iterdir()) == []
+
+
+def test_stale_temporary_files_are_harmless(cache, compiled):
+    cache.mkdir()
+    stale = cache / f"{CHEAP.name}-deadbeef.cubin.abc123.tmp"
+    stale.write_bytes(compiled[2][:50])  # what a writer killed mid-write leaves behind
+    assert jit.get_cubin(CHEAP)[2] == "compiled"
+    assert jit.get_cubin(CHEAP)[2] == "cache"
+    assert len(jit.list_cache()) == 1  # temporary files are not entries
+    assert jit.clear_cache() == 2
+    assert list(cache.iterdir()) == []
+
+
+def _check_read_only_result(cache, compiled, records, result):
+    cubin, header, how = result
+    assert how == "compiled" and cubin == compiled[0] and header["name"] == CHEAP.name
+    assert any(r.levelno == logging.WARNING and "could not write" in r.getMessage() for r in records)
+    assert not list(cache.glob("*.cubin")) and not list(cache.glob("*.tmp"))
+
+
+def test_read_only_cache_dir(cache, compiled, records):
+    cache.mkdir()
+    cache.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(cache, os.W_OK):
+            pytest.skip("running as root: a read-only mode does not stop writes")
+        _check_read_only_result(cache, compiled, records, jit.get_cubin(CHEAP))
+    finally:
+        cache.chmod(stat.S_IRWXU)
+
+
+def test_unwritable_cache_dir_simulated(cache, compiled, records, monkeypatch):
+    """The same as above for root: creating the temporary file fails with EACCES."""
+    cache.mkdir()
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(cache))
+
+    monkeypatch.setattr(jit.tempfile, "mkstemp", denied)
+    _check_read_only_result(cache, compiled, records, jit.get_cubin(CHEAP))
+
+
+def test_damaged_entry_in_read_only_cache(cache, compiled, records, monkeypatch):
+    """A damaged entry that cannot be deleted (read-only cache) still yields a cubin."""
+    path = jit.entry_path(CHEAP, jit.cache_key(CHEAP))
+    cache.mkdir()
+    path.write_bytes(b"junk")
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.parent == cache:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(cache))
+
+    monkeypatch.setattr(jit.tempfile, "mkstemp", denied)
+    cubin, _, how = jit.get_cubin(CHEAP)
+    assert how == "compiled" and cubin == compiled[0]
+    assert jit.stats()["corrupt_entries"] == 1
+    assert any(r.levelno == logging.WARNING and "could not write" in r.getMessage() for r in records)
+    assert path.read_bytes() == b"junk"  # left alone: nothing could be done about it
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes compiling one variant at once
+# ---------------------------------------------------------------------------------------------
+
+_WORKER = textwrap.dedent(
+    """
+    import hashlib, sys, time
+    from pathlib import Path
+    from cuflash import jit, plan
+    spec = plan.fwd_spec(32, "fp16", False, True, "sm_80")
+    jit.cache_key(spec)  # loads NVRTC: the slow part happens before the start signal
+    Path(sys.argv[1]).touch()
+    go = Path(sys.argv[2])
+    while not go.exists():
+        time.sleep(0.002)
+    cubin, header, how = jit.get_cubin(spec)
+    print(how, hashlib.sha256(cubin).hexdigest())
+    """
+)
+
+
+def test_concurrent_compiles_of_one_variant(cache, tmp_path, compiled):
+    n = 4
+    env = dict(os.environ, CUFLASH_CACHE_DIR=str(cache), PYTHONPATH=str(REPO), CUFLASH_LOG_LEVEL="WARNING")
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path / f"ready{i}"), str(go)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(n)
+    ]  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready{i}").exists() for i in range(n)):
+            assert all(p.poll() is None for p in procs), "a worker died before the start signal"
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.01)
+        go.touch()
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    want = hashlib.sha256(compiled[0]).hexdigest()
+    hows = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        how, digest = out.split()
+        assert how in ("compiled", "cache") and digest == want
+        hows.append(how)
+    assert "compiled" in hows
+    files = sorted(p.name for p in cache.iterdir())
+    assert files == [jit.entry_path(CHEAP, jit.cache_key(CHEAP)).name]
+    assert jit._decode_entry((cache / files[0]).read_bytes())[0] == compiled[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging and ptxas report
+# ---------------------------------------------------------------------------------------------
+
+
+def test_log_level_from_environment(monkeypatch):
+    old = jit.logger.level
+    try:
+        monkeypatch.delenv("CUFLASH_LOG_LEVEL", raising=False)
+        jit._configure_logging()
+        assert jit.logger.level == logging.INFO
+        monkeypatch.setenv("CUFLASH_LOG_LEVEL", "warning")
+        jit._configure_logging()
+        assert jit.logger.level == logging.WARNING
+        assert len(jit.logger.handlers) >= 1 and jit.logger.propagate is False
+    finally:
+        jit.logger.setLevel(old)
+
+
+PTXAS_LOG = """\
+ptxas info    : 76 bytes gmem, 176 bytes cmem[4]
+ptxas info    : Compiling entry function 'flash_fwd_hd64_bf16_full_bm128_bn64_w4_qreg_scalar_sm80' for 'sm_80'
+ptxas info    : Function properties for flash_fwd_hd64_bf16_full_bm128_bn64_w4_qreg_scalar_sm80
+ptxas         .     32 bytes stack frame, 24 bytes spill stores, 40 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 32 bytes cumulative stack size, 528 bytes cmem[0]
+ptxas info    : Compile time = 276.694 ms
+ptxas info    : Compiling entry function 'other' for 'sm_80'
+ptxas info    : Function properties for other
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers, 360 bytes cmem[0]
+\x00"""
+
+
+def test_parse_ptxas_report():
+    assert jit.parse_ptxas_report(PTXAS_LOG) == {
+        "registers": 255,
+        "stack_frame": 32,
+        "spill_stores": 24,
+        "spill_loads": 40,
+    }
+    assert jit.parse_ptxas_report("") == {}
+    assert jit.parse_ptxas_report("ptxas info    : Used 96 registers, 384 bytes cmem[0]") == {"registers": 96}
+
+
+def test_compiled_header_carries_the_ptxas_report(compiled):
+    _, header, _ = compiled
+    p = header["ptxas"]
+    assert set(p) == {"registers", "stack_frame", "spill_stores", "spill_loads"}
+    assert 0 < p["registers"] <= 255
+    assert header["smem_bytes"] == CHEAP.smem_bytes and header["threads"] == CHEAP.threads

@@ -1,0 +1,331 @@
+"""CPU tests of cuflash/plan.py: head-dim buckets, arch names, tiles, kernel specs, launch plans.
+
+Pure Python: no CuPy, no NVRTC, no GPU.
+"""
+from __future__ import annotations
+
+import keyword
+import math
+import re
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cuflash import jit, plan
+
+#: Opt-in dynamic shared memory per block (CUDA programming guide, compute capabilities table).
+MAX_SMEM_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024}
+SMEM_PER_SM_SM90 = 228 * 1024
+RESERVED_SMEM_PER_CTA = 1024  # the driver keeps 1 KB per resident CTA (sm_80 and newer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Head-dim buckets
+# ---------------------------------------------------------------------------------------------
+
+
+def test_buckets_are_the_multiples_of_32_up_to_256():
+    assert plan.HEAD_DIM_BUCKETS == tuple(range(32, 257, 32))
+
+
+@pytest.mark.parametrize("d", range(1, 257))
+def test_head_dim_bucket(d):
+    b = plan.head_dim_bucket(d)
+    assert b in plan.HEAD_DIM_BUCKETS
+    assert b >= d
+    assert b - d < 32  # the smallest bucket that holds d
+    assert b == 32 * math.ceil(d / 32)
+
+
+@pytest.mark.parametrize("d", [0, -1, -64, 257, 288, 512])
+def test_head_dim_bucket_rejects(d):
+    with pytest.raises(ValueError, match="head dim"):
+        plan.head_dim_bucket(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arch names
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "given_, want",
+    [
+        ("90a", "sm_90a"),
+        ("sm_90a", "sm_90a"),
+        ("sm90a", "sm_90a"),
+        ("SM_90A", "sm_90a"),
+        ("compute_90a", "sm_90a"),
+        ("9.0a", "sm_90a"),
+        ("8.0", "sm_80"),
+        ("compute_80", "sm_80"),
+        ("sm80", "sm_80"),
+        ("80", "sm_80"),
+        (" sm_86 ", "sm_86"),
+        ("8.9", "sm_89"),
+        ("sm_100a", "sm_100a"),
+    ],
+)
+def test_parse_arch(given_, want):
+    assert plan.parse_arch(given_) == want
+    assert plan.parse_arch(want) == want  # idempotent
+
+
+@pytest.mark.parametrize("bad", ["sm_70", "7.5", "sm_75", "compute_61", "foo", "", "sm_", "sm_8", "a", "sm_90b", "sm_8.0"])
+def test_parse_arch_rejects(bad):
+    with pytest.raises(ValueError, match="arch"):
+        plan.parse_arch(bad)
+
+
+@pytest.mark.parametrize(
+    "cc, want", [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 7), "sm_87"), ((8, 9), "sm_89"), ((9, 0), "sm_90a"), ((10, 0), "sm_100"), ((12, 0), "sm_120")]
+)
+def test_arch_for_capability(cc, want):
+    arch = plan.arch_for_capability(*cc)
+    assert arch == want
+    assert plan.parse_arch(arch) == arch  # what a device gets is also what --arch accepts
+
+
+@pytest.mark.parametrize("cc", [(7, 5), (7, 0), (6, 1), (5, 2)])
+def test_arch_for_capability_rejects_old_gpus(cc):
+    with pytest.raises(RuntimeError, match=r"8\.0 or newer"):
+        plan.arch_for_capability(*cc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_bucket_has_a_tile():
+    assert set(plan.FWD_TILES) == set(plan.HEAD_DIM_BUCKETS)
+
+
+@pytest.mark.parametrize("bucket", plan.HEAD_DIM_BUCKETS)
+def test_tiles_satisfy_the_kernel_static_asserts(bucket):
+    """The static_asserts of FwdConfig in cuda_src/flash_fwd.cuh, checked before any compile."""
+    t = plan.FWD_TILES[bucket]
+    assert bucket % 32 == 0 and bucket <= 256
+    assert t.block_m % (16 * t.warps) == 0  # every warp owns whole 16-row MMA slabs
+    assert t.block_n % 16 == 0  # K/V tiles are whole MMA k-steps
+    assert ((bucket + 8) // 8) % 2 == 1  # odd 16-byte smem row stride (ldmatrix conflict free)
+    assert 1 <= t.warps <= 32 and t.min_blocks >= 1
+
+
+def test_static_asserts_in_the_source_are_the_ones_checked_here():
+    """If the kernel gains or changes an invariant, the test above must be revisited."""
+    src = (jit.source_dir() / "flash_fwd.cuh").read_text()
+    conditions = re.findall(r"static_assert\((.*?),\s*\"", src)
+    assert conditions == [
+        "kHeadDim % 32 == 0 && kHeadDim <= 256",
+        "kBlockM % (16 * kNWarps) == 0",
+        "kBlockN % 16 == 0",
+        "(kSmemStride / 8) % 2 == 1",
+    ]
+
+
+@pytest.mark.parametrize("bucket", plan.HEAD_DIM_BUCKETS)
+def test_tile_shared_memory(bucket):
+    t = plan.FWD_TILES[bucket]
+    smem = plan.fwd_smem_bytes(bucket, t)
+    stride = bucket + 8  # elements per padded smem row, 2 bytes each
+    assert smem == 2 * stride * (t.block_m + 2 * 2 * t.block_n)  # Q + 2 stages of K and V
+    assert smem <= MAX_SMEM_PER_BLOCK["sm_90a"]
+    # __launch_bounds__(threads, min_blocks) promises min_blocks CTAs per SM: their smem must fit.
+    assert t.min_blocks * (smem + RESERVED_SMEM_PER_CTA) <= SMEM_PER_SM_SM90
+    if t.min_blocks == 2:
+        assert 2 * smem <= 228 * 1024
+    # registers: the table's budgets assume up to 255 per thread; min_blocks resident CTAs of the
+    # 64K-register file must not force ptxas below that (it would spill instead)
+    assert 65536 // (t.min_blocks * t.warps * 32) >= 255
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="plan.FWD_TILES is sized for sm_90 (227 KB): hd 224/256 exceed sm_80's 163 KB and hd >= 128 "
+    "exceeds sm_86/sm_89's 99 KB per block, and plan_forward does not check the arch's limit",
+)
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86"])
+def test_tiles_fit_the_smem_of_every_supported_arch(arch):
+    for bucket in plan.HEAD_DIM_BUCKETS:
+        launch = plan.plan_forward(batch=1, seqlen_q=1, seqlen_k=1, nheads=1, nheads_kv=1, head_dim=bucket,
+                                   dtype="bf16", causal=False, aligned=True, arch=arch)  # fmt: skip
+        assert launch.smem_bytes <= MAX_SMEM_PER_BLOCK[arch], f"hd{bucket} on {arch}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel specs and names
+# ---------------------------------------------------------------------------------------------
+
+_NAME_RE = re.compile(
+    r"^flash_fwd_hd(?P<hd>\d+)_(?P<dtype>fp16|bf16)_(?P<mask>causal|full)_bm(?P<bm>\d+)_bn(?P<bn>\d+)"
+    r"_w(?P<w>\d+)_(?P<q>qreg|qsmem)_(?P<load>vec16|scalar)_(?P<arch>sm\d+a?)$"
+)
+
+
+def _specs_two_archs():
+    return plan.all_fwd_specs("sm_80") + plan.all_fwd_specs("sm_90a")
+
+
+def test_all_fwd_specs_covers_every_combination():
+    specs = plan.all_fwd_specs("sm_90a")
+    combos = {(s.head_dim, s.dtype, s.causal, s.aligned) for s in specs}
+    assert len(specs) == len(combos) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 2
+    assert all(s.tile == plan.FWD_TILES[s.head_dim] and s.arch == "sm_90a" and s.family == "flash_fwd" for s in specs)
+    # head dims map to buckets, duplicates dropped, order kept
+    few = plan.all_fwd_specs("sm_80", head_dims=(33, 64, 60, 100), dtypes=("bf16",), causals=(True,))
+    assert [(s.head_dim, s.aligned) for s in few] == [(64, True), (64, False), (128, True), (128, False)]
+
+
+def test_names_spell_every_template_argument():
+    specs = _specs_two_archs()
+    for s in specs:
+        m = _NAME_RE.match(s.name)
+        assert m, s.name
+        t = s.tile
+        assert int(m["hd"]) == s.head_dim and m["dtype"] == s.dtype
+        assert (m["mask"] == "causal") == s.causal and (m["load"] == "vec16") == s.aligned
+        assert (int(m["bm"]), int(m["bn"]), int(m["w"])) == (t.block_m, t.block_n, t.warps)
+        assert (m["q"] == "qreg") == t.q_in_regs
+        assert m["arch"] == s.arch.replace("_", "")
+        assert s.name.isidentifier() and not keyword.iskeyword(s.name)  # also the kernel's C symbol
+    assert len({s.name for s in specs}) == len(specs) == 2 * 64
+
+
+def test_names_differ_for_every_template_argument():
+    base = plan.fwd_spec(64, "fp16", False, True, "sm_80")
+    t = base.tile
+    variants = [
+        plan.fwd_spec(128, "fp16", False, True, "sm_80"),
+        plan.fwd_spec(64, "bf16", False, True, "sm_80"),
+        plan.fwd_spec(64, "fp16", True, True, "sm_80"),
+        plan.fwd_spec(64, "fp16", False, False, "sm_80"),
+        plan.fwd_spec(64, "fp16", False, True, "sm_86"),
+        plan.with_tile(base, plan.Tile(64, t.block_n, t.warps, t.q_in_regs, t.min_blocks)),
+        plan.with_tile(base, plan.Tile(t.block_m, 32, t.warps, t.q_in_regs, t.min_blocks)),
+        plan.with_tile(base, plan.Tile(t.block_m, t.block_n, 8, t.q_in_regs, t.min_blocks)),
+        plan.with_tile(base, plan.Tile(t.block_m, t.block_n, t.warps, not t.q_in_regs, t.min_blocks)),
+    ]
+    names = [base.name] + [v.name for v in variants]
+    assert len(set(names)) == len(names)
+
+
+def test_template_args_follow_the_fwdconfig_parameter_order():
+    """template_args() must list values in the order FwdConfig declares its parameters."""
+    src = (jit.source_dir() / "flash_fwd.cuh").read_text()
+    decl = re.search(r"template\s*<([^>]*)>\s*struct\s+FwdConfig\b", src)
+    assert decl, "FwdConfig declaration not found"
+    params = [p.split()[-1] for p in decl.group(1).split(",")]
+    spec = plan.fwd_spec(96, "bf16", True, False, "sm_90a", plan.Tile(64, 32, 2, True, 1))
+    value = {
+        "kHeadDim_": "96", "kBlockM_": "64", "kBlockN_": "32", "kNWarps_": "2", "kIsBF16_": "true",
+        "kIsCausal_": "true", "kAligned_": "false", "kQInRegs_": "true",
+    }  # fmt: skip
+    assert set(params) == set(value)
+    assert spec.template_args() == ", ".join(value[p] for p in params)
+    fp16 = plan.fwd_spec(96, "fp16", False, False, "sm_90a", plan.Tile(64, 32, 2, False, 1))
+    assert fp16.template_args() == "96, 64, 32, 2, false, false, false, false"
+
+
+@pytest.mark.parametrize("d", [d for d in range(1, 257) if d % 8])
+def test_fwd_spec_rejects_aligned_loads_for_odd_head_dims(d):
+    with pytest.raises(ValueError, match="head_dim % 8"):
+        plan.fwd_spec(d, "bf16", False, True, "sm_80")
+    assert plan.fwd_spec(d, "bf16", False, False, "sm_80").head_dim == plan.head_dim_bucket(d)
+
+
+def test_fwd_spec_accepts_aligned_for_multiples_of_8():
+    for d in range(8, 257, 8):
+        s = plan.fwd_spec(d, "fp16", True, True, "sm_90a")
+        assert s.aligned and s.head_dim == plan.head_dim_bucket(d) and s.causal
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "float16", "bfloat16", ""])
+def test_fwd_spec_rejects_other_dtypes(dtype):
+    with pytest.raises(ValueError, match="dtype"):
+        plan.fwd_spec(64, dtype, False, True, "sm_80")
+
+
+def test_specs_are_hashable_and_compare_by_value():
+    a = plan.fwd_spec(64, "fp16", False, True, "sm_80")
+    b = plan.fwd_spec(60 + 4, "fp16", 0, 1, "sm_80")  # flags are normalized to bool
+    assert a == b and hash(a) == hash(b) and a.name == b.name
+    assert plan.with_tile(a, a.tile) == a
+
+
+# ---------------------------------------------------------------------------------------------
+# plan_forward
+# ---------------------------------------------------------------------------------------------
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    batch=st.integers(1, 64),
+    seqlen_q=st.integers(1, 20000),
+    seqlen_k=st.integers(1, 20000),
+    nheads_kv=st.integers(1, 16),
+    group=st.integers(1, 8),
+    head_dim=st.integers(1, 256),
+    dtype=st.sampled_from(plan.DTYPES),
+    causal=st.booleans(),
+    aligned=st.booleans(),
+    arch=st.sampled_from(["sm_80", "sm_86", "sm_90a"]),
+)
+def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dtype, causal, aligned, arch):
+    aligned = aligned and head_dim % 8 == 0
+    nheads = nheads_kv * group
+    launch = plan.plan_forward(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
+                               nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype, causal=causal,
+                               aligned=aligned, arch=arch)  # fmt: skip
+    spec = launch.spec
+    bucket = plan.head_dim_bucket(head_dim)
+    t = plan.FWD_TILES[bucket]
+    assert spec == plan.KernelSpec("flash_fwd", bucket, dtype, causal, aligned, t, arch)
+    assert launch.grid == (math.ceil(seqlen_q / t.block_m), nheads, batch)
+    assert (launch.grid[0] - 1) * t.block_m < seqlen_q <= launch.grid[0] * t.block_m  # every row, once
+    assert launch.block == (t.warps * 32, 1, 1) == (spec.threads, 1, 1)
+    assert launch.smem_bytes == plan.fwd_smem_bytes(bucket, t) == spec.smem_bytes
+    assert launch.smem_bytes <= 227 * 1024
+
+
+def test_plan_forward_with_a_tile():
+    tile = plan.Tile(64, 32, 2, False, 1)
+    launch = plan.plan_forward(batch=3, seqlen_q=65, seqlen_k=7, nheads=4, nheads_kv=2, head_dim=80, dtype="fp16",
+                               causal=True, aligned=True, arch="sm_80", tile=tile)  # fmt: skip
+    assert launch.spec.tile == tile and launch.spec.head_dim == 96
+    assert launch.grid == (2, 4, 3) and launch.block == (64, 1, 1)
+    assert launch.smem_bytes == 2 * (64 * 104 + 4 * 32 * 104)
+
+
+_OK = dict(batch=2, seqlen_q=10, seqlen_k=12, nheads=8, nheads_kv=2, head_dim=64, dtype="bf16", causal=False,
+           aligned=True, arch="sm_90a")  # fmt: skip
+
+
+def test_plan_forward_accepts_the_base_case():
+    assert plan.plan_forward(**_OK).grid == (1, 8, 2)
+
+
+@pytest.mark.parametrize("nheads, nheads_kv", [(6, 4), (3, 2), (1, 2), (7, 3)])
+def test_plan_forward_rejects_head_ratios(nheads, nheads_kv):
+    with pytest.raises(ValueError, match="multiple"):
+        plan.plan_forward(**{**_OK, "nheads": nheads, "nheads_kv": nheads_kv})
+
+
+@pytest.mark.parametrize("field", ["batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_plan_forward_rejects_empty_dims(field, value):
+    with pytest.raises(ValueError, match="non-empty"):
+        plan.plan_forward(**{**_OK, field: value})
+
+
+@pytest.mark.parametrize("head_dim", [0, 257])
+def test_plan_forward_rejects_head_dims(head_dim):
+    with pytest.raises(ValueError, match="head dim"):
+        plan.plan_forward(**{**_OK, "head_dim": head_dim})
+
+
+def test_plan_forward_rejects_aligned_odd_head_dim():
+    with pytest.raises(ValueError, match="head_dim % 8"):
+        plan.plan_forward(**{**_OK, "head_dim": 60})
+    assert plan.plan_forward(**{**_OK, "head_dim": 60, "aligned": False}).spec.head_dim == 64
