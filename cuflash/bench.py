@@ -1,0 +1,310 @@
+"""Forward benchmark: cuflash side by side with its peers on the FlashAttention-2 paper grid.
+
+FLOP model (written once, printed with every table):
+    forward  = 4 * batch * seqlen_q * seqlen_k * nheads * headdim     (two matmuls, 2 FLOPs/MAC)
+    causal   = half of that (square case: only the lower triangle is computed)
+Grid (DESIGN.md): batch * seqlen = tokens (16384), nheads * headdim = hidden (2048),
+headdim 64/128/256, causal and not, seqlen 512..16384.
+
+Peers in the same run, on the same inputs (zero-copy through DLPack), when torch is importable:
+torch SDPA with the FLASH_ATTENTION backend (FlashAttention-2 compiled into PyTorch) and with
+CUDNN_ATTENTION (cuDNN's fused attention), plus a naive CuPy attention (materializes S) where
+its score matrix fits in a few GB.
+
+Timing: CUDA events around each call on the default stream, warm-up first, median of `repeats`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+FLOP_MODEL = "fwd FLOPs = 4*b*s_q*s_k*h*d, x0.5 causal"
+
+
+def fwd_flops(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, head_dim: int, causal: bool) -> float:
+    f = 4.0 * batch * seqlen_q * seqlen_k * nheads * head_dim
+    return f / 2 if causal else f
+
+
+@dataclass
+class Row:
+    dtype: str
+    head_dim: int
+    causal: bool
+    seqlen: int
+    batch: int
+    nheads: int
+    ms: dict = field(default_factory=dict)  # impl -> median ms
+    tflops: dict = field(default_factory=dict)  # impl -> TFLOP/s
+    mem_mb: dict = field(default_factory=dict)  # impl -> extra device memory of one call (MB)
+    notes: dict = field(default_factory=dict)  # impl -> why it did not run
+
+
+def time_ms(fn, warmup: int = 5, repeats: int = 30) -> float:
+    """Median milliseconds of fn() measured with CUDA events on the current stream."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    stream = cupy.cuda.get_current_stream()
+    times = []
+    for _ in range(repeats):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def _torch():
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return torch
+    except ImportError:
+        return None
+
+
+def environment() -> dict:
+    import cupy
+
+    from . import __version__, jit
+
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    env = {
+        "gpu": props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
+        "compute_capability": dev.compute_capability,
+        "sm_count": props["multiProcessorCount"],
+        "cuflash": __version__,
+        "cupy": cupy.__version__,
+        "nvrtc": ".".join(map(str, jit.nvrtc_version())),
+        "driver": cupy.cuda.runtime.driverGetVersion(),
+        "python": platform.python_version(),
+        "flop_model": FLOP_MODEL,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    torch = _torch()
+    if torch is not None:
+        env["torch"] = torch.__version__
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def _naive(q, k, v, causal: bool, scale: float):
+    """Plain CuPy attention in float32 that materializes the (b, h, s_q, s_k) scores."""
+    import cupy
+
+    qf = q.transpose(0, 2, 1, 3).astype(cupy.float32)
+    kf = k.transpose(0, 2, 3, 1).astype(cupy.float32)
+    vf = v.transpose(0, 2, 1, 3).astype(cupy.float32)
+    s = cupy.matmul(qf, kf) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        mask = cupy.arange(sk)[None, :] > (cupy.arange(sq)[:, None] + sk - sq)
+        s = cupy.where(mask, -cupy.inf, s)
+    s = s - s.max(axis=-1, keepdims=True)
+    p = cupy.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return cupy.matmul(p, vf).astype(q.dtype).transpose(0, 2, 1, 3)
+
+
+def _extra_mb(fn) -> float:
+    """Device memory held by the result of one call through CuPy's pool (MB)."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.get_current_stream().synchronize()
+    before = pool.used_bytes()
+    res = fn()
+    cupy.cuda.get_current_stream().synchronize()
+    after = pool.used_bytes()
+    del res
+    return (after - before) / 2**20
+
+
+def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, nheads: int, *,
+              repeats: int = 30, peers: bool = True, naive_max_gb: float = 8.0, tile=None) -> Row:  # fmt: skip
+    import cupy
+    import numpy as np
+
+    from .attention import _BF16, _forward
+
+    dt = _BF16 if dtype == "bf16" else np.dtype(np.float16)
+    rng = cupy.random.default_rng()
+    shape = (batch, seqlen, nheads, head_dim)
+    q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(dt) for _ in range(3))
+    scale = 1.0 / math.sqrt(head_dim)
+    row = Row(dtype, head_dim, causal, seqlen, batch, nheads)
+    flops = fwd_flops(batch, seqlen, seqlen, nheads, head_dim, causal)
+    out = cupy.empty_like(q)
+
+    def ours():
+        return _forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=False, out=out, tile=tile)
+
+    impls = {"cuflash": ours}
+    torch = _torch() if peers else None
+    if peers and torch is None:
+        row.notes["torch"] = "torch with CUDA not importable"
+    if torch is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))  # (b, h, s, d) views
+
+        def peer(backend):
+            def run():
+                with sdpa_kernel(backend):
+                    return sdpa(tq, tk, tv, is_causal=causal, scale=scale)
+
+            return run
+
+        impls["flash"] = peer(SDPBackend.FLASH_ATTENTION)
+        impls["cudnn"] = peer(SDPBackend.CUDNN_ATTENTION)
+    if peers and batch * nheads * seqlen * seqlen * 4 <= naive_max_gb * 2**30:
+        impls["naive"] = lambda: _naive(q, k, v, causal, scale)
+
+    for name, fn in impls.items():
+        try:
+            reps = repeats if name != "naive" else max(3, repeats // 6)
+            row.ms[name] = time_ms(fn, warmup=3, repeats=reps)
+            row.tflops[name] = flops / (row.ms[name] * 1e-3) / 1e12
+            if name in ("cuflash", "naive"):
+                row.mem_mb[name] = round(_extra_mb(fn), 1)
+            else:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fn()
+                torch.cuda.synchronize()
+                row.mem_mb[name] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+        except Exception as exc:  # a peer without a kernel for this shape: record why
+            row.notes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    del q, k, v, out
+    cupy.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def grid(head_dims, seqlens, tokens: int, hidden: int, dtypes, causals):
+    for dtype in dtypes:
+        for hd in head_dims:
+            for causal in causals:
+                for s in seqlens:
+                    yield dtype, hd, causal, s, max(1, tokens // s), max(1, hidden // hd)
+
+
+def format_table(rows: list[Row], env: dict) -> str:
+    lines = [
+        f"GPU {env['gpu']} (sm {env['compute_capability']}, {env['sm_count']} SMs) | cuflash {env['cuflash']} "
+        f"| NVRTC {env['nvrtc']} | torch {env.get('torch', '-')} | cuDNN {env.get('cudnn', '-')}",
+        f"TFLOP/s, {FLOP_MODEL}; ratio = cuflash / peer (>1: cuflash faster); mem = extra MB of one call",
+        f"{'dtype':5} {'hd':>3} {'causal':6} {'seqlen':>6} {'b':>3} {'h':>3} | {'cuflash':>7} {'flash':>7} "
+        f"{'cudnn':>7} {'naive':>7} | {'vs flash':>8} {'vs cudnn':>8} | {'ms':>8} {'mem':>7}",
+    ]
+
+    def f(x):
+        return f"{x:7.1f}" if x is not None else f"{'-':>7}"
+
+    def _ratio(x):
+        return f"{x:8.3f}" if x is not None else f"{'-':>8}"
+
+    for r in rows:
+        t = r.tflops
+        vf = t["cuflash"] / t["flash"] if "cuflash" in t and "flash" in t else None
+        vc = t["cuflash"] / t["cudnn"] if "cuflash" in t and "cudnn" in t else None
+        lines.append(
+            f"{r.dtype:5} {r.head_dim:>3} {str(r.causal):6} {r.seqlen:>6} {r.batch:>3} {r.nheads:>3} | "
+            f"{f(t.get('cuflash'))} {f(t.get('flash'))} {f(t.get('cudnn'))} {f(t.get('naive'))} | "
+            f"{_ratio(vf)} {_ratio(vc)} | "
+            f"{r.ms.get('cuflash', float('nan')):8.3f} {r.mem_mb.get('cuflash', float('nan')):7.1f}"
+        )
+    ratios = [r.tflops["cuflash"] / r.tflops["flash"] for r in rows if "flash" in r.tflops and "cuflash" in r.tflops]
+    if ratios:
+        lines.append(
+            f"cuflash / flash over {len(ratios)} points: median {statistics.median(ratios):.3f}, "
+            f"min {min(ratios):.3f}, max {max(ratios):.3f}"
+        )
+    ratios = [r.tflops["cuflash"] / r.tflops["cudnn"] for r in rows if "cudnn" in r.tflops and "cuflash" in r.tflops]
+    if ratios:
+        lines.append(
+            f"cuflash / cudnn over {len(ratios)} points: median {statistics.median(ratios):.3f}, "
+            f"min {min(ratios):.3f}, max {max(ratios):.3f}"
+        )
+    for r in rows:
+        for impl, why in r.notes.items():
+            lines.append(f"note: {impl} at {r.dtype} hd{r.head_dim} causal={r.causal} s={r.seqlen}: {why}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], env: dict, path: str) -> None:
+    """FA2-paper-style grouped bars: one panel per (dtype, head dim, causal), bars per seqlen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.dtype, r.head_dim, r.causal) for r in rows})
+    impls = [i for i in ("naive", "flash", "cudnn", "cuflash") if any(i in r.tflops for r in rows)]
+    ncol = min(3, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.5 * ncol, 3.6 * nrow), squeeze=False)
+    for ax, (dt, hd, causal) in zip(axes.flat, panels):
+        sel = sorted((r for r in rows if (r.dtype, r.head_dim, r.causal) == (dt, hd, causal)), key=lambda r: r.seqlen)
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            xs = [j + i * width for j in range(len(sel))]
+            ys = [r.tflops.get(impl, 0.0) for r in sel]
+            bars = ax.bar(xs, ys, width, label=impl)
+            for x, y in zip(xs, ys):
+                if y:
+                    ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sel))])
+        ax.set_xticklabels([f"{r.seqlen // 1024}k" if r.seqlen >= 1024 else str(r.seqlen) for r in sel])
+        ax.set_title(f"{dt} hd{hd} {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_ylabel("TFLOP/s")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"Attention forward, {env['gpu']} ({FLOP_MODEL})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def _echo(msg: str, err: bool = False) -> None:
+    print(msg, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def cli_main(head_dim, seqlen, tokens, hidden, dtype, causal, repeats, peers, json_path=None, plot_path=None,
+             echo=_echo):  # fmt: skip
+    """Entry point of `cuflash bench` (see cuflash/cli.py for the options)."""
+    env = environment()
+    dtypes = ("bf16", "fp16") if dtype == "both" else (dtype,)
+    causals = {"both": (False, True), "causal": (True,), "no-causal": (False,)}[causal]
+    points = list(grid(head_dim, seqlen, tokens, hidden, dtypes, causals))
+    rows = []
+    t0 = time.time()
+    for i, (dt, hd, c, s, b, h) in enumerate(points):
+        echo(f"[{i + 1}/{len(points)}] {dt} hd{hd} causal={c} seqlen={s} batch={b} heads={h}", err=True)
+        rows.append(run_point(dt, hd, c, s, b, h, repeats=repeats, peers=peers))
+    table = format_table(rows, env)
+    echo(table)
+    echo(f"({len(points)} points in {time.time() - t0:.0f} s)", err=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"environment": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if plot_path:
+        plot(rows, env, plot_path)
+    return rows
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `cuflash bench` (python -m cuflash bench)")

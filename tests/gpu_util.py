@@ -1,0 +1,64 @@
+"""Helpers for the GPU tests: random inputs, poisoned outputs, comparison against the reference."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from cuflash import reference
+
+DTYPES = {"fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def randn(rng: np.random.Generator, shape, dtype: str, layout: str = "bshd"):
+    """Random normal CuPy array of `shape` (b, s, h, d). layout "bhsd" stores it as (b, h, s, d)
+    and returns the transposed view, so the strides are not the contiguous ones."""
+    import cupy
+
+    b, s, h, d = shape
+    if layout == "bhsd":
+        host = rng.standard_normal((b, h, s, d), dtype=np.float32).astype(DTYPES[dtype])
+        return cupy.asarray(host).transpose(0, 2, 1, 3)
+    host = rng.standard_normal(shape, dtype=np.float32).astype(DTYPES[dtype])
+    return cupy.asarray(host)
+
+
+def poisoned(shape, dtype: str):
+    """A fresh array filled with NaN bits (0x7fff is NaN in both fp16 and bf16)."""
+    import cupy
+
+    out = cupy.empty(shape, dtype=DTYPES[dtype])
+    out.view(cupy.uint16).fill(0x7FFF)
+    return out
+
+
+def to_f64(x) -> np.ndarray:
+    return np.asarray(x.get(), dtype=np.float64)
+
+
+def check_lse(lse, ref_lse, what=""):
+    lse = np.asarray(lse.get(), dtype=np.float64)
+    assert lse.shape == ref_lse.shape, (lse.shape, ref_lse.shape)
+    assert not np.isnan(lse).any(), f"NaN in lse {what}"
+    ninf = np.isneginf(ref_lse)
+    assert (np.isneginf(lse) == ninf).all(), f"-inf pattern of lse differs {what}"
+    fin = ~ninf
+    if fin.any():
+        err = np.max(np.abs(lse[fin] - ref_lse[fin]) / np.maximum(1.0, np.abs(ref_lse[fin])))
+        assert err < 2e-4, f"lse relative error {err:.3g} {what}"
+
+
+def check_forward(q, k, v, *, causal, softmax_scale=None, dtype: str, what=""):
+    """Run cuflash.attention with a NaN-poisoned `out` and apply DESIGN.md's pass rule."""
+    import cuflash
+
+    out = poisoned(q.shape, dtype)
+    ret, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out)
+    assert ret is out
+    ref, ref_lse = reference.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    plain = reference.plain_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=DTYPES[dtype])
+    got = to_f64(out)
+    err = reference.max_abs_error(got, ref)
+    bound = 2 * reference.max_abs_error(plain, ref) + 1e-5
+    assert reference.within_tolerance(got, ref, plain), f"max abs error {err:.3g} > bound {bound:.3g} {what}"
+    check_lse(lse, ref_lse, what)
+    return err, bound

@@ -1,0 +1,391 @@
+"""CPU tests of the command line (cuflash/cli.py): info, precompile, cache list/clear, bench.
+
+No GPU needed: the GPU queries are replaced by fakes where a test needs a definite answer, and
+NVRTC compiles for an explicit --arch on the CPU. Every test uses a temporary kernel cache.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import cupy
+import pytest
+from click.testing import CliRunner
+
+from cuflash import cli, jit, plan
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The cheapest selection that compiles: 2 variants (16-byte vector and element-wise loads).
+SMALL = ["precompile", "--arch", "sm_90a", "--head-dim", "64", "--dtype", "bf16", "--no-causal"]
+SMALL_NAMES = {
+    "flash_fwd_hd64_bf16_full_bm128_bn64_w4_qreg_vec16_sm90a",
+    "flash_fwd_hd64_bf16_full_bm128_bn64_w4_qreg_scalar_sm90a",
+}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "kernel-cache"
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(d))
+    monkeypatch.delenv("CUFLASH_LOG_LEVEL", raising=False)
+    jit.reset_stats()
+    return d
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """Behave like a machine without a usable GPU, whatever this one has."""
+
+    def no_device(*args, **kwargs):
+        raise cupy.cuda.runtime.CUDARuntimeError(100)  # cudaErrorNoDevice
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", no_device)
+    monkeypatch.setattr(jit, "device_arch", no_device)
+
+
+def invoke(args, **kwargs):
+    return CliRunner().invoke(cli.main, args, catch_exceptions=False, **kwargs)
+
+
+def entry_names(d: Path) -> set[str]:
+    return {e.header["name"] for e in jit.list_cache() if e.header} if d.is_dir() else set()
+
+
+# ---------------------------------------------------------------------------------------------
+# info
+# ---------------------------------------------------------------------------------------------
+
+
+def test_info_without_gpu(cache, no_gpu):
+    r = invoke(["info"])
+    assert r.exit_code == 0, r.output
+    assert "no GPU" in r.output
+    assert str(cache) in r.output
+    assert "0 entries" in r.output
+    assert f"CuPy           {cupy.__version__}" in r.output
+    major, minor = jit.nvrtc_version()
+    assert f"NVRTC          {major}.{minor}" in r.output
+
+
+def test_info_on_this_machine_does_not_crash(cache):
+    """Whatever the real driver says (here: no driver at all), info reports and exits 0."""
+    r = invoke(["info"])
+    assert r.exit_code == 0, r.output
+    assert "Kernel cache" in r.output and str(cache) in r.output
+
+
+def test_info_with_a_gpu(cache, monkeypatch):
+    rt = cupy.cuda.runtime
+    monkeypatch.setattr(rt, "getDeviceCount", lambda: 1)
+    monkeypatch.setattr(rt, "driverGetVersion", lambda: 12080)
+    monkeypatch.setattr(rt, "getDeviceProperties", lambda i: {"name": b"NVIDIA H200", "major": 9, "minor": 0})
+    monkeypatch.setattr(jit, "device_arch", lambda i: plan.arch_for_capability(9, 0))
+    r = invoke(["info"])
+    assert r.exit_code == 0, r.output
+    assert "NVIDIA H200" in r.output and "9.0" in r.output and "sm_90a" in r.output
+    assert "CUDA driver    12.8" in r.output
+    assert "no GPU" not in r.output
+
+
+def test_info_counts_cache_entries(cache):
+    assert invoke(SMALL).exit_code == 0
+    r = invoke(["info"])
+    size = sum(p.stat().st_size for p in cache.glob("*.cubin"))
+    assert "2 entries" in r.output
+    assert cli.human_size(size) in r.output
+
+
+@pytest.mark.parametrize(
+    "n, text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (5 * 2**20, "5.0 MiB"), (3 * 2**30, "3.0 GiB")]
+)
+def test_human_size(n, text):
+    assert cli.human_size(n) == text
+
+
+# ---------------------------------------------------------------------------------------------
+# precompile
+# ---------------------------------------------------------------------------------------------
+
+
+def test_precompile_without_arch_and_without_gpu_asks_for_arch(cache, no_gpu):
+    r = invoke(["precompile", "--head-dim", "64"])
+    assert r.exit_code == 2, r.output
+    assert "--arch" in r.output
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_precompile_compiles_both_load_paths_then_hits_the_cache(cache):
+    r = invoke(SMALL)
+    assert r.exit_code == 0, r.output
+    assert "2 variants: 2 compiled, 0 already cached" in r.output
+    assert str(cache) in r.output
+    assert jit.stats()["compiles"] == 2
+    assert entry_names(cache) == SMALL_NAMES
+    assert len(list(cache.glob("*.cubin"))) == 2
+
+    jit.reset_stats()
+    r = invoke(SMALL)
+    assert r.exit_code == 0, r.output
+    assert "2 variants: 0 compiled, 2 already cached" in r.output
+    assert jit.stats()["compiles"] == 0
+    assert jit.stats()["disk_loads"] == 2
+    assert len(list(cache.glob("*.cubin"))) == 2
+
+
+def test_precompile_in_parallel(cache):
+    args = ["precompile", "--arch", "sm_80", "--head-dim", "32", "--dtype", "fp16", "--no-causal", "-j", "2"]
+    r = invoke(args)
+    assert r.exit_code == 0, r.output
+    assert "2 variants: 2 compiled, 0 already cached" in r.output
+    assert jit.stats()["compiles"] == 2
+    names = entry_names(cache)
+    assert names == {
+        "flash_fwd_hd32_fp16_full_bm128_bn64_w4_qreg_vec16_sm80",
+        "flash_fwd_hd32_fp16_full_bm128_bn64_w4_qreg_scalar_sm80",
+    }
+    assert not list(cache.glob("*.tmp"))
+    r = invoke(args)
+    assert "2 variants: 0 compiled, 2 already cached" in r.output
+
+
+def test_precompile_verbose_prints_registers(cache):
+    r = invoke(SMALL + ["-v"])
+    assert r.exit_code == 0, r.output
+    for e in jit.list_cache():
+        regs = e.header["ptxas"]["registers"]
+        assert f"{e.header['name']}: {regs} registers" in r.output
+
+
+class _Recorder:
+    """Stands in for jit.precompile: records the specs, reports them as compiled."""
+
+    def __init__(self):
+        self.specs = []
+
+    def __call__(self, specs, jobs=1, on_done=None):
+        self.specs = list(specs)
+        results = []
+        for s in self.specs:
+            res = (s.name, "compiled", {"ptxas": {"registers": 100}, "compile_seconds": 0.0})
+            results.append(res)
+            if on_done:
+                on_done(res)
+        return results
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(jit, "precompile", rec)
+    return rec
+
+
+def test_precompile_all_selects_every_variant(cache, recorder):
+    r = invoke(["precompile", "--arch", "90a", "--arch", "sm_80", "--arch", "sm_90a", "--all"])
+    assert r.exit_code == 0, r.output
+    expected = plan.all_fwd_specs("sm_90a") + plan.all_fwd_specs("sm_80")
+    assert len(expected) == 2 * len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 2
+    assert recorder.specs == expected
+    assert f"{len(expected)} variants: {len(expected)} compiled" in r.output
+
+
+@pytest.mark.parametrize(
+    "flags, dtypes, causals",
+    [
+        ([], {"fp16", "bf16"}, {False, True}),
+        (["--dtype", "fp16"], {"fp16"}, {False, True}),
+        (["--dtype", "bf16", "--causal"], {"bf16"}, {True}),
+        (["--dtype", "both", "--no-causal"], {"fp16", "bf16"}, {False}),
+        (["--both-causal"], {"fp16", "bf16"}, {False, True}),
+    ],
+)
+def test_precompile_selection_flags(cache, recorder, flags, dtypes, causals):
+    r = invoke(["precompile", "--arch", "sm_86", "--head-dim", "100", "--head-dim", "128", "--head-dim", "33"] + flags)
+    assert r.exit_code == 0, r.output
+    specs = recorder.specs
+    assert {s.head_dim for s in specs} == {64, 128}  # 100 -> 128, 33 -> 64, duplicates removed
+    assert {s.dtype for s in specs} == dtypes
+    assert {s.causal for s in specs} == causals
+    assert {s.aligned for s in specs} == {True, False}
+    assert {s.arch for s in specs} == {"sm_86"}
+    assert len(specs) == len(set(specs)) == 2 * len(dtypes) * len(causals) * 2
+
+
+def test_precompile_defaults_to_the_gpu_arch(cache, recorder, monkeypatch):
+    monkeypatch.setattr(jit, "device_arch", lambda i: "sm_89")
+    r = invoke(["precompile", "--head-dim", "64"])
+    assert r.exit_code == 0, r.output
+    assert recorder.specs and {s.arch for s in recorder.specs} == {"sm_89"}
+
+
+def test_precompile_needs_head_dim_or_all(cache, recorder):
+    r = invoke(["precompile", "--arch", "sm_80"])
+    assert r.exit_code == 2
+    assert "--head-dim" in r.output and "--all" in r.output
+    assert recorder.specs == []
+
+
+@pytest.mark.parametrize(
+    "args, word",
+    [
+        (["--arch", "sm_70", "--head-dim", "64"], "sm_70"),
+        (["--arch", "foo", "--head-dim", "64"], "foo"),
+        (["--arch", "sm_80", "--head-dim", "300"], "300"),
+        (["--arch", "sm_80", "--head-dim", "0"], "head dim"),
+        (["--arch", "sm_80", "--head-dim", "64", "--dtype", "fp32"], "fp32"),
+        (["--arch", "sm_80", "--head-dim", "64", "--all"], "--all"),
+        (["--arch", "sm_80", "--all", "-j", "0"], "jobs"),
+    ],
+)
+def test_precompile_bad_options_are_usage_errors(cache, recorder, args, word):
+    r = invoke(["precompile"] + args)
+    assert r.exit_code == 2, r.output
+    assert "Usage:" in r.output and word in r.output
+    assert recorder.specs == []
+
+
+def test_precompile_reports_compile_errors(cache, monkeypatch):
+    log = "flash_fwd.cuh(12): error: identifier 'oops' is undefined"
+
+    def failing(specs, jobs=1, on_done=None):
+        raise jit.CompileError(f"NVRTC failed to compile {specs[0].name}:\n{log}")
+
+    monkeypatch.setattr(jit, "precompile", failing)
+    r = invoke(SMALL)
+    assert r.exit_code == 1
+    assert log in r.output
+    assert "flash_fwd_hd64_bf16_full" in r.output
+
+
+def test_precompile_restores_log_level(cache, recorder):
+    level = jit.logger.level
+    assert invoke(SMALL).exit_code == 0
+    assert jit.logger.level == level
+    assert "CUFLASH_LOG_LEVEL" not in os.environ
+
+
+# ---------------------------------------------------------------------------------------------
+# cache list / clear
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cache_list_empty(cache):
+    r = invoke(["cache", "list"])
+    assert r.exit_code == 0
+    assert "empty" in r.output and str(cache) in r.output
+
+
+def test_cache_list_and_clear(cache):
+    assert invoke(SMALL).exit_code == 0
+    r = invoke(["cache", "list"])
+    assert r.exit_code == 0, r.output
+    for name in SMALL_NAMES:
+        line = next(ln for ln in r.output.splitlines() if ln.startswith(name + " "))
+        assert "sm_90a" in line
+        major, minor = jit.nvrtc_version()
+        assert f"{major}.{minor}" in line
+    assert "2 entries (0 damaged)" in r.output
+
+    r = invoke(["cache", "clear", "--yes"])
+    assert r.exit_code == 0
+    assert "Removed 2 files" in r.output
+    assert not list(cache.iterdir())
+    assert "empty" in invoke(["cache", "list"]).output
+
+
+def test_cache_list_shows_damaged_entries(cache):
+    assert invoke(SMALL).exit_code == 0
+    victim = sorted(cache.glob("*.cubin"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    r = invoke(["cache", "list"])
+    assert r.exit_code == 0
+    line = next(ln for ln in r.output.splitlines() if ln.startswith(victim.name))
+    assert "DAMAGED" in line and "checksum" in line
+    assert "2 entries (1 damaged)" in r.output
+
+
+def test_cache_clear_asks_first(cache):
+    assert invoke(SMALL).exit_code == 0
+    r = CliRunner().invoke(cli.main, ["cache", "clear"], input="n\n")
+    assert r.exit_code == 1  # aborted
+    assert len(list(cache.glob("*.cubin"))) == 2
+    r = CliRunner().invoke(cli.main, ["cache", "clear"], input="y\n")
+    assert r.exit_code == 0
+    assert "Removed 2 files" in r.output
+    assert not list(cache.glob("*.cubin"))
+
+
+# ---------------------------------------------------------------------------------------------
+# bench (the benchmark itself is cuflash/bench.py; only the hand-over is tested here)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_bench(monkeypatch):
+    calls = []
+    mod = types.ModuleType("cuflash.bench")
+    mod.cli_main = lambda **kw: calls.append(kw)
+    monkeypatch.setitem(sys.modules, "cuflash.bench", mod)
+    return calls
+
+
+def test_bench_defaults(fake_bench):
+    r = invoke(["bench"])
+    assert r.exit_code == 0, r.output
+    assert fake_bench == [
+        dict(head_dim=(64, 128, 256), seqlen=(512, 1024, 2048, 4096, 8192, 16384), tokens=16384, hidden=2048,
+             dtype="bf16", causal="both", repeats=30, peers=True, json_path=None, plot_path=None)
+    ]
+
+
+def test_bench_options(fake_bench, tmp_path):
+    r = invoke(["bench", "--head-dim", "128", "--seqlen", "1024", "--seqlen", "2048", "--tokens", "4096",
+                "--hidden", "1024", "--dtype", "both", "--causal", "--repeats", "5", "--no-peers",
+                "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert fake_bench == [
+        dict(head_dim=(128,), seqlen=(1024, 2048), tokens=4096, hidden=1024, dtype="both", causal="causal",
+             repeats=5, peers=False, json_path=str(tmp_path / "r.json"), plot_path=str(tmp_path / "r.png"))
+    ]
+    r = invoke(["bench", "--no-causal"])
+    assert fake_bench[-1]["causal"] == "no-causal"
+
+
+def test_bench_signature_matches_the_benchmark_module():
+    """The keywords the CLI passes are accepted by the real cuflash.bench.cli_main."""
+    import inspect
+
+    bench = pytest.importorskip("cuflash.bench")
+    params = inspect.signature(bench.cli_main).parameters
+    passed = {p.name for p in cli.bench.params}
+    assert passed <= set(params)
+    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
+    assert required <= passed
+
+
+def test_bench_without_module(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuflash.bench", None)  # makes the import fail
+    r = invoke(["bench"])
+    assert r.exit_code == 1
+    assert "cuflash.bench" in r.output
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m cuflash
+# ---------------------------------------------------------------------------------------------
+
+
+def test_python_dash_m(cache):
+    env = dict(os.environ, CUFLASH_CACHE_DIR=str(cache), PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "cuflash", "cache", "list"], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "empty" in r.stdout and str(cache) in r.stdout
+    r = subprocess.run([sys.executable, "-m", "cuflash", "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0
+    for cmd in ("info", "precompile", "cache", "bench"):
+        assert cmd in r.stdout

@@ -1,0 +1,209 @@
+"""GPU tests of cuflash.attention against the float64 reference (skipped without a GPU)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpu_util import check_forward, poisoned, randn, to_f64
+
+pytestmark = pytest.mark.gpu
+
+EXAMPLES = int(os.environ.get("CUFLASH_HYPOTHESIS_EXAMPLES", "60"))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_bucket(dtype, head_dim, causal):
+    rng = np.random.default_rng()
+    b, sq, sk, h = 2, 300, 333, 2
+    q = randn(rng, (b, sq, h, head_dim), dtype)
+    k = randn(rng, (b, sk, h, head_dim), dtype)
+    v = randn(rng, (b, sk, h, head_dim), dtype)
+    check_forward(q, k, v, causal=causal, dtype=dtype, what=f"hd{head_dim} {dtype} causal={causal}")
+
+
+@pytest.mark.parametrize(
+    "sq,sk,causal",
+    [(1, 1, False), (1, 1, True), (1, 700, True), (700, 1, True), (129, 64, True), (64, 129, True),
+     (1000, 37, True), (37, 1000, False), (128, 128, True), (4096, 4096, True)],
+)
+def test_lengths_and_causal_alignment(sq, sk, causal):
+    rng = np.random.default_rng()
+    q = randn(rng, (1, sq, 3, 64), "bf16")
+    k = randn(rng, (1, sk, 3, 64), "bf16")
+    v = randn(rng, (1, sk, 3, 64), "bf16")
+    check_forward(q, k, v, causal=causal, dtype="bf16", what=f"sq={sq} sk={sk}")
+
+
+@pytest.mark.parametrize("head_dim", [1, 3, 8, 33, 72, 100, 129, 200, 255])
+def test_ragged_head_dims(head_dim):
+    rng = np.random.default_rng()
+    q = randn(rng, (2, 150, 2, head_dim), "fp16")
+    k = randn(rng, (2, 170, 1, head_dim), "fp16")
+    v = randn(rng, (2, 170, 1, head_dim), "fp16")
+    check_forward(q, k, v, causal=True, dtype="fp16", what=f"hd{head_dim}")
+
+
+def test_transposed_inputs_and_gqa():
+    rng = np.random.default_rng()
+    q = randn(rng, (2, 513, 8, 128), "bf16", layout="bhsd")
+    k = randn(rng, (2, 700, 2, 128), "bf16", layout="bhsd")
+    v = randn(rng, (2, 700, 2, 128), "bf16")
+    assert not q.flags.c_contiguous
+    check_forward(q, k, v, causal=False, softmax_scale=0.3, dtype="bf16")
+
+
+@st.composite
+def forward_cases(draw):
+    dtype = draw(st.sampled_from(["bf16", "fp16"]))
+    head_dim = draw(st.one_of(st.sampled_from([32, 64, 96, 128, 160, 192, 224, 256]), st.integers(1, 256)))
+    nheads_kv = draw(st.integers(1, 3))
+    nheads = nheads_kv * draw(st.sampled_from([1, 2, 4]))
+    long = draw(st.booleans())
+    hi = 2500 if long else 300
+    seqlen_q = draw(st.integers(1, hi))
+    seqlen_k = draw(st.integers(1, hi))
+    batch = 1 if seqlen_q * seqlen_k > 500_000 else draw(st.integers(1, 4))
+    if seqlen_q * seqlen_k * nheads * batch > 4_000_000:  # keep the float64 reference quick
+        nheads, nheads_kv = nheads_kv, nheads_kv
+    return dict(
+        dtype=dtype, head_dim=head_dim, nheads=nheads, nheads_kv=nheads_kv, batch=batch,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
+        layout_q=draw(st.sampled_from(["bshd", "bhsd"])),
+        layout_kv=draw(st.sampled_from(["bshd", "bhsd"])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )  # fmt: skip
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forward_cases())
+def test_forward_property(case):
+    rng = np.random.default_rng(case["seed"])
+    b, d, dt = case["batch"], case["head_dim"], case["dtype"]
+    q = randn(rng, (b, case["seqlen_q"], case["nheads"], d), dt, case["layout_q"])
+    k = randn(rng, (b, case["seqlen_k"], case["nheads_kv"], d), dt, case["layout_kv"])
+    v = randn(rng, (b, case["seqlen_k"], case["nheads_kv"], d), dt, case["layout_kv"])
+    check_forward(q, k, v, causal=case["causal"], softmax_scale=case["scale"], dtype=dt, what=str(case))
+
+
+def test_deterministic():
+    import cuflash
+
+    rng = np.random.default_rng()
+    q = randn(rng, (2, 1000, 4, 128), "bf16")
+    k = randn(rng, (2, 1100, 4, 128), "bf16")
+    v = randn(rng, (2, 1100, 4, 128), "bf16")
+    first, lse0 = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    for _ in range(10):
+        again, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        assert (again.view("uint16") == first.view("uint16")).all()
+        assert (lse.view("uint32") == lse0.view("uint32")).all()
+
+
+def test_64bit_offsets():
+    """Batch stride beyond 2^31 elements: offsets must be computed in 64 bits."""
+    import cupy
+
+    from cuflash import reference
+
+    rng = np.random.default_rng()
+    d, s = 64, 96
+    batch_stride = 2**31 + 4096  # elements
+    buf = cupy.empty(batch_stride + s * d, dtype=np.float16)
+    host = rng.standard_normal((2, s, 1, d), dtype=np.float32).astype(np.float16)
+    strides = (batch_stride * 2, d * 2, d * 2, 2)  # bytes
+    q = cupy.lib.stride_tricks.as_strided(buf, shape=(2, s, 1, d), strides=strides)
+    q[...] = cupy.asarray(host)
+    out = cupy.empty((2, s, 1, d), dtype=np.float16)
+    import cuflash
+
+    cuflash.attention(q, q, q, out=out)
+    ref, _ = reference.attention_forward(q, q, q)
+    plain = reference.plain_attention(q, q, q, dtype=np.float16)
+    assert reference.within_tolerance(to_f64(out), ref, plain)
+    del buf
+
+
+def test_empty_inputs():
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng()
+    q = randn(rng, (2, 0, 2, 64), "bf16")
+    k = randn(rng, (2, 5, 2, 64), "bf16")
+    out, lse = cuflash.attention(q, k, k, return_lse=True)
+    assert out.shape == (2, 0, 2, 64) and lse.shape == (2, 2, 0)
+    q = randn(rng, (2, 7, 2, 64), "bf16")
+    k0 = randn(rng, (2, 0, 2, 64), "bf16")
+    out, lse = cuflash.attention(q, k0, k0, return_lse=True)
+    assert float(cupy.abs(out.astype(cupy.float32)).max()) == 0.0
+    assert bool(cupy.isneginf(lse).all())
+    q = randn(rng, (0, 7, 2, 64), "bf16")
+    assert cuflash.attention(q, q, q).shape == (0, 7, 2, 64)
+
+
+def test_bad_inputs_have_clear_errors():
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng()
+    q = randn(rng, (1, 8, 4, 64), "bf16")
+    k = randn(rng, (1, 8, 2, 64), "bf16")
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        cuflash.attention(q.get(), k, k)
+    with pytest.raises(ValueError, match="4-D"):
+        cuflash.attention(q[0], k, k)
+    with pytest.raises(TypeError, match="share one dtype"):
+        cuflash.attention(q, k.astype(cupy.float16), k.astype(cupy.float16))
+    with pytest.raises(TypeError, match="float16 and bfloat16"):
+        cuflash.attention(q.astype(cupy.float32), k.astype(cupy.float32), k.astype(cupy.float32))
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        cuflash.attention(q, randn(rng, (1, 8, 3, 64), "bf16"), randn(rng, (1, 8, 3, 64), "bf16"))
+    with pytest.raises(ValueError, match="same batch"):
+        cuflash.attention(q, randn(rng, (2, 8, 2, 64), "bf16"), randn(rng, (2, 8, 2, 64), "bf16"))
+    with pytest.raises(ValueError, match="head dim"):
+        cuflash.attention(q, randn(rng, (1, 8, 2, 32), "bf16"), randn(rng, (1, 8, 2, 32), "bf16"))
+    with pytest.raises(ValueError, match="1 to 256"):
+        big = randn(rng, (1, 8, 2, 320), "bf16")
+        cuflash.attention(big, big, big)
+    with pytest.raises(ValueError, match="contiguous in its last"):
+        cuflash.attention(q[..., ::2], k[..., ::2], k[..., ::2])
+    with pytest.raises(ValueError, match="positive"):
+        cuflash.attention(q, k, k, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="out must have"):
+        cuflash.attention(q, k, k, out=poisoned((1, 8, 4, 32), "bf16"))
+
+
+def test_precompiled_cache_loads_with_zero_compiles(tmp_path):
+    """`cuflash precompile` in one process; a later process runs attention without compiling."""
+    env = dict(os.environ, CUFLASH_CACHE_DIR=str(tmp_path / "cache"))
+    pre = subprocess.run(
+        [sys.executable, "-m", "cuflash", "precompile", "--head-dim", "128", "--dtype", "bf16", "-j", "2"],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert pre.returncode == 0, pre.stdout + pre.stderr
+    code = (
+        "import numpy as np, cupy, ml_dtypes, json, cuflash\n"
+        "from cuflash import jit\n"
+        "x = cupy.asarray(np.random.default_rng().standard_normal((1, 300, 2, 128)).astype(ml_dtypes.bfloat16))\n"
+        "cuflash.attention(x, x, x, causal=True); cuflash.attention(x, x, x)\n"
+        "cupy.cuda.get_current_stream().synchronize()\n"
+        "print(json.dumps(jit.stats()))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    import json
+
+    stats = json.loads(run.stdout.strip().splitlines()[-1])
+    assert stats["compiles"] == 0 and stats["disk_loads"] == 2 and stats["module_loads"] == 2, stats

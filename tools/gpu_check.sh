@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install offline, GPU + CPU tests, compute-sanitizer, benchmark,
+# optional tile sweep. Full logs go to OUTDIR; a short summary is printed last.
+#   tools/gpu_check.sh OUTDIR [tests] [sanitize] [bench] [bench-fp16] [tune] [quick]
+# With no step named, runs tests sanitize bench.
+set -u
+OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
+shift
+STEPS=${*:-tests sanitize bench}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
+PY=${PYTHON:-python3}
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+note "GPU: $(head -1 "$OUT/gpu.txt")"
+$PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { note "INSTALL FAILED"; tail -20 "$OUT/install.log"; exit 1; }
+$PY -m cuflash info > "$OUT/info.txt" 2>&1; note "info: $(tr '\n' ' ' < "$OUT/info.txt" | cut -c1-300)"
+
+if has tests; then
+  EX=60; has quick && EX=15
+  CUFLASH_HYPOTHESIS_EXAMPLES=$EX timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q --no-header -p no:cacheprovider \
+      --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+  note "pytest (rc=$?): $(tail -1 "$OUT/pytest.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -5 | tee -a "$SUMMARY"
+fi
+
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/sanitize_cases.py > "$OUT/sanitize-$tool.log" 2>&1
+    note "compute-sanitizer $tool (rc=$?): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)"
+  done
+fi
+
+if has tune; then
+  timeout 300 $PY tools/tune_fwd.py ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1
+  rc=$?; note "tune (rc=$rc):"; grep -E "median ratio|BEST" "$OUT/tune.log" | tee -a "$SUMMARY"
+  [ $rc -ne 0 ] && tail -15 "$OUT/tune.log" | tee -a "$SUMMARY"
+fi
+
+if has bench; then
+  DT=bf16; has bench-fp16 && DT=both
+  timeout 400 $PY -m cuflash bench --dtype $DT --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
+  note "bench (rc=$?):"; cat "$OUT/bench.txt" >> "$SUMMARY"
+fi
+# The device tool returns at most 8 files: keep the summary, bench.json/png, and one archive of logs.
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|logs.tgz)$'))
+echo "================ summary ================"
+cat "$SUMMARY"
