@@ -10,12 +10,16 @@
 //   block = kNWarps warps. Warp w owns kRowsPerWarp = kBlockM / kNWarps consecutive query rows
 //           (kMSlabs slabs of 16 rows, one MMA row block each). All warps share the K and V
 //           tiles: no warp ever needs another warp's partial results (paper section 3.3).
-//   smem  = sQ[kBlockM][kHeadDim+8] + 2 stages x (sK[kBlockN][kHeadDim+8] + sV[...]).
+//   smem  = sQ[kBlockM][kHeadDim+8] + kStages x (sK[kBlockN][kHeadDim+8] + sV[...]).
 //           Rows are padded by 16 bytes so the 8 row addresses of an ldmatrix hit 8 distinct
 //           16-byte bank groups (stride of an odd number of 16-byte units: conflict free).
 //   K/V tiles are walked from the last visible block down to block 0. The blocks that need a
 //   mask (causal diagonal, ragged end of seqlen_k) therefore come first; the rest run mask-free.
-//   While tile j is being used, cp.async brings tile j-1 into the other stage.
+//   kStages == 2: while tile j is used, cp.async brings tile j-1 into the other stage (one barrier
+//   per tile). kStages == 1 (FA2's order, for tiles whose two stages would not fit twice per SM):
+//   V_j streams in during S = Q K_j^T and K_{j-1} during the softmax and P V_j (two barriers).
+//   Epilogue: each warp stages its normalized O rows in its own rows of sQ and writes them out in
+//   coalesced 16-byte chunks.
 //
 // Per thread (g = lane / 4, t = lane % 4) for each slab s and half r (row g or g + 8):
 //   acc_o[s][d/8][2r..2r+1]: unnormalized O, fp32     row_max[s][r]: running max m (raw score units)
@@ -23,6 +27,7 @@
 // Online softmax per K/V tile (paper Algorithm 1, lines 8-10):
 //   m_new = max(m, rowmax(S));  P = exp2(S * scale_log2 - m_new * scale_log2)
 //   l = l * exp2((m - m_new) * scale_log2) + rowsum(P);  O = O * exp2(...) + P V
+//   (O is rescaled only when some row of the warp got a new max: the factor is exactly 1 otherwise)
 //   and only after the last tile: O /= l (the one division of FA2), lse = m * scale + ln(l).
 // P goes from the S accumulator registers straight into the A operand of P V (no smem round trip).
 //
@@ -38,7 +43,7 @@ namespace cuflash {
 
 // Compile-time shape of one kernel variant. Tile choices come from cuflash/plan.py (FWD_TILES).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_,
-          bool kAligned_, bool kQInRegs_>
+          bool kAligned_, bool kQInRegs_, int kStages_>
 struct FwdConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockM = kBlockM_;     // query rows per CTA
@@ -48,6 +53,7 @@ struct FwdConfig {
     static constexpr bool kIsCausal = kIsCausal_;
     static constexpr bool kAligned = kAligned_;  // 16-byte cp.async loads; else element-wise loads
     static constexpr bool kQInRegs = kQInRegs_;  // Q fragments loaded once into registers
+    static constexpr int kStages = kStages_;     // smem buffers per K and per V tile (1 or 2)
 
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kRowsPerWarp = kBlockM / kNWarps;
@@ -60,12 +66,13 @@ struct FwdConfig {
     static constexpr int kChunksPerRow = kHeadDim / 8; // 16-byte chunks per row
     static constexpr int kSmemQ = kBlockM * kSmemStride;
     static constexpr int kSmemKV = kBlockN * kSmemStride;
-    static constexpr int kSmemBytes = 2 * (kSmemQ + 4 * kSmemKV);  // Q + 2 stages of (K, V)
+    static constexpr int kSmemBytes = 2 * (kSmemQ + 2 * kStages * kSmemKV);  // Q + kStages x (K, V)
 
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head-dim buckets are multiples of 32");
     static_assert(kBlockM % (16 * kNWarps) == 0, "every warp owns whole 16-row MMA slabs");
     static_assert(kBlockN % 16 == 0, "K/V tiles are whole MMA k-steps");
     static_assert((kSmemStride / 8) % 2 == 1, "odd 16-byte row stride keeps ldmatrix conflict free");
+    static_assert(kStages == 1 || kStages == 2, "K/V tiles are single or double buffered");
 };
 
 // Which scores survive, and which K/V blocks a query tile visits. Future score modifiers
@@ -153,6 +160,150 @@ CUFLASH_DEVICE void load_tile(u16* s_tile, const u16* g_tile, i64 row_stride, in
     }
 }
 
+// Per-warp tile state and the three steps of one K/V tile. Fragment layouts: common.cuh.
+template <class Cfg>
+struct WarpTile {
+    static constexpr int kMSlabs = Cfg::kMSlabs, kNB = Cfg::kNBlocksS, kDB = Cfg::kDBlocks;
+    static constexpr int kStride = Cfg::kSmemStride;
+    static constexpr bool kBF16 = Cfg::kIsBF16;
+
+    float acc_o[kMSlabs][kDB][4];   // unnormalized O
+    float row_max[kMSlabs][2];      // m, raw score units
+    float row_sum[kMSlabs][2];      // this thread's part of l
+    u32 q_frag[Cfg::kQInRegs ? kMSlabs : 1][Cfg::kQInRegs ? Cfg::kKStepsQK : 1][4];
+    // Per-lane ldmatrix offsets (elements) inside a smem tile.
+    int q_lane_off;  // A (Q rows): lane l -> row (l % 16), column 8 (l / 16) of a 16x16 block
+    int k_lane_off;  // B of Q K^T from K rows: matrices (n-block 2i, k lo), (2i, k hi), (2i+1, k lo),
+                     // (2i+1, k hi) -> lane l -> key (l % 8) + 8 (l / 16), column 8 ((l / 8) % 2)
+    int v_lane_off;  // B of P V from V rows, transposed: matrices (keys lo, d-block 2i), (keys hi, 2i),
+                     // (keys lo, 2i+1), (keys hi, 2i+1) -> lane l -> key (l % 8) + 8 ((l / 8) % 2), column 8 (l / 16)
+
+    CUFLASH_DEVICE void init(int warp_row0, int lane) {
+        q_lane_off = (warp_row0 + lane % 16) * kStride + (lane / 16) * 8;
+        k_lane_off = (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
+        v_lane_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+            for (int d = 0; d < kDB; ++d) acc_o[s][d][0] = acc_o[s][d][1] = acc_o[s][d][2] = acc_o[s][d][3] = 0.f;
+            row_max[s][0] = row_max[s][1] = -kInf;
+            row_sum[s][0] = row_sum[s][1] = 0.f;
+        }
+    }
+
+    CUFLASH_DEVICE void load_q_frags(const u16* s_q) {
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s)
+#pragma unroll
+            for (int ks = 0; ks < Cfg::kKStepsQK; ++ks)
+                ldmatrix_x4(q_frag[s][ks], smem_u32(s_q + q_lane_off + s * 16 * kStride + ks * 16));
+    }
+
+    // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
+    CUFLASH_DEVICE void gemm_qk(float (&S)[kMSlabs][kNB][4], const u16* s_q, const u16* s_k) const {
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s)
+#pragma unroll
+            for (int nb = 0; nb < kNB; ++nb) S[s][nb][0] = S[s][nb][1] = S[s][nb][2] = S[s][nb][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < Cfg::kKStepsQK; ++ks) {
+            u32 a[kMSlabs][4];
+#pragma unroll
+            for (int s = 0; s < kMSlabs; ++s) {
+                if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) a[s][i] = q_frag[s][ks][i];
+                } else {
+                    ldmatrix_x4(a[s], smem_u32(s_q + q_lane_off + s * 16 * kStride + ks * 16));
+                }
+            }
+#pragma unroll
+            for (int nb = 0; nb < kNB; nb += 2) {
+                u32 bk[4];
+                ldmatrix_x4(bk, smem_u32(s_k + k_lane_off + nb * 8 * kStride + ks * 16));
+#pragma unroll
+                for (int s = 0; s < kMSlabs; ++s) {
+                    mma_16816<kBF16>(S[s][nb], a[s], bk[0], bk[1]);
+                    mma_16816<kBF16>(S[s][nb + 1], a[s], bk[2], bk[3]);
+                }
+            }
+        }
+    }
+
+    // Online softmax (paper Algorithm 1, lines 8-10): new running max m, rescale l and O by
+    // exp2((m_old - m_new) * scale_log2), then S <- P = exp2(S * scale_log2 - m_new * scale_log2).
+    // O is rescaled only when some row of the warp got a larger max (the factor is exactly 1 otherwise).
+    CUFLASH_DEVICE void softmax(float (&S)[kMSlabs][kNB][4], float scale_log2) {
+        float correction[kMSlabs][2];
+        bool grew = false;
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float m_new = row_max[s][r];
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb) m_new = fmaxf(m_new, fmaxf(S[s][nb][2 * r], S[s][nb][2 * r + 1]));
+                m_new = quad_max(m_new);
+                const bool row_grew = m_new > row_max[s][r];
+                grew |= row_grew;
+                // A row that has seen only masked keys keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
+                const float m_scaled = m_new == -kInf ? 0.f : m_new * scale_log2;
+                correction[s][r] = row_grew ? fast_exp2(row_max[s][r] * scale_log2 - m_scaled) : 1.f;
+                row_max[s][r] = m_new;
+                row_sum[s][r] *= correction[s][r];
+                float sum = 0.f;
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float pe = fast_exp2(fmaf(S[s][nb][2 * r + e], scale_log2, -m_scaled));
+                        S[s][nb][2 * r + e] = pe;
+                        sum += pe;
+                    }
+                }
+                row_sum[s][r] += sum;
+            }
+        }
+        if (__any_sync(0xffffffffu, grew)) {  // warp-uniform: skip 2 * kDB * kMSlabs * 2 FMULs when no max moved
+#pragma unroll
+            for (int s = 0; s < kMSlabs; ++s)
+#pragma unroll
+                for (int d = 0; d < kDB; ++d) {
+                    acc_o[s][d][0] *= correction[s][0];
+                    acc_o[s][d][1] *= correction[s][0];
+                    acc_o[s][d][2] *= correction[s][1];
+                    acc_o[s][d][3] *= correction[s][1];
+                }
+        }
+    }
+
+    // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
+    // P comes straight from the S accumulators: n-blocks 2kk, 2kk+1 form the A operand of k-step kk.
+    CUFLASH_DEVICE void gemm_pv(const float (&P)[kMSlabs][kNB][4], const u16* s_v) {
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
+            u32 a[kMSlabs][4];
+#pragma unroll
+            for (int s = 0; s < kMSlabs; ++s) {
+                a[s][0] = pack2<kBF16>(P[s][2 * kk][0], P[s][2 * kk][1]);
+                a[s][1] = pack2<kBF16>(P[s][2 * kk][2], P[s][2 * kk][3]);
+                a[s][2] = pack2<kBF16>(P[s][2 * kk + 1][0], P[s][2 * kk + 1][1]);
+                a[s][3] = pack2<kBF16>(P[s][2 * kk + 1][2], P[s][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int d = 0; d < kDB; d += 2) {
+                u32 bv[4];
+                ldmatrix_x4_trans(bv, smem_u32(s_v + v_lane_off + kk * 16 * kStride + d * 8));
+#pragma unroll
+                for (int s = 0; s < kMSlabs; ++s) {
+                    mma_16816<kBF16>(acc_o[s][d], a[s], bv[0], bv[1]);
+                    mma_16816<kBF16>(acc_o[s][d + 1], a[s], bv[2], bv[3]);
+                }
+            }
+        }
+    }
+};
+
 template <class Cfg>
 CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
@@ -190,186 +341,133 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* s_q = reinterpret_cast<u16*>(smem_raw);
-    u16* s_k0 = s_q + Cfg::kSmemQ;              // K stage 0; stage 1 follows
-    u16* s_v0 = s_k0 + 2 * Cfg::kSmemKV;        // V stage 0; stage 1 follows
+    u16* s_k0 = s_q + Cfg::kSmemQ;                     // K stages: tile j lives in stage j % kStages
+    u16* s_v0 = s_k0 + Cfg::kStages * Cfg::kSmemKV;    // V stages: tile j lives in stage j % kStages
+    auto s_k = [&](int j) { return s_k0 + (Cfg::kStages == 2 ? (j & 1) : 0) * Cfg::kSmemKV; };
+    auto s_v = [&](int j) { return s_v0 + (Cfg::kStages == 2 ? (j & 1) : 0) * Cfg::kSmemKV; };
+    auto load_k = [&](int j) {
+        const int n0 = j * kBlockN;
+        load_tile<Cfg, kBlockN>(s_k(j), g_k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    };
+    auto load_v = [&](int j) {
+        const int n0 = j * kBlockN;
+        load_tile<Cfg, kBlockN>(s_v(j), g_v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    };
 
-    // Prologue: Q (group 0) and the last visible K/V tile into stage 0 (group 1).
-    load_tile<Cfg, kBlockM>(s_q, g_q, p.q_row_stride, rows_valid, p.head_dim, tid);
-    cp_async_commit();
-    {
-        const int n0 = (n_block_end - 1) * kBlockN;
-        load_tile<Cfg, kBlockN>(s_k0, g_k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
-        load_tile<Cfg, kBlockN>(s_v0, g_v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
-        cp_async_commit();
-    }
-
-    // Per-lane ldmatrix offsets (elements) inside a tile; see common.cuh for the fragment layouts.
-    // A operand (Q rows): lane l addresses row (l % 16), column 8 * (l / 16) of a 16x16 block.
-    const int q_lane_off = (warp_row0 + lane % 16) * kStride + (lane / 16) * 8;
-    // B operand of S = Q K^T from K rows (non-transposed): matrices (n-block 2i, k lo), (2i, k hi),
-    // (2i+1, k lo), (2i+1, k hi) -> lane l addresses key (l % 8) + 8 (l / 16), column 8 ((l / 8) % 2).
-    const int k_lane_off = (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
-    // B operand of O += P V from V rows (transposed): matrices (keys lo, d-block 2i), (keys hi, 2i),
-    // (keys lo, 2i+1), (keys hi, 2i+1) -> lane l addresses key (l % 8) + 8 ((l / 8) % 2), column 8 (l / 16).
-    const int v_lane_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
-
-    float acc_o[kMSlabs][kDB][4];
-    float row_max[kMSlabs][2], row_sum[kMSlabs][2];
-#pragma unroll
-    for (int s = 0; s < kMSlabs; ++s) {
-#pragma unroll
-        for (int d = 0; d < kDB; ++d) acc_o[s][d][0] = acc_o[s][d][1] = acc_o[s][d][2] = acc_o[s][d][3] = 0.f;
-        row_max[s][0] = row_max[s][1] = -kInf;
-        row_sum[s][0] = row_sum[s][1] = 0.f;
-    }
-
-    // Q fragments, kept for the whole loop when the variant has the registers for it.
-    u32 q_frag[Cfg::kQInRegs ? kMSlabs : 1][Cfg::kQInRegs ? Cfg::kKStepsQK : 1][4];
-    if constexpr (Cfg::kQInRegs) {
-        cp_async_wait<1>();
-        __syncthreads();  // Q tile in smem (group 0 done) for every warp before ldmatrix
-#pragma unroll
-        for (int s = 0; s < kMSlabs; ++s) {
-#pragma unroll
-            for (int ks = 0; ks < Cfg::kKStepsQK; ++ks) {
-                ldmatrix_x4(q_frag[s][ks], smem_u32(s_q + q_lane_off + s * 16 * kStride + ks * 16));
-            }
-        }
-    }
-
+    WarpTile<Cfg> wt;
+    wt.init(warp_row0, lane);
     const float scale_log2 = p.scale_log2;
     const int row_abs0 = m0 + warp_row0 + g;  // absolute query row of this thread's slab 0, half 0
+    const int n_last = n_block_end - 1;       // K/V tiles are visited from n_last down to 0
+    float S[kMSlabs][kNB][4];                 // scores, then probabilities, of the current tile
 
-    for (int n_block = n_block_end - 1, stage = 0; n_block >= 0; --n_block, stage ^= 1) {
-        const u16* s_k = s_k0 + stage * Cfg::kSmemKV;
-        const u16* s_v = s_v0 + stage * Cfg::kSmemKV;
-        cp_async_wait<0>();
-        // K/V tile n_block has landed and is visible to every warp; every warp has also finished the
-        // previous iteration, so the other stage is free to be overwritten by the prefetch below.
-        __syncthreads();
-        if (n_block > 0) {
-            const int n0 = (n_block - 1) * kBlockN;
-            u16* s_k_next = s_k0 + (stage ^ 1) * Cfg::kSmemKV;
-            u16* s_v_next = s_v0 + (stage ^ 1) * Cfg::kSmemKV;
-            load_tile<Cfg, kBlockN>(s_k_next, g_k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
-            load_tile<Cfg, kBlockN>(s_v_next, g_v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
-        }
+    // Prologue: Q and the first K tile in one cp.async group, its V tile in the next, so S = Q K^T
+    // can start before V has arrived.
+    load_tile<Cfg, kBlockM>(s_q, g_q, p.q_row_stride, rows_valid, p.head_dim, tid);
+    load_k(n_last);
+    cp_async_commit();
+    if constexpr (Cfg::kStages == 2) {
+        load_v(n_last);
         cp_async_commit();
+    }
+    if constexpr (Cfg::kQInRegs) {
+        cp_async_wait<Cfg::kStages == 2 ? 1 : 0>();
+        __syncthreads();  // Q tile in smem for every warp before ldmatrix
+        wt.load_q_frags(s_q);
+    }
 
-        // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
-        float S[kMSlabs][kNB][4];
-#pragma unroll
-        for (int s = 0; s < kMSlabs; ++s)
-#pragma unroll
-            for (int nb = 0; nb < kNB; ++nb) S[s][nb][0] = S[s][nb][1] = S[s][nb][2] = S[s][nb][3] = 0.f;
-#pragma unroll
-        for (int ks = 0; ks < Cfg::kKStepsQK; ++ks) {
-            u32 a[kMSlabs][4];
-#pragma unroll
-            for (int s = 0; s < kMSlabs; ++s) {
-                if constexpr (Cfg::kQInRegs) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) a[s][i] = q_frag[s][ks][i];
-                } else {
-                    ldmatrix_x4(a[s], smem_u32(s_q + q_lane_off + s * 16 * kStride + ks * 16));
-                }
+    for (int j = n_last; j >= 0; --j) {
+        const bool first = j == n_last;
+        if constexpr (Cfg::kStages == 2) {
+            // Double buffered, one barrier per tile: tile j-1 streams into the other stage while tile
+            // j is used. In flight here: V_j on the first tile (its own group), else nothing else.
+            if (first) cp_async_wait<1>(); else cp_async_wait<0>();
+            // K_j (and V_j after the first tile) visible to every warp; every warp has finished tile
+            // j+1, so the stage of tile j+1 is free for tile j-1.
+            __syncthreads();
+            if (j > 0) {
+                load_k(j - 1);
+                load_v(j - 1);
             }
-#pragma unroll
-            for (int nb = 0; nb < kNB; nb += 2) {
-                u32 bk[4];
-                ldmatrix_x4(bk, smem_u32(s_k + k_lane_off + nb * 8 * kStride + ks * 16));
-#pragma unroll
-                for (int s = 0; s < kMSlabs; ++s) {
-                    mma_16816<kBF16>(S[s][nb], a[s], bk[0], bk[1]);
-                    mma_16816<kBF16>(S[s][nb + 1], a[s], bk[2], bk[3]);
-                }
+            cp_async_commit();
+            wt.gemm_qk(S, s_q, s_k(j));
+            if (mask.block_needs_mask(m0, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
+            wt.softmax(S, scale_log2);
+            if (first) {
+                cp_async_wait<1>();  // V_{n_last} landed (the prefetch of tile j-1 may still be in flight)
+                __syncthreads();     // ... and is visible to every warp
             }
-        }
-
-        // Mask only the tiles that need it (paper 3.1.1): the diagonal and the ragged end of seqlen_k.
-        if (mask.block_needs_mask(m0, n_block * kBlockN, kBlockN)) {
-            mask.apply(S, row_abs0, n_block * kBlockN + 2 * t);
-        }
-
-        // Online softmax: new running max, rescale l and O, P = exp2(S * scale_log2 - m * scale_log2).
-#pragma unroll
-        for (int s = 0; s < kMSlabs; ++s) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float m_new = row_max[s][r];
-#pragma unroll
-                for (int nb = 0; nb < kNB; ++nb) m_new = fmaxf(m_new, fmaxf(S[s][nb][2 * r], S[s][nb][2 * r + 1]));
-                m_new = quad_max(m_new);
-                // A row that has seen only masked keys keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
-                const float m_scaled = m_new == -kInf ? 0.f : m_new * scale_log2;
-                const float correction = fast_exp2(row_max[s][r] * scale_log2 - m_scaled);
-                row_max[s][r] = m_new;
-                row_sum[s][r] *= correction;
-#pragma unroll
-                for (int d = 0; d < kDB; ++d) {
-                    acc_o[s][d][2 * r] *= correction;
-                    acc_o[s][d][2 * r + 1] *= correction;
-                }
-                float sum = 0.f;
-#pragma unroll
-                for (int nb = 0; nb < kNB; ++nb) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float pe = fast_exp2(fmaf(S[s][nb][2 * r + e], scale_log2, -m_scaled));
-                        S[s][nb][2 * r + e] = pe;
-                        sum += pe;
-                    }
-                }
-                row_sum[s][r] += sum;
-            }
-        }
-
-        // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
-#pragma unroll
-        for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
-            u32 a[kMSlabs][4];  // P as the A operand: the S accumulators of n-blocks 2kk and 2kk+1
-#pragma unroll
-            for (int s = 0; s < kMSlabs; ++s) {
-                a[s][0] = pack2<kBF16>(S[s][2 * kk][0], S[s][2 * kk][1]);
-                a[s][1] = pack2<kBF16>(S[s][2 * kk][2], S[s][2 * kk][3]);
-                a[s][2] = pack2<kBF16>(S[s][2 * kk + 1][0], S[s][2 * kk + 1][1]);
-                a[s][3] = pack2<kBF16>(S[s][2 * kk + 1][2], S[s][2 * kk + 1][3]);
-            }
-#pragma unroll
-            for (int d = 0; d < kDB; d += 2) {
-                u32 bv[4];
-                ldmatrix_x4_trans(bv, smem_u32(s_v + v_lane_off + kk * 16 * kStride + d * 8));
-#pragma unroll
-                for (int s = 0; s < kMSlabs; ++s) {
-                    mma_16816<kBF16>(acc_o[s][d], a[s], bv[0], bv[1]);
-                    mma_16816<kBF16>(acc_o[s][d + 1], a[s], bv[2], bv[3]);
-                }
-            }
+            wt.gemm_pv(S, s_v(j));
+        } else {
+            // Single buffered (FA2's order, two barriers per tile): V_j streams in during S = Q K_j^T,
+            // K_{j-1} during the softmax and O += P V_j.
+            cp_async_wait<0>();
+            __syncthreads();  // K_j visible to every warp; every warp is done with V_{j+1}
+            load_v(j);
+            cp_async_commit();
+            wt.gemm_qk(S, s_q, s_k(j));
+            if (mask.block_needs_mask(m0, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
+            cp_async_wait<0>();
+            __syncthreads();  // V_j visible to every warp; every warp is done with K_j
+            if (j > 0) load_k(j - 1);
+            cp_async_commit();
+            wt.softmax(S, scale_log2);
+            wt.gemm_pv(S, s_v(j));
         }
     }
 
     // Epilogue: l = sum over the quad, O /= l once, lse = m * scale + ln(l). Rows that saw no key
     // (l == 0) write O = 0 and lse = -inf.
+    float inv_l[kMSlabs][2];
 #pragma unroll
     for (int s = 0; s < kMSlabs; ++s) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = warp_row0 + 16 * s + 8 * r + g;  // row inside the tile
-            const float l = quad_sum(row_sum[s][r]);
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;
-            if (row < rows_valid) {
-                if (t == 0) g_lse[row] = l > 0.f ? row_max[s][r] * p.softmax_scale + __logf(l) : -kInf;
+            const float l = quad_sum(wt.row_sum[s][r]);
+            inv_l[s][r] = l > 0.f ? 1.f / l : 0.f;
+            if (t == 0 && row < rows_valid) g_lse[row] = l > 0.f ? wt.row_max[s][r] * p.softmax_scale + __logf(l) : -kInf;
+        }
+    }
+    if constexpr (Cfg::kAligned) {
+        // Stage the warp's O rows in its own rows of sQ (only this warp ever read them, so a warp
+        // barrier suffices), then write whole 16-byte chunks: coalesced rows instead of 4-byte pieces.
+        u16* s_o = s_q + warp_row0 * kStride;
+        __syncwarp();  // every lane of the warp is done reading its Q rows
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int d = 0; d < kDB; ++d) {
+                    const u32 packed = pack2<kBF16>(wt.acc_o[s][d][2 * r] * inv_l[s][r], wt.acc_o[s][d][2 * r + 1] * inv_l[s][r]);
+                    *reinterpret_cast<u32*>(s_o + (16 * s + 8 * r + g) * kStride + d * 8 + 2 * t) = packed;
+                }
+        __syncwarp();  // staged rows visible to the whole warp
+        constexpr int kChunks = Cfg::kRowsPerWarp * Cfg::kChunksPerRow;
+#pragma unroll
+        for (int i = 0; i < (kChunks + 31) / 32; ++i) {
+            const int chunk = lane + 32 * i;
+            const int row = chunk / Cfg::kChunksPerRow, col = (chunk % Cfg::kChunksPerRow) * 8;
+            if ((kChunks % 32 == 0 || chunk < kChunks) && warp_row0 + row < rows_valid && col < p.head_dim) {
+                *reinterpret_cast<uint4*>(g_o + (warp_row0 + row) * p.o_row_stride + col) =
+                    *reinterpret_cast<const uint4*>(s_o + row * kStride + col);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = warp_row0 + 16 * s + 8 * r + g;
+                if (row >= rows_valid) continue;
                 u16* g_row = g_o + row * p.o_row_stride;
 #pragma unroll
                 for (int d = 0; d < kDB; ++d) {
                     const int col = d * 8 + 2 * t;
-                    const u32 packed = pack2<kBF16>(acc_o[s][d][2 * r] * inv_l, acc_o[s][d][2 * r + 1] * inv_l);
-                    if constexpr (Cfg::kAligned) {
-                        if (col < p.head_dim) *reinterpret_cast<u32*>(g_row + col) = packed;
-                    } else {
-                        if (col < p.head_dim) g_row[col] = static_cast<u16>(packed & 0xffffu);
-                        if (col + 1 < p.head_dim) g_row[col + 1] = static_cast<u16>(packed >> 16);
-                    }
+                    const u32 packed = pack2<kBF16>(wt.acc_o[s][d][2 * r] * inv_l[s][r], wt.acc_o[s][d][2 * r + 1] * inv_l[s][r]);
+                    if (col < p.head_dim) g_row[col] = static_cast<u16>(packed & 0xffffu);
+                    if (col + 1 < p.head_dim) g_row[col + 1] = static_cast<u16>(packed >> 16);
                 }
             }
         }

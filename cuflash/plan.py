@@ -28,29 +28,34 @@ class Tile:
     warps: int  # warps per CTA; each owns block_m / warps query rows
     q_in_regs: bool  # Q MMA fragments held in registers for the whole loop (else re-read from smem)
     min_blocks: int  # __launch_bounds__ minimum CTAs per SM (caps registers per thread)
+    stages: int = 2  # smem buffers per K and per V tile: 2 = double buffered, 1 = FA2's single buffer
 
 
 #: Forward tiles per head-dim bucket, one row each, with the reason.
 #: Register budget per thread ~ O accumulator (rows_per_warp * d / 32) + S accumulator
 #: (rows_per_warp * block_n / 32) + Q fragments if q_in_regs (rows_per_warp * d / 64).
-#: Shared memory = 2 * (block_m + 4 * block_n) * (d + 8) bytes (Q + 2 stages of K and V).
+#: Shared memory = 2 * (block_m + 2 * stages * block_n) * (d + 8) bytes (Q + stages x (K, V)).
 FWD_TILES: dict[int, Tile] = {
-    # 32 rows/warp: O 32 + S 64 + Q 16 regs; tiny tiles, so 2 CTAs/SM and Q in registers.
-    32: Tile(128, 64, 4, True, 2),
-    # 32 rows/warp: O 64 + S 64 + Q 32 regs fits 255; Q in regs saves a third of the smem reads.
-    64: Tile(128, 64, 4, True, 2),
-    # 32 rows/warp: O 96 + S 64; Q re-read from smem (no room for 48 more regs). 2 CTAs/SM.
-    96: Tile(128, 64, 4, False, 2),
-    # FA2's sm90 choice: 32 rows/warp, O 128 + S 64 regs, Q from smem, 2 CTAs/SM (104 KB smem each).
-    128: Tile(128, 64, 4, False, 2),
-    # 8 warps of 16 rows: O 80 + S 32 + Q 40 regs; 138 KB smem -> 1 CTA of 8 warps per SM.
-    160: Tile(128, 64, 8, True, 1),
-    # 8 warps of 16 rows: O 96 + S 32 + Q 48 regs; 158 KB smem.
-    192: Tile(128, 64, 8, True, 1),
-    # 8 warps of 16 rows: O 112 + S 32 regs, Q from smem; 178 KB smem.
-    224: Tile(128, 64, 8, False, 1),
-    # FA2's choice for 256: 8 warps of 16 rows, O 128 + S 32 regs, Q from smem; 203 KB smem.
-    256: Tile(128, 64, 8, False, 1),
+    # Measured on the H200 with tools/tune_fwd.py (ratios vs torch's FA2, median of 6 grid points).
+    # 32 rows/warp: O 32 + S 128 + Q 16 regs; single-buffered 128-key tiles, 2 CTAs/SM (1.07x).
+    32: Tile(128, 128, 4, True, 2, stages=1),
+    # 32 rows/warp: O 64 + S 64 + Q 32 regs; single buffer (55 KB) beat double (0.99x vs 0.93x).
+    64: Tile(128, 64, 4, True, 2, stages=1),
+    # 32 rows/warp: O 96 + S 64 regs, Q re-read from smem; single buffer (0.85x vs 0.81x).
+    96: Tile(128, 64, 4, False, 2, stages=1),
+    # FA2's tile: 32 rows/warp, O 128 + S 64 regs, Q from smem, 2 CTAs/SM (104 KB); double
+    # buffering measured 0.95x against 0.94x single, 0.87x for 32-key tiles.
+    128: Tile(128, 64, 4, False, 2, stages=2),
+    # 32 rows/warp with 32-key tiles: O 160 + S 32 regs fits; 63 KB single buffer, 2 CTAs/SM (1.17x;
+    # 8 warps of 16 rows 1.01x).
+    160: Tile(128, 32, 4, False, 2, stages=1),
+    # 8 warps of 16 rows: O 96 + S 32 + Q 48 regs, 158 KB double buffer, 1 CTA/SM (0.78x; 64x64 of 4 warps 0.75x).
+    192: Tile(128, 64, 8, True, 1, stages=2),
+    # 8 warps of 16 rows: O 112 + S 32 regs, Q from smem, 178 KB, 1 CTA/SM (0.99x; 64x64 of 4 warps 0.76x).
+    224: Tile(128, 64, 8, False, 1, stages=2),
+    # Torch's FA2 tile for 256: 4 warps of 16 rows, single buffer (99 KB) so 2 CTAs/SM (0.93x, against
+    # 0.82x for 128x64 of 8 warps double buffered at 1 CTA/SM).
+    256: Tile(64, 64, 4, False, 2, stages=1),
 }
 
 
@@ -64,7 +69,7 @@ def head_dim_bucket(head_dim: int) -> int:
 def fwd_smem_bytes(head_dim_bucket: int, tile: Tile) -> int:
     """Dynamic shared memory of the forward kernel: must match FwdConfig::kSmemBytes."""
     stride = head_dim_bucket + 8
-    return 2 * (tile.block_m * stride + 4 * tile.block_n * stride)
+    return 2 * (tile.block_m * stride + 2 * tile.stages * tile.block_n * stride)
 
 
 def arch_for_capability(major: int, minor: int) -> str:
@@ -112,7 +117,8 @@ class KernelSpec:
         t = self.tile
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}"
-            f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_{'qreg' if t.q_in_regs else 'qsmem'}"
+            f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}_st{t.stages}"
+            f"_{'qreg' if t.q_in_regs else 'qsmem'}"
             f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
         )
 
@@ -130,7 +136,7 @@ class KernelSpec:
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (
             f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, "
-            f"{b(self.causal)}, {b(self.aligned)}, {b(t.q_in_regs)}"
+            f"{b(self.causal)}, {b(self.aligned)}, {b(t.q_in_regs)}, {t.stages}"
         )
 
 
