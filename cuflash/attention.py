@@ -5,6 +5,7 @@ preconditions (see the header comment of cuda_src/flash_fwd.cuh).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -140,19 +141,10 @@ def _forward(q, k, v, *, causal, softmax_scale, return_lse, out, tile: plan.Tile
             return (out, lse) if return_lse else out
 
         aligned = head_dim % 8 == 0 and all(_aligned16(x) for x in (q, k, v, out))
-        launch = plan.plan_forward(
-            batch=batch,
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            nheads=nheads,
-            nheads_kv=nheads_kv,
-            head_dim=head_dim,
-            dtype=_DTYPE_NAMES[q.dtype],
-            causal=causal,
-            aligned=aligned,
-            arch=jit.device_arch(device_id),
-            tile=tile,
-        )
+        launch, fn = _plan_and_load(
+            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], bool(causal), aligned,
+            device_id, tile,
+        )  # fmt: skip
         qs, ks, vs, os_ = _elem_strides(q), _elem_strides(k), _elem_strides(v), _elem_strides(out)
         rec = make_record(
             FWD_DTYPE,
@@ -165,9 +157,19 @@ def _forward(q, k, v, *, causal, softmax_scale, return_lse, out, tile: plan.Tile
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, num_m_blocks=launch.grid[0],
             softmax_scale=softmax_scale, scale_log2=softmax_scale * math.log2(math.e),
         )  # fmt: skip
-        fn = jit.get_function(launch.spec, device_id)
         _launch(fn, launch, rec)
     return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, causal, aligned, device_id, tile):
+    """Launch plan and loaded kernel for one call signature (memoized: the host side of a repeated
+    call is then a dictionary lookup, not a re-plan)."""
+    launch = plan.plan_forward(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
+        dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
+    )  # fmt: skip
+    return launch, jit.get_function(launch.spec, device_id)
 
 
 def _launch(fn, launch: plan.Launch, rec: np.ndarray) -> None:

@@ -48,12 +48,9 @@ FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
 
 
 def make_record(dtype: np.dtype, **values) -> np.ndarray:
-    """A one-element record array of ``dtype`` with every field set (missing fields are an error)."""
+    """A 0-d record of ``dtype`` with every field set (missing or unknown fields are an error)."""
     missing = set(dtype.names) - set(values)
     extra = set(values) - set(dtype.names)
     if missing or extra:
         raise KeyError(f"parameter fields missing {sorted(missing)} / unknown {sorted(extra)}")
-    rec = np.zeros(1, dtype=dtype)
-    for name, value in values.items():
-        rec[name] = value
-    return rec
+    return np.array(tuple(values[name] for name in dtype.names), dtype=dtype)  # 0-d record

@@ -41,6 +41,17 @@ if has tune; then
   [ $rc -ne 0 ] && tail -15 "$OUT/tune.log" | tee -a "$SUMMARY"
 fi
 
+if has profile; then  # ncu: cuflash next to torch's FA2 on the same inputs
+  $PY tools/nvrtc_report.py > "$OUT/nvrtc.txt" 2>&1
+  for cfg in "256 1024" "128 4096" "64 4096"; do
+    set -- $cfg
+    timeout 120 ncu --clock-control none -k regex:flash_fwd --section SpeedOfLight --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section InstructionStats --section SchedulerStats $PY tools/profile_pair.py --hd $1 --seqlen $2 > "$OUT/ncu_hd$1.txt" 2>&1
+    note "ncu hd$1 s$2 (rc=$?): $(grep -E 'Duration' "$OUT/ncu_hd$1.txt" | tr -s ' ' | tr '\n' ';')"
+  done
+fi
+
 if has bench; then
   DT=bf16; has bench-fp16 && DT=both
   timeout 400 $PY -m cuflash bench --dtype $DT --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"

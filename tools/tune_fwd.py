@@ -10,22 +10,41 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cuflash import bench, plan  # noqa: E402
+from cuflash import bench  # noqa: E402
 from cuflash.plan import Tile  # noqa: E402
 
-CANDIDATES = {
-    32: [Tile(128, 64, 4, True, 2), Tile(128, 128, 4, True, 2), Tile(64, 64, 4, True, 2)],
-    64: [Tile(128, 64, 4, True, 2), Tile(128, 128, 4, False, 2), Tile(128, 128, 8, True, 1),
-         Tile(64, 64, 4, True, 2), Tile(128, 64, 4, False, 2)],
-    96: [Tile(128, 64, 4, False, 2), Tile(128, 64, 8, True, 1), Tile(128, 32, 4, False, 2)],
-    128: [Tile(128, 64, 4, False, 2), Tile(128, 32, 4, False, 2), Tile(128, 64, 8, True, 1),
-          Tile(128, 128, 8, True, 1), Tile(64, 64, 4, True, 2)],
-    160: [Tile(128, 64, 8, True, 1), Tile(128, 32, 4, False, 2), Tile(64, 64, 4, True, 1)],
-    192: [Tile(128, 64, 8, True, 1), Tile(128, 32, 8, True, 1), Tile(64, 64, 4, True, 1)],
-    224: [Tile(128, 64, 8, False, 1), Tile(128, 32, 8, True, 1), Tile(64, 64, 4, False, 1)],
-    256: [Tile(128, 64, 8, False, 1), Tile(128, 32, 8, False, 1), Tile(64, 64, 4, False, 1),
-          Tile(64, 32, 4, False, 1)],
+T = Tile
+CANDIDATES = {  # (block_m, block_n, warps, q_in_regs, min_blocks, stages)
+    32: [T(128, 64, 4, True, 2), T(128, 128, 4, True, 2, 1)],
+    64: [T(128, 64, 4, True, 2), T(128, 64, 4, True, 2, 1), T(128, 128, 4, False, 2, 1), T(128, 128, 4, True, 2, 1)],
+    96: [T(128, 64, 4, False, 2), T(128, 64, 4, False, 2, 1)],
+    128: [T(128, 64, 4, False, 2), T(128, 64, 4, False, 2, 1), T(128, 32, 4, False, 2)],
+    160: [T(128, 64, 8, True, 1), T(64, 64, 4, True, 2, 1), T(128, 32, 4, False, 2, 1)],
+    192: [T(128, 64, 8, True, 1), T(64, 64, 4, True, 2, 1), T(64, 64, 4, False, 2, 1)],
+    224: [T(128, 64, 8, False, 1), T(64, 64, 4, False, 2, 1)],
+    256: [T(128, 64, 8, False, 1), T(64, 64, 4, False, 2, 1), T(64, 32, 4, False, 2, 2)],
 }
+
+
+def check_tile(hd, tile, dtype):
+    """A ragged causal and non-causal case against the float64 reference with this tile."""
+    import cupy
+    import numpy as np
+
+    from cuflash import reference
+    from cuflash.attention import _BF16, _forward
+
+    dt = _BF16 if dtype == "bf16" else np.dtype(np.float16)
+    rng = np.random.default_rng()
+    for causal in (False, True):
+        q, k, v = (cupy.asarray(rng.standard_normal(sh, dtype=np.float32).astype(dt))
+                   for sh in ((2, 211, 2, hd), (2, 333, 1, hd), (2, 333, 1, hd)))
+        out = _forward(q, k, v, causal=causal, softmax_scale=None, return_lse=False, out=None, tile=tile)
+        ref, _ = reference.attention_forward(q, k, v, causal=causal)
+        plain = reference.plain_attention(q, k, v, causal=causal, dtype=dt)
+        if not reference.within_tolerance(out.get().astype(np.float64), ref, plain):
+            return False
+    return True
 
 
 def main():
@@ -40,12 +59,16 @@ def main():
         scores = {}
         for tile in CANDIDATES[hd]:
             ratios = []
+            if not check_tile(hd, tile, a.dtype):
+                print(f"hd{hd} {tile}: WRONG RESULTS, skipped", flush=True)
+                continue
             for causal in (False, True):
                 for s in a.seqlen:
                     b, h = max(1, 16384 // s), 2048 // hd
                     try:
                         row = bench.run_point(a.dtype, hd, causal, s, b, h, repeats=a.repeats, peers=True,
                                               naive_max_gb=0, tile=tile)
+                        bench._release_memory()
                     except Exception as exc:  # e.g. too much shared memory for this tile
                         print(f"hd{hd} {tile} causal={causal} s={s}: FAILED {type(exc).__name__}: {exc}", flush=True)
                         continue
@@ -56,6 +79,7 @@ def main():
                     r = t["cuflash"] / t["flash"] if "flash" in t else float("nan")
                     ratios.append(r)
                     print(f"hd{hd} bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} "
+                          f"st={tile.stages} "
                           f"causal={int(causal)} s={s:5d}: cuflash {t['cuflash']:6.1f}  flash {t.get('flash', 0):6.1f} "
                           f"cudnn {t.get('cudnn', 0):6.1f}  ratio {r:.3f}", flush=True)
             if ratios:
@@ -64,7 +88,7 @@ def main():
             best[hd] = max(scores, key=scores.get)
             for tile, sc in sorted(scores.items(), key=lambda kv: -kv[1]):
                 print(f"  hd{hd} median ratio vs flash {sc:.3f}  {tile}")
-    print("BEST:", {hd: (t.block_m, t.block_n, t.warps, t.q_in_regs, t.min_blocks) for hd, t in best.items()})
+    print("BEST:", {hd: tuple(t.__dict__.values()) for hd, t in best.items()})
 
 
 if __name__ == "__main__":

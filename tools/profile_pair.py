@@ -1,0 +1,38 @@
+"""One cuflash forward and one torch FlashAttention-2 forward on the same inputs, for ncu:
+
+    ncu --clock-control none -k regex:flash_fwd --section WarpStateStats ... \\
+        python tools/profile_pair.py --hd 256 --seqlen 1024
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hd", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--causal", action="store_true")
+    a = ap.parse_args()
+    import cupy
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cuflash
+    from cuflash.attention import _BF16
+
+    b, h = 16384 // a.seqlen, 2048 // a.hd
+    rng = cupy.random.default_rng(0)
+    q, k, v = (rng.standard_normal((b, a.seqlen, h, a.hd), dtype=cupy.float32).astype(_BF16) for _ in range(3))
+    cuflash.attention(q, k, v, causal=a.causal)
+    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        sdpa(tq, tk, tv, is_causal=a.causal)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
