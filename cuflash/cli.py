@@ -261,7 +261,8 @@ def cache_list():
             continue
         h = e.header
         p = h.get("ptxas", {})
-        spills = p.get("spill_stores", 0) + p.get("spill_loads", 0) if p else "?"
+        # Spill bytes come from ptxas's -v report, absent when NVRTC served the program from its cache.
+        spills = p["spill_stores"] + p["spill_loads"] if "spill_stores" in p and "spill_loads" in p else "?"
         nvrtc = ".".join(str(x) for x in h.get("nvrtc", [])) or "?"
         rows.append((h.get("name", e.path.name), h.get("arch", "?"), p.get("registers", "?"), spills,
                      human_size(e.size), nvrtc))

@@ -130,9 +130,19 @@ def included_headers(text: str, src_dir: Path | None = None) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
-def cache_key(spec: plan.KernelSpec, src_dir: Path | None = None, nvrtc: tuple[int, int] | None = None) -> str:
+def source_bundle(spec: plan.KernelSpec, src_dir: Path | None = None) -> tuple[str, dict[str, str]]:
+    """(entry source, {header name: text}): everything NVRTC will see for ``spec``, read once."""
     text = entry_source(spec)
-    headers = included_headers(text, src_dir)
+    return text, included_headers(text, src_dir)
+
+
+def cache_key(
+    spec: plan.KernelSpec,
+    src_dir: Path | None = None,
+    nvrtc: tuple[int, int] | None = None,
+    bundle: tuple[str, dict[str, str]] | None = None,
+) -> str:
+    text, headers = bundle or source_bundle(spec, src_dir)
     h = hashlib.sha256()
     for part in (
         f"cuflash {__version__}",
@@ -193,8 +203,17 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
     """
     import struct as st
 
-    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+    if len(cubin) < 0x40 or cubin[:4] != b"\x7fELF" or cubin[4] != 2:
         raise ValueError("not a 64-bit ELF cubin")
+    try:
+        return _nv_info_resources(cubin)
+    except (IndexError, ValueError, st.error) as exc:
+        raise ValueError(f"truncated or malformed cubin ({exc})") from exc
+
+
+def _nv_info_resources(cubin: bytes) -> dict[str, int]:
+    import struct as st
+
     shoff = st.unpack_from("<Q", cubin, 0x28)[0]
     shentsize, shnum, shstrndx = st.unpack_from("<HHH", cubin, 0x3A)
     headers = [st.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
@@ -219,12 +238,13 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
     return out
 
 
-def compile_cubin(spec: plan.KernelSpec, src_dir: Path | None = None) -> tuple[bytes, dict]:
+def compile_cubin(
+    spec: plan.KernelSpec, src_dir: Path | None = None, bundle: tuple[str, dict[str, str]] | None = None
+) -> tuple[bytes, dict]:
     """Compile ``spec`` with NVRTC (no GPU needed). Returns (cubin, header dict)."""
     from cupy.cuda import nvrtc
 
-    text = entry_source(spec)
-    headers = included_headers(text, src_dir)
+    text, headers = bundle or source_bundle(spec, src_dir)
     options = compile_options(spec.arch)
     t0 = time.perf_counter()
     prog = nvrtc.createProgram(
@@ -328,7 +348,8 @@ def get_cubin(spec: plan.KernelSpec) -> tuple[bytes, dict, str]:
 
     Returns (cubin, header, how) with how in {"cache", "compiled"}.
     """
-    key = cache_key(spec)
+    bundle = source_bundle(spec)  # read once: the key hashes exactly the bytes that get compiled
+    key = cache_key(spec, bundle=bundle)
     path = entry_path(spec, key)
     if path.exists():
         try:
@@ -343,7 +364,7 @@ def get_cubin(spec: plan.KernelSpec) -> tuple[bytes, dict, str]:
             except OSError:  # gone already, or a read-only cache: the rewrite below will say so
                 pass
     logger.info("compiling %s ...", spec.name)
-    cubin, header = compile_cubin(spec)
+    cubin, header = compile_cubin(spec, bundle=bundle)
     _count("compiles")
     try:
         _write_atomic(path, _encode_entry(cubin, header))
@@ -374,12 +395,15 @@ def list_cache() -> list[CacheEntry]:
     if not d.is_dir():
         return entries
     for path in sorted(d.glob("*.cubin")):
-        size = path.stat().st_size
         try:
-            _, header = _decode_entry(path.read_bytes())
-            entries.append(CacheEntry(path, header, size))
-        except (ValueError, OSError) as exc:
-            entries.append(CacheEntry(path, None, size, str(exc)))
+            blob = path.read_bytes()
+        except FileNotFoundError:  # removed by another process since the listing
+            continue
+        try:
+            _, header = _decode_entry(blob)
+            entries.append(CacheEntry(path, header, len(blob)))
+        except ValueError as exc:
+            entries.append(CacheEntry(path, None, len(blob), str(exc)))
     return entries
 
 
@@ -425,13 +449,17 @@ def precompile(specs, jobs: int = 1, on_done=None) -> list[tuple[str, str, dict]
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold a CUDA context
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
         futures = [pool.submit(_precompile_one, s) for s in specs]
-        for fut in concurrent.futures.as_completed(futures):
-            r = fut.result()
-            if r[1] == "compiled":
-                _count("compiles")
-            results.append(r)
-            if on_done:
-                on_done(r)
+        try:
+            for fut in concurrent.futures.as_completed(futures):
+                r = fut.result()
+                _count("compiles" if r[1] == "compiled" else "disk_loads")  # the worker's counters die with it
+                results.append(r)
+                if on_done:
+                    on_done(r)
+        except BaseException:
+            for f in futures:  # a compile error (or ^C) stops the queued compiles too
+                f.cancel()
+            raise
     return results
 
 

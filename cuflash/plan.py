@@ -7,6 +7,7 @@ Pure Python (no CuPy, no GPU): everything here is testable on a CPU machine. The
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 #: Head-dim buckets a kernel is compiled for. A head dim d runs in the smallest bucket >= d; the
@@ -83,8 +84,11 @@ def arch_for_capability(major: int, minor: int) -> str:
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
+_ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
+
+
 def parse_arch(arch: str) -> str:
-    """Normalize a user-given arch ('90a', 'sm_90a', 'sm80', '8.0') to 'sm_XY[a]'."""
+    """Normalize a user-given arch ('90a', 'sm_90a', 'sm80', '8.0', 'compute_80') to 'sm_XY[a]'."""
     a = arch.strip().lower().replace("compute_", "sm_")
     if "." in a:
         major, minor = a.split(".", 1)
@@ -93,10 +97,38 @@ def parse_arch(arch: str) -> str:
         a = "sm_" + a[2:]
     if not a.startswith("sm_"):
         a = "sm_" + a
-    digits = a[3:].rstrip("a")
-    if not digits.isdigit() or len(digits) < 2 or int(digits) < 80:
+    m = _ARCH_RE.match(a)
+    # The "a" (arch-specific feature) targets exist from sm_90 on.
+    if not m or int(m.group(1)) < 80 or (m.group(2) and int(m.group(1)) < 90):
         raise ValueError(f"unsupported arch {arch!r}: expected sm_80 or newer, e.g. sm_80, sm_86, sm_90a")
     return a
+
+
+#: Dynamic shared memory one CTA may use, in KB, per architecture (CUDA programming guide, compute
+#: capabilities table); unknown architectures get the smallest of these.
+MAX_SMEM_KB = {80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99}
+
+
+def max_smem_bytes(arch: str) -> int:
+    return MAX_SMEM_KB.get(int(_ARCH_RE.match(arch).group(1)), 99) * 1024
+
+
+def fwd_tile(bucket: int, arch: str) -> Tile:
+    """The forward tile for a head-dim bucket on ``arch``: the FWD_TILES row (tuned on the H200),
+    or, where that needs more shared memory than the arch has, the first smaller shape that fits:
+    single-buffered, then 32-key tiles, then 64 query rows of 4 warps (untuned on those GPUs)."""
+    t = FWD_TILES[bucket]
+    candidates = (
+        t,
+        dataclasses.replace(t, stages=1),
+        dataclasses.replace(t, stages=1, block_n=32),
+        Tile(64, 32, 4, False, 1, stages=1),
+    )
+    limit = max_smem_bytes(arch)
+    for c in candidates:
+        if fwd_smem_bytes(bucket, c) <= limit:
+            return c
+    raise ValueError(f"no forward tile for head dim {bucket} fits the {limit // 1024} KB of shared memory of {arch}")
 
 
 @dataclass(frozen=True)
@@ -154,7 +186,13 @@ def fwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, 
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if aligned and head_dim % 8 != 0:
         raise ValueError("the 16-byte load path needs head_dim % 8 == 0")
-    return KernelSpec("flash_fwd", bucket, dtype, bool(causal), bool(aligned), tile or FWD_TILES[bucket], arch)
+    tile = tile or fwd_tile(bucket, arch)
+    if fwd_smem_bytes(bucket, tile) > max_smem_bytes(arch):
+        raise ValueError(
+            f"tile {tile} needs {fwd_smem_bytes(bucket, tile)} bytes of shared memory; {arch} allows "
+            f"{max_smem_bytes(arch)}"
+        )
+    return KernelSpec("flash_fwd", bucket, dtype, bool(causal), bool(aligned), tile, arch)
 
 
 def plan_forward(
@@ -189,7 +227,7 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
         for dt in dtypes:
             for c in causals:
                 for al in aligned:
-                    specs.append(KernelSpec("flash_fwd", bucket, dt, c, al, FWD_TILES[bucket], arch))
+                    specs.append(KernelSpec("flash_fwd", bucket, dt, c, al, fwd_tile(bucket, arch), arch))
     return list(dict.fromkeys(specs))  # unique, order kept
 
 

@@ -4,9 +4,11 @@ NVRTC compiles on the CPU (no GPU, no driver). Every test uses a temporary cache
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
+import random
 import shutil
 import stat
 import subprocess
@@ -22,7 +24,7 @@ from cuflash import jit, plan
 
 REPO = Path(__file__).resolve().parent.parent
 NVRTC = (12, 9)  # a fixed version for key tests: the key must not depend on the machine's NVRTC
-#: The cheapest variant to compile (~0.3 s).
+#: A cheap variant to compile (~0.5 s).
 CHEAP = plan.fwd_spec(32, "fp16", False, True, "sm_80")
 
 
@@ -35,9 +37,29 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled_with_log():
+    """(cubin, header, NVRTC log) of CHEAP, compiled once for the module; the log is caught on its
+    way into jit (it is empty when NVRTC 12.9+ serves the program from its own cache)."""
+    from cupy.cuda import nvrtc
+
+    logs = []
+    real = nvrtc.getProgramLog
+
+    def spy(prog):
+        logs.append(real(prog))
+        return logs[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(nvrtc, "getProgramLog", spy)
+        cubin, header = jit.compile_cubin(CHEAP)
+    assert len(logs) == 1
+    return cubin, header, logs[0]
+
+
+@pytest.fixture(scope="module")
+def compiled(compiled_with_log):
     """(cubin, header, encoded entry) of CHEAP, compiled once for the module."""
-    cubin, header = jit.compile_cubin(CHEAP)
+    cubin, header, _ = compiled_with_log
     return cubin, header, jit._encode_entry(cubin, header)
 
 
@@ -143,8 +165,16 @@ def test_key_changes_with_arch_nvrtc_version_and_options(monkeypatch):
 
 def test_key_differs_for_every_variant():
     specs = plan.all_fwd_specs("sm_80") + plan.all_fwd_specs("sm_90a")
-    other_tile = plan.with_tile(CHEAP, plan.Tile(64, 64, 4, True, 2))
-    specs += [other_tile, plan.with_tile(CHEAP, plan.Tile(128, 64, 4, False, 2)), plan.with_tile(CHEAP, plan.Tile(128, 64, 4, True, 1))]
+    t = CHEAP.tile
+    specs += [
+        plan.with_tile(CHEAP, dataclasses.replace(t, block_m=64)),
+        plan.with_tile(CHEAP, dataclasses.replace(t, block_n=64)),
+        plan.with_tile(CHEAP, dataclasses.replace(t, warps=8)),
+        plan.with_tile(CHEAP, dataclasses.replace(t, q_in_regs=not t.q_in_regs)),
+        plan.with_tile(CHEAP, dataclasses.replace(t, min_blocks=3 - t.min_blocks)),
+        plan.with_tile(CHEAP, dataclasses.replace(t, stages=3 - t.stages)),
+    ]
+    assert len(set(specs)) == len(specs)
     keys = [jit.cache_key(s, nvrtc=NVRTC) for s in specs]
     assert len(set(keys)) == len(specs)
     # and the entry file name spells the variant
@@ -243,14 +273,14 @@ def test_compile_then_hit(cache, compiled, records):
     assert cubin == compiled[0]  # NVRTC is deterministic
     assert header["name"] == CHEAP.name and header["arch"] == "sm_80"
     assert header["nvrtc"] == list(jit.nvrtc_version())
-    assert header["ptxas"]["registers"] > 0
+    assert 0 < header["ptxas"]["registers"] <= 255
     assert jit.stats()["compiles"] == 1
     files = list(cache.iterdir())
     assert [f.name for f in files] == [jit.entry_path(CHEAP, jit.cache_key(CHEAP)).name]
 
     compile_lines = [r for r in records if r.getMessage().startswith(f"compiled {CHEAP.name} in ")]
     assert len(compile_lines) == 1 and compile_lines[0].levelno == logging.INFO
-    assert "registers" in compile_lines[0].getMessage()
+    assert f"({header['ptxas']['registers']} registers, " in compile_lines[0].getMessage()
 
     records.clear()
     cubin2, header2, how2 = jit.get_cubin(CHEAP)
@@ -458,10 +488,11 @@ def test_log_level_from_environment(monkeypatch):
         jit.logger.setLevel(old)
 
 
-PTXAS_LOG = """\
+_LOGGED = plan.fwd_spec(64, "bf16", False, False, "sm_80").name
+PTXAS_LOG = f"""\
 ptxas info    : 76 bytes gmem, 176 bytes cmem[4]
-ptxas info    : Compiling entry function 'flash_fwd_hd64_bf16_full_bm128_bn64_w4_qreg_scalar_sm80' for 'sm_80'
-ptxas info    : Function properties for flash_fwd_hd64_bf16_full_bm128_bn64_w4_qreg_scalar_sm80
+ptxas info    : Compiling entry function '{_LOGGED}' for 'sm_80'
+ptxas info    : Function properties for {_LOGGED}
 ptxas         .     32 bytes stack frame, 24 bytes spill stores, 40 bytes spill loads
 ptxas info    : Used 255 registers, used 1 barriers, 32 bytes cumulative stack size, 528 bytes cmem[0]
 ptxas info    : Compile time = 276.694 ms
@@ -483,9 +514,157 @@ def test_parse_ptxas_report():
     assert jit.parse_ptxas_report("ptxas info    : Used 96 registers, 384 bytes cmem[0]") == {"registers": 96}
 
 
-def test_compiled_header_carries_the_ptxas_report(compiled):
-    _, header, _ = compiled
+def test_compiled_header_carries_the_ptxas_report(compiled_with_log):
+    cubin, header, log = compiled_with_log
     p = header["ptxas"]
-    assert set(p) == {"registers", "stack_frame", "spill_stores", "spill_loads"}
-    assert 0 < p["registers"] <= 255
+    # registers and stack frame come from the cubin itself: always there. Spill bytes come only from
+    # ptxas's -v report, which is missing when NVRTC (12.9+) serves the program from its own cache.
+    assert {"registers", "stack_frame"} <= set(p) <= {"registers", "stack_frame", "spill_stores", "spill_loads"}
+    assert 0 < p["registers"] <= 255 and p["stack_frame"] >= 0
+    assert {k: p[k] for k in ("registers", "stack_frame")} == jit.cubin_resources(cubin)
+    report = jit.parse_ptxas_report(log)
+    assert {k: v for k, v in p.items() if k.startswith("spill_")} == {
+        k: v for k, v in report.items() if k.startswith("spill_")
+    }
+    if report:  # ptxas ran: its report and the cubin agree
+        assert set(report) == {"registers", "stack_frame", "spill_stores", "spill_loads"}
+        assert p == report
     assert header["smem_bytes"] == CHEAP.smem_bytes and header["threads"] == CHEAP.threads
+
+
+def test_compiled_header_without_the_ptxas_report(compiled, monkeypatch):
+    """What NVRTC 12.9+ does when its own cache serves the program: no ptxas run, an empty log.
+    (On the GPU machine, NVRTC 13.0, this made every header lack "registers".)"""
+    from cupy.cuda import nvrtc
+
+    monkeypatch.setattr(nvrtc, "getProgramLog", lambda prog: "")
+    cubin, header = jit.compile_cubin(CHEAP)
+    assert cubin == compiled[0]
+    assert header["ptxas"] == jit.cubin_resources(cubin)
+    assert set(header["ptxas"]) == {"registers", "stack_frame"}
+    assert {k: compiled[1]["ptxas"][k] for k in ("registers", "stack_frame")} == header["ptxas"]
+
+
+# ---------------------------------------------------------------------------------------------
+# cubin_resources: registers and stack frame from the cubin's .nv.info
+# ---------------------------------------------------------------------------------------------
+
+
+def _nvrtc_compile(source: str, arch: str = "sm_80", extra=()) -> tuple[bytes, str]:
+    """(cubin, log) of ``source`` compiled with ptxas -v; cuflash headers may be included."""
+    from cupy.cuda import nvrtc
+
+    headers = jit.included_headers(source)
+    prog = nvrtc.createProgram(source, "probe.cu", [h.encode() for h in headers.values()], [n.encode() for n in headers])
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["-std=c++17", "-Xptxas=-v", f"-arch={arch}", *extra])
+        except nvrtc.NVRTCError as exc:
+            raise jit.CompileError(nvrtc.getProgramLog(prog)) from exc
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+#: A kernel with a dynamically indexed local array: it must live in local memory (stack frame
+#: 64 * 4 bytes). The nonce makes the program new to NVRTC's own cache, so ptxas runs and reports.
+_LOCAL_ARRAY_KERNEL = """
+extern "C" __global__ void probe_{nonce}(float* out, int i) {{
+    float a[64];
+    for (int j = 0; j < 64; ++j) a[j] = out[j];
+    a[i & 63] += 1.0f;
+    out[threadIdx.x] = a[(i >> 6) & 63] + {nonce}.0f;
+}}
+"""
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_cubin_resources_agree_with_ptxas(arch):
+    nonce = random.randrange(1 << 30)
+    cubin, log = _nvrtc_compile(_LOCAL_ARRAY_KERNEL.format(nonce=nonce), arch)
+    report = jit.parse_ptxas_report(log)
+    assert {"registers", "stack_frame"} <= set(report), f"ptxas did not report (NVRTC cache?):\n{log}"
+    res = jit.cubin_resources(cubin)
+    assert res == {"registers": report["registers"], "stack_frame": report["stack_frame"]}
+    assert res["stack_frame"] >= 64 * 4  # the local array
+    assert 1 <= res["registers"] <= 255
+
+
+def test_cubin_resources_of_a_kernel_variant(compiled_with_log):
+    cubin, header, log = compiled_with_log
+    res = jit.cubin_resources(cubin)
+    assert set(res) == {"registers", "stack_frame"}
+    assert 1 <= res["registers"] <= 255 and res["stack_frame"] >= 0
+    report = jit.parse_ptxas_report(log)
+    if report:  # present unless NVRTC served the program from its own cache
+        assert res == {"registers": report["registers"], "stack_frame": report["stack_frame"]}
+
+
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"",
+        b"garbage bytes, not an ELF file at all",
+        b"//\n// Generated by NVIDIA NVVM Compiler\n.version 8.5\n.target sm_80\n",  # PTX text
+        b"\x7fELF\x01\x01\x01" + b"\0" * 100,  # a 32-bit ELF
+        jit._MAGIC + b"\0" * 100,  # a cache entry is not a bare cubin
+    ],
+)
+def test_cubin_resources_rejects_non_elf_bytes(blob):
+    with pytest.raises(ValueError):
+        jit.cubin_resources(blob)
+
+
+def test_cubin_resources_rejects_cache_entries(compiled):
+    cubin, _, blob = compiled
+    with pytest.raises(ValueError):
+        jit.cubin_resources(blob)  # the entry wraps the cubin; only the cubin itself is ELF
+    assert jit.cubin_resources(cubin)
+
+
+@pytest.mark.parametrize("keep", [4, 5, 64, "half"])
+def test_cubin_resources_rejects_truncated_cubins(compiled, keep):
+    cubin = compiled[0]
+    with pytest.raises(ValueError):
+        jit.cubin_resources(cubin[: len(cubin) // 2 if keep == "half" else keep])
+
+
+# ---------------------------------------------------------------------------------------------
+# FwdConfig in the kernel source against plan (NVRTC front end only: nothing is generated)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fwd_config_checks(specs) -> str:
+    lines = ['#include "flash_fwd.cuh"']
+    for s in specs:
+        cfg = f"cuflash::FwdConfig<{s.template_args()}>"
+        lines += [
+            f"static_assert({cfg}::kSmemBytes == {s.smem_bytes}, \"{s.name}: smem\");",
+            f"static_assert({cfg}::kNThreads == {s.threads}, \"{s.name}: threads\");",
+            f"static_assert({cfg}::kStages == {s.tile.stages}, \"{s.name}: stages\");",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def test_fwd_config_matches_plan_for_every_tile():
+    """plan.fwd_smem_bytes is what the launch asks for; FwdConfig::kSmemBytes is what the kernel uses."""
+    specs = [plan.fwd_spec(d, "bf16", False, True, "sm_80") for d in plan.HEAD_DIM_BUCKETS]
+    specs += [plan.with_tile(s, dataclasses.replace(s.tile, stages=3 - s.tile.stages)) for s in specs]
+    assert {s.tile.stages for s in specs} == {1, 2}
+    _nvrtc_compile(_fwd_config_checks(specs))  # raises on any failed static_assert
+
+
+def test_fwd_config_checks_can_fail():
+    spec = plan.fwd_spec(64, "bf16", False, True, "sm_80")
+    wrong = dataclasses.replace(spec, tile=dataclasses.replace(spec.tile, stages=3 - spec.tile.stages))
+    src = _fwd_config_checks([spec]).replace(f"== {spec.smem_bytes},", f"== {wrong.smem_bytes},", 1)
+    with pytest.raises(jit.CompileError, match="smem"):
+        _nvrtc_compile(src)
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+def test_kernel_rejects_other_stage_counts(stages):
+    spec = plan.fwd_spec(64, "bf16", False, True, "sm_80")
+    spec = plan.with_tile(spec, dataclasses.replace(spec.tile, stages=stages))
+    with pytest.raises(jit.CompileError, match="single or double buffered"):
+        _nvrtc_compile(f'#include "flash_fwd.cuh"\nconstexpr int n = cuflash::FwdConfig<{spec.template_args()}>::kSmemBytes;\n')

@@ -4,6 +4,7 @@ Pure Python: no CuPy, no NVRTC, no GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import math
 import re
@@ -109,7 +110,15 @@ def test_tiles_satisfy_the_kernel_static_asserts(bucket):
     assert t.block_m % (16 * t.warps) == 0  # every warp owns whole 16-row MMA slabs
     assert t.block_n % 16 == 0  # K/V tiles are whole MMA k-steps
     assert ((bucket + 8) // 8) % 2 == 1  # odd 16-byte smem row stride (ldmatrix conflict free)
+    assert t.stages in (1, 2)  # single or double buffered K/V tiles
     assert 1 <= t.warps <= 32 and t.min_blocks >= 1
+
+
+def test_tile_defaults_to_double_buffering():
+    t = plan.Tile(128, 64, 4, False, 2)
+    assert t.stages == 2
+    single = dataclasses.replace(t, stages=1)
+    assert single != t and len({single, t}) == 2  # stages is part of a tile's identity
 
 
 def test_static_asserts_in_the_source_are_the_ones_checked_here():
@@ -121,6 +130,7 @@ def test_static_asserts_in_the_source_are_the_ones_checked_here():
         "kBlockM % (16 * kNWarps) == 0",
         "kBlockN % 16 == 0",
         "(kSmemStride / 8) % 2 == 1",
+        "kStages == 1 || kStages == 2",
     ]
 
 
@@ -129,7 +139,7 @@ def test_tile_shared_memory(bucket):
     t = plan.FWD_TILES[bucket]
     smem = plan.fwd_smem_bytes(bucket, t)
     stride = bucket + 8  # elements per padded smem row, 2 bytes each
-    assert smem == 2 * stride * (t.block_m + 2 * 2 * t.block_n)  # Q + 2 stages of K and V
+    assert smem == 2 * stride * (t.block_m + 2 * t.stages * t.block_n)  # Q + `stages` buffers of K and V
     assert smem <= MAX_SMEM_PER_BLOCK["sm_90a"]
     # __launch_bounds__(threads, min_blocks) promises min_blocks CTAs per SM: their smem must fit.
     assert t.min_blocks * (smem + RESERVED_SMEM_PER_CTA) <= SMEM_PER_SM_SM90
@@ -140,18 +150,35 @@ def test_tile_shared_memory(bucket):
     assert 65536 // (t.min_blocks * t.warps * 32) >= 255
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="plan.FWD_TILES is sized for sm_90 (227 KB): hd 224/256 exceed sm_80's 163 KB and hd >= 128 "
-    "exceeds sm_86/sm_89's 99 KB per block, and plan_forward does not check the arch's limit",
-)
+def test_smem_grows_with_stages():
+    for bucket, t in plan.FWD_TILES.items():
+        one = plan.fwd_smem_bytes(bucket, dataclasses.replace(t, stages=1))
+        two = plan.fwd_smem_bytes(bucket, dataclasses.replace(t, stages=2))
+        assert two - one == 2 * 2 * t.block_n * (bucket + 8)  # one more K and one more V buffer
+        assert plan.fwd_smem_bytes(bucket, t) == (one if t.stages == 1 else two)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86"])
 def test_tiles_fit_the_smem_of_every_supported_arch(arch):
+    too_big = []
     for bucket in plan.HEAD_DIM_BUCKETS:
         launch = plan.plan_forward(batch=1, seqlen_q=1, seqlen_k=1, nheads=1, nheads_kv=1, head_dim=bucket,
                                    dtype="bf16", causal=False, aligned=True, arch=arch)  # fmt: skip
-        assert launch.smem_bytes <= MAX_SMEM_PER_BLOCK[arch], f"hd{bucket} on {arch}"
+        if launch.smem_bytes > MAX_SMEM_PER_BLOCK[arch]:
+            too_big.append(f"hd{bucket}: {launch.smem_bytes} B")
+    assert not too_big, f"over {MAX_SMEM_PER_BLOCK[arch]} B per block on {arch}: {', '.join(too_big)}"
+
+
+def test_fwd_tile_keeps_the_tuned_row_on_hopper_and_shrinks_only_where_needed():
+    for bucket in plan.HEAD_DIM_BUCKETS:
+        assert plan.fwd_tile(bucket, "sm_90a") == plan.FWD_TILES[bucket]
+        for arch in ("sm_80", "sm_86", "sm_89", "sm_120"):
+            t = plan.fwd_tile(bucket, arch)
+            assert plan.fwd_smem_bytes(bucket, t) <= plan.max_smem_bytes(arch)
+            if plan.fwd_smem_bytes(bucket, plan.FWD_TILES[bucket]) <= plan.max_smem_bytes(arch):
+                assert t == plan.FWD_TILES[bucket]
+    with pytest.raises(ValueError, match="shared memory"):
+        plan.fwd_spec(256, "bf16", False, True, "sm_86", plan.Tile(128, 64, 8, False, 1, stages=2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +187,7 @@ def test_tiles_fit_the_smem_of_every_supported_arch(arch):
 
 _NAME_RE = re.compile(
     r"^flash_fwd_hd(?P<hd>\d+)_(?P<dtype>fp16|bf16)_(?P<mask>causal|full)_bm(?P<bm>\d+)_bn(?P<bn>\d+)"
-    r"_w(?P<w>\d+)_(?P<q>qreg|qsmem)_(?P<load>vec16|scalar)_(?P<arch>sm\d+a?)$"
+    r"_w(?P<w>\d+)_mb(?P<mb>\d+)_st(?P<st>\d+)_(?P<q>qreg|qsmem)_(?P<load>vec16|scalar)_(?P<arch>sm\d+a?)$"
 )
 
 
@@ -187,26 +214,39 @@ def test_names_spell_every_template_argument():
         assert int(m["hd"]) == s.head_dim and m["dtype"] == s.dtype
         assert (m["mask"] == "causal") == s.causal and (m["load"] == "vec16") == s.aligned
         assert (int(m["bm"]), int(m["bn"]), int(m["w"])) == (t.block_m, t.block_n, t.warps)
+        assert (int(m["mb"]), int(m["st"])) == (t.min_blocks, t.stages)
         assert (m["q"] == "qreg") == t.q_in_regs
         assert m["arch"] == s.arch.replace("_", "")
         assert s.name.isidentifier() and not keyword.iskeyword(s.name)  # also the kernel's C symbol
     assert len({s.name for s in specs}) == len(specs) == 2 * 64
 
 
+#: Another value for each Tile field (a new field fails the test below until it gets one here).
+_OTHER_TILE_VALUE = {
+    "block_m": lambda t: t.block_m // 2,
+    "block_n": lambda t: t.block_n // 2,
+    "warps": lambda t: t.warps * 2,
+    "q_in_regs": lambda t: not t.q_in_regs,
+    "min_blocks": lambda t: 3 - t.min_blocks,
+    "stages": lambda t: 3 - t.stages,
+}
+
+
 def test_names_differ_for_every_template_argument():
     base = plan.fwd_spec(64, "fp16", False, True, "sm_80")
     t = base.tile
+    assert {f.name for f in dataclasses.fields(plan.Tile)} == set(_OTHER_TILE_VALUE)
     variants = [
         plan.fwd_spec(128, "fp16", False, True, "sm_80"),
         plan.fwd_spec(64, "bf16", False, True, "sm_80"),
         plan.fwd_spec(64, "fp16", True, True, "sm_80"),
         plan.fwd_spec(64, "fp16", False, False, "sm_80"),
         plan.fwd_spec(64, "fp16", False, True, "sm_86"),
-        plan.with_tile(base, plan.Tile(64, t.block_n, t.warps, t.q_in_regs, t.min_blocks)),
-        plan.with_tile(base, plan.Tile(t.block_m, 32, t.warps, t.q_in_regs, t.min_blocks)),
-        plan.with_tile(base, plan.Tile(t.block_m, t.block_n, 8, t.q_in_regs, t.min_blocks)),
-        plan.with_tile(base, plan.Tile(t.block_m, t.block_n, t.warps, not t.q_in_regs, t.min_blocks)),
     ]
+    for field, other in _OTHER_TILE_VALUE.items():
+        changed = dataclasses.replace(t, **{field: other(t)})
+        assert changed != t, field
+        variants.append(plan.with_tile(base, changed))
     names = [base.name] + [v.name for v in variants]
     assert len(set(names)) == len(names)
 
@@ -217,15 +257,15 @@ def test_template_args_follow_the_fwdconfig_parameter_order():
     decl = re.search(r"template\s*<([^>]*)>\s*struct\s+FwdConfig\b", src)
     assert decl, "FwdConfig declaration not found"
     params = [p.split()[-1] for p in decl.group(1).split(",")]
-    spec = plan.fwd_spec(96, "bf16", True, False, "sm_90a", plan.Tile(64, 32, 2, True, 1))
+    spec = plan.fwd_spec(96, "bf16", True, False, "sm_90a", plan.Tile(64, 32, 2, True, 1, stages=1))
     value = {
         "kHeadDim_": "96", "kBlockM_": "64", "kBlockN_": "32", "kNWarps_": "2", "kIsBF16_": "true",
-        "kIsCausal_": "true", "kAligned_": "false", "kQInRegs_": "true",
+        "kIsCausal_": "true", "kAligned_": "false", "kQInRegs_": "true", "kStages_": "1",
     }  # fmt: skip
     assert set(params) == set(value)
     assert spec.template_args() == ", ".join(value[p] for p in params)
     fp16 = plan.fwd_spec(96, "fp16", False, False, "sm_90a", plan.Tile(64, 32, 2, False, 1))
-    assert fp16.template_args() == "96, 64, 32, 2, false, false, false, false"
+    assert fp16.template_args() == "96, 64, 32, 2, false, false, false, false, 2"  # stages defaults to 2
 
 
 @pytest.mark.parametrize("d", [d for d in range(1, 257) if d % 8])
@@ -280,8 +320,9 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
                                aligned=aligned, arch=arch)  # fmt: skip
     spec = launch.spec
     bucket = plan.head_dim_bucket(head_dim)
-    t = plan.FWD_TILES[bucket]
+    t = plan.fwd_tile(bucket, arch)
     assert spec == plan.KernelSpec("flash_fwd", bucket, dtype, causal, aligned, t, arch)
+    assert t == plan.FWD_TILES[bucket] or plan.fwd_smem_bytes(bucket, plan.FWD_TILES[bucket]) > plan.max_smem_bytes(arch)
     assert launch.grid == (math.ceil(seqlen_q / t.block_m), nheads, batch)
     assert (launch.grid[0] - 1) * t.block_m < seqlen_q <= launch.grid[0] * t.block_m  # every row, once
     assert launch.block == (t.warps * 32, 1, 1) == (spec.threads, 1, 1)
@@ -295,7 +336,11 @@ def test_plan_forward_with_a_tile():
                                causal=True, aligned=True, arch="sm_80", tile=tile)  # fmt: skip
     assert launch.spec.tile == tile and launch.spec.head_dim == 96
     assert launch.grid == (2, 4, 3) and launch.block == (64, 1, 1)
-    assert launch.smem_bytes == 2 * (64 * 104 + 4 * 32 * 104)
+    assert launch.smem_bytes == 2 * (64 * 104 + 4 * 32 * 104)  # Q + 2 stages of K and V
+    single = plan.plan_forward(batch=3, seqlen_q=65, seqlen_k=7, nheads=4, nheads_kv=2, head_dim=80, dtype="fp16",
+                               causal=True, aligned=True, arch="sm_80", tile=dataclasses.replace(tile, stages=1))  # fmt: skip
+    assert single.smem_bytes == 2 * (64 * 104 + 2 * 32 * 104)  # Q + 1 stage of K and V
+    assert single.spec.name != launch.spec.name and single.grid == launch.grid
 
 
 _OK = dict(batch=2, seqlen_q=10, seqlen_k=12, nheads=8, nheads_kv=2, head_dim=64, dtype="bf16", causal=False,
