@@ -56,29 +56,26 @@ def _causal_options(f):
     return f
 
 
-def _parse_archs(ctx, param, values):
+def _normalized(ctx, param, values, normalize):
+    """Each value through ``normalize`` (ValueError -> usage error), duplicates removed, order kept."""
     out = []
     for v in values:
         try:
-            a = plan.parse_arch(v)
+            n = normalize(v)
         except ValueError as exc:
             raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
-        if a not in out:
-            out.append(a)
+        if n not in out:
+            out.append(n)
     return tuple(out)
+
+
+def _parse_archs(ctx, param, values):
+    return _normalized(ctx, param, values, plan.parse_arch)
 
 
 def _parse_head_dims(ctx, param, values):
-    """Head dims 1..256 -> their buckets, duplicates removed, order kept."""
-    out = []
-    for d in values:
-        try:
-            b = plan.head_dim_bucket(d)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
-        if b not in out:
-            out.append(b)
-    return tuple(out)
+    """Head dims 1..256 -> their buckets."""
+    return _normalized(ctx, param, values, plan.head_dim_bucket)
 
 
 @contextlib.contextmanager
