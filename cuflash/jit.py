@@ -45,7 +45,8 @@ logger = logging.getLogger("cuflash")
 BASE_OPTIONS = ("-std=c++17", "-Xptxas=-v")
 
 #: Generated entry point per kernel family: an extern "C" wrapper named after the variant, which
-#: instantiates the templated kernel with the variant's arguments.
+#: instantiates the templated kernel with the variant's arguments. A spec of any family provides
+#: family, name, arch, threads, min_blocks, smem_bytes and template_args() (see plan.KernelSpec).
 ENTRY_TEMPLATES = {
     "flash_fwd": (
         '#include "flash_fwd.cuh"\n'
@@ -109,7 +110,7 @@ _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 def entry_source(spec: plan.KernelSpec) -> str:
     return ENTRY_TEMPLATES[spec.family].format(
-        threads=spec.threads, min_blocks=spec.tile.min_blocks, name=spec.name, template_args=spec.template_args()
+        threads=spec.threads, min_blocks=spec.min_blocks, name=spec.name, template_args=spec.template_args()
     )
 
 

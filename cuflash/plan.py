@@ -159,6 +159,10 @@ class KernelSpec:
         return self.tile.warps * 32
 
     @property
+    def min_blocks(self) -> int:
+        return self.tile.min_blocks
+
+    @property
     def smem_bytes(self) -> int:
         return fwd_smem_bytes(self.head_dim, self.tile)
 
