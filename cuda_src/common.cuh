@@ -99,6 +99,34 @@ CUFLASH_DEVICE float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// One 2-byte float (raw bits) -> fp32.
+template <bool kIsBF16>
+CUFLASH_DEVICE float to_float(u16 x) {
+    if constexpr (kIsBF16) {
+        return __uint_as_float(static_cast<u32>(x) << 16);  // bf16 is the top half of an fp32
+    } else {
+        float f;
+        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+        return f;
+    }
+}
+
+CUFLASH_DEVICE float warp_sum(float x) {
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+
+// ---- Ordering between CTAs (the deterministic backward's dQ turn counters) ----
+CUFLASH_DEVICE int ld_acquire_gpu(const int* g_ptr) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(g_ptr) : "memory");
+    return v;
+}
+CUFLASH_DEVICE void red_release_gpu_add(int* g_ptr, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(g_ptr), "r"(v) : "memory");
+}
+
 CUFLASH_DEVICE int ceil_div_nonneg(int a, int b) { return a <= 0 ? 0 : (a + b - 1) / b; }
 
 }  // namespace cuflash

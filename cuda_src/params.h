@@ -42,6 +42,46 @@ struct FwdParams {
     float scale_log2;          // softmax_scale * log2(e): the kernel exponentiates with exp2
 };
 
+// Parameter block shared by the three backward kernels (cuda_src/flash_bwd.cuh): preprocess,
+// main (dK, dV and dQ partial sums) and the dQ convert. Same units as FwdParams.
+struct BwdParams {
+    const void* q;             // (batch, seqlen_q, nheads, head_dim)
+    const void* k;             // (batch, seqlen_k, nheads_kv, head_dim)
+    const void* v;             // (batch, seqlen_k, nheads_kv, head_dim)
+    const void* o;             // forward output, shape of q
+    const void* dout;          // gradient of the output, shape of q
+    const float* lse;          // forward lse (batch, nheads, seqlen_q) float32, contiguous, natural log
+    void* dq;                  // shape of q, dtype of q
+    void* dk;                  // shape of k
+    void* dv;                  // shape of v
+    float* lse_log2;           // (batch, nheads, seqlen_q_pad): lse * log2(e); +inf for rows that see
+                               // no key and for padding rows (their P is then exactly 0)
+    float* dsum;               // (batch, nheads, seqlen_q_pad): D = rowsum(dO * O); 0 on padding rows
+    float* dq_accum;           // (batch, nheads, seqlen_q_pad, dq_accum_cols) fp32, zeroed before the main kernel
+    int* dq_turn;              // (batch, nheads, num_m_blocks) int32, zeroed: deterministic mode's turn counters
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long do_batch_stride, do_row_stride, do_head_stride;
+    long long dq_batch_stride, dq_row_stride, dq_head_stride;
+    long long dk_batch_stride, dk_row_stride, dk_head_stride;
+    long long dv_batch_stride, dv_row_stride, dv_head_stride;
+    int batch;
+    int nheads;
+    int nheads_kv;
+    int head_ratio;            // nheads / nheads_kv
+    int seqlen_q;
+    int seqlen_k;
+    int head_dim;
+    int seqlen_q_pad;          // num_m_blocks * kBlockM of the main kernel: rows of lse_log2 / dsum / dq_accum
+    int dq_accum_cols;         // head-dim bucket of the main kernel: columns of dq_accum
+    int num_m_blocks;          // ceil(seqlen_q / kBlockM)
+    int deterministic;         // 1: dQ partial sums are added in kv-block order (bitwise reproducible)
+    float softmax_scale;
+    float scale_log2;          // softmax_scale * log2(e)
+};
+
 #ifdef __cplusplus
 }  // namespace cuflash
 #endif

@@ -10,5 +10,6 @@ the float64 oracle the kernels are tested against.
 """
 from ._version import __version__
 from .attention import attention
+from .backward import attention_backward
 
-__all__ = ["__version__", "attention"]
+__all__ = ["__version__", "attention", "attention_backward"]

@@ -87,8 +87,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     return _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out)
 
 
-def _forward(q, k, v, *, causal, softmax_scale, return_lse, out, tile: plan.Tile | None = None):
-    cupy = _cupy()
+def _check_inputs(q, k, v, cupy):
+    """Checks q, k, v; returns (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_array(name, x, cupy)
     if not (q.dtype == k.dtype == v.dtype):
@@ -111,26 +111,44 @@ def _forward(q, k, v, *, causal, softmax_scale, return_lse, out, tile: plan.Tile
     for name, x in (("k", k), ("v", v)):
         if x.device.id != device_id:
             raise ValueError(f"q is on device {device_id} but {name} is on device {x.device.id}; move them to one device")
+    if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
+        raise ValueError(f"batch and nheads must each be at most {_MAX_GRID_YZ}, got {batch} and {nheads}")
+    return batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id
+
+
+def _resolve_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     softmax_scale = float(softmax_scale)
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
-    if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
-        raise ValueError(f"batch and nheads must each be at most {_MAX_GRID_YZ}, got {batch} and {nheads}")
+    return softmax_scale
+
+
+def _check_like(name: str, x, like_name: str, like, device_id: int, cupy) -> None:
+    """x must be a CuPy array of like's shape and dtype, on device_id, contiguous in its last dim."""
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__name__}")
+    if x.shape != like.shape or x.dtype != like.dtype:
+        raise ValueError(
+            f"{name} must have {like_name}'s shape {like.shape} and dtype {like.dtype}, got {x.shape} {x.dtype}"
+        )
+    if x.device.id != device_id:
+        raise ValueError(f"{name} is on device {x.device.id}, {like_name} on device {device_id}")
+    if x.size > 0 and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.strides}")
+
+
+def _forward(q, k, v, *, causal, softmax_scale, return_lse, out, tile: plan.Tile | None = None):
+    cupy = _cupy()
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = _check_inputs(q, k, v, cupy)
+    softmax_scale = _resolve_scale(softmax_scale, head_dim)
 
     with cupy.cuda.Device(device_id):
         if out is None:
             out = cupy.empty(q.shape, dtype=q.dtype)
         else:
-            if not isinstance(out, cupy.ndarray):
-                raise TypeError(f"out must be a cupy.ndarray, got {type(out).__name__}")
-            if out.shape != q.shape or out.dtype != q.dtype:
-                raise ValueError(f"out must have q's shape {q.shape} and dtype {q.dtype}, got {out.shape} {out.dtype}")
-            if out.device.id != device_id:
-                raise ValueError(f"out is on device {out.device.id}, q on device {device_id}")
-            if out.size > 0 and head_dim > 1 and out.strides[3] != out.itemsize:
-                raise ValueError(f"out must be contiguous in its last dimension, got strides {out.strides}")
+            _check_like("out", out, "q", q, device_id, cupy)
         lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32)
 
         if batch == 0 or seqlen_q == 0 or nheads == 0 or head_dim == 0:

@@ -1,8 +1,11 @@
-"""Forward benchmark: cuflash side by side with its peers on the FlashAttention-2 paper grid.
+"""Prefill benchmark: cuflash side by side with its peers on the FlashAttention-2 paper grid.
 
 FLOP model (written once, printed with every table):
     forward  = 4 * batch * seqlen_q * seqlen_k * nheads * headdim     (two matmuls, 2 FLOPs/MAC)
+    backward = 2.5 x forward (five matmuls against two, as in the FA2 paper); fwd+bwd = 3.5 x forward
     causal   = half of that (square case: only the lower triangle is computed)
+Ops: "fwd" times the forward; "bwd" the backward alone (outputs, lse and dout computed beforehand);
+"fwd+bwd" one forward followed by its backward.
 Grid (DESIGN.md): batch * seqlen = tokens (16384), nheads * headdim = hidden (2048),
 headdim 64/128/256, causal and not, seqlen 512..16384.
 
@@ -25,12 +28,19 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-FLOP_MODEL = "fwd FLOPs = 4*b*s_q*s_k*h*d, x0.5 causal"
+FLOP_MODEL = "fwd FLOPs = 4*b*s_q*s_k*h*d, x0.5 causal; bwd = 2.5x fwd; fwd+bwd = 3.5x fwd"
+
+OPS = ("fwd", "bwd", "fwd+bwd")
+_OP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
 def fwd_flops(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, head_dim: int, causal: bool) -> float:
     f = 4.0 * batch * seqlen_q * seqlen_k * nheads * head_dim
     return f / 2 if causal else f
+
+
+def op_flops(op: str, batch: int, seqlen_q: int, seqlen_k: int, nheads: int, head_dim: int, causal: bool) -> float:
+    return _OP_FACTOR[op] * fwd_flops(batch, seqlen_q, seqlen_k, nheads, head_dim, causal)
 
 
 @dataclass
@@ -41,9 +51,10 @@ class Row:
     seqlen: int
     batch: int
     nheads: int
+    op: str = "fwd"  # "fwd" | "bwd" | "fwd+bwd"
     ms: dict = field(default_factory=dict)  # impl -> median ms
     tflops: dict = field(default_factory=dict)  # impl -> TFLOP/s
-    mem_mb: dict = field(default_factory=dict)  # impl -> extra device memory of one call (MB)
+    mem_mb: dict = field(default_factory=dict)  # impl -> peak device memory one call adds (MB)
     notes: dict = field(default_factory=dict)  # impl -> why it did not run
     host_us: float = float("nan")  # cuflash host time per call (checks, planning, launch)
 
@@ -148,39 +159,58 @@ def _naive(q, k, v, causal: bool, scale: float):
     return cupy.matmul(p, vf).astype(q.dtype).transpose(0, 2, 1, 3)
 
 
-def _extra_mb(fn) -> float:
-    """Device memory held by the result of one call through CuPy's pool (MB)."""
+def _peak_extra_mb(fn) -> float:
+    """Peak device memory one call takes from CuPy's pool beyond what was in use before (MB).
+
+    The pool's cached free blocks are released first, so every byte the call allocates (and frees
+    again) grows the pool: its growth is the call's high-water mark.
+    """
     import cupy
 
     pool = cupy.get_default_memory_pool()
     cupy.cuda.get_current_stream().synchronize()
-    before = pool.used_bytes()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
     res = fn()
     cupy.cuda.get_current_stream().synchronize()
-    after = pool.used_bytes()
+    after = pool.total_bytes()
     del res
     return (after - before) / 2**20
 
 
 def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, nheads: int, *,
-              repeats: int = 30, peers: bool = True, naive_max_gb: float = 4.0, tile=None) -> Row:  # fmt: skip
+              repeats: int = 30, peers: bool = True, naive_max_gb: float = 4.0, tile=None, op: str = "fwd") -> Row:  # fmt: skip
     import cupy
     import numpy as np
 
     from .attention import _BF16, _forward
+    from .backward import attention_backward
 
     dt = _BF16 if dtype == "bf16" else np.dtype(np.float16)
     rng = cupy.random.default_rng()
     shape = (batch, seqlen, nheads, head_dim)
     q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(dt) for _ in range(3))
     scale = 1.0 / math.sqrt(head_dim)
-    row = Row(dtype, head_dim, causal, seqlen, batch, nheads)
-    flops = fwd_flops(batch, seqlen, seqlen, nheads, head_dim, causal)
+    row = Row(dtype, head_dim, causal, seqlen, batch, nheads, op=op)
+    flops = op_flops(op, batch, seqlen, seqlen, nheads, head_dim, causal)
     out = cupy.empty_like(q)
+    dout = rng.standard_normal(shape, dtype=cupy.float32).astype(dt)
+    grads = [cupy.empty_like(x) for x in (q, k, v)]
 
-    def ours():
-        return _forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=False, out=out, tile=tile)
+    def forward():
+        return _forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=op != "fwd", out=out, tile=tile)
 
+    def backward(o, lse):
+        return attention_backward(dout, q, k, v, o, lse, causal=causal, softmax_scale=scale,
+                                  dq=grads[0], dk=grads[1], dv=grads[2])  # fmt: skip
+
+    if op == "fwd":
+        ours = forward
+    elif op == "bwd":
+        saved = forward()
+        ours = lambda: backward(*saved)  # noqa: E731
+    else:
+        ours = lambda: backward(*forward())  # noqa: E731
     impls = {"cuflash": ours}
     torch = _torch() if peers else None
     if peers and torch is None:
@@ -190,17 +220,25 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
         tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))  # (b, h, s, d) views
+        tdo = torch.from_dlpack(dout).transpose(1, 2)
+        if op != "fwd":
+            tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
 
         def peer(backend):
-            def run():
+            def fwd():
                 with sdpa_kernel(backend):
                     return sdpa(tq, tk, tv, is_causal=causal, scale=scale)
 
-            return run
+            if op == "fwd":
+                return fwd
+            if op == "fwd+bwd":
+                return lambda: torch.autograd.grad(fwd(), (tq, tk, tv), tdo)
+            saved = fwd()  # the backend's backward runs on the graph its forward recorded
+            return lambda: torch.autograd.grad(saved, (tq, tk, tv), tdo, retain_graph=True)
 
         impls["flash"] = peer(SDPBackend.FLASH_ATTENTION)
         impls["cudnn"] = peer(SDPBackend.CUDNN_ATTENTION)
-    if peers and batch * nheads * seqlen * seqlen * 4 <= naive_max_gb * 2**30:
+    if peers and op == "fwd" and batch * nheads * seqlen * seqlen * 4 <= naive_max_gb * 2**30:
         impls["naive"] = lambda: _naive(q, k, v, causal, scale)
 
     runnable = {}
@@ -221,7 +259,7 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
     for name, fn in runnable.items():
         row.tflops[name] = flops / (row.ms[name] * 1e-3) / 1e12
         if name in ("cuflash", "naive"):
-            row.mem_mb[name] = round(_extra_mb(fn), 1)
+            row.mem_mb[name] = round(_peak_extra_mb(fn), 1)
         else:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -242,12 +280,13 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def grid(head_dims, seqlens, tokens: int, hidden: int, dtypes, causals):
-    for dtype in dtypes:
-        for hd in head_dims:
-            for causal in causals:
-                for s in seqlens:
-                    yield dtype, hd, causal, s, max(1, tokens // s), max(1, hidden // hd)
+def grid(head_dims, seqlens, tokens: int, hidden: int, dtypes, causals, ops=("fwd",)):
+    for op in ops:
+        for dtype in dtypes:
+            for hd in head_dims:
+                for causal in causals:
+                    for s in seqlens:
+                        yield op, dtype, hd, causal, s, max(1, tokens // s), max(1, hidden // hd)
 
 
 def format_table(rows: list[Row], env: dict) -> str:
@@ -255,8 +294,8 @@ def format_table(rows: list[Row], env: dict) -> str:
         f"GPU {env['gpu']} (sm {env['compute_capability']}, {env['sm_count']} SMs) | cuflash {env['cuflash']} "
         f"| NVRTC {env['nvrtc']} | torch {env.get('torch', '-')} | cuDNN {env.get('cudnn', '-')}",
         f"TFLOP/s, {FLOP_MODEL}; ratio = cuflash / peer (>1: cuflash faster); ms = cuflash device time; "
-        "mem = extra MB of one call; host us = cuflash host time per call",
-        f"{'dtype':5} {'hd':>3} {'causal':6} {'seqlen':>6} {'b':>3} {'h':>3} | {'cuflash':>7} {'flash':>7} "
+        "mem = peak MB one call adds; host us = cuflash host time per call",
+        f"{'op':7} {'dtype':5} {'hd':>3} {'causal':6} {'seqlen':>6} {'b':>3} {'h':>3} | {'cuflash':>7} {'flash':>7} "
         f"{'cudnn':>7} {'naive':>7} | {'vs flash':>8} {'vs cudnn':>8} | {'ms':>8} {'mem':>7} {'host us':>7}",
     ]
 
@@ -271,43 +310,41 @@ def format_table(rows: list[Row], env: dict) -> str:
         vf = t["cuflash"] / t["flash"] if "cuflash" in t and "flash" in t else None
         vc = t["cuflash"] / t["cudnn"] if "cuflash" in t and "cudnn" in t else None
         lines.append(
-            f"{r.dtype:5} {r.head_dim:>3} {str(r.causal):6} {r.seqlen:>6} {r.batch:>3} {r.nheads:>3} | "
+            f"{r.op:7} {r.dtype:5} {r.head_dim:>3} {str(r.causal):6} {r.seqlen:>6} {r.batch:>3} {r.nheads:>3} | "
             f"{f(t.get('cuflash'))} {f(t.get('flash'))} {f(t.get('cudnn'))} {f(t.get('naive'))} | "
             f"{_ratio(vf)} {_ratio(vc)} | "
             f"{r.ms.get('cuflash', float('nan')):8.3f} {r.mem_mb.get('cuflash', float('nan')):7.1f} {r.host_us:7.1f}"
         )
-    ratios = [r.tflops["cuflash"] / r.tflops["flash"] for r in rows if "flash" in r.tflops and "cuflash" in r.tflops]
-    if ratios:
-        lines.append(
-            f"cuflash / flash over {len(ratios)} points: median {statistics.median(ratios):.3f}, "
-            f"min {min(ratios):.3f}, max {max(ratios):.3f}"
-        )
-    ratios = [r.tflops["cuflash"] / r.tflops["cudnn"] for r in rows if "cudnn" in r.tflops and "cuflash" in r.tflops]
-    if ratios:
-        lines.append(
-            f"cuflash / cudnn over {len(ratios)} points: median {statistics.median(ratios):.3f}, "
-            f"min {min(ratios):.3f}, max {max(ratios):.3f}"
-        )
+    for op in dict.fromkeys(r.op for r in rows):
+        for peer in ("flash", "cudnn"):
+            ratios = [r.tflops["cuflash"] / r.tflops[peer] for r in rows
+                      if r.op == op and peer in r.tflops and "cuflash" in r.tflops]  # fmt: skip
+            if ratios:
+                lines.append(
+                    f"{op}: cuflash / {peer} over {len(ratios)} points: median {statistics.median(ratios):.3f}, "
+                    f"min {min(ratios):.3f}, max {max(ratios):.3f}"
+                )
     for r in rows:
         for impl, why in r.notes.items():
-            lines.append(f"note: {impl} at {r.dtype} hd{r.head_dim} causal={r.causal} s={r.seqlen}: {why}")
+            lines.append(f"note: {impl} at {r.op} {r.dtype} hd{r.head_dim} causal={r.causal} s={r.seqlen}: {why}")
     return "\n".join(lines)
 
 
 def plot(rows: list[Row], env: dict, path: str) -> None:
-    """FA2-paper-style grouped bars: one panel per (dtype, head dim, causal), bars per seqlen."""
+    """FA2-paper-style grouped bars: one panel per (op, dtype, head dim, causal), bars per seqlen."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r.dtype, r.head_dim, r.causal) for r in rows})
+    panels = sorted({(r.op, r.dtype, r.head_dim, r.causal) for r in rows})
     impls = [i for i in ("naive", "flash", "cudnn", "cuflash") if any(i in r.tflops for r in rows)]
     ncol = min(3, len(panels))
     nrow = math.ceil(len(panels) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(5.5 * ncol, 3.6 * nrow), squeeze=False)
-    for ax, (dt, hd, causal) in zip(axes.flat, panels):
-        sel = sorted((r for r in rows if (r.dtype, r.head_dim, r.causal) == (dt, hd, causal)), key=lambda r: r.seqlen)
+    for ax, (op, dt, hd, causal) in zip(axes.flat, panels):
+        sel = sorted((r for r in rows if (r.op, r.dtype, r.head_dim, r.causal) == (op, dt, hd, causal)),
+                     key=lambda r: r.seqlen)  # fmt: skip
         width = 0.8 / len(impls)
         for i, impl in enumerate(impls):
             xs = [j + i * width for j in range(len(sel))]
@@ -318,12 +355,12 @@ def plot(rows: list[Row], env: dict, path: str) -> None:
                     ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=6)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sel))])
         ax.set_xticklabels([f"{r.seqlen // 1024}k" if r.seqlen >= 1024 else str(r.seqlen) for r in sel])
-        ax.set_title(f"{dt} hd{hd} {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_title(f"{op} {dt} hd{hd} {'causal' if causal else 'non-causal'}", fontsize=9)
         ax.set_ylabel("TFLOP/s")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"Attention forward, {env['gpu']} ({FLOP_MODEL})", fontsize=10)
+    fig.suptitle(f"Attention, {env['gpu']} ({FLOP_MODEL})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -333,17 +370,18 @@ def _echo(msg: str, err: bool = False) -> None:
 
 
 def cli_main(head_dim, seqlen, tokens, hidden, dtype, causal, repeats, peers, json_path=None, plot_path=None,
-             echo=_echo):  # fmt: skip
+             echo=_echo, op="fwd"):  # fmt: skip
     """Entry point of `cuflash bench` (see cuflash/cli.py for the options)."""
     env = environment()
     dtypes = ("bf16", "fp16") if dtype == "both" else (dtype,)
     causals = {"both": (False, True), "causal": (True,), "no-causal": (False,)}[causal]
-    points = list(grid(head_dim, seqlen, tokens, hidden, dtypes, causals))
+    ops = OPS if op == "all" else (op,)
+    points = list(grid(head_dim, seqlen, tokens, hidden, dtypes, causals, ops))
     rows = []
     t0 = time.time()
-    for i, (dt, hd, c, s, b, h) in enumerate(points):
-        echo(f"[{i + 1}/{len(points)}] {dt} hd{hd} causal={c} seqlen={s} batch={b} heads={h}", err=True)
-        rows.append(run_point(dt, hd, c, s, b, h, repeats=repeats, peers=peers))
+    for i, (o, dt, hd, c, s, b, h) in enumerate(points):
+        echo(f"[{i + 1}/{len(points)}] {o} {dt} hd{hd} causal={c} seqlen={s} batch={b} heads={h}", err=True)
+        rows.append(run_point(dt, hd, c, s, b, h, repeats=repeats, peers=peers, op=o))
         _release_memory()
     table = format_table(rows, env)
     echo(table)

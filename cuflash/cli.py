@@ -26,6 +26,8 @@ from ._version import __version__
 #: Values of the three-way causal flag, shared by precompile and bench.
 CAUSAL_CHOICES = {"causal": (True,), "no-causal": (False,), "both": (False, True)}
 DTYPE_CHOICES = {"fp16": ("fp16",), "bf16": ("bf16",), "both": ("fp16", "bf16")}
+#: Kernel families `precompile --kernels` selects, each with the plan function listing its variants.
+KERNEL_FAMILIES = {"fwd": plan.all_fwd_specs, "bwd": plan.all_bwd_specs}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,11 +187,13 @@ def info():
 @click.option("--dtype", type=click.Choice(list(DTYPE_CHOICES)), default="both", show_default=True)
 @_causal_options
 @click.option("--all", "all_", is_flag=True, help="Every head-dim bucket (narrow with --dtype / --causal).")
+@click.option("--kernels", "kernels", multiple=True, type=click.Choice(list(KERNEL_FAMILIES)), metavar="FAMILY",
+              help=f"Kernel families to build (repeatable): {', '.join(KERNEL_FAMILIES)}. Default: all of them.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Parallel NVRTC compiles (separate processes).")
 @click.option("-v", "--verbose", is_flag=True, help="Log each compile and print registers / spills.")
-def precompile(archs, head_dims, dtype, causal, all_, jobs, verbose):
-    """Compile forward kernel variants into the disk cache (no GPU needed with --arch).
+def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
+    """Compile forward and backward kernel variants into the disk cache (no GPU needed with --arch).
 
     Both load paths (16-byte vector and element-wise) are built for every selection.
     """
@@ -209,9 +213,10 @@ def precompile(archs, head_dims, dtype, causal, all_, jobs, verbose):
 
     specs = []
     for arch in archs:
-        specs += plan.all_fwd_specs(
-            arch, head_dims=dims, dtypes=DTYPE_CHOICES[dtype], causals=CAUSAL_CHOICES[causal], aligned=(True, False)
-        )
+        for family in kernels or KERNEL_FAMILIES:
+            specs += KERNEL_FAMILIES[family](
+                arch, head_dims=dims, dtypes=DTYPE_CHOICES[dtype], causals=CAUSAL_CHOICES[causal], aligned=(True, False)
+            )
 
     t0 = time.perf_counter()
     with _quiet_compile_log(not verbose), click.progressbar(
@@ -288,13 +293,15 @@ def cache_clear(yes):
 @click.option("--hidden", type=int, default=2048, show_default=True, help="nheads = hidden // headdim.")
 @click.option("--dtype", type=click.Choice(list(DTYPE_CHOICES)), default="bf16", show_default=True)
 @_causal_options
+@click.option("--op", type=click.Choice(["fwd", "bwd", "fwd+bwd", "all"]), default="fwd", show_default=True,
+              help="Forward, backward alone, forward+backward, or all three.")
 @click.option("--repeats", type=int, default=30, show_default=True, help="Timed runs per point (median).")
 @click.option("--peers/--no-peers", default=True, show_default=True, help="Also time torch SDPA FA2 and cuDNN.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a plot (needs matplotlib).")
 def bench(**options):
-    """Forward speed on the FA2 paper's grid, side by side with the peers.
+    """Prefill speed (forward, backward) on the FA2 paper's grid, side by side with the peers.
 
     The options reach cuflash.bench.cli_main as keywords: ``causal`` is "causal", "no-causal" or
     "both"; ``dtype`` is "fp16", "bf16" or "both"; --json / --plot are ``json_path`` / ``plot_path``.

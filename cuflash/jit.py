@@ -55,6 +55,27 @@ ENTRY_TEMPLATES = {
         "    cuflash::flash_fwd_kernel<cuflash::FwdConfig<{template_args}>>(params);\n"
         "}}\n"
     ),
+    "flash_bwd": (
+        '#include "flash_bwd.cuh"\n'
+        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
+        "{name}(const cuflash::BwdParams params) {{\n"
+        "    cuflash::flash_bwd_kernel<cuflash::BwdConfig<{template_args}>>(params);\n"
+        "}}\n"
+    ),
+    "flash_bwd_pre": (
+        '#include "flash_bwd.cuh"\n'
+        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
+        "{name}(const cuflash::BwdParams params) {{\n"
+        "    cuflash::flash_bwd_pre_kernel<{template_args}>(params);\n"
+        "}}\n"
+    ),
+    "flash_bwd_convert": (
+        '#include "flash_bwd.cuh"\n'
+        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
+        "{name}(const cuflash::BwdParams params) {{\n"
+        "    cuflash::flash_bwd_convert_kernel<{template_args}>(params);\n"
+        "}}\n"
+    ),
 }
 
 _MAGIC = b"CUFLASH-CUBIN-1\n"

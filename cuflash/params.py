@@ -2,7 +2,7 @@
 
 Each struct is filled on the host as one NumPy record and handed to the launch by address, so the
 driver copies its bytes as the kernel's by-value argument. tests/test_params_layout.py compiles
-params.h with the host C compiler and checks every offset against these dtypes.
+params.h with the host C compiler and checks every field's offset and size against these dtypes.
 """
 from __future__ import annotations
 
@@ -46,6 +46,26 @@ FWD_FIELDS = [
 
 FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
 
+#: Field order, names and types of struct BwdParams (shared by the three backward kernels).
+BWD_FIELDS = (
+    [(name, _PTR) for name in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "lse_log2", "dsum", "dq_accum", "dq_turn")]
+    + [
+        (f"{t}_{s}_stride", _I64)
+        for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+        for s in ("batch", "row", "head")
+    ]
+    + [
+        (name, _I32)
+        for name in (
+            "batch", "nheads", "nheads_kv", "head_ratio", "seqlen_q", "seqlen_k", "head_dim", "seqlen_q_pad",
+            "dq_accum_cols", "num_m_blocks", "deterministic",
+        )
+    ]
+    + [("softmax_scale", _F32), ("scale_log2", _F32)]
+)
+
+BWD_DTYPE = np.dtype(BWD_FIELDS, align=True)
+
 
 def make_record(dtype: np.dtype, **values) -> np.ndarray:
     """A 0-d record of ``dtype`` with every field set (missing or unknown fields are an error)."""
@@ -54,3 +74,6 @@ def make_record(dtype: np.dtype, **values) -> np.ndarray:
     if missing or extra:
         raise KeyError(f"parameter fields missing {sorted(missing)} / unknown {sorted(extra)}")
     return np.array(tuple(values[name] for name in dtype.names), dtype=dtype)  # 0-d record
+
+#: Every C struct of cuda_src/params.h and its NumPy mirror (tests/test_params_layout.py checks them all).
+STRUCTS = {"FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE}

@@ -238,3 +238,197 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
 def with_tile(spec: KernelSpec, tile: Tile) -> KernelSpec:
     """The same variant with another tile (for tuning sweeps)."""
     return dataclasses.replace(spec, tile=tile)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward (cuda_src/flash_bwd.cuh)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BwdTile:
+    """Tile shape of one backward main-kernel variant (see BWD_TILES for the reasons)."""
+
+    block_m: int  # query rows per iteration
+    block_n: int  # keys per CTA (16 per warp slab)
+    warps: int  # warps per CTA: block_n / 16 key slabs x parts (query columns / head-dim columns)
+    stages: int  # buffers of the query-side tiles (Q, dO, lse, D): 2 = next block prefetched
+    min_blocks: int = 1  # __launch_bounds__ minimum CTAs per SM
+
+
+#: Backward tiles per head-dim bucket. Registers per thread ~ dK + dV accumulators
+#: (2 * 16 * (d / parts) / 32) + S^T and dP^T (2 * 16 * (block_m / parts) / 32), parts = warps * 16 /
+#: block_n. Shared memory = 2 * (2 * block_n + 2 * stages * block_m) * (d + 8) + 4 * block_n *
+#: (block_m + 8) + 8 * stages * block_m bytes (K, V, Q, dO, P^T, dS^T, lse, D).
+BWD_TILES: dict[int, BwdTile] = {
+    # FA2's hd64 shape: 128 keys x 128 queries, 8 warps of 16 keys; dK/dV 32+32, S/dP 64+64 regs; 180 KB.
+    32: BwdTile(128, 128, 8, 2),
+    64: BwdTile(128, 128, 8, 2),
+    # FA2's hd128 shape: 128 keys x 64 queries, 8 warps; dK/dV 64+64 (hd128), S/dP 32+32 regs; 177 KB.
+    96: BwdTile(64, 128, 8, 2),
+    128: BwdTile(64, 128, 8, 2),
+    # 64 keys, 8 warps as 4 key slabs x 2 halves of the head dim: dK/dV at most 64+64 regs; 216 KB at hd256.
+    160: BwdTile(64, 64, 8, 2),
+    192: BwdTile(64, 64, 8, 2),
+    224: BwdTile(64, 64, 8, 2),
+    256: BwdTile(64, 64, 8, 2),
+}
+
+#: Threads of the preprocess / convert kernels (one warp per query row).
+BWD_AUX_THREADS = 256
+
+
+def bwd_smem_bytes(head_dim_bucket: int, tile: BwdTile) -> int:
+    """Dynamic shared memory of the backward main kernel: must match BwdConfig::kSmemBytes."""
+    stride = head_dim_bucket + 8
+    kv, q, pp = tile.block_n * stride, tile.block_m * stride, tile.block_n * (tile.block_m + 8)
+    return 2 * (2 * kv + 2 * tile.stages * q + 2 * pp) + 4 * 2 * tile.stages * tile.block_m
+
+
+def bwd_tile(bucket: int, arch: str) -> BwdTile:
+    """The backward tile for ``bucket`` on ``arch``: the BWD_TILES row, or where that needs more shared
+    memory than the arch has, single-buffered, then 64 x 64 of 4 warps, then 32 x 32 of 4 warps
+    (untuned: compile-tested only)."""
+    t = BWD_TILES[bucket]
+    candidates = (t, dataclasses.replace(t, stages=1), BwdTile(64, 64, 4, 1), BwdTile(32, 32, 4, 1))
+    limit = max_smem_bytes(arch)
+    for c in candidates:
+        if bwd_smem_bytes(bucket, c) <= limit and _bwd_registers_ok(bucket, c):
+            return c
+    raise ValueError(f"no backward tile for head dim {bucket} fits the {limit // 1024} KB of shared memory of {arch}")
+
+
+def _bwd_registers_ok(bucket: int, tile: BwdTile) -> bool:
+    """dK + dV accumulators of one warp stay at most 128 fp32 registers per thread."""
+    parts = tile.warps * 16 // tile.block_n
+    return parts >= 1 and bucket // parts <= 128
+
+
+@dataclass(frozen=True)
+class BwdSpec:
+    """One backward main-kernel variant."""
+
+    head_dim: int  # bucket
+    dtype: str
+    causal: bool
+    aligned: bool
+    tile: BwdTile
+    arch: str
+    family: str = "flash_bwd"
+
+    @property
+    def name(self) -> str:
+        t = self.tile
+        return (
+            f"{self.family}_hd{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}"
+            f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}_st{t.stages}"
+            f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+        )
+
+    @property
+    def threads(self) -> int:
+        return self.tile.warps * 32
+
+    @property
+    def min_blocks(self) -> int:
+        return self.tile.min_blocks
+
+    @property
+    def smem_bytes(self) -> int:
+        return bwd_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        t = self.tile
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (
+            f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, {b(self.causal)}, "
+            f"{b(self.aligned)}, {t.stages}"
+        )
+
+
+@dataclass(frozen=True)
+class BwdAuxSpec:
+    """The preprocess (D, lse_log2) or dQ-convert kernel: one warp per row, any head dim."""
+
+    family: str  # "flash_bwd_pre" | "flash_bwd_convert"
+    dtype: str
+    aligned: bool
+    arch: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}_{self.dtype}_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+
+    threads = BWD_AUX_THREADS
+    min_blocks = 1
+    smem_bytes = 0
+
+    def template_args(self) -> str:
+        return f"{'true' if self.dtype == 'bf16' else 'false'}, {'true' if self.aligned else 'false'}"
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    pre: Launch
+    main: Launch
+    convert: Launch
+    seqlen_q_pad: int  # rows of the lse_log2 / D / dq_accum buffers per (batch, head)
+    dq_accum_cols: int  # columns of dq_accum (the head-dim bucket)
+    num_m_blocks: int
+
+
+def bwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: BwdTile | None = None) -> BwdSpec:
+    bucket = head_dim_bucket(head_dim)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if aligned and head_dim % 8 != 0:
+        raise ValueError("the 16-byte load path needs head_dim % 8 == 0")
+    tile = tile or bwd_tile(bucket, arch)
+    if bwd_smem_bytes(bucket, tile) > max_smem_bytes(arch):
+        raise ValueError(
+            f"tile {tile} needs {bwd_smem_bytes(bucket, tile)} bytes of shared memory; {arch} allows {max_smem_bytes(arch)}"
+        )
+    return BwdSpec(bucket, dtype, bool(causal), bool(aligned), tile, arch)
+
+
+def plan_backward(
+    *,
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    nheads: int,
+    nheads_kv: int,
+    head_dim: int,
+    dtype: str,
+    causal: bool,
+    aligned: bool,
+    arch: str,
+    tile: BwdTile | None = None,
+) -> BwdPlan:
+    """The three launches of one backward call (all sizes >= 1)."""
+    if min(batch, seqlen_q, seqlen_k, nheads, nheads_kv) < 1:
+        raise ValueError("plan_backward needs non-empty dimensions; empty inputs never launch")
+    if nheads % nheads_kv != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+    spec = bwd_spec(head_dim, dtype, causal, aligned, arch, tile)
+    num_m_blocks = -(-seqlen_q // spec.tile.block_m)
+    seqlen_q_pad = num_m_blocks * spec.tile.block_m
+    rows_per_cta = BWD_AUX_THREADS // 32
+    aux_block = (BWD_AUX_THREADS, 1, 1)
+    pre = Launch(BwdAuxSpec("flash_bwd_pre", dtype, aligned, arch), (-(-seqlen_q_pad // rows_per_cta), nheads, batch), aux_block, 0)
+    main = Launch(spec, (-(-seqlen_k // spec.tile.block_n), nheads_kv, batch), (spec.threads, 1, 1), spec.smem_bytes)
+    convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch), (-(-seqlen_q // rows_per_cta), nheads, batch), aux_block, 0)
+    return BwdPlan(pre, main, convert, seqlen_q_pad, spec.head_dim, num_m_blocks)
+
+
+def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False)):
+    """Every backward variant (main, preprocess, convert) for ``arch``."""
+    specs: list = []
+    for dt in dtypes:
+        for al in aligned:
+            specs += [BwdAuxSpec("flash_bwd_pre", dt, al, arch), BwdAuxSpec("flash_bwd_convert", dt, al, arch)]
+            for d in head_dims:
+                bucket = head_dim_bucket(d)
+                for c in causals:
+                    specs.append(BwdSpec(bucket, dt, c, al, bwd_tile(bucket, arch), arch))
+    return list(dict.fromkeys(specs))

@@ -62,3 +62,36 @@ def check_forward(q, k, v, *, causal, softmax_scale=None, dtype: str, what=""):
     assert reference.within_tolerance(got, ref, plain), f"max abs error {err:.3g} > bound {bound:.3g} {what}"
     check_lse(lse, ref_lse, what)
     return err, bound
+
+
+def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", deterministic=False):
+    """Forward with cuflash, then cuflash.attention_backward into NaN-poisoned dq/dk/dv, each gradient
+    held to DESIGN.md's rule for gradients: 3x the plain same-precision error + 1e-5, NaN never passes."""
+    import cupy
+
+    import cuflash
+
+    out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    rng = np.random.default_rng()
+    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES[dtype]))
+    grads = [poisoned(x.shape, dtype) for x in (q, k, v)]
+    ret = cuflash.attention_backward(
+        dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+        dq=grads[0], dk=grads[1], dv=grads[2],
+    )  # fmt: skip
+    assert all(r is g for r, g in zip(ret, grads))
+    refs = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale)
+    plains = reference.plain_attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=DTYPES[dtype])
+    errors = {}
+    for name, got, ref, plain in zip(("dq", "dk", "dv"), grads, refs, plains):
+        got = to_f64(got)
+        err = reference.max_abs_error(got, ref)
+        bound = 3 * reference.max_abs_error(plain, ref) + 1e-5
+        if not reference.within_tolerance(got, ref, plain, factor=3.0):
+            where = np.unravel_index(np.nanargmax(np.where(np.isnan(got), np.inf, np.abs(got - ref))), got.shape)
+            raise AssertionError(
+                f"{name}: max abs error {err:.3g} > bound {bound:.3g} (worst at (b, s, h, d) = {where}: "
+                f"got {got[where]!r}, want {ref[where]!r}) {what}"
+            )
+        errors[name] = (err, bound)
+    return errors

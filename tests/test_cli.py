@@ -19,8 +19,8 @@ from cuflash import cli, jit, plan
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The cheapest selection that compiles: 2 variants (16-byte vector and element-wise loads).
-SMALL = ["precompile", "--arch", "sm_90a", "--head-dim", "64", "--dtype", "bf16", "--no-causal"]
+# The cheapest selection that compiles: 2 forward variants (16-byte vector and element-wise loads).
+SMALL = ["precompile", "--arch", "sm_90a", "--head-dim", "64", "--dtype", "bf16", "--no-causal", "--kernels", "fwd"]
 SMALL_NAMES = {plan.fwd_spec(64, "bf16", False, aligned, "sm_90a").name for aligned in (True, False)}
 
 
@@ -134,7 +134,8 @@ def test_precompile_compiles_both_load_paths_then_hits_the_cache(cache):
 
 
 def test_precompile_in_parallel(cache):
-    args = ["precompile", "--arch", "sm_80", "--head-dim", "32", "--dtype", "fp16", "--no-causal", "-j", "2"]
+    args = ["precompile", "--arch", "sm_80", "--head-dim", "32", "--dtype", "fp16", "--no-causal", "-j", "2",
+            "--kernels", "fwd"]  # fmt: skip
     r = invoke(args)
     assert r.exit_code == 0, r.output
     assert "2 variants: 2 compiled, 0 already cached" in r.output
@@ -210,8 +211,11 @@ def recorder(monkeypatch):
 def test_precompile_all_selects_every_variant(cache, recorder):
     r = invoke(["precompile", "--arch", "90a", "--arch", "sm_80", "--arch", "sm_90a", "--all"])
     assert r.exit_code == 0, r.output
-    expected = plan.all_fwd_specs("sm_90a") + plan.all_fwd_specs("sm_80")
-    assert len(expected) == 2 * len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 2
+    expected = [s for arch in ("sm_90a", "sm_80") for family in cli.KERNEL_FAMILIES.values() for s in family(arch)]
+    n_fwd = 2 * len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 2
+    assert len([s for s in expected if s.family == "flash_fwd"]) == n_fwd
+    # backward: main kernels as many as the forward, plus preprocess and convert per dtype and load path
+    assert len([s for s in expected if s.family.startswith("flash_bwd")]) == n_fwd + 2 * 2 * 2 * 2
     assert recorder.specs == expected
     assert f"{len(expected)} variants: {len(expected)} compiled" in r.output
 
@@ -227,7 +231,8 @@ def test_precompile_all_selects_every_variant(cache, recorder):
     ],
 )
 def test_precompile_selection_flags(cache, recorder, flags, dtypes, causals):
-    r = invoke(["precompile", "--arch", "sm_86", "--head-dim", "100", "--head-dim", "128", "--head-dim", "33"] + flags)
+    r = invoke(["precompile", "--arch", "sm_86", "--head-dim", "100", "--head-dim", "128", "--head-dim", "33",
+                "--kernels", "fwd"] + flags)  # fmt: skip
     assert r.exit_code == 0, r.output
     specs = recorder.specs
     assert {s.head_dim for s in specs} == {64, 128}  # 100 -> 128, 33 -> 64, duplicates removed
@@ -236,6 +241,18 @@ def test_precompile_selection_flags(cache, recorder, flags, dtypes, causals):
     assert {s.aligned for s in specs} == {True, False}
     assert {s.arch for s in specs} == {"sm_86"}
     assert len(specs) == len(set(specs)) == 2 * len(dtypes) * len(causals) * 2
+
+
+def test_precompile_kernel_families(cache, recorder):
+    """--kernels bwd builds the backward's main, preprocess and convert kernels for the selection only."""
+    r = invoke(["precompile", "--arch", "sm_80", "--head-dim", "128", "--dtype", "fp16", "--causal", "--kernels", "bwd"])
+    assert r.exit_code == 0, r.output
+    assert recorder.specs == plan.all_bwd_specs("sm_80", head_dims=(128,), dtypes=("fp16",), causals=(True,))
+    assert {s.family for s in recorder.specs} == {"flash_bwd", "flash_bwd_pre", "flash_bwd_convert"}
+    r = invoke(["precompile", "--arch", "sm_80", "--head-dim", "128", "--kernels", "fwd", "--kernels", "bwd"])
+    assert {s.family for s in recorder.specs} == {"flash_fwd", "flash_bwd", "flash_bwd_pre", "flash_bwd_convert"}
+    r = invoke(["precompile", "--arch", "sm_80", "--head-dim", "128", "--kernels", "sideways"])
+    assert r.exit_code == 2 and "sideways" in r.output
 
 
 def test_precompile_defaults_to_the_gpu_arch(cache, recorder, monkeypatch):
@@ -378,18 +395,18 @@ def test_bench_defaults(fake_bench):
     assert r.exit_code == 0, r.output
     assert fake_bench == [
         dict(head_dim=(64, 128, 256), seqlen=(512, 1024, 2048, 4096, 8192, 16384), tokens=16384, hidden=2048,
-             dtype="bf16", causal="both", repeats=30, peers=True, json_path=None, plot_path=None)
+             dtype="bf16", causal="both", op="fwd", repeats=30, peers=True, json_path=None, plot_path=None)
     ]
 
 
 def test_bench_options(fake_bench, tmp_path):
     r = invoke(["bench", "--head-dim", "128", "--seqlen", "1024", "--seqlen", "2048", "--tokens", "4096",
                 "--hidden", "1024", "--dtype", "both", "--causal", "--repeats", "5", "--no-peers",
-                "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")])  # fmt: skip
+                "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"), "--op", "fwd+bwd"])  # fmt: skip
     assert r.exit_code == 0, r.output
     assert fake_bench == [
         dict(head_dim=(128,), seqlen=(1024, 2048), tokens=4096, hidden=1024, dtype="both", causal="causal",
-             repeats=5, peers=False, json_path=str(tmp_path / "r.json"), plot_path=str(tmp_path / "r.png"))
+             op="fwd+bwd", repeats=5, peers=False, json_path=str(tmp_path / "r.json"), plot_path=str(tmp_path / "r.png"))
     ]
     r = invoke(["bench", "--no-causal"])
     assert fake_bench[-1]["causal"] == "no-causal"

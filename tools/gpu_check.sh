@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, GPU + CPU tests, compute-sanitizer, benchmark,
 # optional tile sweep. Full logs go to OUTDIR; a short summary is printed last.
-#   tools/gpu_check.sh OUTDIR [tests] [sanitize] [bench] [bench-fp16] [tune] [quick]
-# With no step named, runs tests sanitize bench.
+#   tools/gpu_check.sh OUTDIR [tests] [sanitize] [bench] [bench-fp16] [tune] [profile] [quick]
+# With no step named, runs tests sanitize bench. Environment: TESTS (pytest paths / -k, default the
+# whole suite), TEST_TIMEOUT, BENCH_ARGS (extra `cuflash bench` options, e.g. "--op all"),
+# TUNE_ARGS.
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
 shift
@@ -23,9 +25,9 @@ $PY -m cuflash info > "$OUT/info.txt" 2>&1; note "info: $(tr '\n' ' ' < "$OUT/in
 if has tests; then
   EX=60; has quick && EX=15
   CUFLASH_HYPOTHESIS_EXAMPLES=$EX timeout ${TEST_TIMEOUT:-300} $PY -m pytest -q --no-header -p no:cacheprovider \
-      --junitxml="$OUT/junit.xml" > "$OUT/pytest.log" 2>&1
+      --junitxml="$OUT/junit.xml" ${TESTS:-} > "$OUT/pytest.log" 2>&1
   note "pytest (rc=$?): $(tail -1 "$OUT/pytest.log")"
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -5 | tee -a "$SUMMARY"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -8 | cut -c1-400 | tee -a "$SUMMARY"
 fi
 
 if has sanitize; then
@@ -54,7 +56,7 @@ fi
 
 if has bench; then
   DT=bf16; has bench-fp16 && DT=both
-  timeout 400 $PY -m cuflash bench --dtype $DT --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
+  timeout ${BENCH_TIMEOUT:-400} $PY -m cuflash bench --dtype $DT ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
   note "bench (rc=$?):"; cat "$OUT/bench.txt" >> "$SUMMARY"
 fi
 # The device tool returns at most 8 files: keep the summary, bench.json/png, and one archive of logs.

@@ -1,0 +1,395 @@
+// FlashAttention-2 backward (Dao 2023, Algorithm 2) on tensor cores with mma.sync (sm_80 and newer).
+//
+// Given Q, K, V, O, dO and the forward's lse, computes for every (batch b, kv head hk)
+//     P  = exp(scale * Q K^T - lse)               (recomputed, never stored in global memory)
+//     dV = P^T dO          dP = dO V^T          D = rowsum(dO * O)
+//     dS = P * (dP - D)    dQ = scale * dS K    dK = scale * dS^T Q
+// with dK, dV summed over the query heads of a GQA group.
+//
+// Three kernels:
+//   flash_bwd_pre_kernel      one warp per query row: D = rowsum(dO * O) (fp32), lse_log2 = lse * log2(e)
+//                             (+inf where lse = -inf and on padding rows, so their P is exactly 0).
+//   flash_bwd_kernel          grid = (ceil(seqlen_k / kBlockN), nheads_kv, batch). CTA (n, hk, b) owns
+//                             keys [n*kBlockN, (n+1)*kBlockN) of kv head hk; K and V stay in smem; it
+//                             walks over every query head of the group and every query block (kBlockM
+//                             rows) that sees these keys, keeping dK and dV in registers, and adds its
+//                             part of dQ to an fp32 buffer (atomics).
+//   flash_bwd_convert_kernel  one warp per query row: dQ = dq_accum * scale, converted to q's dtype.
+//
+// Main kernel, one query block per iteration; three phases, each with its own warp layout (all
+// warps share the tiles through smem, no warp needs another's registers):
+//   scores  warp w -> key slab (w % kKeySlabs) of 16 keys x query columns part (w / kKeySlabs):
+//             S^T = K Q^T, dP^T = V dO^T (16 x kQCols each), causal mask on the diagonal blocks only,
+//             P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T - D) -> sP, sdS (bf16/fp16).
+//   dK, dV  warp w -> the same key slab x head-dim columns part (w / kKeySlabs):
+//             dV += P^T dO, dK += dS^T Q over all kBlockM query rows (A from sP / sdS).
+//   dQ      warp w -> query slab (w % kQSlabs) of 16 rows x head-dim part (w / kQSlabs):
+//             dQ_part = dS K over the CTA's kBlockN keys, added to dq_accum with fp32 atomics. In
+//             deterministic mode the CTAs of one query block add in key-block order (turn counter).
+// smem: sK, sV [kBlockN][kHeadDim+8]; kStages x (sQ, sdO [kBlockM][kHeadDim+8], lse_log2, D [kBlockM]);
+//       sP, sdS [kBlockN][kBlockM+8] (rows = keys). Row pads keep ldmatrix conflict free (odd
+//       number of 16-byte units per row). kStages == 2: query block i+1 streams in during block i.
+//
+// Fragment layouts: common.cuh. Preconditions (checked in cuflash/backward.py): as the forward;
+// lse is the forward's lse of these inputs; dq_accum, dq_turn zeroed; lse_log2 / dsum from the
+// preprocess kernel of the same call.
+#pragma once
+
+#include "common.cuh"
+#include "flash_fwd.cuh"  // load_tile
+#include "params.h"
+
+namespace cuflash {
+
+// Compile-time shape of one backward variant. Tile choices come from cuflash/plan.py (BWD_TILES).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_,
+          bool kAligned_, int kStages_>
+struct BwdConfig {
+    static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
+    static constexpr int kBlockM = kBlockM_;     // query rows per iteration
+    static constexpr int kBlockN = kBlockN_;     // keys per CTA
+    static constexpr int kNWarps = kNWarps_;
+    static constexpr bool kIsBF16 = kIsBF16_;
+    static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr bool kAligned = kAligned_;  // 16-byte cp.async loads; else element-wise loads
+    static constexpr int kStages = kStages_;     // buffers of the query-side tiles (1 or 2)
+
+    static constexpr int kNThreads = kNWarps * 32;
+    static constexpr int kSmemStride = kHeadDim + 8;   // elements per K/V/Q/dO smem row
+    static constexpr int kChunksPerRow = kHeadDim / 8; // 16-byte chunks per row (load_tile)
+    static constexpr int kPStride = kBlockM + 8;       // elements per sP / sdS row
+    // Score and dK/dV phases: kKeySlabs slabs of 16 keys, kParts warps per slab.
+    static constexpr int kKeySlabs = kBlockN / 16;
+    static constexpr int kParts = kNWarps / kKeySlabs;
+    static constexpr int kQCols = kBlockM / kParts;       // query columns of S^T per warp
+    static constexpr int kSNB = kQCols / 8;               // 8-column MMA blocks of S^T per warp
+    static constexpr int kDKVCols = kHeadDim / kParts;    // dK / dV columns per warp
+    static constexpr int kDKVNB = kDKVCols / 8;
+    // dQ phase: kQSlabs slabs of 16 query rows, kDQParts warps per slab.
+    static constexpr int kQSlabs = kBlockM / 16;
+    static constexpr int kDQParts = kNWarps / kQSlabs;
+    static constexpr int kDQCols = kHeadDim / kDQParts;
+    static constexpr int kDQNB = kDQCols / 8;
+
+    static constexpr int kSmemKV = kBlockN * kSmemStride;  // elements of one K or V tile
+    static constexpr int kSmemQ = kBlockM * kSmemStride;   // elements of one Q or dO tile
+    static constexpr int kSmemP = kBlockN * kPStride;      // elements of sP or sdS
+    static constexpr int kSmemBytes = 2 * (2 * kSmemKV + 2 * kStages * kSmemQ + 2 * kSmemP) + 4 * 2 * kStages * kBlockM;
+
+    static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head-dim buckets are multiples of 32");
+    static_assert(kBlockN % 16 == 0 && kNWarps % kKeySlabs == 0, "whole warps per 16-key slab");
+    static_assert(kQCols % 16 == 0 && kDKVCols % 16 == 0, "ldmatrix x4 feeds pairs of 8-column blocks");
+    static_assert(kBlockM % 16 == 0 && kNWarps % kQSlabs == 0 && kDQCols % 16 == 0, "dQ phase layout");
+    static_assert(kBlockM % 4 == 0 && kBlockM / 2 <= kNThreads, "lse_log2 / D rows move in 16-byte chunks");
+    static_assert((kSmemStride / 8) % 2 == 1 && (kPStride / 8) % 2 == 1, "odd 16-byte row strides");
+    static_assert(kStages == 1 || kStages == 2, "query tiles are single or double buffered");
+};
+
+template <class Cfg>
+CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
+    constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStride = Cfg::kSmemStride;
+    constexpr int kPStride = Cfg::kPStride;
+    constexpr bool kBF16 = Cfg::kIsBF16;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = n_block * kBlockN;
+    const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
+
+    // Query blocks that see any of these keys: all, or (causal) those with a row i >= n0 - offset.
+    const int m_begin = Cfg::kIsCausal ? max(0, n0 - offset) / kBlockM : 0;
+    const int n_m = max(0, p.num_m_blocks - m_begin);
+    const int n_iters = p.head_ratio * n_m;  // (query head of the group, query block) pairs
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* s_k = reinterpret_cast<u16*>(smem_raw);
+    u16* s_v = s_k + Cfg::kSmemKV;
+    u16* s_q0 = s_v + Cfg::kSmemKV;                    // kStages Q tiles
+    u16* s_do0 = s_q0 + Cfg::kStages * Cfg::kSmemQ;    // kStages dO tiles
+    u16* s_p = s_do0 + Cfg::kStages * Cfg::kSmemQ;     // P^T  [key][query]
+    u16* s_ds = s_p + Cfg::kSmemP;                     // dS^T [key][query]
+    float* s_lse0 = reinterpret_cast<float*>(s_ds + Cfg::kSmemP);  // kStages x kBlockM
+    float* s_d0 = s_lse0 + Cfg::kStages * kBlockM;                 // kStages x kBlockM
+
+    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
+    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
+
+    // Iteration it covers query head h = hk * head_ratio + it / n_m and query block m_begin + it % n_m.
+    auto load_query_side = [&](int it, int stage) {
+        const int h = hk * p.head_ratio + it / n_m;
+        const int m0 = (m_begin + it % n_m) * kBlockM;
+        const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+        const u16* g_do = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+        load_tile<Cfg, kBlockM>(s_q0 + stage * Cfg::kSmemQ, g_q, p.q_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+        load_tile<Cfg, kBlockM>(s_do0 + stage * Cfg::kSmemQ, g_do, p.do_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+        // lse_log2 and D rows are padded to whole query blocks: no bounds to check.
+        const i64 row0 = ((i64)b * p.nheads + h) * p.seqlen_q_pad + m0;
+        if (tid < kBlockM / 4) {
+            cp_async_16(smem_u32(s_lse0 + stage * kBlockM + 4 * tid), p.lse_log2 + row0 + 4 * tid, true);
+        } else if (tid < kBlockM / 2) {
+            const int c = tid - kBlockM / 4;
+            cp_async_16(smem_u32(s_d0 + stage * kBlockM + 4 * c), p.dsum + row0 + 4 * c, true);
+        }
+    };
+
+    // Prologue: K, V and the first query block in one cp.async group.
+    load_tile<Cfg, kBlockN>(s_k, g_k, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    load_tile<Cfg, kBlockN>(s_v, g_v, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    if (n_iters > 0) load_query_side(0, 0);
+    cp_async_commit();
+
+    // Warp roles (see the file header).
+    const int key_slab = warp % Cfg::kKeySlabs, part = warp / Cfg::kKeySlabs;
+    const int q_slab = warp % Cfg::kQSlabs, dq_part = warp / Cfg::kQSlabs;
+    // ldmatrix lane offsets: A rows (16 x 16 block, row = lane % 16, column 8 (lane / 16));
+    // B from rows of an [n][k] tile (n = (lane % 8) + 8 (lane / 16), k = 8 ((lane / 8) % 2));
+    // B from rows of a [k][n] tile, transposed (k = (lane % 8) + 8 ((lane / 8) % 2), n = 8 (lane / 16)).
+    const int a_kv_off = (16 * key_slab + lane % 16) * kStride + (lane / 16) * 8;
+    const int b_q_off = (Cfg::kQCols * part + lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
+    const int a_p_off = (16 * key_slab + lane % 16) * kPStride + (lane / 16) * 8;
+    const int bt_q_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8 + Cfg::kDKVCols * part;
+    // dS as the A operand of dQ = dS K, read transposed from sdS^T rows (key = (lane % 8) + 8 (lane / 16)).
+    const int at_ds_off = (lane % 8 + (lane / 16) * 8) * kPStride + 16 * q_slab + ((lane / 8) % 2) * 8;
+    const int bt_k_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8 + Cfg::kDQCols * dq_part;
+
+    float acc_dk[Cfg::kDKVNB][4], acc_dv[Cfg::kDKVNB][4];
+#pragma unroll
+    for (int i = 0; i < Cfg::kDKVNB; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = Cfg::kStages == 2 ? (it & 1) : 0;
+        const int h = hk * p.head_ratio + it / n_m;
+        const int m_block = m_begin + it % n_m;
+        const int m0 = m_block * kBlockM;
+        if constexpr (Cfg::kStages == 2) {
+            cp_async_wait<0>();
+            // Query block it visible to every warp; every warp is done with iteration it-1 (its stage,
+            // sP and sdS), so the other stage can take block it+1.
+            __syncthreads();
+            if (it + 1 < n_iters) load_query_side(it + 1, stage ^ 1);
+            cp_async_commit();
+        } else {
+            if (it > 0) {
+                __syncthreads();  // every warp is done with query block it-1, sP and sdS
+                load_query_side(it, 0);
+                cp_async_commit();
+            }
+            cp_async_wait<0>();
+            __syncthreads();  // query block it (and, first, K and V) visible to every warp
+        }
+        const u16* s_q = s_q0 + stage * Cfg::kSmemQ;
+        const u16* s_do = s_do0 + stage * Cfg::kSmemQ;
+        const float* s_lse = s_lse0 + stage * kBlockM;
+        const float* s_d = s_d0 + stage * kBlockM;
+
+        // ---- Scores: S^T = K Q^T, dP^T = V dO^T       S^T[j][i] = sum_d K[j][d] Q[i][d]
+        {
+            float S[Cfg::kSNB][4], dP[Cfg::kSNB][4];
+#pragma unroll
+            for (int nb = 0; nb < Cfg::kSNB; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) S[nb][e] = dP[nb][e] = 0.f;
+#pragma unroll
+            for (int kd = 0; kd < Cfg::kHeadDim / 16; ++kd) {
+                u32 ak[4], av[4];
+                ldmatrix_x4(ak, smem_u32(s_k + a_kv_off + kd * 16));
+                ldmatrix_x4(av, smem_u32(s_v + a_kv_off + kd * 16));
+#pragma unroll
+                for (int nb = 0; nb < Cfg::kSNB; nb += 2) {
+                    u32 bq[4], bdo[4];
+                    ldmatrix_x4(bq, smem_u32(s_q + b_q_off + nb * 8 * kStride + kd * 16));
+                    ldmatrix_x4(bdo, smem_u32(s_do + b_q_off + nb * 8 * kStride + kd * 16));
+                    mma_16816<kBF16>(S[nb], ak, bq[0], bq[1]);
+                    mma_16816<kBF16>(S[nb + 1], ak, bq[2], bq[3]);
+                    mma_16816<kBF16>(dP[nb], av, bdo[0], bdo[1]);
+                    mma_16816<kBF16>(dP[nb + 1], av, bdo[2], bdo[3]);
+                }
+            }
+            // Causal mask only where some key of the tile is later than what the block's first row sees.
+            if (Cfg::kIsCausal && n0 + kBlockN - 1 > m0 + offset) {
+#pragma unroll
+                for (int nb = 0; nb < Cfg::kSNB; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int j = n0 + 16 * key_slab + g + 8 * (e / 2);
+                        const int i = m0 + Cfg::kQCols * part + 8 * nb + 2 * t + (e % 2);
+                        if (j > i + offset) S[nb][e] = -kInf;
+                    }
+            }
+            // P^T = exp2(S^T * scale_log2 - lse_log2[i]);  dS^T = P^T * (dP^T - D[i])
+#pragma unroll
+            for (int nb = 0; nb < Cfg::kSNB; ++nb) {
+                const int col = Cfg::kQCols * part + 8 * nb + 2 * t;
+                const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
+                const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float p0 = fast_exp2(fmaf(S[nb][2 * r], p.scale_log2, -l2.x));
+                    const float p1 = fast_exp2(fmaf(S[nb][2 * r + 1], p.scale_log2, -l2.y));
+                    const float ds0 = p0 * (dP[nb][2 * r] - dd.x);
+                    const float ds1 = p1 * (dP[nb][2 * r + 1] - dd.y);
+                    const int row = 16 * key_slab + g + 8 * r;
+                    *reinterpret_cast<u32*>(s_p + row * kPStride + col) = pack2<kBF16>(p0, p1);
+                    *reinterpret_cast<u32*>(s_ds + row * kPStride + col) = pack2<kBF16>(ds0, ds1);
+                }
+            }
+        }
+        __syncthreads();  // sP and sdS complete: the next two phases read other warps' columns
+
+        // ---- dV += P^T dO, dK += dS^T Q                dV[j][d] += sum_i P[i][j] dO[i][d]
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq) {
+            u32 ap[4], ads[4];
+            ldmatrix_x4(ap, smem_u32(s_p + a_p_off + kq * 16));
+            ldmatrix_x4(ads, smem_u32(s_ds + a_p_off + kq * 16));
+#pragma unroll
+            for (int db = 0; db < Cfg::kDKVNB; db += 2) {
+                u32 bdo[4], bq[4];
+                ldmatrix_x4_trans(bdo, smem_u32(s_do + bt_q_off + kq * 16 * kStride + db * 8));
+                ldmatrix_x4_trans(bq, smem_u32(s_q + bt_q_off + kq * 16 * kStride + db * 8));
+                mma_16816<kBF16>(acc_dv[db], ap, bdo[0], bdo[1]);
+                mma_16816<kBF16>(acc_dv[db + 1], ap, bdo[2], bdo[3]);
+                mma_16816<kBF16>(acc_dk[db], ads, bq[0], bq[1]);
+                mma_16816<kBF16>(acc_dk[db + 1], ads, bq[2], bq[3]);
+            }
+        }
+
+        // ---- dQ (part) = dS K                           dQ[i][d] += sum_j dS[i][j] K[j][d]
+        {
+            float acc_dq[Cfg::kDQNB][4];
+#pragma unroll
+            for (int i = 0; i < Cfg::kDQNB; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                u32 a[4];
+                ldmatrix_x4_trans(a, smem_u32(s_ds + at_ds_off + kk * 16 * kPStride));
+#pragma unroll
+                for (int db = 0; db < Cfg::kDQNB; db += 2) {
+                    u32 bk[4];
+                    ldmatrix_x4_trans(bk, smem_u32(s_k + bt_k_off + kk * 16 * kStride + db * 8));
+                    mma_16816<kBF16>(acc_dq[db], a, bk[0], bk[1]);
+                    mma_16816<kBF16>(acc_dq[db + 1], a, bk[2], bk[3]);
+                }
+            }
+            int* turn = p.dq_turn + ((i64)b * p.nheads + h) * p.num_m_blocks + m_block;
+            if (p.deterministic) {
+                // Every key block before this one visits this query block too (causal visits start at
+                // the diagonal, which moves right with n): wait until all n_block of them have added.
+                if (tid == 0) {
+                    while (ld_acquire_gpu(turn) != n_block) {
+                    }
+                }
+                __syncthreads();  // the whole CTA adds only in its turn
+            }
+            float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0 + 16 * q_slab + g) * p.dq_accum_cols +
+                          Cfg::kDQCols * dq_part + 2 * t;
+#pragma unroll
+            for (int db = 0; db < Cfg::kDQNB; ++db) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    atomicAdd(g_dq + (e / 2) * 8 * p.dq_accum_cols + 8 * db + (e % 2), acc_dq[db][e]);
+                }
+            }
+            if (p.deterministic) {
+                __threadfence();  // this thread's additions are visible device-wide ...
+                __syncthreads();  // ... for every thread of the CTA, before the turn passes on
+                if (tid == 0) red_release_gpu_add(turn, 1);
+            }
+        }
+    }
+
+    // Epilogue: dK = scale * (dS^T Q summed), dV as accumulated; rows beyond seqlen_k and columns
+    // beyond head_dim are not written.
+    u16* g_dk = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+    u16* g_dv = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = n0 + 16 * key_slab + g + 8 * r;
+        if (j >= p.seqlen_k) continue;
+        u16* dk_row = g_dk + j * p.dk_row_stride;
+        u16* dv_row = g_dv + j * p.dv_row_stride;
+#pragma unroll
+        for (int db = 0; db < Cfg::kDKVNB; ++db) {
+            const int col = Cfg::kDKVCols * part + 8 * db + 2 * t;
+            const u32 pk = pack2<kBF16>(acc_dk[db][2 * r] * p.softmax_scale, acc_dk[db][2 * r + 1] * p.softmax_scale);
+            const u32 pv = pack2<kBF16>(acc_dv[db][2 * r], acc_dv[db][2 * r + 1]);
+            if constexpr (Cfg::kAligned) {  // head_dim % 8 == 0: both columns are in or both out
+                if (col < p.head_dim) {
+                    *reinterpret_cast<u32*>(dk_row + col) = pk;
+                    *reinterpret_cast<u32*>(dv_row + col) = pv;
+                }
+            } else {
+                if (col < p.head_dim) {
+                    dk_row[col] = static_cast<u16>(pk & 0xffffu);
+                    dv_row[col] = static_cast<u16>(pv & 0xffffu);
+                }
+                if (col + 1 < p.head_dim) {
+                    dk_row[col + 1] = static_cast<u16>(pk >> 16);
+                    dv_row[col + 1] = static_cast<u16>(pv >> 16);
+                }
+            }
+        }
+    }
+}
+
+// D = rowsum(dO * O) and lse_log2, one warp per row of the padded query range; blockDim = 256.
+template <bool kIsBF16, bool kAligned>
+CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int i = blockIdx.x * 8 + warp, h = blockIdx.y, b = blockIdx.z;
+    if (i >= p.seqlen_q_pad) return;
+    float dsum = 0.f;
+    if (i < p.seqlen_q) {
+        const u16* o = static_cast<const u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
+        const u16* dout = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + i * p.do_row_stride;
+        if constexpr (kAligned) {  // 16-byte rows: lane owns 8 consecutive columns
+            for (int c = 8 * lane; c < p.head_dim; c += 8 * 32) {
+                const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+                const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
+                const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+                for (int w = 0; w < 4; ++w) {
+                    dsum += to_float<kIsBF16>(ow[w] & 0xffffu) * to_float<kIsBF16>(dw[w] & 0xffffu);
+                    dsum += to_float<kIsBF16>(ow[w] >> 16) * to_float<kIsBF16>(dw[w] >> 16);
+                }
+            }
+        } else {
+            for (int c = lane; c < p.head_dim; c += 32) dsum += to_float<kIsBF16>(o[c]) * to_float<kIsBF16>(dout[c]);
+        }
+        dsum = warp_sum(dsum);
+    }
+    if (lane == 0) {
+        const i64 idx = ((i64)b * p.nheads + h) * p.seqlen_q_pad + i;
+        const float lse = i < p.seqlen_q ? p.lse[((i64)b * p.nheads + h) * p.seqlen_q + i] : -kInf;
+        p.dsum[idx] = dsum;
+        p.lse_log2[idx] = lse == -kInf ? kInf : lse * kLog2e;
+    }
+}
+
+// dQ = dq_accum * softmax_scale in q's dtype, one warp per query row; blockDim = 256.
+template <bool kIsBF16, bool kAligned>
+CUFLASH_DEVICE void flash_bwd_convert_kernel(const BwdParams& p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int i = blockIdx.x * 8 + warp, h = blockIdx.y, b = blockIdx.z;
+    if (i >= p.seqlen_q) return;
+    const float* acc = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + i) * p.dq_accum_cols;
+    u16* dq = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + i * p.dq_row_stride;
+    const float s = p.softmax_scale;
+    if constexpr (kAligned) {
+        for (int c = 8 * lane; c < p.head_dim; c += 8 * 32) {
+            const float4 x = *reinterpret_cast<const float4*>(acc + c);
+            const float4 y = *reinterpret_cast<const float4*>(acc + c + 4);
+            *reinterpret_cast<uint4*>(dq + c) = make_uint4(pack2<kIsBF16>(x.x * s, x.y * s), pack2<kIsBF16>(x.z * s, x.w * s),
+                                                           pack2<kIsBF16>(y.x * s, y.y * s), pack2<kIsBF16>(y.z * s, y.w * s));
+        }
+    } else {
+        for (int c = lane; c < p.head_dim; c += 32) dq[c] = static_cast<u16>(pack2<kIsBF16>(acc[c] * s, 0.f) & 0xffffu);
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,162 @@
+"""GPU tests of cuflash.attention_backward against the float64 reference (skipped without a GPU)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpu_util import check_backward, poisoned, randn
+
+pytestmark = pytest.mark.gpu
+
+EXAMPLES = int(os.environ.get("CUFLASH_HYPOTHESIS_EXAMPLES", "60"))
+BUCKETS = [32, 64, 96, 128, 160, 192, 224, 256]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", BUCKETS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_bucket(dtype, head_dim, causal):
+    rng = np.random.default_rng()
+    b, sq, sk, h = 2, 300, 333, 2
+    q = randn(rng, (b, sq, h, head_dim), dtype)
+    k = randn(rng, (b, sk, h, head_dim), dtype)
+    v = randn(rng, (b, sk, h, head_dim), dtype)
+    check_backward(q, k, v, causal=causal, dtype=dtype, what=f"hd{head_dim} {dtype} causal={causal}")
+
+
+@pytest.mark.parametrize(
+    "sq,sk,causal",
+    [(1, 1, False), (1, 1, True), (1, 700, True), (700, 1, True), (129, 64, True), (64, 129, True),
+     (1000, 37, True), (37, 1000, False), (128, 128, True), (2048, 2048, True), (2048, 2048, False)],
+)
+def test_lengths_and_causal_alignment(sq, sk, causal):
+    rng = np.random.default_rng()
+    q = randn(rng, (1, sq, 2, 64), "bf16")
+    k = randn(rng, (1, sk, 2, 64), "bf16")
+    v = randn(rng, (1, sk, 2, 64), "bf16")
+    check_backward(q, k, v, causal=causal, dtype="bf16", what=f"sq={sq} sk={sk}")
+
+
+@pytest.mark.parametrize("head_dim", [1, 3, 8, 33, 72, 100, 129, 200, 255])
+def test_ragged_head_dims(head_dim):
+    rng = np.random.default_rng()
+    q = randn(rng, (2, 150, 2, head_dim), "fp16")
+    k = randn(rng, (2, 170, 1, head_dim), "fp16")
+    v = randn(rng, (2, 170, 1, head_dim), "fp16")
+    check_backward(q, k, v, causal=True, dtype="fp16", what=f"hd{head_dim}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_transposed_inputs_and_gqa(causal):
+    rng = np.random.default_rng()
+    q = randn(rng, (2, 513, 8, 128), "bf16", layout="bhsd")
+    k = randn(rng, (2, 700, 2, 128), "bf16", layout="bhsd")
+    v = randn(rng, (2, 700, 2, 128), "bf16")
+    check_backward(q, k, v, causal=causal, softmax_scale=0.3, dtype="bf16")
+
+
+@st.composite
+def backward_cases(draw):
+    dtype = draw(st.sampled_from(["bf16", "fp16"]))
+    head_dim = draw(st.one_of(st.sampled_from(BUCKETS), st.integers(1, 256)))
+    nheads_kv = draw(st.integers(1, 3))
+    nheads = nheads_kv * draw(st.sampled_from([1, 2, 4]))
+    hi = 2000 if draw(st.booleans()) else 300
+    seqlen_q = draw(st.integers(1, hi))
+    seqlen_k = draw(st.integers(1, hi))
+    batch = 1 if seqlen_q * seqlen_k > 500_000 else draw(st.integers(1, 3))
+    if seqlen_q * seqlen_k * nheads * batch > 3_000_000:  # keep the float64 reference quick
+        nheads = nheads_kv
+    return dict(
+        dtype=dtype, head_dim=head_dim, nheads=nheads, nheads_kv=nheads_kv, batch=batch,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
+        layout_q=draw(st.sampled_from(["bshd", "bhsd"])), layout_kv=draw(st.sampled_from(["bshd", "bhsd"])),
+        deterministic=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)),
+    )  # fmt: skip
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(backward_cases())
+def test_backward_property(case):
+    rng = np.random.default_rng(case["seed"])
+    b, d, dt = case["batch"], case["head_dim"], case["dtype"]
+    q = randn(rng, (b, case["seqlen_q"], case["nheads"], d), dt, case["layout_q"])
+    k = randn(rng, (b, case["seqlen_k"], case["nheads_kv"], d), dt, case["layout_kv"])
+    v = randn(rng, (b, case["seqlen_k"], case["nheads_kv"], d), dt, case["layout_kv"])
+    check_backward(
+        q, k, v, causal=case["causal"], softmax_scale=case["scale"], dtype=dt, deterministic=case["deterministic"],
+        what=str(case),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_mode_is_bitwise_reproducible(causal):
+    """deterministic=True: 50 runs give bitwise identical dq, dk, dv (GQA, many key blocks per query block)."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng()
+    q = randn(rng, (2, 1000, 4, 64), "bf16")
+    k = randn(rng, (2, 1500, 2, 64), "bf16")
+    v = randn(rng, (2, 1500, 2, 64), "bf16")
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    dout = randn(rng, q.shape, "bf16")
+    first = [x.copy() for x in cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)]
+    for run in range(50):
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} differs on run {run + 1}"
+    check_backward(q, k, v, causal=causal, dtype="bf16", deterministic=True)
+
+
+def test_empty_inputs():
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng()
+    q0 = randn(rng, (2, 0, 2, 64), "bf16")
+    k = randn(rng, (2, 5, 2, 64), "bf16")
+    out0, lse0 = cuflash.attention(q0, k, k, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(out0, q0, k, k, out0, lse0)
+    assert dq.shape == q0.shape and dk.shape == k.shape
+    assert float(cupy.abs(dk.astype(cupy.float32)).max()) == 0.0 and float(cupy.abs(dv.astype(cupy.float32)).max()) == 0.0
+    q = randn(rng, (2, 7, 2, 64), "bf16")
+    k0 = randn(rng, (2, 0, 2, 64), "bf16")
+    out, lse = cuflash.attention(q, k0, k0, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(out, q, k0, k0, out, lse)
+    assert float(cupy.abs(dq.astype(cupy.float32)).max()) == 0.0 and dk.shape == k0.shape
+
+
+def test_bad_inputs_have_clear_errors():
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng()
+    q = randn(rng, (1, 8, 4, 64), "bf16")
+    k = randn(rng, (1, 8, 2, 64), "bf16")
+    out, lse = cuflash.attention(q, k, k, return_lse=True)
+    with pytest.raises(TypeError, match="dout must be a cupy.ndarray"):
+        cuflash.attention_backward(out.get(), q, k, k, out, lse)
+    with pytest.raises(ValueError, match="dout must have q's shape"):
+        cuflash.attention_backward(out[:, :4], q, k, k, out, lse)
+    with pytest.raises(ValueError, match="lse must be float32 of shape"):
+        cuflash.attention_backward(out, q, k, k, out, lse[:, :2])
+    with pytest.raises(ValueError, match="lse must be float32 of shape"):
+        cuflash.attention_backward(out, q, k, k, out, lse.astype(cupy.float64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cuflash.attention_backward(out, q, k, k, out, cupy.ascontiguousarray(lse.transpose(0, 2, 1)).transpose(0, 2, 1))
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        cuflash.attention_backward(out, q, k, k, out.astype(cupy.float16), lse)
+    with pytest.raises(ValueError, match="dk must have k's shape"):
+        cuflash.attention_backward(out, q, k, k, out, lse, dk=poisoned((1, 8, 4, 64), "bf16"))
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        k3 = randn(rng, (1, 8, 3, 64), "bf16")
+        cuflash.attention_backward(out, q, k3, k3, out, lse)

@@ -1,0 +1,131 @@
+"""GPU tests of the PyTorch bridge cuflash.torch.attention (skipped without a GPU or without torch)."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (optional extra cuflash[torch])")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device")
+    return torch
+
+
+def _sdpa(torch, q, k, v, causal, scale):
+    """SDPA on flash-attn layout tensors; causal aligned bottom-right like cuflash (square here)."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale,
+               enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
+    return out.transpose(1, 2)
+
+
+def _grads(torch, fn, q, k, v, dout):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,heads_kv,head_dim", [(4, 4, 64), (8, 2, 128), (4, 1, 96)])
+def test_matches_sdpa_forward_and_gradients(torch, dtype_name, causal, heads, heads_kv, head_dim):
+    """Output and gradients against SDPA in float64 (the truth); cuflash's error must stay within 3x
+    the error of SDPA's own low-precision run + 1e-5 (DESIGN.md's rule with SDPA as the plain run)."""
+    import cuflash.torch as ct
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device="cuda").manual_seed(1234 + heads + head_dim)
+    shape_q, shape_kv = (2, 333, heads, head_dim), (2, 333, heads_kv, head_dim)
+    q = torch.randn(shape_q, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(shape_kv, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(shape_kv, device="cuda", generator=gen).to(dtype)
+    dout = torch.randn(shape_q, device="cuda", generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    truth = _grads(torch, lambda a, b, c: _sdpa(torch, a, b, c, causal, scale), *(x.double() for x in (q, k, v, dout)))
+    low = _grads(torch, lambda a, b, c: _sdpa(torch, a, b, c, causal, scale), q, k, v, dout)
+    ours = _grads(torch, lambda a, b, c: ct.attention(a, b, c, causal=causal), q, k, v, dout)
+    for name, t, lo, us in zip(("out", "dq", "dk", "dv"), truth, low, ours):
+        assert us.dtype == dtype and us.shape == t.shape, name
+        assert not torch.isnan(us).any(), f"NaN in {name}"
+        err = (us.double() - t).abs().max().item()
+        bound = 3 * (lo.double() - t).abs().max().item() + 1e-5
+        assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def test_runs_on_torch_current_stream_and_accepts_sdpa_layout_views(torch):
+    import cuflash.torch as ct
+
+    q = torch.randn(2, 4, 257, 64, device="cuda", dtype=torch.bfloat16)  # SDPA's (b, h, s, d)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        a = q.transpose(1, 2).requires_grad_()  # flash-attn layout view, not contiguous
+        out = ct.attention(a, a, a, causal=True)
+        out.float().sum().backward()
+    side.synchronize()
+    ref = _sdpa(torch, q.transpose(1, 2).double(), q.transpose(1, 2).double(), q.transpose(1, 2).double(), True, 64**-0.5)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    assert a.grad is not None and a.grad.shape == a.shape and not torch.isnan(a.grad).any()
+
+
+def test_deterministic_backward_is_bitwise_reproducible(torch):
+    import cuflash.torch as ct
+
+    q = torch.randn(1, 700, 4, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 900, 2, 64, device="cuda", dtype=torch.float16)
+    dout = torch.randn_like(q)
+    first = _grads(torch, lambda a, b, c: ct.attention(a, b, c, causal=True, deterministic=True), q, k, k, dout)
+    for _ in range(5):
+        again = _grads(torch, lambda a, b, c: ct.attention(a, b, c, causal=True, deterministic=True), q, k, k, dout)
+        for x, y in zip(first, again):
+            assert torch.equal(x, y)
+
+
+def test_training_loop_loss_goes_down(torch):
+    """A one-layer attention model trained with Adam for 60 steps: the loss falls below 30% of its start."""
+    import cuflash.torch as ct
+
+    torch.manual_seed(0)
+    b, s, heads, d = 4, 128, 4, 32
+    dim = heads * d
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+            self.proj = torch.nn.Linear(dim, dim)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).to(torch.bfloat16).view(b, s, 3, heads, d).unbind(2)
+            return self.proj(ct.attention(q, k, v, causal=True).reshape(b, s, dim).float())
+
+    model = Layer().cuda()
+    x = torch.randn(b, s, dim, device="cuda")
+    # Learnable by causal attention: the running mean of a fixed linear map of the inputs.
+    mixed = x @ torch.randn(dim, dim, device="cuda") / dim**0.5
+    target = mixed.cumsum(1) / torch.arange(1, s + 1, device="cuda")[:, None]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(map(lambda v: v == v, losses)), "NaN loss"
+    assert losses[-1] < 0.3 * losses[0], f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_clear_errors(torch):
+    import cuflash.torch as ct
+
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        x = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+        ct.attention(x, x, x)
+    with pytest.raises(TypeError, match="torch tensors"):
+        ct.attention(1, 2, 3)
