@@ -117,6 +117,19 @@ CUFLASH_DEVICE float warp_sum(float x) {
     return x;
 }
 
+// ---- fp32 reductions into global memory ----
+// g[0..3] += (a, b, c, d); g 16-byte aligned. One vector reduction on sm_90+, four scalar ones before.
+CUFLASH_DEVICE void red_add_f32x4(float* g, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(g), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+#else
+    atomicAdd(g, a);
+    atomicAdd(g + 1, b);
+    atomicAdd(g + 2, c);
+    atomicAdd(g + 3, d);
+#endif
+}
+
 // ---- Ordering between CTAs (the deterministic backward's dQ turn counters) ----
 CUFLASH_DEVICE int ld_acquire_gpu(const int* g_ptr) {
     int v;

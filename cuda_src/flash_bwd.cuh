@@ -16,16 +16,15 @@
 //                             part of dQ to an fp32 buffer (atomics).
 //   flash_bwd_convert_kernel  one warp per query row: dQ = dq_accum * scale, converted to q's dtype.
 //
-// Main kernel, one query block per iteration; three phases, each with its own warp layout (all
-// warps share the tiles through smem, no warp needs another's registers):
-//   scores  warp w -> key slab (w % kKeySlabs) of 16 keys x query columns part (w / kKeySlabs):
-//             S^T = K Q^T, dP^T = V dO^T (16 x kQCols each), causal mask on the diagonal blocks only,
-//             P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T - D) -> sP, sdS (bf16/fp16).
-//   dK, dV  warp w -> the same key slab x head-dim columns part (w / kKeySlabs):
-//             dV += P^T dO, dK += dS^T Q over all kBlockM query rows (A from sP / sdS).
-//   dQ      warp w -> query slab (w % kQSlabs) of 16 rows x head-dim part (w / kQSlabs):
-//             dQ_part = dS K over the CTA's kBlockN keys, added to dq_accum with fp32 atomics. In
-//             deterministic mode the CTAs of one query block add in key-block order (turn counter).
+// Main kernel, one query block per iteration; three phases, each with its own grid of warp tiles
+// (BwdConfig; all warps share the tiles through smem, no warp needs another's registers):
+//   scores  S^T = K Q^T, dP^T = V dO^T for a (keys x queries) warp tile; causal mask on the diagonal
+//           blocks only; P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T - D) -> sP, sdS.
+//   dK, dV  dV += P^T dO, dK += dS^T Q over all kBlockM query rows for a (keys x head dim) warp tile
+//           (A from sP / sdS), accumulated in registers over the whole loop.
+//   dQ      dQ_part = dS K over the CTA's kBlockN keys for a (queries x head dim) warp tile, added to
+//           dq_accum with fp32 atomics. In deterministic mode the CTAs of one query block add in
+//           key-block order (turn counter).
 // smem: sK, sV [kBlockN][kHeadDim+8]; kStages x (sQ, sdO [kBlockM][kHeadDim+8], lse_log2, D [kBlockM]);
 //       sP, sdS [kBlockN][kBlockM+8] (rows = keys). Row pads keep ldmatrix conflict free (odd
 //       number of 16-byte units per row). kStages == 2: query block i+1 streams in during block i.
@@ -42,8 +41,15 @@
 namespace cuflash {
 
 // Compile-time shape of one backward variant. Tile choices come from cuflash/plan.py (BWD_TILES).
+// Each phase spreads its output tile over the kNWarps warps as a (rows x columns) grid of warps:
+//   scores  S^T (kBlockN x kBlockM): kSKeyWarps along the keys  x kNWarps / kSKeyWarps along the queries
+//   dK, dV  (kBlockN x kHeadDim):    kKVKeyWarps along the keys x kNWarps / kKVKeyWarps along head dim
+//   dQ      (kBlockM x kHeadDim):    kDQQWarps along the queries x kNWarps / kDQQWarps along head dim
+// A warp tile of R rows x C columns reads (R + C) * 32 bytes of smem per 16-deep k-step for R*C/128
+// MMAs, so the layouts aim for tiles of 32+ rows and 32+ columns (shared-memory bandwidth, not the
+// tensor cores, is what bounds an mma.sync backward).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_,
-          bool kAligned_, int kStages_>
+          bool kAligned_, int kStages_, int kSKeyWarps_, int kKVKeyWarps_, int kDQQWarps_>
 struct BwdConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockM = kBlockM_;     // query rows per iteration
@@ -58,18 +64,19 @@ struct BwdConfig {
     static constexpr int kSmemStride = kHeadDim + 8;   // elements per K/V/Q/dO smem row
     static constexpr int kChunksPerRow = kHeadDim / 8; // 16-byte chunks per row (load_tile)
     static constexpr int kPStride = kBlockM + 8;       // elements per sP / sdS row
-    // Score and dK/dV phases: kKeySlabs slabs of 16 keys, kParts warps per slab.
-    static constexpr int kKeySlabs = kBlockN / 16;
-    static constexpr int kParts = kNWarps / kKeySlabs;
-    static constexpr int kQCols = kBlockM / kParts;       // query columns of S^T per warp
-    static constexpr int kSNB = kQCols / 8;               // 8-column MMA blocks of S^T per warp
-    static constexpr int kDKVCols = kHeadDim / kParts;    // dK / dV columns per warp
-    static constexpr int kDKVNB = kDKVCols / 8;
-    // dQ phase: kQSlabs slabs of 16 query rows, kDQParts warps per slab.
-    static constexpr int kQSlabs = kBlockM / 16;
-    static constexpr int kDQParts = kNWarps / kQSlabs;
-    static constexpr int kDQCols = kHeadDim / kDQParts;
-    static constexpr int kDQNB = kDQCols / 8;
+
+    // Scores: warp tile kSKeys keys (kSSlabs slabs of 16) x kSQCols queries (kSNB blocks of 8).
+    static constexpr int kSKeyWarps = kSKeyWarps_;
+    static constexpr int kSKeys = kBlockN / kSKeyWarps, kSSlabs = kSKeys / 16;
+    static constexpr int kSQCols = kBlockM / (kNWarps / kSKeyWarps), kSNB = kSQCols / 8;
+    // dK, dV: warp tile kKVKeys keys x kKVCols head-dim columns.
+    static constexpr int kKVKeyWarps = kKVKeyWarps_;
+    static constexpr int kKVKeys = kBlockN / kKVKeyWarps, kKVSlabs = kKVKeys / 16;
+    static constexpr int kKVCols = kHeadDim / (kNWarps / kKVKeyWarps), kKVNB = kKVCols / 8;
+    // dQ: warp tile kDQRows query rows x kDQCols head-dim columns.
+    static constexpr int kDQQWarps = kDQQWarps_;
+    static constexpr int kDQRows = kBlockM / kDQQWarps, kDQSlabs = kDQRows / 16;
+    static constexpr int kDQCols = kHeadDim / (kNWarps / kDQQWarps), kDQNB = kDQCols / 8;
 
     static constexpr int kSmemKV = kBlockN * kSmemStride;  // elements of one K or V tile
     static constexpr int kSmemQ = kBlockM * kSmemStride;   // elements of one Q or dO tile
@@ -77,9 +84,11 @@ struct BwdConfig {
     static constexpr int kSmemBytes = 2 * (2 * kSmemKV + 2 * kStages * kSmemQ + 2 * kSmemP) + 4 * 2 * kStages * kBlockM;
 
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head-dim buckets are multiples of 32");
-    static_assert(kBlockN % 16 == 0 && kNWarps % kKeySlabs == 0, "whole warps per 16-key slab");
-    static_assert(kQCols % 16 == 0 && kDKVCols % 16 == 0, "ldmatrix x4 feeds pairs of 8-column blocks");
-    static_assert(kBlockM % 16 == 0 && kNWarps % kQSlabs == 0 && kDQCols % 16 == 0, "dQ phase layout");
+    static_assert(kNWarps % kSKeyWarps == 0 && kNWarps % kKVKeyWarps == 0 && kNWarps % kDQQWarps == 0,
+                  "every phase uses all warps in a full grid");
+    static_assert(kSKeys % 16 == 0 && kKVKeys % 16 == 0 && kDQRows % 16 == 0, "warp tiles are whole 16-row slabs");
+    static_assert(kSQCols % 16 == 0 && kKVCols % 16 == 0 && kDQCols % 16 == 0,
+                  "ldmatrix x4 feeds pairs of 8-column blocks");
     static_assert(kBlockM % 4 == 0 && kBlockM / 2 <= kNThreads, "lse_log2 / D rows move in 16-byte chunks");
     static_assert((kSmemStride / 8) % 2 == 1 && (kPStride / 8) % 2 == 1, "odd 16-byte row strides");
     static_assert(kStages == 1 || kStages == 2, "query tiles are single or double buffered");
@@ -139,25 +148,28 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
     if (n_iters > 0) load_query_side(0, 0);
     cp_async_commit();
 
-    // Warp roles (see the file header).
-    const int key_slab = warp % Cfg::kKeySlabs, part = warp / Cfg::kKeySlabs;
-    const int q_slab = warp % Cfg::kQSlabs, dq_part = warp / Cfg::kQSlabs;
-    // ldmatrix lane offsets: A rows (16 x 16 block, row = lane % 16, column 8 (lane / 16));
-    // B from rows of an [n][k] tile (n = (lane % 8) + 8 (lane / 16), k = 8 ((lane / 8) % 2));
-    // B from rows of a [k][n] tile, transposed (k = (lane % 8) + 8 ((lane / 8) % 2), n = 8 (lane / 16)).
-    const int a_kv_off = (16 * key_slab + lane % 16) * kStride + (lane / 16) * 8;
-    const int b_q_off = (Cfg::kQCols * part + lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
-    const int a_p_off = (16 * key_slab + lane % 16) * kPStride + (lane / 16) * 8;
-    const int bt_q_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8 + Cfg::kDKVCols * part;
+    // Warp positions in the three phase grids (see BwdConfig).
+    const int s_key0 = Cfg::kSKeys * (warp % Cfg::kSKeyWarps), s_col0 = Cfg::kSQCols * (warp / Cfg::kSKeyWarps);
+    const int kv_key0 = Cfg::kKVKeys * (warp % Cfg::kKVKeyWarps), kv_col0 = Cfg::kKVCols * (warp / Cfg::kKVKeyWarps);
+    const int dq_row0 = Cfg::kDQRows * (warp % Cfg::kDQQWarps), dq_col0 = Cfg::kDQCols * (warp / Cfg::kDQQWarps);
+    // ldmatrix lane offsets (elements): A rows of a 16 x 16 block (row lane % 16, column 8 (lane / 16));
+    // B from the rows of an [n][k] tile (n = (lane % 8) + 8 (lane / 16), k = 8 ((lane / 8) % 2));
+    // B from the rows of a [k][n] tile, transposed (k = (lane % 8) + 8 ((lane / 8) % 2), n = 8 (lane / 16)).
+    const int a_kv_off = (s_key0 + lane % 16) * kStride + (lane / 16) * 8;
+    const int b_q_off = (s_col0 + lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
+    const int a_p_off = (kv_key0 + lane % 16) * kPStride + (lane / 16) * 8;
+    const int bt_q_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8 + kv_col0;
     // dS as the A operand of dQ = dS K, read transposed from sdS^T rows (key = (lane % 8) + 8 (lane / 16)).
-    const int at_ds_off = (lane % 8 + (lane / 16) * 8) * kPStride + 16 * q_slab + ((lane / 8) % 2) * 8;
-    const int bt_k_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8 + Cfg::kDQCols * dq_part;
+    const int at_ds_off = (lane % 8 + (lane / 16) * 8) * kPStride + dq_row0 + ((lane / 8) % 2) * 8;
+    const int bt_k_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8 + dq_col0;
 
-    float acc_dk[Cfg::kDKVNB][4], acc_dv[Cfg::kDKVNB][4];
+    float acc_dk[Cfg::kKVSlabs][Cfg::kKVNB][4], acc_dv[Cfg::kKVSlabs][Cfg::kKVNB][4];
 #pragma unroll
-    for (int i = 0; i < Cfg::kDKVNB; ++i)
+    for (int s = 0; s < Cfg::kKVSlabs; ++s)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+        for (int i = 0; i < Cfg::kKVNB; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[s][i][e] = acc_dv[s][i][e] = 0.f;
 
     for (int it = 0; it < n_iters; ++it) {
         const int stage = Cfg::kStages == 2 ? (it & 1) : 0;
@@ -187,93 +199,119 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
 
         // ---- Scores: S^T = K Q^T, dP^T = V dO^T       S^T[j][i] = sum_d K[j][d] Q[i][d]
         {
-            float S[Cfg::kSNB][4], dP[Cfg::kSNB][4];
+            constexpr int kSl = Cfg::kSSlabs, kNB = Cfg::kSNB;
+            float S[kSl][kNB][4], dP[kSl][kNB][4];
 #pragma unroll
-            for (int nb = 0; nb < Cfg::kSNB; ++nb)
+            for (int s = 0; s < kSl; ++s)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) S[nb][e] = dP[nb][e] = 0.f;
+                for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) S[s][nb][e] = dP[s][nb][e] = 0.f;
 #pragma unroll
             for (int kd = 0; kd < Cfg::kHeadDim / 16; ++kd) {
-                u32 ak[4], av[4];
-                ldmatrix_x4(ak, smem_u32(s_k + a_kv_off + kd * 16));
-                ldmatrix_x4(av, smem_u32(s_v + a_kv_off + kd * 16));
+                u32 ak[kSl][4], av[kSl][4];
 #pragma unroll
-                for (int nb = 0; nb < Cfg::kSNB; nb += 2) {
+                for (int s = 0; s < kSl; ++s) {
+                    ldmatrix_x4(ak[s], smem_u32(s_k + a_kv_off + 16 * s * kStride + kd * 16));
+                    ldmatrix_x4(av[s], smem_u32(s_v + a_kv_off + 16 * s * kStride + kd * 16));
+                }
+#pragma unroll
+                for (int nb = 0; nb < kNB; nb += 2) {
                     u32 bq[4], bdo[4];
                     ldmatrix_x4(bq, smem_u32(s_q + b_q_off + nb * 8 * kStride + kd * 16));
                     ldmatrix_x4(bdo, smem_u32(s_do + b_q_off + nb * 8 * kStride + kd * 16));
-                    mma_16816<kBF16>(S[nb], ak, bq[0], bq[1]);
-                    mma_16816<kBF16>(S[nb + 1], ak, bq[2], bq[3]);
-                    mma_16816<kBF16>(dP[nb], av, bdo[0], bdo[1]);
-                    mma_16816<kBF16>(dP[nb + 1], av, bdo[2], bdo[3]);
+#pragma unroll
+                    for (int s = 0; s < kSl; ++s) {
+                        mma_16816<kBF16>(S[s][nb], ak[s], bq[0], bq[1]);
+                        mma_16816<kBF16>(S[s][nb + 1], ak[s], bq[2], bq[3]);
+                        mma_16816<kBF16>(dP[s][nb], av[s], bdo[0], bdo[1]);
+                        mma_16816<kBF16>(dP[s][nb + 1], av[s], bdo[2], bdo[3]);
+                    }
                 }
             }
             // Causal mask only where some key of the tile is later than what the block's first row sees.
             if (Cfg::kIsCausal && n0 + kBlockN - 1 > m0 + offset) {
 #pragma unroll
-                for (int nb = 0; nb < Cfg::kSNB; ++nb)
+                for (int s = 0; s < kSl; ++s)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int j = n0 + 16 * key_slab + g + 8 * (e / 2);
-                        const int i = m0 + Cfg::kQCols * part + 8 * nb + 2 * t + (e % 2);
-                        if (j > i + offset) S[nb][e] = -kInf;
-                    }
+                    for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int j = n0 + s_key0 + 16 * s + g + 8 * (e / 2);
+                            const int i = m0 + s_col0 + 8 * nb + 2 * t + (e % 2);
+                            if (j > i + offset) S[s][nb][e] = -kInf;
+                        }
             }
             // P^T = exp2(S^T * scale_log2 - lse_log2[i]);  dS^T = P^T * (dP^T - D[i])
 #pragma unroll
-            for (int nb = 0; nb < Cfg::kSNB; ++nb) {
-                const int col = Cfg::kQCols * part + 8 * nb + 2 * t;
+            for (int nb = 0; nb < kNB; ++nb) {
+                const int col = s_col0 + 8 * nb + 2 * t;
                 const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
                 const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float p0 = fast_exp2(fmaf(S[nb][2 * r], p.scale_log2, -l2.x));
-                    const float p1 = fast_exp2(fmaf(S[nb][2 * r + 1], p.scale_log2, -l2.y));
-                    const float ds0 = p0 * (dP[nb][2 * r] - dd.x);
-                    const float ds1 = p1 * (dP[nb][2 * r + 1] - dd.y);
-                    const int row = 16 * key_slab + g + 8 * r;
-                    *reinterpret_cast<u32*>(s_p + row * kPStride + col) = pack2<kBF16>(p0, p1);
-                    *reinterpret_cast<u32*>(s_ds + row * kPStride + col) = pack2<kBF16>(ds0, ds1);
-                }
+                for (int s = 0; s < kSl; ++s)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const float p0 = fast_exp2(fmaf(S[s][nb][2 * r], p.scale_log2, -l2.x));
+                        const float p1 = fast_exp2(fmaf(S[s][nb][2 * r + 1], p.scale_log2, -l2.y));
+                        const float ds0 = p0 * (dP[s][nb][2 * r] - dd.x);
+                        const float ds1 = p1 * (dP[s][nb][2 * r + 1] - dd.y);
+                        const int row = s_key0 + 16 * s + g + 8 * r;
+                        *reinterpret_cast<u32*>(s_p + row * kPStride + col) = pack2<kBF16>(p0, p1);
+                        *reinterpret_cast<u32*>(s_ds + row * kPStride + col) = pack2<kBF16>(ds0, ds1);
+                    }
             }
         }
-        __syncthreads();  // sP and sdS complete: the next two phases read other warps' columns
+        __syncthreads();  // sP and sdS complete: the next two phases read other warps' tiles
 
         // ---- dV += P^T dO, dK += dS^T Q                dV[j][d] += sum_i P[i][j] dO[i][d]
 #pragma unroll
         for (int kq = 0; kq < kBlockM / 16; ++kq) {
-            u32 ap[4], ads[4];
-            ldmatrix_x4(ap, smem_u32(s_p + a_p_off + kq * 16));
-            ldmatrix_x4(ads, smem_u32(s_ds + a_p_off + kq * 16));
+            u32 ap[Cfg::kKVSlabs][4], ads[Cfg::kKVSlabs][4];
 #pragma unroll
-            for (int db = 0; db < Cfg::kDKVNB; db += 2) {
+            for (int s = 0; s < Cfg::kKVSlabs; ++s) {
+                ldmatrix_x4(ap[s], smem_u32(s_p + a_p_off + 16 * s * kPStride + kq * 16));
+                ldmatrix_x4(ads[s], smem_u32(s_ds + a_p_off + 16 * s * kPStride + kq * 16));
+            }
+#pragma unroll
+            for (int db = 0; db < Cfg::kKVNB; db += 2) {
                 u32 bdo[4], bq[4];
                 ldmatrix_x4_trans(bdo, smem_u32(s_do + bt_q_off + kq * 16 * kStride + db * 8));
                 ldmatrix_x4_trans(bq, smem_u32(s_q + bt_q_off + kq * 16 * kStride + db * 8));
-                mma_16816<kBF16>(acc_dv[db], ap, bdo[0], bdo[1]);
-                mma_16816<kBF16>(acc_dv[db + 1], ap, bdo[2], bdo[3]);
-                mma_16816<kBF16>(acc_dk[db], ads, bq[0], bq[1]);
-                mma_16816<kBF16>(acc_dk[db + 1], ads, bq[2], bq[3]);
+#pragma unroll
+                for (int s = 0; s < Cfg::kKVSlabs; ++s) {
+                    mma_16816<kBF16>(acc_dv[s][db], ap[s], bdo[0], bdo[1]);
+                    mma_16816<kBF16>(acc_dv[s][db + 1], ap[s], bdo[2], bdo[3]);
+                    mma_16816<kBF16>(acc_dk[s][db], ads[s], bq[0], bq[1]);
+                    mma_16816<kBF16>(acc_dk[s][db + 1], ads[s], bq[2], bq[3]);
+                }
             }
         }
 
         // ---- dQ (part) = dS K                           dQ[i][d] += sum_j dS[i][j] K[j][d]
         {
-            float acc_dq[Cfg::kDQNB][4];
+            constexpr int kSl = Cfg::kDQSlabs, kNB = Cfg::kDQNB;
+            float acc_dq[kSl][kNB][4];
 #pragma unroll
-            for (int i = 0; i < Cfg::kDQNB; ++i)
+            for (int s = 0; s < kSl; ++s)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+                for (int i = 0; i < kNB; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_dq[s][i][e] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < kBlockN / 16; ++kk) {
-                u32 a[4];
-                ldmatrix_x4_trans(a, smem_u32(s_ds + at_ds_off + kk * 16 * kPStride));
+                u32 a[kSl][4];
 #pragma unroll
-                for (int db = 0; db < Cfg::kDQNB; db += 2) {
+                for (int s = 0; s < kSl; ++s) ldmatrix_x4_trans(a[s], smem_u32(s_ds + at_ds_off + kk * 16 * kPStride + 16 * s));
+#pragma unroll
+                for (int db = 0; db < kNB; db += 2) {
                     u32 bk[4];
                     ldmatrix_x4_trans(bk, smem_u32(s_k + bt_k_off + kk * 16 * kStride + db * 8));
-                    mma_16816<kBF16>(acc_dq[db], a, bk[0], bk[1]);
-                    mma_16816<kBF16>(acc_dq[db + 1], a, bk[2], bk[3]);
+#pragma unroll
+                    for (int s = 0; s < kSl; ++s) {
+                        mma_16816<kBF16>(acc_dq[s][db], a[s], bk[0], bk[1]);
+                        mma_16816<kBF16>(acc_dq[s][db + 1], a[s], bk[2], bk[3]);
+                    }
                 }
             }
             int* turn = p.dq_turn + ((i64)b * p.nheads + h) * p.num_m_blocks + m_block;
@@ -286,15 +324,15 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                 }
                 __syncthreads();  // the whole CTA adds only in its turn
             }
-            float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0 + 16 * q_slab + g) * p.dq_accum_cols +
-                          Cfg::kDQCols * dq_part + 2 * t;
+            // The tile is stored in register order (dq_accum_pos): each warp-wide vector reduction adds
+            // 32 lanes x 4 consecutive floats, 512 contiguous bytes.
+            float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * p.dq_accum_cols +
+                          (warp * kSl * kNB) * 128 + lane * 4;
 #pragma unroll
-            for (int db = 0; db < Cfg::kDQNB; ++db) {
+            for (int s = 0; s < kSl; ++s)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    atomicAdd(g_dq + (e / 2) * 8 * p.dq_accum_cols + 8 * db + (e % 2), acc_dq[db][e]);
-                }
-            }
+                for (int db = 0; db < kNB; ++db)
+                    red_add_f32x4(g_dq + (s * kNB + db) * 128, acc_dq[s][db][0], acc_dq[s][db][1], acc_dq[s][db][2], acc_dq[s][db][3]);
             if (p.deterministic) {
                 __threadfence();  // this thread's additions are visible device-wide ...
                 __syncthreads();  // ... for every thread of the CTA, before the turn passes on
@@ -308,33 +346,35 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
     u16* g_dk = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
     u16* g_dv = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = n0 + 16 * key_slab + g + 8 * r;
-        if (j >= p.seqlen_k) continue;
-        u16* dk_row = g_dk + j * p.dk_row_stride;
-        u16* dv_row = g_dv + j * p.dv_row_stride;
+    for (int s = 0; s < Cfg::kKVSlabs; ++s)
 #pragma unroll
-        for (int db = 0; db < Cfg::kDKVNB; ++db) {
-            const int col = Cfg::kDKVCols * part + 8 * db + 2 * t;
-            const u32 pk = pack2<kBF16>(acc_dk[db][2 * r] * p.softmax_scale, acc_dk[db][2 * r + 1] * p.softmax_scale);
-            const u32 pv = pack2<kBF16>(acc_dv[db][2 * r], acc_dv[db][2 * r + 1]);
-            if constexpr (Cfg::kAligned) {  // head_dim % 8 == 0: both columns are in or both out
-                if (col < p.head_dim) {
-                    *reinterpret_cast<u32*>(dk_row + col) = pk;
-                    *reinterpret_cast<u32*>(dv_row + col) = pv;
-                }
-            } else {
-                if (col < p.head_dim) {
-                    dk_row[col] = static_cast<u16>(pk & 0xffffu);
-                    dv_row[col] = static_cast<u16>(pv & 0xffffu);
-                }
-                if (col + 1 < p.head_dim) {
-                    dk_row[col + 1] = static_cast<u16>(pk >> 16);
-                    dv_row[col + 1] = static_cast<u16>(pv >> 16);
+        for (int r = 0; r < 2; ++r) {
+            const int j = n0 + kv_key0 + 16 * s + g + 8 * r;
+            if (j >= p.seqlen_k) continue;
+            u16* dk_row = g_dk + j * p.dk_row_stride;
+            u16* dv_row = g_dv + j * p.dv_row_stride;
+#pragma unroll
+            for (int db = 0; db < Cfg::kKVNB; ++db) {
+                const int col = kv_col0 + 8 * db + 2 * t;
+                const u32 pk = pack2<kBF16>(acc_dk[s][db][2 * r] * p.softmax_scale, acc_dk[s][db][2 * r + 1] * p.softmax_scale);
+                const u32 pv = pack2<kBF16>(acc_dv[s][db][2 * r], acc_dv[s][db][2 * r + 1]);
+                if constexpr (Cfg::kAligned) {  // head_dim % 8 == 0: both columns are in or both out
+                    if (col < p.head_dim) {
+                        *reinterpret_cast<u32*>(dk_row + col) = pk;
+                        *reinterpret_cast<u32*>(dv_row + col) = pv;
+                    }
+                } else {
+                    if (col < p.head_dim) {
+                        dk_row[col] = static_cast<u16>(pk & 0xffffu);
+                        dv_row[col] = static_cast<u16>(pv & 0xffffu);
+                    }
+                    if (col + 1 < p.head_dim) {
+                        dk_row[col + 1] = static_cast<u16>(pk >> 16);
+                        dv_row[col + 1] = static_cast<u16>(pv >> 16);
+                    }
                 }
             }
         }
-    }
 }
 
 // D = rowsum(dO * O) and lse_log2, one warp per row of the padded query range; blockDim = 256.
@@ -371,24 +411,43 @@ CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
     }
 }
 
+// Where the main kernel's dQ phase adds element (r, c) of a query block's tile (r < kBlockM, c <
+// kHeadDim) inside that tile's block_m * dq_accum_cols floats: warp w = (r / rows) + dq_q_warps *
+// (c / cols) holds it in acc_dq[s][db][e] of lane 4 g + t (rows 16 s + g + 8 (e / 2), columns
+// 8 db + 2 t + e % 2 of its rows x cols tile), and stores register group (s, db) of all 32 lanes as
+// 128 consecutive floats: position ((w * slabs * blocks + s * blocks + db) * 32 + lane) * 4 + e.
+CUFLASH_DEVICE int dq_accum_pos(int r, int c, const BwdParams& p) {
+    const int rows = p.dq_tile_rows, cols = p.dq_tile_cols, blocks = cols / 8;
+    const int w = r / rows + p.dq_q_warps * (c / cols);
+    const int rr = r % rows, cc = c % cols;
+    const int s = rr / 16, g = rr % 8, e = 2 * ((rr % 16) / 8) + cc % 2;
+    const int db = cc / 8, t = (cc % 8) / 2;
+    return ((w * (rows / 16) * blocks + s * blocks + db) * 32 + 4 * g + t) * 4 + e;
+}
+
 // dQ = dq_accum * softmax_scale in q's dtype, one warp per query row; blockDim = 256.
 template <bool kIsBF16, bool kAligned>
 CUFLASH_DEVICE void flash_bwd_convert_kernel(const BwdParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int i = blockIdx.x * 8 + warp, h = blockIdx.y, b = blockIdx.z;
     if (i >= p.seqlen_q) return;
-    const float* acc = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + i) * p.dq_accum_cols;
+    const int r = i % p.block_m;  // row inside its query block's tile
+    const float* tile = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + (i - r)) * p.dq_accum_cols;
     u16* dq = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + i * p.dq_row_stride;
     const float s = p.softmax_scale;
-    if constexpr (kAligned) {
+    if constexpr (kAligned) {  // lane owns 8 consecutive columns: one 16-byte store
         for (int c = 8 * lane; c < p.head_dim; c += 8 * 32) {
-            const float4 x = *reinterpret_cast<const float4*>(acc + c);
-            const float4 y = *reinterpret_cast<const float4*>(acc + c + 4);
-            *reinterpret_cast<uint4*>(dq + c) = make_uint4(pack2<kIsBF16>(x.x * s, x.y * s), pack2<kIsBF16>(x.z * s, x.w * s),
-                                                           pack2<kIsBF16>(y.x * s, y.y * s), pack2<kIsBF16>(y.z * s, y.w * s));
+            u32 w[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                w[k] = pack2<kIsBF16>(tile[dq_accum_pos(r, c + 2 * k, p)] * s, tile[dq_accum_pos(r, c + 2 * k + 1, p)] * s);
+            }
+            *reinterpret_cast<uint4*>(dq + c) = make_uint4(w[0], w[1], w[2], w[3]);
         }
     } else {
-        for (int c = lane; c < p.head_dim; c += 32) dq[c] = static_cast<u16>(pack2<kIsBF16>(acc[c] * s, 0.f) & 0xffffu);
+        for (int c = lane; c < p.head_dim; c += 32) {
+            dq[c] = static_cast<u16>(pack2<kIsBF16>(tile[dq_accum_pos(r, c, p)] * s, 0.f) & 0xffffu);
+        }
     }
 }
 

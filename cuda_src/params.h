@@ -57,7 +57,9 @@ struct BwdParams {
     float* lse_log2;           // (batch, nheads, seqlen_q_pad): lse * log2(e); +inf for rows that see
                                // no key and for padding rows (their P is then exactly 0)
     float* dsum;               // (batch, nheads, seqlen_q_pad): D = rowsum(dO * O); 0 on padding rows
-    float* dq_accum;           // (batch, nheads, seqlen_q_pad, dq_accum_cols) fp32, zeroed before the main kernel
+    float* dq_accum;           // (batch, nheads, seqlen_q_pad * dq_accum_cols) fp32, zeroed before the main kernel;
+                               // each query block's tile is stored in the main kernel's register order
+                               // (see flash_bwd.cuh, dq_accum_pos), not row-major
     int* dq_turn;              // (batch, nheads, num_m_blocks) int32, zeroed: deterministic mode's turn counters
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
@@ -78,6 +80,10 @@ struct BwdParams {
     int dq_accum_cols;         // head-dim bucket of the main kernel: columns of dq_accum
     int num_m_blocks;          // ceil(seqlen_q / kBlockM)
     int deterministic;         // 1: dQ partial sums are added in kv-block order (bitwise reproducible)
+    int block_m;               // kBlockM of the main kernel (rows of one dq_accum tile)
+    int dq_q_warps;            // the main kernel's dQ warp grid: warps along the query rows ...
+    int dq_tile_rows;          // ... and one warp's dQ tile: rows (multiple of 16) x
+    int dq_tile_cols;          //     columns (multiple of 16)
     float softmax_scale;
     float scale_log2;          // softmax_scale * log2(e)
 };

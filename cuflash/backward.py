@@ -35,6 +35,11 @@ def attention_backward(
     Runs on CuPy's current stream and never synchronizes. Extra device memory: an fp32 buffer of
     dq's size (rounded up to the head-dim bucket) and two fp32 values per query row.
     """
+    return _backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                     deterministic=deterministic, dq=dq, dk=dk, dv=dv)  # fmt: skip
+
+
+def _backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, dq, dk, dv, tile: plan.BwdTile | None = None):
     cupy = _cupy()
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = _check_inputs(q, k, v, cupy)
     softmax_scale = _resolve_scale(softmax_scale, head_dim)
@@ -71,8 +76,10 @@ def attention_backward(
         aligned = head_dim % 8 == 0 and all(_aligned16(x) for x in (q, k, v, out, dout, dq, dk, dv))
         bp, fns = _plan_and_load(
             batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], bool(causal), aligned,
-            device_id, None,
+            device_id, tile,
         )  # fmt: skip
+        main_tile = bp.main.spec.tile
+        dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
         rows = (batch, nheads, bp.seqlen_q_pad)
         lse_log2 = cupy.empty(rows, dtype=cupy.float32)
         dsum = cupy.empty(rows, dtype=cupy.float32)
@@ -91,6 +98,7 @@ def attention_backward(
             batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_ratio=nheads // nheads_kv,
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, seqlen_q_pad=bp.seqlen_q_pad,
             dq_accum_cols=bp.dq_accum_cols, num_m_blocks=bp.num_m_blocks, deterministic=int(bool(deterministic)),
+            block_m=main_tile.block_m, dq_q_warps=main_tile.dq_q_warps, dq_tile_rows=dq_tile[0], dq_tile_cols=dq_tile[1],
             softmax_scale=softmax_scale, scale_log2=softmax_scale * math.log2(math.e),
         )  # fmt: skip
         for launch, fn in zip((bp.pre, bp.main, bp.convert), fns):

@@ -179,12 +179,13 @@ def _peak_extra_mb(fn) -> float:
 
 
 def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, nheads: int, *,
-              repeats: int = 30, peers: bool = True, naive_max_gb: float = 4.0, tile=None, op: str = "fwd") -> Row:  # fmt: skip
+              repeats: int = 30, peers: bool = True, naive_max_gb: float = 4.0, tile=None, op: str = "fwd",
+              bwd_tile=None) -> Row:  # fmt: skip
     import cupy
     import numpy as np
 
     from .attention import _BF16, _forward
-    from .backward import attention_backward
+    from .backward import _backward
 
     dt = _BF16 if dtype == "bf16" else np.dtype(np.float16)
     rng = cupy.random.default_rng()
@@ -201,8 +202,8 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
         return _forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=op != "fwd", out=out, tile=tile)
 
     def backward(o, lse):
-        return attention_backward(dout, q, k, v, o, lse, causal=causal, softmax_scale=scale,
-                                  dq=grads[0], dk=grads[1], dv=grads[2])  # fmt: skip
+        return _backward(dout, q, k, v, o, lse, causal=causal, softmax_scale=scale, deterministic=False,
+                         dq=grads[0], dk=grads[1], dv=grads[2], tile=bwd_tile)  # fmt: skip
 
     if op == "fwd":
         ours = forward

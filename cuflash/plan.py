@@ -247,31 +247,70 @@ def with_tile(spec: KernelSpec, tile: Tile) -> KernelSpec:
 
 @dataclass(frozen=True)
 class BwdTile:
-    """Tile shape of one backward main-kernel variant (see BWD_TILES for the reasons)."""
+    """Tile shape of one backward main-kernel variant (see BWD_TILES for the reasons).
+
+    Each of the kernel's three phases spreads its output over the warps as a grid (BwdConfig in
+    cuda_src/flash_bwd.cuh): S^T (block_n x block_m) with s_key_warps warps along the keys, dK/dV
+    (block_n x d) with kv_key_warps along the keys, dQ (block_m x d) with dq_q_warps along the queries;
+    the other factor of ``warps`` runs along the second dimension.
+    """
 
     block_m: int  # query rows per iteration
-    block_n: int  # keys per CTA (16 per warp slab)
-    warps: int  # warps per CTA: block_n / 16 key slabs x parts (query columns / head-dim columns)
+    block_n: int  # keys per CTA
+    warps: int
     stages: int  # buffers of the query-side tiles (Q, dO, lse, D): 2 = next block prefetched
+    s_key_warps: int
+    kv_key_warps: int
+    dq_q_warps: int
     min_blocks: int = 1  # __launch_bounds__ minimum CTAs per SM
 
+    def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
+        """(rows, columns) of one warp's tile in each phase."""
+        w, d = self.warps, head_dim_bucket
+        return {
+            "scores": (self.block_n // self.s_key_warps, self.block_m // (w // self.s_key_warps)),
+            "dkdv": (self.block_n // self.kv_key_warps, d // (w // self.kv_key_warps)),
+            "dq": (self.block_m // self.dq_q_warps, d // (w // self.dq_q_warps)),
+        }
 
-#: Backward tiles per head-dim bucket. Registers per thread ~ dK + dV accumulators
-#: (2 * 16 * (d / parts) / 32) + S^T and dP^T (2 * 16 * (block_m / parts) / 32), parts = warps * 16 /
-#: block_n. Shared memory = 2 * (2 * block_n + 2 * stages * block_m) * (d + 8) + 4 * block_n *
-#: (block_m + 8) + 8 * stages * block_m bytes (K, V, Q, dO, P^T, dS^T, lse, D).
+    def valid_for(self, head_dim_bucket: int) -> bool:
+        """The layout rules BwdConfig static_asserts (whole 16-row slabs, 16-column pairs, full grids)."""
+        if self.stages not in (1, 2) or self.block_m % 16 or self.block_m // 2 > 32 * self.warps:
+            return False
+        if any(self.warps % x for x in (self.s_key_warps, self.kv_key_warps, self.dq_q_warps)):
+            return False
+        for phase, (rows, cols) in self.warp_tiles(head_dim_bucket).items():
+            if rows < 16 or rows % 16 or cols < 16 or cols % 16:
+                return False
+        return True
+
+    def registers(self, head_dim_bucket: int) -> dict[str, int]:
+        """fp32 accumulator registers per thread: dK + dV (live all along), S^T + dP^T, dQ."""
+        tiles = self.warp_tiles(head_dim_bucket)
+        per_thread = lambda rc: rc[0] * rc[1] // 32  # noqa: E731
+        return {"dkdv": 2 * per_thread(tiles["dkdv"]), "scores": 2 * per_thread(tiles["scores"]),
+                "dq": per_thread(tiles["dq"])}  # fmt: skip
+
+
+#: Backward tiles per head-dim bucket. Warp tiles of R x C elements read (R + C) * 32 bytes of
+#: shared memory per 16-deep k-step for R * C / 128 MMAs, and mma.sync on Hopper is fed faster than
+#: shared memory can deliver 16-row tiles: the layouts aim for 32-row tiles in every phase. Registers
+#: per thread ~ dK + dV accumulators (kept all along) + S^T and dP^T (BwdTile.registers). Shared
+#: memory = 2 * (2 * block_n + 2 * stages * block_m) * (d + 8) + 4 * block_n * (block_m + 8) +
+#: 8 * stages * block_m bytes (K, V, Q, dO, P^T, dS^T, lse, D).
 BWD_TILES: dict[int, BwdTile] = {
-    # FA2's hd64 shape: 128 keys x 128 queries, 8 warps of 16 keys; dK/dV 32+32, S/dP 64+64 regs; 180 KB.
-    32: BwdTile(128, 128, 8, 2),
-    64: BwdTile(128, 128, 8, 2),
-    # FA2's hd128 shape: 128 keys x 64 queries, 8 warps; dK/dV 64+64 (hd128), S/dP 32+32 regs; 177 KB.
-    96: BwdTile(64, 128, 8, 2),
-    128: BwdTile(64, 128, 8, 2),
-    # 64 keys, 8 warps as 4 key slabs x 2 halves of the head dim: dK/dV at most 64+64 regs; 216 KB at hd256.
-    160: BwdTile(64, 64, 8, 2),
-    192: BwdTile(64, 64, 8, 2),
-    224: BwdTile(64, 64, 8, 2),
-    256: BwdTile(64, 64, 8, 2),
+    # 128 keys x 128 queries (FA2's hd64 shape): scores 32 x 64, dK/dV 32 x 32 (hd64), dQ 32 x 32.
+    32: BwdTile(128, 128, 8, 2, s_key_warps=4, kv_key_warps=4, dq_q_warps=4),
+    64: BwdTile(128, 128, 8, 2, s_key_warps=4, kv_key_warps=4, dq_q_warps=4),
+    # 128 keys x 64 queries (FA2's hd128 shape): scores 32 x 32, dK/dV 32 x 64 (128 regs), dQ 32 x 32.
+    96: BwdTile(64, 128, 8, 2, s_key_warps=4, kv_key_warps=4, dq_q_warps=4),  # dQ 16 x 48 (48 / 4 splits)
+    128: BwdTile(64, 128, 8, 2, s_key_warps=4, kv_key_warps=4, dq_q_warps=2),
+    # 64 keys x 64 queries: dK/dV at most 128 regs; hd160 / hd224 split the head dim in halves of
+    # 80 / 112 columns (quarters would not be whole 16-column pairs).
+    160: BwdTile(64, 64, 8, 2, s_key_warps=2, kv_key_warps=4, dq_q_warps=4),
+    192: BwdTile(64, 64, 8, 2, s_key_warps=2, kv_key_warps=2, dq_q_warps=2),
+    224: BwdTile(64, 64, 8, 2, s_key_warps=2, kv_key_warps=4, dq_q_warps=4),
+    256: BwdTile(64, 64, 8, 2, s_key_warps=2, kv_key_warps=2, dq_q_warps=2),
 }
 
 #: Threads of the preprocess / convert kernels (one warp per query row).
@@ -285,23 +324,22 @@ def bwd_smem_bytes(head_dim_bucket: int, tile: BwdTile) -> int:
     return 2 * (2 * kv + 2 * tile.stages * q + 2 * pp) + 4 * 2 * tile.stages * tile.block_m
 
 
+#: Smaller tiles for GPUs with less shared memory (tried in order; compile-tested only).
+BWD_FALLBACK_TILES = (
+    BwdTile(64, 64, 4, 1, s_key_warps=2, kv_key_warps=2, dq_q_warps=2),
+    BwdTile(32, 32, 4, 1, s_key_warps=2, kv_key_warps=2, dq_q_warps=2),
+)
+
+
 def bwd_tile(bucket: int, arch: str) -> BwdTile:
     """The backward tile for ``bucket`` on ``arch``: the BWD_TILES row, or where that needs more shared
-    memory than the arch has, single-buffered, then 64 x 64 of 4 warps, then 32 x 32 of 4 warps
-    (untuned: compile-tested only)."""
+    memory than the arch has, its single-buffered form, then BWD_FALLBACK_TILES (untuned)."""
     t = BWD_TILES[bucket]
-    candidates = (t, dataclasses.replace(t, stages=1), BwdTile(64, 64, 4, 1), BwdTile(32, 32, 4, 1))
     limit = max_smem_bytes(arch)
-    for c in candidates:
-        if bwd_smem_bytes(bucket, c) <= limit and _bwd_registers_ok(bucket, c):
+    for c in (t, dataclasses.replace(t, stages=1)) + BWD_FALLBACK_TILES:
+        if bwd_smem_bytes(bucket, c) <= limit and c.valid_for(bucket) and c.registers(bucket)["dkdv"] <= 128:
             return c
     raise ValueError(f"no backward tile for head dim {bucket} fits the {limit // 1024} KB of shared memory of {arch}")
-
-
-def _bwd_registers_ok(bucket: int, tile: BwdTile) -> bool:
-    """dK + dV accumulators of one warp stay at most 128 fp32 registers per thread."""
-    parts = tile.warps * 16 // tile.block_n
-    return parts >= 1 and bucket // parts <= 128
 
 
 @dataclass(frozen=True)
@@ -322,6 +360,7 @@ class BwdSpec:
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}"
             f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}_st{t.stages}"
+            f"_s{t.s_key_warps}kv{t.kv_key_warps}dq{t.dq_q_warps}"
             f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
         )
 
@@ -342,7 +381,7 @@ class BwdSpec:
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (
             f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, {b(self.causal)}, "
-            f"{b(self.aligned)}, {t.stages}"
+            f"{b(self.aligned)}, {t.stages}, {t.s_key_warps}, {t.kv_key_warps}, {t.dq_q_warps}"
         )
 
 
@@ -384,6 +423,8 @@ def bwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, 
     if aligned and head_dim % 8 != 0:
         raise ValueError("the 16-byte load path needs head_dim % 8 == 0")
     tile = tile or bwd_tile(bucket, arch)
+    if not tile.valid_for(bucket):
+        raise ValueError(f"tile {tile} breaks the backward kernel's warp layout rules for head dim {bucket}")
     if bwd_smem_bytes(bucket, tile) > max_smem_bytes(arch):
         raise ValueError(
             f"tile {tile} needs {bwd_smem_bytes(bucket, tile)} bytes of shared memory; {arch} allows {max_smem_bytes(arch)}"

@@ -1,7 +1,9 @@
-"""One cuflash forward and one torch FlashAttention-2 forward on the same inputs, for ncu:
+"""One cuflash forward and one torch FlashAttention-2 forward on the same inputs (with --bwd, one
+backward of each after them), for ncu:
 
     ncu --clock-control none -k regex:flash_fwd --section WarpStateStats ... \\
         python tools/profile_pair.py --hd 256 --seqlen 1024
+    ncu --clock-control none -k regex:flash_bwd ... python tools/profile_pair.py --bwd
 """
 import argparse
 import sys
@@ -15,6 +17,7 @@ def main():
     ap.add_argument("--hd", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--bwd", action="store_true", help="also run one backward of each")
     a = ap.parse_args()
     import cupy
     import torch
@@ -27,10 +30,16 @@ def main():
     b, h = 16384 // a.seqlen, 2048 // a.hd
     rng = cupy.random.default_rng(0)
     q, k, v = (rng.standard_normal((b, a.seqlen, h, a.hd), dtype=cupy.float32).astype(_BF16) for _ in range(3))
-    cuflash.attention(q, k, v, causal=a.causal)
+    out, lse = cuflash.attention(q, k, v, causal=a.causal, return_lse=True)
     tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+    if a.bwd:
+        tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        sdpa(tq, tk, tv, is_causal=a.causal)
+        tout = sdpa(tq, tk, tv, is_causal=a.causal)
+    if a.bwd:
+        dout = rng.standard_normal(q.shape, dtype=cupy.float32).astype(_BF16)
+        cuflash.attention_backward(dout, q, k, v, out, lse, causal=a.causal)
+        torch.autograd.grad(tout, (tq, tk, tv), torch.from_dlpack(dout).transpose(1, 2))
     torch.cuda.synchronize()
 
 

@@ -1,0 +1,83 @@
+"""Sweep backward tile shapes (cuflash/plan.py BwdTile) on the GPU, side by side with torch's
+FlashAttention-2 backward, to choose the rows of BWD_TILES.
+
+    python tools/tune_bwd.py --hd 128 [--seqlen 1024 4096] [--tiles "64,128,8,2,4,4,2" ...]
+A tile is block_m,block_n,warps,stages,s_key_warps,kv_key_warps,dq_q_warps. Every tile is first
+checked against the float64 reference on a ragged GQA case; then one line per (tile, causal,
+seqlen) and, last, the median ratio per tile.
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cuflash import bench, plan  # noqa: E402
+
+
+def check_tile(hd, tile, dtype):
+    import cupy
+    import numpy as np
+
+    from cuflash import reference
+    from cuflash.attention import _BF16, _forward
+    from cuflash.backward import _backward
+
+    dt = _BF16 if dtype == "bf16" else np.dtype(np.float16)
+    rng = np.random.default_rng()
+    for causal in (False, True):
+        q, k, v, do = (cupy.asarray(rng.standard_normal(sh, dtype=np.float32).astype(dt))
+                       for sh in ((2, 211, 2, hd), (2, 333, 1, hd), (2, 333, 1, hd), (2, 211, 2, hd)))
+        out, lse = _forward(q, k, v, causal=causal, softmax_scale=None, return_lse=True, out=None)
+        got = _backward(do, q, k, v, out, lse, causal=causal, softmax_scale=None, deterministic=False,
+                        dq=None, dk=None, dv=None, tile=tile)
+        refs = reference.attention_backward(do, q, k, v, causal=causal)
+        plains = reference.plain_attention_backward(do, q, k, v, causal=causal, dtype=dt)
+        for g, r, pl in zip(got, refs, plains):
+            if not reference.within_tolerance(g.get().astype(np.float64), r, pl, factor=3.0):
+                return False
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hd", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--tiles", nargs="*", default=[])
+    a = ap.parse_args()
+    tiles = [plan.BwdTile(*map(int, t.split(","))) for t in a.tiles] or [plan.BWD_TILES[a.hd]]
+    scores = {}
+    for tile in tiles:
+        name = ",".join(str(x) for x in tile.__dict__.values())
+        if not tile.valid_for(a.hd):
+            print(f"hd{a.hd} {name}: breaks the layout rules, skipped", flush=True)
+            continue
+        try:
+            ok = check_tile(a.hd, tile, a.dtype)
+        except Exception as exc:
+            print(f"hd{a.hd} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        if not ok:
+            print(f"hd{a.hd} {name}: WRONG RESULTS, skipped", flush=True)
+            continue
+        ratios = []
+        for causal in (False, True):
+            for s in a.seqlen:
+                b, h = max(1, 16384 // s), 2048 // a.hd
+                row = bench.run_point(a.dtype, a.hd, causal, s, b, h, repeats=a.repeats, peers=True, naive_max_gb=0,
+                                      op="bwd", bwd_tile=tile)
+                bench._release_memory()
+                t = row.tflops
+                r = t["cuflash"] / t["flash"] if "flash" in t and "cuflash" in t else float("nan")
+                ratios.append(r)
+                print(f"hd{a.hd} {name} causal={int(causal)} s={s:5d}: cuflash {t.get('cuflash', 0):6.1f} "
+                      f"flash {t.get('flash', 0):6.1f} cudnn {t.get('cudnn', 0):6.1f} ratio {r:.3f}", flush=True)
+        scores[name] = statistics.median(ratios)
+    for name, sc in sorted(scores.items(), key=lambda kv: -kv[1]):
+        print(f"  hd{a.hd} median ratio vs flash {sc:.3f}  tile {name}")
+
+
+if __name__ == "__main__":
+    main()
