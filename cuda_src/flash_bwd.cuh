@@ -14,7 +14,7 @@
 //                             walks over every query head of the group and every query block (kBlockM
 //                             rows) that sees these keys, keeping dK and dV in registers, and adds its
 //                             part of dQ to an fp32 buffer (atomics).
-//   flash_bwd_convert_kernel  one warp per query row: dQ = dq_accum * scale, converted to q's dtype.
+//   flash_bwd_convert_kernel  one CTA per query block: dQ = dq_accum * scale, converted to q's dtype.
 //
 // Main kernel, one query block per iteration; three phases, each with its own grid of warp tiles
 // (BwdConfig; all warps share the tiles through smem, no warp needs another's registers):
@@ -324,7 +324,7 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                 }
                 __syncthreads();  // the whole CTA adds only in its turn
             }
-            // The tile is stored in register order (dq_accum_pos): each warp-wide vector reduction adds
+            // The tile is stored in register order (see flash_bwd_convert_kernel): each warp-wide vector reduction adds
             // 32 lanes x 4 consecutive floats, 512 contiguous bytes.
             float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * p.dq_accum_cols +
                           (warp * kSl * kNB) * 128 + lane * 4;
@@ -411,42 +411,46 @@ CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
     }
 }
 
-// Where the main kernel's dQ phase adds element (r, c) of a query block's tile (r < kBlockM, c <
-// kHeadDim) inside that tile's block_m * dq_accum_cols floats: warp w = (r / rows) + dq_q_warps *
-// (c / cols) holds it in acc_dq[s][db][e] of lane 4 g + t (rows 16 s + g + 8 (e / 2), columns
-// 8 db + 2 t + e % 2 of its rows x cols tile), and stores register group (s, db) of all 32 lanes as
-// 128 consecutive floats: position ((w * slabs * blocks + s * blocks + db) * 32 + lane) * 4 + e.
-CUFLASH_DEVICE int dq_accum_pos(int r, int c, const BwdParams& p) {
-    const int rows = p.dq_tile_rows, cols = p.dq_tile_cols, blocks = cols / 8;
-    const int w = r / rows + p.dq_q_warps * (c / cols);
-    const int rr = r % rows, cc = c % cols;
-    const int s = rr / 16, g = rr % 8, e = 2 * ((rr % 16) / 8) + cc % 2;
-    const int db = cc / 8, t = (cc % 8) / 2;
-    return ((w * (rows / 16) * blocks + s * blocks + db) * 32 + 4 * g + t) * 4 + e;
-}
+// dQ = dq_accum * softmax_scale in q's dtype. CTA (m, h, b) converts query block m's tile, which
+// the main kernel stored in its register order: float4 number f of the tile holds, for warp
+// w = f / (slabs * blocks), register group (s, db) = ((f % (slabs * blocks)) / blocks, f % blocks)
+// of lane f % 32 ... precisely: f = (w * slabs * blocks + s * blocks + db) * 32 + lane, and its four
+// floats are rows (16 s + g, 16 s + g + 8) x columns (8 db + 2 t, + 1) of warp w's rows x cols dQ
+// tile (g = lane / 4, t = lane % 4). The tile is read in that order (coalesced), staged in smem as
+// rows, and written out row by row (16-byte stores on the aligned path). blockDim = 256.
+constexpr int kConvertSmemElems = 64 * (256 + 8);  // largest block_m * (bucket + 8) of any tile (plan.py checks)
 
-// dQ = dq_accum * softmax_scale in q's dtype, one warp per query row; blockDim = 256.
 template <bool kIsBF16, bool kAligned>
 CUFLASH_DEVICE void flash_bwd_convert_kernel(const BwdParams& p) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int i = blockIdx.x * 8 + warp, h = blockIdx.y, b = blockIdx.z;
-    if (i >= p.seqlen_q) return;
-    const int r = i % p.block_m;  // row inside its query block's tile
-    const float* tile = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + (i - r)) * p.dq_accum_cols;
-    u16* dq = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + i * p.dq_row_stride;
-    const float s = p.softmax_scale;
-    if constexpr (kAligned) {  // lane owns 8 consecutive columns: one 16-byte store
-        for (int c = 8 * lane; c < p.head_dim; c += 8 * 32) {
-            u32 w[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                w[k] = pack2<kIsBF16>(tile[dq_accum_pos(r, c + 2 * k, p)] * s, tile[dq_accum_pos(r, c + 2 * k + 1, p)] * s);
-            }
-            *reinterpret_cast<uint4*>(dq + c) = make_uint4(w[0], w[1], w[2], w[3]);
+    __shared__ __align__(16) u16 s_tile[kConvertSmemElems];
+    const int m0 = blockIdx.x * p.block_m, h = blockIdx.y, b = blockIdx.z;
+    const int cols = p.dq_accum_cols, stride = cols + 8;
+    const int rows_w = p.dq_tile_rows, cols_w = p.dq_tile_cols, blocks = cols_w / 8;
+    const int per_warp = (rows_w / 16) * blocks;  // float4 groups of 32 lanes per warp
+    const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * cols);
+    const float sc = p.softmax_scale;
+    for (int f = threadIdx.x; f < p.block_m * cols / 4; f += blockDim.x) {
+        const float4 x = tile[f];
+        const int lane = f % 32, grp = f / 32;
+        const int w = grp / per_warp, s = (grp % per_warp) / blocks, db = grp % blocks;
+        const int r = (w % p.dq_q_warps) * rows_w + 16 * s + lane / 4;
+        const int c = (w / p.dq_q_warps) * cols_w + 8 * db + 2 * (lane % 4);
+        *reinterpret_cast<u32*>(s_tile + r * stride + c) = pack2<kIsBF16>(x.x * sc, x.y * sc);
+        *reinterpret_cast<u32*>(s_tile + (r + 8) * stride + c) = pack2<kIsBF16>(x.z * sc, x.w * sc);
+    }
+    __syncthreads();  // the whole tile is in smem as rows
+    const int rows = min(p.block_m, p.seqlen_q - m0);
+    u16* dq = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + (i64)m0 * p.dq_row_stride;
+    if constexpr (kAligned) {  // head_dim % 8 == 0: whole 16-byte chunks
+        const int chunks = p.head_dim / 8;
+        for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {
+            const int r = i / chunks, c = (i % chunks) * 8;
+            *reinterpret_cast<uint4*>(dq + r * p.dq_row_stride + c) = *reinterpret_cast<const uint4*>(s_tile + r * stride + c);
         }
     } else {
-        for (int c = lane; c < p.head_dim; c += 32) {
-            dq[c] = static_cast<u16>(pack2<kIsBF16>(tile[dq_accum_pos(r, c, p)] * s, 0.f) & 0xffffu);
+        for (int i = threadIdx.x; i < rows * p.head_dim; i += blockDim.x) {
+            const int r = i / p.head_dim, c = i % p.head_dim;
+            dq[r * p.dq_row_stride + c] = s_tile[r * stride + c];
         }
     }
 }

@@ -59,7 +59,7 @@ struct BwdParams {
     float* dsum;               // (batch, nheads, seqlen_q_pad): D = rowsum(dO * O); 0 on padding rows
     float* dq_accum;           // (batch, nheads, seqlen_q_pad * dq_accum_cols) fp32, zeroed before the main kernel;
                                // each query block's tile is stored in the main kernel's register order
-                               // (see flash_bwd.cuh, dq_accum_pos), not row-major
+                               // (see flash_bwd_convert_kernel), not row-major
     int* dq_turn;              // (batch, nheads, num_m_blocks) int32, zeroed: deterministic mode's turn counters
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;

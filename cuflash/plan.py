@@ -277,6 +277,8 @@ class BwdTile:
         """The layout rules BwdConfig static_asserts (whole 16-row slabs, 16-column pairs, full grids)."""
         if self.stages not in (1, 2) or self.block_m % 16 or self.block_m // 2 > 32 * self.warps:
             return False
+        if self.block_m * (head_dim_bucket + 8) > CONVERT_SMEM_ELEMS:  # the dQ convert stages one tile
+            return False
         if any(self.warps % x for x in (self.s_key_warps, self.kv_key_warps, self.dq_q_warps)):
             return False
         for phase, (rows, cols) in self.warp_tiles(head_dim_bucket).items():
@@ -313,8 +315,11 @@ BWD_TILES: dict[int, BwdTile] = {
     256: BwdTile(64, 64, 8, 2, s_key_warps=2, kv_key_warps=2, dq_q_warps=2),
 }
 
-#: Threads of the preprocess / convert kernels (one warp per query row).
+#: Threads of the preprocess / convert kernels (one warp per query row / one CTA per query block).
 BWD_AUX_THREADS = 256
+#: Elements of the convert kernel's smem tile (flash_bwd.cuh kConvertSmemElems): every backward
+#: tile's block_m * (bucket + 8) must fit.
+CONVERT_SMEM_ELEMS = 64 * (256 + 8)
 
 
 def bwd_smem_bytes(head_dim_bucket: int, tile: BwdTile) -> int:
@@ -458,7 +463,8 @@ def plan_backward(
     aux_block = (BWD_AUX_THREADS, 1, 1)
     pre = Launch(BwdAuxSpec("flash_bwd_pre", dtype, aligned, arch), (-(-seqlen_q_pad // rows_per_cta), nheads, batch), aux_block, 0)
     main = Launch(spec, (-(-seqlen_k // spec.tile.block_n), nheads_kv, batch), (spec.threads, 1, 1), spec.smem_bytes)
-    convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch), (-(-seqlen_q // rows_per_cta), nheads, batch), aux_block, 0)
+    # One CTA per query block (its dQ tile is staged in CONVERT_SMEM_ELEMS of smem: BwdTile.valid_for).
+    convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch), (num_m_blocks, nheads, batch), aux_block, 0)
     return BwdPlan(pre, main, convert, seqlen_q_pad, spec.head_dim, num_m_blocks)
 
 

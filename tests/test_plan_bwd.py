@@ -1,0 +1,83 @@
+"""CPU tests of the backward planning layer (cuflash/plan.py: BwdTile, BWD_TILES, plan_backward)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cuflash import plan
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120")
+
+
+@pytest.mark.parametrize("bucket", plan.HEAD_DIM_BUCKETS)
+def test_tuned_tiles_follow_the_layout_rules_and_fit_hopper(bucket):
+    t = plan.BWD_TILES[bucket]
+    assert t.valid_for(bucket)
+    assert plan.bwd_smem_bytes(bucket, t) <= plan.max_smem_bytes("sm_90a")
+    assert plan.bwd_tile(bucket, "sm_90a") == t  # the tuned row is what the H200 runs
+    assert t.registers(bucket)["dkdv"] <= 128
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("bucket", plan.HEAD_DIM_BUCKETS)
+def test_every_arch_gets_a_tile_that_fits(arch, bucket):
+    t = plan.bwd_tile(bucket, arch)
+    assert t.valid_for(bucket)
+    assert plan.bwd_smem_bytes(bucket, t) <= plan.max_smem_bytes(arch)
+
+
+def test_warp_tiles_and_registers_of_the_hd128_tile():
+    t = plan.BWD_TILES[128]
+    assert t.warp_tiles(128) == {"scores": (32, 32), "dkdv": (32, 64), "dq": (32, 32)}
+    assert t.registers(128) == {"dkdv": 128, "scores": 64, "dq": 32}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(stages=3), dict(block_m=40), dict(s_key_warps=3), dict(kv_key_warps=16), dict(dq_q_warps=8)],
+)
+def test_layout_rule_violations_are_rejected(change):
+    bad = dataclasses.replace(plan.BWD_TILES[128], **change)
+    assert not bad.valid_for(128)
+    with pytest.raises(ValueError, match="layout rules"):
+        plan.bwd_spec(128, "bf16", False, True, "sm_90a", tile=bad)
+
+
+def test_smem_formula_matches_the_kernel_layout():
+    t = plan.BWD_TILES[128]  # K, V: 128 x 136; Q, dO: 2 stages of 64 x 136; P, dS: 128 x 72; lse, D
+    assert plan.bwd_smem_bytes(128, t) == 2 * (2 * 128 * 136 + 2 * 2 * 64 * 136 + 2 * 128 * 72) + 4 * 2 * 2 * 64
+
+
+def test_plan_backward_launches():
+    bp = plan.plan_backward(batch=3, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=100,
+                            dtype="fp16", causal=True, aligned=False, arch="sm_90a")  # fmt: skip
+    t = bp.main.spec.tile
+    assert bp.main.spec.head_dim == 128 and bp.main.spec.causal and not bp.main.spec.aligned
+    assert bp.main.grid == (-(-700 // t.block_n), 2, 3)  # key blocks x kv heads x batch
+    assert bp.num_m_blocks == -(-1000 // t.block_m) and bp.seqlen_q_pad == bp.num_m_blocks * t.block_m
+    assert bp.dq_accum_cols == 128
+    assert bp.pre.grid == (bp.seqlen_q_pad // 8, 8, 3) and bp.pre.spec.family == "flash_bwd_pre"
+    assert bp.convert.grid == (bp.num_m_blocks, 8, 3) and bp.convert.spec.family == "flash_bwd_convert"
+    assert bp.main.smem_bytes == plan.bwd_smem_bytes(128, t) and bp.main.block == (t.warps * 32, 1, 1)
+    names = {x.spec.name for x in (bp.pre, bp.main, bp.convert)}
+    assert "flash_bwd_hd128_fp16_causal_bm64_bn128_w8_mb1_st2_s4kv4dq2_scalar_sm90a" in names
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(seqlen_q=0), "non-empty"), (dict(nheads=6, nheads_kv=4), "multiple"), (dict(head_dim=300), "between 1 and 256"),
+     (dict(dtype="fp32"), "dtype")],
+)  # fmt: skip
+def test_plan_backward_errors(kwargs, match):
+    args = dict(batch=1, seqlen_q=10, seqlen_k=10, nheads=4, nheads_kv=2, head_dim=64, dtype="bf16", causal=False,
+                aligned=True, arch="sm_90a")  # fmt: skip
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        plan.plan_backward(**args)
+
+
+def test_all_bwd_specs_lists_every_variant_once():
+    specs = plan.all_bwd_specs("sm_90a")
+    assert len(specs) == len(set(specs)) == 8 * 2 * 2 * 2 + 2 * 2 * 2  # main + (pre, convert) x dtype x load path
+    assert len({s.name for s in specs}) == len(specs)
