@@ -1,4 +1,4 @@
-"""Small ragged forward cases for compute-sanitizer (memcheck / racecheck) on the GPU.
+"""Small ragged forward and backward cases for compute-sanitizer (memcheck / racecheck) on the GPU.
 
 CuPy's memory pool hides out-of-bounds accesses inside its big blocks, so the pool is disabled
 and every array is its own cudaMalloc. Exits non-zero if a result is wrong.
@@ -13,7 +13,7 @@ cupy.cuda.set_allocator(None)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
-from gpu_util import check_forward, randn  # noqa: E402
+from gpu_util import check_backward, check_forward, randn  # noqa: E402
 
 CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, causal, dtype, layout)
     (1, 77, 45, 2, 1, 64, True, "bf16", "bshd"),
@@ -34,7 +34,10 @@ def main():
         k = randn(rng, (b, sk, hk, d), dt, layout)
         v = randn(rng, (b, sk, hk, d), dt, layout)
         err, bound = check_forward(q, k, v, causal=causal, dtype=dt)
-        print(f"ok b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} {dt} {layout}: err {err:.2e} <= {bound:.2e}")
+        print(f"ok fwd b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} {dt} {layout}: err {err:.2e} <= {bound:.2e}")
+        for deterministic in (False, True):
+            errors = check_backward(q, k, v, causal=causal, dtype=dt, deterministic=deterministic)
+            print(f"ok bwd deterministic={deterministic}: " + ", ".join(f"{n} {e:.2e} <= {bd:.2e}" for n, (e, bd) in errors.items()))
     cupy.cuda.runtime.deviceSynchronize()
 
 
