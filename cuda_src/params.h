@@ -88,6 +88,53 @@ struct BwdParams {
     float scale_log2;          // softmax_scale * log2(e)
 };
 
+// Parameter block shared by the three decode kernels (cuda_src/flash_decode.cuh): append, split-KV
+// attention and combine. Same units as FwdParams. Sequence b attends to its first
+// L_b = min(clamp(cached_b, 0, capacity) + seqlen_new, capacity) cache tokens, cached_b =
+// seqlens[b] (or seqlen_const when seqlens is null).
+struct DecodeParams {
+    const void* q;             // (batch, seqlen_q, nheads, head_dim)
+    void* k;                   // k_cache: (batch_cache, capacity, nheads_kv, head_dim) or paged
+                               // (num_pages, page_size, nheads_kv, head_dim); written by the append kernel
+    void* v;                   // v_cache, the layout of k_cache
+    const void* k_new;         // (batch, seqlen_new, nheads_kv, head_dim) new tokens, or null
+    const void* v_new;
+    void* o;                   // (batch, seqlen_q, nheads, head_dim), dtype of q
+    float* lse;                // (batch, nheads, seqlen_q) float32 contiguous, natural log; null: not wanted
+    float* o_partial;          // (num_splits, batch, nheads, seqlen_q, partial_stride) fp32: normalized O of
+                               // each split; null when num_splits == 1
+    float* lse_partial;        // (num_splits, batch, nheads, seqlen_q) fp32: lse of each split
+    const int* seqlens;        // (batch,) int32 tokens already cached, or null: seqlen_const for all
+    const int* block_table;    // (batch, >= ceil(capacity / page_size)) int32 pages, or null: contiguous
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride;  // elements between cache rows b (contiguous) or pages (paged)
+    long long k_row_stride;    // elements between tokens (slots) of one cache row / page
+    long long k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long k_new_batch_stride, k_new_row_stride, k_new_head_stride;
+    long long v_new_batch_stride, v_new_row_stride, v_new_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long block_table_batch_stride;  // elements between rows of block_table
+    int batch;
+    int nheads;                // query heads
+    int nheads_kv;             // key/value heads; nheads % nheads_kv == 0
+    int group;                 // nheads / nheads_kv: query head h reads kv head h / group
+    int seqlen_q;
+    int rows;                  // group * seqlen_q: packed query rows per kv head (row r = i * group + j)
+    int head_dim;              // real head dim (1..256); the kernel's bucket kHeadDim >= head_dim
+    int seqlen_const;          // tokens already cached in every sequence when seqlens is null
+    int seqlen_new;            // new tokens appended before attention (0: none)
+    int capacity;              // tokens a sequence can hold: seqlen of the cache, or max_blocks * page_size
+    int page_size;             // tokens per page (paged); capacity (contiguous)
+    int num_pages;             // pages of the paged cache (page indices are clamped into [0, num_pages))
+    int num_splits;            // key splits per sequence == gridDim.x / num_row_blocks (1..128)
+    int num_row_blocks;        // ceil(rows / kBlockM)
+    int partial_stride;        // floats per row of o_partial (the head-dim bucket)
+    int is_causal;             // 1: token i sees keys j <= L_b - seqlen_q + i
+    float softmax_scale;       // multiplies q.k before the softmax (> 0)
+    float scale_log2;          // softmax_scale * log2(e)
+};
+
 #ifdef __cplusplus
 }  // namespace cuflash
 #endif

@@ -27,7 +27,9 @@ from ._version import __version__
 CAUSAL_CHOICES = {"causal": (True,), "no-causal": (False,), "both": (False, True)}
 DTYPE_CHOICES = {"fp16": ("fp16",), "bf16": ("bf16",), "both": ("fp16", "bf16")}
 #: Kernel families `precompile --kernels` selects, each with the plan function listing its variants.
-KERNEL_FAMILIES = {"fwd": plan.all_fwd_specs, "bwd": plan.all_bwd_specs}
+KERNEL_FAMILIES = {"fwd": plan.all_fwd_specs, "bwd": plan.all_bwd_specs, "decode": plan.all_decode_specs}
+#: Options of `cuflash bench` that only --decode reads (they never reach cuflash.bench.cli_main).
+DECODE_ONLY_OPTIONS = ("decode", "batch", "kv_heads")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +195,7 @@ def info():
               help="Parallel NVRTC compiles (separate processes).")
 @click.option("-v", "--verbose", is_flag=True, help="Log each compile and print registers / spills.")
 def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
-    """Compile forward and backward kernel variants into the disk cache (no GPU needed with --arch).
+    """Compile forward, backward and decode kernel variants into the disk cache (no GPU needed with --arch).
 
     Both load paths (16-byte vector and element-wise) are built for every selection.
     """
@@ -300,12 +302,26 @@ def cache_clear(yes):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a plot (needs matplotlib).")
-def bench(**options):
+@click.option("--decode", is_flag=True,
+              help="Decode with a KV cache instead (cuflash.bench_decode): one query token against caches of "
+                   "--seqlen tokens (default 4k..128k), head dim 128 unless --head-dim; reads --dtype, --repeats, "
+                   "--peers, --json.")
+@click.option("--batch", "batch", multiple=True, type=int, help="--decode: batch sizes (default 1, 8, 64).")
+@click.option("--kv-heads", "kv_heads", multiple=True, type=int,
+              help="--decode: kv heads next to 32 query heads (default 32 and 8).")
+@click.pass_context
+def bench(ctx, **options):
     """Prefill speed (forward, backward) on the FA2 paper's grid, side by side with the peers.
 
     The options reach cuflash.bench.cli_main as keywords: ``causal`` is "causal", "no-causal" or
     "both"; ``dtype`` is "fp16", "bf16" or "both"; --json / --plot are ``json_path`` / ``plot_path``.
     """
+    decode, batch, kv_heads = (options.pop(name) for name in DECODE_ONLY_OPTIONS)
+    if decode:
+        _bench_decode(ctx, options, batch, kv_heads)
+        return
+    if batch or kv_heads:
+        raise click.UsageError("--batch and --kv-heads apply to --decode only")
     try:
         bench_mod = importlib.import_module("cuflash.bench")
     except ImportError as exc:
@@ -313,6 +329,27 @@ def bench(**options):
     if not hasattr(bench_mod, "cli_main"):
         raise click.ClickException("cuflash.bench has no cli_main(); the installation is incomplete")
     bench_mod.cli_main(**options)
+
+
+def _bench_decode(ctx, options, batch, kv_heads):
+    """`cuflash bench --decode`: hand the decode grid to cuflash.bench_decode.cli_main (None = its default)."""
+    from click.core import ParameterSource
+
+    given = lambda name: ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)  # noqa: E731
+    try:
+        mod = importlib.import_module("cuflash.bench_decode")
+    except ImportError as exc:
+        raise click.ClickException(f"the benchmark module cuflash.bench_decode could not be imported: {exc}") from None
+    mod.cli_main(
+        head_dim=options["head_dim"] if given("head_dim") else None,
+        cache_len=options["seqlen"] if given("seqlen") else None,
+        batch=batch or None,
+        kv_heads=kv_heads or None,
+        dtype=options["dtype"],
+        repeats=options["repeats"],
+        peers=options["peers"],
+        json_path=options["json_path"],
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

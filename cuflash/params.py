@@ -66,6 +66,32 @@ BWD_FIELDS = (
 
 BWD_DTYPE = np.dtype(BWD_FIELDS, align=True)
 
+#: Field order, names and types of struct DecodeParams (shared by the three decode kernels).
+DECODE_FIELDS = (
+    [
+        (name, _PTR)
+        for name in (
+            "q", "k", "v", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "seqlens", "block_table",
+        )
+    ]
+    + [
+        (f"{t}_{s}_stride", _I64)
+        for t in ("q", "k", "v", "k_new", "v_new", "o")
+        for s in ("batch", "row", "head")
+    ]
+    + [("block_table_batch_stride", _I64)]
+    + [
+        (name, _I32)
+        for name in (
+            "batch", "nheads", "nheads_kv", "group", "seqlen_q", "rows", "head_dim", "seqlen_const", "seqlen_new",
+            "capacity", "page_size", "num_pages", "num_splits", "num_row_blocks", "partial_stride", "is_causal",
+        )
+    ]
+    + [("softmax_scale", _F32), ("scale_log2", _F32)]
+)  # fmt: skip
+
+DECODE_DTYPE = np.dtype(DECODE_FIELDS, align=True)
+
 
 def make_record(dtype: np.dtype, **values) -> np.ndarray:
     """A 0-d record of ``dtype`` with every field set (missing or unknown fields are an error)."""
@@ -76,4 +102,4 @@ def make_record(dtype: np.dtype, **values) -> np.ndarray:
     return np.array(tuple(values[name] for name in dtype.names), dtype=dtype)  # 0-d record
 
 #: Every C struct of cuda_src/params.h and its NumPy mirror (tests/test_params_layout.py checks them all).
-STRUCTS = {"FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE}
+STRUCTS = {"FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE}

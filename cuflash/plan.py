@@ -479,3 +479,307 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                 for c in causals:
                     specs.append(BwdSpec(bucket, dt, c, al, bwd_tile(bucket, arch), arch))
     return list(dict.fromkeys(specs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode with a KV cache: split-KV attention (Flash-Decoding), cuda_src/flash_decode.cuh
+# ---------------------------------------------------------------------------------------------
+
+#: Every decode kernel runs 4 warps (cuda_src/flash_decode.cuh: kDecodeThreads).
+DECODE_THREADS = 128
+#: 16-row slabs of packed query rows (group * seqlen_q rows of one kv head) per CTA. A CTA of m slabs
+#: arranges its 4 warps as m slab rows x 4 / m key columns, so every warp holds one 16-row slab.
+DECODE_M_SLABS = (1, 2, 4)
+#: Most key splits per sequence (the combine kernel's weight buffer: kDecodeMaxSplits).
+MAX_DECODE_SPLITS = 128
+#: Fewest keys a split gets from the heuristic: below this a CTA's pipeline fill and its partial
+#: row (written, then read by the combine) weigh more than the tiles it streams.
+MIN_DECODE_KEYS_PER_SPLIT = 256
+#: Fixed cost of one CTA in units of one K/V tile's streaming time (pipeline fill, epilogue, the
+#: combine's share); the split heuristic's cost model.
+DECODE_CTA_OVERHEAD_TILES = 1
+#: Shared memory per SM in KB (CUDA programming guide, compute capabilities table), for the CTAs
+#: per SM the decode tiles are sized for; the driver reserves 1 KB of it per resident CTA.
+SMEM_PER_SM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 228, 120: 100}
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """K/V tiling of one split-KV variant (see DECODE_TILES for the reason of each row)."""
+
+    block_n: int  # keys per K/V tile, shared by the CTA's warps (each key column of warps takes an equal part)
+    stages: int  # K/V tiles in the cp.async ring: stages - 1 in flight while one is used
+    min_blocks: int  # CTAs per SM the shared memory is sized for (__launch_bounds__ minimum)
+
+
+#: Split-KV tiles per head-dim bucket (Hopper: 227 KB per CTA, 228 KB per SM). Decode streams the
+#: cache once, so the rows are about bytes in flight: at ~4.5 TB/s and ~1 us of loaded latency an
+#: SM needs ~35 KB of loads outstanding; every row keeps >= 2 tiles (>= 32 KB) in flight per CTA.
+#: Shared memory = 2 * 16 * m_slabs * (d + 8) (Q) + 512 (m, l) + 4 * stages * block_n * (d + 8)
+#: (K and V stages). Registers per thread: O 16 * d / 32 + S block_n * m_slabs / 8 (FA2's
+#: per-warp steps on one 16-row slab). hd128 swept on the H200 with tools/tune_decode.py; the other
+#: rows follow the same bytes-in-flight reasoning, untuned.
+DECODE_TILES: dict[int, DecodeTile] = {
+    # 20 KB stages of 128 keys (a K tile is 8 KB): 4 stages = 82 KB, 2 CTAs/SM, 96 KB in flight per SM.
+    32: DecodeTile(128, 4, 2),
+    # 18 KB stages of 64 keys: 4 stages = 74 KB, 2 CTAs/SM, 96 KB in flight per SM.
+    64: DecodeTile(64, 4, 2),
+    # 27 KB stages: 3 stages = 80 KB, 2 CTAs/SM.
+    96: DecodeTile(64, 3, 2),
+    # 35 KB stages: 2 stages (74 KB with Q) at 3 CTAs/SM. Measured (KV TB/s vs cuDNN, median of 5
+    # shapes): 2 stages x 3 CTAs 0.895, 4 x 2 0.884, 3 x 2 0.878, 128-key tiles 2 x 1 0.748.
+    128: DecodeTile(64, 2, 3),
+    # 43 KB stages: 2 stages (86 KB) keep 2 CTAs/SM, 86 KB in flight per SM.
+    160: DecodeTile(64, 2, 2),
+    # 51 KB stages: 2 stages (102 KB), 2 CTAs/SM.
+    192: DecodeTile(64, 2, 2),
+    # 59 KB stages: 2 would not fit twice per SM; 3 stages (178 KB) at 1 CTA/SM, 119 KB in flight.
+    224: DecodeTile(64, 3, 1),
+    # 68 KB stages: 3 stages (203 KB) at 1 CTA/SM, 135 KB in flight.
+    256: DecodeTile(64, 3, 1),
+}
+
+
+def smem_per_sm_bytes(arch: str) -> int:
+    return SMEM_PER_SM_KB.get(int(_ARCH_RE.match(arch).group(1)), 100) * 1024
+
+
+def decode_smem_bytes(head_dim_bucket: int, m_slabs: int, tile: DecodeTile) -> int:
+    """Dynamic shared memory of the split-KV kernel: must match DecodeConfig::kSmemBytes."""
+    stride = head_dim_bucket + 8
+    warps_n = 4 // m_slabs
+    q = 2 * 16 * m_slabs * stride
+    ml = 2 * 4 * warps_n * 16 * m_slabs
+    pipe = 2 * 2 * tile.stages * tile.block_n * stride
+    merge = 4 * warps_n * 16 * m_slabs * stride  # fp32 merge of the warp columns, over the K/V stages
+    return q + ml + max(pipe, merge)
+
+
+def _decode_fits(bucket: int, m_slabs: int, tile: DecodeTile, arch: str) -> bool:
+    smem = decode_smem_bytes(bucket, m_slabs, tile)
+    return smem <= max_smem_bytes(arch) and tile.min_blocks * (smem + 1024) <= smem_per_sm_bytes(arch)
+
+
+def decode_tile(bucket: int, m_slabs: int, arch: str) -> DecodeTile:
+    """The split-KV tile for ``bucket`` and ``m_slabs`` on ``arch``: the DECODE_TILES row, or where its
+    CTAs do not fit min_blocks per SM, fewer stages (down to 2), then fewer CTAs per SM with the
+    row's stages and down to a single stage (untuned on those GPUs). ValueError if nothing fits."""
+    t = DECODE_TILES[bucket]
+    for mb in range(t.min_blocks, 0, -1):
+        for st in range(t.stages, 0 if mb == 1 else 1, -1):
+            c = DecodeTile(t.block_n, st, mb)
+            if _decode_fits(bucket, m_slabs, c, arch):
+                return c
+    raise ValueError(
+        f"no decode tile for head dim {bucket} with {16 * m_slabs}-row CTAs fits the shared memory of {arch}"
+    )
+
+
+def decode_m_slabs_options(bucket: int, arch: str) -> tuple[int, ...]:
+    """The slab counts whose CTAs fit ``arch`` for ``bucket`` (all of DECODE_M_SLABS on sm_80 / sm_90)."""
+    out = []
+    for m in DECODE_M_SLABS:
+        try:
+            decode_tile(bucket, m, arch)
+        except ValueError:
+            continue
+        out.append(m)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """One split-KV attention variant (the causal mask is a run-time flag: it costs one compare per tile)."""
+
+    head_dim: int  # bucket
+    dtype: str
+    aligned: bool  # 16-byte cp.async loads (else element-wise loads for odd head dims / strides)
+    m_slabs: int  # 16-row slabs of packed query rows per CTA
+    tile: DecodeTile
+    arch: str
+    family: str = "flash_decode"
+
+    @property
+    def name(self) -> str:
+        t = self.tile
+        return (
+            f"{self.family}_hd{self.head_dim}_{self.dtype}_ms{self.m_slabs}_bn{t.block_n}_st{t.stages}"
+            f"_mb{t.min_blocks}_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+        )
+
+    threads = DECODE_THREADS
+
+    @property
+    def min_blocks(self) -> int:
+        return self.tile.min_blocks
+
+    @property
+    def smem_bytes(self) -> int:
+        return decode_smem_bytes(self.head_dim, self.m_slabs, self.tile)
+
+    def template_args(self) -> str:
+        """C++ template argument list of cuflash::DecodeConfig for this variant."""
+        t = self.tile
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}"
+
+
+@dataclass(frozen=True)
+class DecodeCombineSpec:
+    """The combine kernel of the splits: one warp per output row, any head dim (static smem only)."""
+
+    dtype: str
+    arch: str
+    family: str = "flash_decode_combine"
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}_{self.dtype}_{self.arch.replace('_', '')}"
+
+    threads = DECODE_THREADS
+    min_blocks = 1
+    smem_bytes = 0
+
+    def template_args(self) -> str:
+        return "true" if self.dtype == "bf16" else "false"
+
+
+@dataclass(frozen=True)
+class DecodeAppendSpec:
+    """The in-place append of new tokens into the cache: dtype-free 2-byte copies, any head dim."""
+
+    aligned: bool  # 16-byte copies (else element-wise)
+    arch: str
+    family: str = "flash_decode_append"
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+
+    threads = DECODE_THREADS
+    min_blocks = 1
+    smem_bytes = 0
+
+    def template_args(self) -> str:
+        return "true" if self.aligned else "false"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    attn: Launch  # split-KV attention: grid (num_splits * num_row_blocks, nheads_kv, batch)
+    combine: Launch | None  # merge of the splits; None when num_splits == 1 (attention writes O itself)
+    append: Launch | None  # new tokens into the cache; None without new tokens
+    num_splits: int
+    num_row_blocks: int  # CTAs per (split, kv head, sequence) along the packed query rows
+
+
+def decode_spec(head_dim: int, dtype: str, aligned: bool, m_slabs: int, arch: str) -> DecodeSpec:
+    bucket = head_dim_bucket(head_dim)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if aligned and head_dim % 8 != 0:
+        raise ValueError("the 16-byte load path needs head_dim % 8 == 0")
+    if m_slabs not in DECODE_M_SLABS:
+        raise ValueError(f"m_slabs must be one of {DECODE_M_SLABS}, got {m_slabs}")
+    return DecodeSpec(bucket, dtype, bool(aligned), m_slabs, decode_tile(bucket, m_slabs, arch), arch)
+
+
+def decode_m_slabs(rows: int, bucket: int, arch: str) -> int:
+    """Fewest slabs that hold ``rows`` packed query rows in one CTA, else the most that fit ``arch``
+    (the rows are then spread over row blocks, which read the same K/V through L2)."""
+    options = decode_m_slabs_options(bucket, arch)
+    if not options:
+        raise ValueError(f"no decode tile for head dim {bucket} fits the shared memory of {arch}")
+    return next((m for m in options if 16 * m >= rows), options[-1])
+
+
+def decode_num_splits(*, ctas: int, n_tiles: int, slots: int, min_tiles: int) -> int:
+    """Key splits per sequence that fill the GPU: the s in [1, s_max] minimizing the modeled time
+    ceil(ctas * s / slots) * (ceil(n_tiles / s) + DECODE_CTA_OVERHEAD_TILES) (waves of resident CTAs,
+    times the tiles one CTA streams plus its fixed cost), taking the smallest s within 2% of the best.
+
+    ctas: CTAs without splitting (batch * nheads_kv * row blocks); n_tiles: K/V tiles of the longest
+    sequence; slots: CTAs resident at once (SMs x CTAs per SM); s_max: min(MAX_DECODE_SPLITS,
+    n_tiles // min_tiles), so a split gets at least min_tiles tiles.
+    """
+    if min(ctas, n_tiles, slots, min_tiles) < 1:
+        raise ValueError("decode_num_splits needs positive ctas, n_tiles, slots and min_tiles")
+    s_max = max(1, min(MAX_DECODE_SPLITS, n_tiles // min_tiles))
+    cost = {s: -(-ctas * s // slots) * (-(-n_tiles // s) + DECODE_CTA_OVERHEAD_TILES) for s in range(1, s_max + 1)}
+    best = min(cost.values())
+    return min(s for s, c in cost.items() if c <= best * 1.02)
+
+
+def plan_decode(
+    *,
+    batch: int,
+    seqlen_q: int,
+    nheads: int,
+    nheads_kv: int,
+    head_dim: int,
+    dtype: str,
+    aligned: bool,
+    max_seqlen: int,
+    num_splits: int,
+    num_sms: int,
+    arch: str,
+    seqlen_new: int = 0,
+    append_aligned: bool = False,
+) -> DecodePlan:
+    """Kernels, grids and split count of one decode call (batch, seqlen_q, heads >= 1).
+
+    max_seqlen: the most keys any sequence attends to (after the append), or an upper bound (the
+    capacity) where the lengths live on the GPU. num_splits: 0 = heuristic (decode_num_splits),
+    else that many, at most MAX_DECODE_SPLITS and at most one per K/V tile. num_sms: the GPU's SMs.
+    """
+    if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
+        raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")
+    if nheads % nheads_kv != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+    if num_splits < 0 or max_seqlen < 0 or seqlen_new < 0:
+        raise ValueError(f"num_splits, max_seqlen and seqlen_new must be >= 0, got {num_splits}, {max_seqlen}, {seqlen_new}")
+    if nheads_kv > 65535 or batch > 65535:
+        raise ValueError(f"nheads_kv and batch must each be at most 65535 (grid limits), got {nheads_kv} and {batch}")
+    bucket = head_dim_bucket(head_dim)
+    rows = (nheads // nheads_kv) * seqlen_q
+    m_slabs = decode_m_slabs(rows, bucket, arch)
+    spec = decode_spec(head_dim, dtype, aligned, m_slabs, arch)
+    row_blocks = -(-rows // (16 * m_slabs))
+    n_tiles = -(-max_seqlen // spec.tile.block_n)
+    if num_splits == 0:
+        min_tiles = -(-MIN_DECODE_KEYS_PER_SPLIT // spec.tile.block_n)
+        slots = num_sms * spec.tile.min_blocks
+        splits = decode_num_splits(ctas=batch * nheads_kv * row_blocks, n_tiles=max(1, n_tiles), slots=slots,
+                                   min_tiles=min_tiles)  # fmt: skip
+    else:
+        splits = max(1, min(num_splits, MAX_DECODE_SPLITS, n_tiles))
+    block = (DECODE_THREADS, 1, 1)
+    attn = Launch(spec, (splits * row_blocks, nheads_kv, batch), block, spec.smem_bytes)
+    combine = None
+    if splits > 1:
+        rows_out = batch * nheads * seqlen_q
+        combine = Launch(DecodeCombineSpec(dtype, arch), (-(-rows_out // (DECODE_THREADS // 32)), 1, 1), block, 0)
+    append = None
+    if seqlen_new > 0:
+        chunks = -(-head_dim // 8) if append_aligned else head_dim
+        total = batch * seqlen_new * nheads_kv * chunks
+        append = Launch(DecodeAppendSpec(bool(append_aligned), arch), (min(-(-total // DECODE_THREADS), 1 << 20), 1, 1), block, 0)
+    return DecodePlan(attn, combine, append, splits, row_blocks)
+
+
+def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=None, aligned=(True, False),
+                     m_slabs=DECODE_M_SLABS):  # fmt: skip
+    """Every decode variant (split-KV attention, combine, append) for ``arch``. ``causals`` is accepted
+    for the precompile command's uniform call and ignored: causal is a run-time flag in decode."""
+    specs: list = []
+    for dt in dtypes:
+        specs.append(DecodeCombineSpec(dt, arch))
+        for d in head_dims:
+            bucket = head_dim_bucket(d)
+            fitting = decode_m_slabs_options(bucket, arch)
+            for al in aligned:
+                for m in m_slabs:
+                    if m in fitting:
+                        specs.append(DecodeSpec(bucket, dt, al, m, decode_tile(bucket, m, arch), arch))
+    specs += [DecodeAppendSpec(al, arch) for al in aligned]
+    return list(dict.fromkeys(specs))

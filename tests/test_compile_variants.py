@@ -82,3 +82,63 @@ def test_shared_memory_fits(compiled):
         assert headers[s.name]["smem_bytes"] <= 227 * 1024, s.name
         if s.min_blocks > 1:  # the occupancy the launch bounds ask for must fit an SM (228 KB)
             assert s.min_blocks * (headers[s.name]["smem_bytes"] + 1024) <= 228 * 1024, s.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode (split-KV, combine, append)
+# ---------------------------------------------------------------------------------------------
+
+#: Local memory of the decode variants (NVRTC 12.9: every 16-byte-path variant has none; the
+#: element-wise path spills at most 88 bytes at head dims >= 192).
+DECODE_MAX_STACK_BYTES = 0
+DECODE_MAX_STACK_BYTES_SCALAR = 256
+
+
+def _decode_ci_selection(spec) -> bool:
+    """The decode variants compiled by default (CI has 2 cores; all 200 take ~100 s there): every bf16
+    16-byte variant (each bucket and slab count), fp16 at 64/128/256, the element-wise path with one
+    slab at every bucket (and 2 and 4 at hd128), and every combine and append kernel.
+    CUFLASH_COMPILE_ALL_DECODE=1 compiles them all."""
+    if os.environ.get("CUFLASH_COMPILE_ALL_DECODE") == "1" or spec.family != "flash_decode":
+        return True
+    if spec.aligned:
+        return spec.dtype == "bf16" or (spec.m_slabs == 1 and spec.head_dim in (64, 128, 256))
+    return spec.dtype == "bf16" and (spec.m_slabs == 1 or spec.head_dim == 128)
+
+
+@pytest.fixture(scope="module")
+def compiled_decode(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("compile-cache-decode")
+    old = os.environ.get("CUFLASH_CACHE_DIR")
+    os.environ["CUFLASH_CACHE_DIR"] = str(cache)
+    try:
+        specs = [s for arch in ARCHS for s in plan.all_decode_specs(arch) if _decode_ci_selection(s)]
+        results = jit.precompile(specs, jobs=max(1, min(4, os.cpu_count() or 1)))
+        yield specs, {name: header for name, _, header in results}
+    finally:
+        if old is None:
+            del os.environ["CUFLASH_CACHE_DIR"]
+        else:
+            os.environ["CUFLASH_CACHE_DIR"] = old
+
+
+@pytest.mark.slow
+def test_decode_variants_compile_within_budget(compiled_decode):
+    specs, headers = compiled_decode
+    assert set(headers) == {s.name for s in specs}
+    families = {s.family for s in specs}
+    assert families == {"flash_decode", "flash_decode_combine", "flash_decode_append"}
+    problems = []
+    for s in specs:
+        p = headers[s.name]["ptxas"]
+        assert {"registers", "stack_frame"} <= set(p), (s.name, p)
+        if not 0 < p["registers"] <= 255:
+            problems.append(f"{s.name}: {p['registers']} registers")
+        budget = DECODE_MAX_STACK_BYTES_SCALAR if s.family == "flash_decode" and not s.aligned else DECODE_MAX_STACK_BYTES
+        if p["stack_frame"] > budget:
+            problems.append(f"{s.name}: {p['stack_frame']} bytes of local memory > {budget}")
+        assert headers[s.name]["smem_bytes"] <= 227 * 1024, s.name
+        if s.min_blocks > 1:  # the CTAs per SM the launch bounds ask for fit the SM's registers and smem
+            assert s.min_blocks * s.threads * p["registers"] <= 65536, s.name
+            assert s.min_blocks * (s.smem_bytes + 1024) <= plan.smem_per_sm_bytes(s.arch), s.name
+    assert not problems, "\n".join(problems)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, GPU + CPU tests, compute-sanitizer, benchmark,
 # optional tile sweep. Full logs go to OUTDIR; a short summary is printed last.
-#   tools/gpu_check.sh OUTDIR [tests] [sanitize] [bench] [bench-fp16] [tune] [profile] [quick]
+#   tools/gpu_check.sh OUTDIR [tests] [sanitize] [bench] [bench-fp16] [decode] [tune] [profile] [quick]
 # With no step named, runs tests sanitize bench. Environment: TESTS (pytest paths / -k, default the
 # whole suite), TEST_TIMEOUT, BENCH_ARGS (extra `cuflash bench` options, e.g. "--op all"),
-# TUNE_ARGS.
+# BENCH_TIMEOUT, SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_TIMEOUT, TUNE_ARGS.
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
 shift
@@ -31,8 +31,8 @@ if has tests; then
 fi
 
 if has sanitize; then
-  for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/sanitize_cases.py > "$OUT/sanitize-$tool.log" 2>&1
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/sanitize_cases.py > "$OUT/sanitize-$tool.log" 2>&1
     note "compute-sanitizer $tool (rc=$?): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)"
   done
 fi
@@ -59,7 +59,12 @@ if has bench; then
   timeout ${BENCH_TIMEOUT:-400} $PY -m cuflash bench --dtype $DT ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2> "$OUT/bench.err"
   note "bench (rc=$?):"; cat "$OUT/bench.txt" >> "$SUMMARY"
 fi
+
+if has decode; then  # cuflash bench --decode: KV TB/s next to torch FA2 and cuDNN, prefill vs decode
+  timeout ${DECODE_TIMEOUT:-300} $PY -m cuflash bench --decode ${DECODE_ARGS:-} --json "$OUT/decode.json" > "$OUT/decode.txt" 2> "$OUT/decode.err"
+  note "bench --decode (rc=$?):"; cat "$OUT/decode.txt" >> "$SUMMARY"
+fi
 # The device tool returns at most 8 files: keep the summary, bench.json/png, and one archive of logs.
-(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|logs.tgz)$'))
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|logs.tgz)$'))
 echo "================ summary ================"
 cat "$SUMMARY"

@@ -1,4 +1,4 @@
-"""Small ragged forward and backward cases for compute-sanitizer (memcheck / racecheck) on the GPU.
+"""Small ragged forward, backward and decode cases for compute-sanitizer (memcheck / racecheck) on the GPU.
 
 CuPy's memory pool hides out-of-bounds accesses inside its big blocks, so the pool is disabled
 and every array is its own cudaMalloc. Exits non-zero if a result is wrong.
@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
 from gpu_util import check_backward, check_forward, randn  # noqa: E402
+from test_decode_gpu import case, run_and_check  # noqa: E402
 
 CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, causal, dtype, layout)
     (1, 77, 45, 2, 1, 64, True, "bf16", "bshd"),
@@ -38,6 +39,17 @@ def main():
         for deterministic in (False, True):
             errors = check_backward(q, k, v, causal=causal, dtype=dt, deterministic=deterministic)
             print(f"ok bwd deterministic={deterministic}: " + ", ".join(f"{n} {e:.2e} <= {bd:.2e}" for n, (e, bd) in errors.items()))
+    # Decode: append + GQA + splits, a paged cache with 48-token pages and an empty sequence, the
+    # element-wise path (head dim 100), causal speculative tokens.
+    for kw, call in (
+        (dict(batch=2, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=128, capacity=700, seqlen_new=3), dict(num_splits=4)),
+        (dict(batch=3, seqlen_q=1, nheads=4, nheads_kv=4, head_dim=64, capacity=300, page_size=48, lengths=[250, 0, 37]), {}),
+        (dict(batch=2, seqlen_q=3, nheads=4, nheads_kv=1, head_dim=100, dtype="fp16", capacity=200, seqlen_new=3),
+         dict(causal=True)),
+    ):
+        c = case(rng, **kw)
+        _, _, err, bound = run_and_check(**c, **call)
+        print(f"ok decode {kw} {call}: err {err:.2e} <= {bound:.2e}")
     cupy.cuda.runtime.deviceSynchronize()
 
 

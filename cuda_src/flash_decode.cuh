@@ -1,0 +1,553 @@
+// Decode with a KV cache: split-KV attention (Flash-Decoding; Dao, Haziza, Massa, Sizov 2023) on
+// tensor cores with mma.sync (sm_80 and newer), plus the in-place append of new tokens and the
+// combine of the splits.
+//
+// Computes, for every sequence b, query token i < seqlen_q and query head h (kv head hk = h / group)
+//     O[b,i,h] = softmax(scale * q K_b^T + mask) V_b      lse[b,h,i] = log(sum_j exp(scale * q.k_j))
+// over the first L_b = min(clamp(cache_seqlens[b], 0, capacity) + seqlen_new, capacity) keys of
+// sequence b. Causal aligns the queries to the end: token i sees keys j <= L_b - seqlen_q + i.
+// A query that sees no key gets O = 0 and lse = -inf.
+//
+// Three kernels, launched in this order on one stream (cuflash/kvcache.py):
+//   1. flash_decode_append_kernel: new k, v tokens -> cache positions cache_seqlens[b] + t (only
+//      when new tokens are given). One thread per 16-byte chunk (or element) of a new row.
+//   2. flash_decode_kernel: split s of the keys of (b, hk) -> partial O (fp32, normalized) and its
+//      lse, or, with one split, the final O and lse directly.
+//   3. flash_decode_combine_kernel: O = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s)
+//      (only with more than one split). One warp per output row.
+//
+// Grid and tiles of flash_decode_kernel
+//   grid  = (num_splits * num_row_blocks, nheads_kv, batch); CTA (x, hk, b) owns split x / num_row_blocks
+//           of the keys and packed query rows [rb * kBlockM, (rb + 1) * kBlockM), rb = x % num_row_blocks.
+//   Packed rows: the group * seqlen_q query rows that read kv head hk, row r = i * group + j for
+//           token i and query head hk * group + j. They fill the M dimension of the m16n8k16 MMAs
+//           (padded to kBlockM = 16 * kMSlabs with zero rows), so each K/V byte is read from memory
+//           once per kv-head group, not once per query head. Decode is memory bound: padded rows cost
+//           tensor-core cycles that would idle anyway.
+//   Keys: L_b is cut into kBlockN-key tiles; split s takes tiles [s * T, (s + 1) * T), T = ceil(tiles
+//           / num_splits), so every split of a sequence has the same work (an empty split writes lse = -inf).
+//   block = 4 warps as kWarpsM x kWarpsN = kMSlabs x (4 / kMSlabs). Warp (wm, wn) owns the 16 rows of
+//           slab wm and keys [wn * kKeysPerWarp, (wn + 1) * kKeysPerWarp) of every tile: its own
+//           online softmax (m, l, O) over its keys, FA2's per-warp steps (flash_fwd.cuh WarpTile).
+//           The kWarpsN partial results of a row are merged once, at the end, through shared memory.
+//   smem  = sQ[kBlockM][kHeadDim+8] + m, l [kWarpsN][kBlockM] + kStages x (sK[kBlockN][kHeadDim+8],
+//           sV[...]); the fp32 merge buffer [kWarpsN][kBlockM][kHeadDim+8] reuses the K/V stages.
+//   Pipeline: kStages-deep cp.async ring of 16-byte chunks, kStages - 1 tiles in flight while one is
+//           used; one barrier per tile (kStages == 1, for small-smem GPUs: load, use, barrier, load).
+//   Paged caches: key n of sequence b lives at page block_table[b][n / page_size], slot n % page_size;
+//           contiguous caches at (b, n). Every page index is clamped into [0, num_pages), every
+//           length into [0, capacity): whatever cache_seqlens and block_table hold, no access
+//           leaves the cache (a bad value gives wrong numbers, never a wild read or write).
+//
+// Per thread (g = lane / 4, t = lane % 4) of warp (wm, wn), rows g and g + 8 of slab wm:
+//   WarpTile::acc_o[0][d/8][...] unnormalized O, row_max m (raw score units), row_sum (quad part of l),
+//   exactly as in the forward kernel: P = exp2(S * scale_log2 - m * scale_log2), O rescaled on a new max.
+// Merge of the warp columns (per row):  m* = max_w m_w,  l* = sum_w l_w 2^{(m_w - m*) scale_log2},
+//   O = sum_w O_w 2^{(m_w - m*) scale_log2} / l*,  lse = m* scale + ln l*.
+//
+// Preconditions (checked in Python, cuflash/kvcache.py): head_dim <= kHeadDim; kAligned variants
+// need 16-byte aligned rows of q, the caches and out (base % 16 == 0, strides % 8 elements,
+// head_dim % 8 == 0); 1 <= num_splits <= kDecodeMaxSplits; page_size >= 1 (a multiple of 16 from Python);
+// capacity + seqlen_new < 2^31; softmax_scale > 0.
+#pragma once
+
+#include "common.cuh"
+#include "flash_fwd.cuh"  // WarpTile: the per-warp S = Q K^T, online softmax and O += P V steps
+#include "params.h"
+
+namespace cuflash {
+
+constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cuflash/plan.py: DECODE_THREADS)
+constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS (combine's weight buffer)
+
+// Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
+template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_>
+struct DecodeConfig {
+    static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
+    static constexpr int kBlockN = kBlockN_;     // keys per K/V tile
+    static constexpr int kMSlabs = kMSlabs_;     // 16-row slabs of packed query rows per CTA
+    static constexpr int kStages = kStages_;     // K/V tiles in the cp.async ring
+    static constexpr bool kIsBF16 = kIsBF16_;
+    static constexpr bool kAligned = kAligned_;  // 16-byte cp.async loads; else element-wise loads
+
+    static constexpr int kNWarps = kDecodeThreads / 32;
+    static constexpr int kNThreads = kDecodeThreads;
+    static constexpr int kWarpsM = kMSlabs;             // warp rows: one 16-row slab each
+    static constexpr int kWarpsN = kNWarps / kMSlabs;   // warp columns: share each tile's keys
+    static constexpr int kBlockM = 16 * kMSlabs;        // packed query rows per CTA
+    static constexpr int kKeysPerWarp = kBlockN / kWarpsN;
+    static constexpr int kSmemStride = kHeadDim + 8;    // elements per smem row (16 bytes pad)
+    static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row
+    static constexpr int kRedStride = kHeadDim + 8;     // floats per row of the merge buffer
+    static constexpr int kSmemQBytes = 2 * kBlockM * kSmemStride;
+    static constexpr int kSmemMLBytes = 2 * 4 * kWarpsN * kBlockM;           // m and l, fp32
+    static constexpr int kSmemKV = kBlockN * kSmemStride;                   // elements of one K (or V) tile
+    static constexpr int kSmemPipeBytes = 2 * 2 * kStages * kSmemKV;         // kStages x (K, V)
+    static constexpr int kSmemRedBytes = 4 * kWarpsN * kBlockM * kRedStride;  // merge buffer, fp32
+    static constexpr int kSmemBytes =
+        kSmemQBytes + kSmemMLBytes + (kSmemPipeBytes > kSmemRedBytes ? kSmemPipeBytes : kSmemRedBytes);
+
+    static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head-dim buckets are multiples of 32");
+    static_assert(kNWarps % kMSlabs == 0, "the warps split evenly into slab rows");
+    static_assert(kBlockN % kWarpsN == 0 && kKeysPerWarp % 16 == 0, "every warp owns whole 16-key MMA k-steps");
+    static_assert((kSmemStride / 8) % 2 == 1, "odd 16-byte row stride keeps ldmatrix conflict free");
+    static_assert(kStages >= 1, "at least one K/V stage");
+    static_assert(kSmemQBytes % 16 == 0 && kSmemMLBytes % 16 == 0, "the K/V stages start 16-byte aligned");
+};
+
+// The per-warp view that flash_fwd.cuh's WarpTile expects: one 16-row slab, kKeysPerWarp keys.
+template <class Cfg>
+struct DecodeWarpConfig {
+    static constexpr int kMSlabs = 1;
+    static constexpr int kNBlocksS = Cfg::kKeysPerWarp / 8;  // 8-column MMA blocks of S
+    static constexpr int kDBlocks = Cfg::kHeadDim / 8;       // 8-column MMA blocks of O
+    static constexpr int kKStepsQK = Cfg::kHeadDim / 16;     // k-steps of S = Q K^T
+    static constexpr int kKStepsPV = Cfg::kKeysPerWarp / 16; // k-steps of O += P V
+    static constexpr int kSmemStride = Cfg::kSmemStride;
+    static constexpr bool kIsBF16 = Cfg::kIsBF16;
+    static constexpr bool kQInRegs = false;  // Q is re-read from smem per tile (memory bound: free)
+};
+
+CUFLASH_DEVICE float decode_warp_max(float x) {
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+    return x;
+}
+CUFLASH_DEVICE float decode_warp_sum(float x) {
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+
+// Tokens already in the cache of sequence b, clamped into [0, capacity]; the append kernel and the
+// attention kernel clamp alike, so they agree on where the new tokens went.
+CUFLASH_DEVICE int decode_cached_len(const DecodeParams& p, int b) {
+    const int s = p.seqlens != nullptr ? p.seqlens[b] : p.seqlen_const;
+    return min(max(s, 0), p.capacity);
+}
+
+// Where token n of one sequence lives in the cache: (page, slot), the element offsets of the cache's
+// dims 0 and 1. Contiguous: (b, n). Paged: (block_table[b][n / page_size] clamped into [0, num_pages),
+// n % page_size). Callers only ask for n < L_b <= capacity = max_blocks * page_size.
+struct DecodeCacheRows {
+    const int* bt_row;  // block_table row of the sequence, or null for a contiguous cache
+    int b, page_size, num_pages;
+
+    CUFLASH_DEVICE void locate(int n, int& page, int& slot) const {
+        if (bt_row != nullptr) {
+            const int blk = n / page_size;
+            page = min(max(bt_row[blk], 0), num_pages - 1);
+            slot = n - blk * page_size;
+        } else {
+            page = b;
+            slot = n;
+        }
+    }
+};
+
+CUFLASH_DEVICE DecodeCacheRows decode_cache_rows(const DecodeParams& p, int b) {
+    const int* bt_row = p.block_table != nullptr ? p.block_table + b * p.block_table_batch_stride : nullptr;
+    return DecodeCacheRows{bt_row, b, p.page_size, p.num_pages};
+}
+
+// Packed query row r of kv head hk -> query token i and query head h.
+CUFLASH_DEVICE void decode_unpack_row(const DecodeParams& p, int hk, int r, int& i, int& h) {
+    i = r / p.group;
+    h = hk * p.group + (r - i * p.group);
+}
+
+// Index of (split, b, h, i) in lse_partial, of (b, h, i) in lse (split 0): (split, batch, nheads, seqlen_q).
+CUFLASH_DEVICE i64 decode_row_index(const DecodeParams& p, int split, int b, int h, int i) {
+    return (((i64)split * p.batch + b) * p.nheads + h) * p.seqlen_q + i;
+}
+
+// Copy 8 (or, on the last chunk of a row, fewer) 2-byte elements into smem as one 16-byte store,
+// zero-filling columns >= head_dim (element-wise path: rows not 16-byte aligned or odd head dims).
+CUFLASH_DEVICE void decode_copy_chunk_scalar(u16* s_dst, const u16* g_src, bool row_ok, int col, int head_dim) {
+    u32 packed[4];
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+        const u32 lo = (row_ok && col + e < head_dim) ? g_src[e] : 0u;
+        const u32 hi = (row_ok && col + e + 1 < head_dim) ? g_src[e + 1] : 0u;
+        packed[e / 2] = lo | (hi << 16);
+    }
+    *reinterpret_cast<uint4*>(s_dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// sQ <- the CTA's kBlockM packed query rows (rows >= rows_valid and columns >= head_dim zero-filled).
+template <class Cfg>
+CUFLASH_DEVICE void decode_load_q(u16* s_q, const DecodeParams& p, int b, int hk, int row0, int rows_valid, int tid) {
+    constexpr int kC = Cfg::kChunksPerRow;
+    const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride;
+    for (int chunk = tid; chunk < Cfg::kBlockM * kC; chunk += Cfg::kNThreads) {
+        const int r = chunk / kC, col = (chunk % kC) * 8;
+        const bool row_ok = r < rows_valid;
+        int i = 0, h = 0;
+        if (row_ok) decode_unpack_row(p, hk, row0 + r, i, h);
+        const u16* g_src = g_q + i * p.q_row_stride + h * p.q_head_stride + col;
+        u16* s_dst = s_q + r * Cfg::kSmemStride + col;
+        if constexpr (Cfg::kAligned) {
+            const bool valid = row_ok && col < p.head_dim;
+            cp_async_16(smem_u32(s_dst), valid ? g_src : g_q, valid);
+        } else {
+            decode_copy_chunk_scalar(s_dst, g_src, row_ok, col, p.head_dim);
+        }
+    }
+}
+
+// The value of x, hidden from the optimizer: computations that depend on it cannot be hoisted out of
+// the loop it sits in.
+CUFLASH_DEVICE int decode_opaque(int x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
+// sK, sV <- keys [n0, n0 + kBlockN) of the sequence (rows >= L and columns >= head_dim zero-filled, so
+// masked keys contribute exactly 0 to P V). Chunk c of the tile goes to thread c % kNThreads: 16
+// consecutive threads cover one 256-byte row at head dim 128 (coalesced), and each row's page is
+// looked up once per thread and used for its K and its V chunk. The thread index is made opaque so
+// the per-pass addresses are recomputed for every tile instead of being held in registers across
+// the main loop (they would crowd out the O accumulator at large head dims).
+template <class Cfg>
+CUFLASH_DEVICE void decode_load_kv(u16* s_k, u16* s_v, const u16* g_k, const u16* g_v, const DecodeParams& p,
+                                   const DecodeCacheRows& cache, int n0, int L, int tid_) {
+    const int tid = decode_opaque(tid_);
+    constexpr int kC = Cfg::kChunksPerRow;
+    constexpr int kChunks = Cfg::kBlockN * kC;
+    constexpr int kPasses = (kChunks + Cfg::kNThreads - 1) / Cfg::kNThreads;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+        const int chunk = tid + pass * Cfg::kNThreads;
+        if (kChunks % Cfg::kNThreads != 0 && chunk >= kChunks) break;
+        const int row = chunk / kC, col = (chunk % kC) * 8;
+        const int n = n0 + row;
+        const bool row_ok = n < L;
+        int page = 0, slot = 0;
+        if (row_ok) cache.locate(n, page, slot);
+        const u16* src_k = g_k + page * p.k_batch_stride + slot * p.k_row_stride + col;
+        const u16* src_v = g_v + page * p.v_batch_stride + slot * p.v_row_stride + col;
+        u16* dst_k = s_k + row * Cfg::kSmemStride + col;
+        u16* dst_v = s_v + row * Cfg::kSmemStride + col;
+        if constexpr (Cfg::kAligned) {
+            // head_dim % 8 == 0 here, so a chunk is either wholly inside the row or wholly outside.
+            const bool valid = row_ok && col < p.head_dim;
+            cp_async_16(smem_u32(dst_k), valid ? src_k : g_k, valid);
+            cp_async_16(smem_u32(dst_v), valid ? src_v : g_v, valid);
+        } else {
+            decode_copy_chunk_scalar(dst_k, src_k, row_ok, col, p.head_dim);
+            decode_copy_chunk_scalar(dst_v, src_v, row_ok, col, p.head_dim);
+        }
+    }
+}
+
+// S[0][nb][2h + e] is row g + 8h of the warp's slab, key col0 + 8 nb + e (col0 = first key + 2t):
+// keys >= the row's limit get -inf (ragged end of the sequence, causal diagonal).
+template <int kNB>
+CUFLASH_DEVICE void decode_mask(float (&S)[1][kNB][4], int col0, const int (&limit)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (col0 + 8 * nb + e >= limit[h]) S[0][nb][2 * h + e] = -kInf;
+}
+
+template <class Cfg>
+CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
+    using WCfg = DecodeWarpConfig<Cfg>;
+    constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kStride = Cfg::kSmemStride;
+    constexpr int kNB = WCfg::kNBlocksS, kDB = WCfg::kDBlocks, kRed = Cfg::kRedStride;
+    constexpr bool kBF16 = Cfg::kIsBF16;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
+    const int split = blockIdx.x / p.num_row_blocks;
+    const int row0 = (blockIdx.x % p.num_row_blocks) * kBlockM;  // first packed row of this CTA
+    const int hk = blockIdx.y, b = blockIdx.z;
+    const int rows_valid = min(kBlockM, p.rows - row0);
+    const bool final_out = p.num_splits == 1;  // write O and lse directly, no combine
+
+    // Keys of this sequence after the append, and this split's tiles of them.
+    const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);
+    const int n_tiles = ceil_div_nonneg(L, kBlockN);
+    const int tiles_per_split = ceil_div_nonneg(n_tiles, p.num_splits);
+    const int tile_begin = split * tiles_per_split;
+    const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
+
+    if (tile_begin >= tile_end) {  // no key in this split: O = 0, lse = -inf (final or partial rows)
+        for (int r = tid; r < rows_valid; r += Cfg::kNThreads) {
+            int i, h;
+            decode_unpack_row(p, hk, row0 + r, i, h);
+            if (!final_out) p.lse_partial[decode_row_index(p, split, b, h, i)] = -kInf;
+            else if (p.lse != nullptr) p.lse[decode_row_index(p, 0, b, h, i)] = -kInf;
+        }
+        const int width = final_out ? p.head_dim : p.partial_stride;  // partial rows: the whole bucket
+        for (int e = tid; e < rows_valid * width; e += Cfg::kNThreads) {
+            int i, h;
+            decode_unpack_row(p, hk, row0 + e / width, i, h);
+            if (final_out) {
+                static_cast<u16*>(p.o)[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + e % width] = 0;
+            } else {
+                p.o_partial[decode_row_index(p, split, b, h, i) * p.partial_stride + e % width] = 0.f;
+            }
+        }
+        return;
+    }
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* s_q = reinterpret_cast<u16*>(smem_raw);
+    float* s_m = reinterpret_cast<float*>(smem_raw + Cfg::kSmemQBytes);  // [kWarpsN][kBlockM]: m of each warp column
+    float* s_l = s_m + Cfg::kWarpsN * kBlockM;                           // [kWarpsN][kBlockM]: l of each warp column
+    unsigned char* s_pipe = smem_raw + Cfg::kSmemQBytes + Cfg::kSmemMLBytes;
+    u16* s_k0 = reinterpret_cast<u16*>(s_pipe);     // K stage s at s_k0 + s * kSmemKV
+    u16* s_v0 = s_k0 + Cfg::kStages * Cfg::kSmemKV;  // V stage s at s_v0 + s * kSmemKV
+    float* s_red = reinterpret_cast<float*>(s_pipe);  // epilogue only: [kWarpsN][kBlockM][kRed], over the stages
+
+    const u16* g_k = static_cast<const u16*>(p.k) + hk * p.k_head_stride;
+    const u16* g_v = static_cast<const u16*>(p.v) + hk * p.v_head_stride;
+    const DecodeCacheRows cache = decode_cache_rows(p, b);
+    // Tile `tile` into stage `stage` (nothing past this split's last tile); always one commit group
+    // per call, so the group count stays in step with the tiles.
+    auto issue = [&](int tile, int stage) {
+        if (tile < tile_end) {
+            decode_load_kv<Cfg>(s_k0 + stage * Cfg::kSmemKV, s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache,
+                                tile * kBlockN, L, tid);
+        }
+        cp_async_commit();
+    };
+
+    // Prologue: Q joins the first tile's group; kStages - 1 tiles (1 when single-staged) in flight.
+    decode_load_q<Cfg>(s_q, p, b, hk, row0, rows_valid, tid);
+    constexpr int kAhead = Cfg::kStages > 1 ? Cfg::kStages - 1 : 1;
+#pragma unroll
+    for (int s = 0; s < kAhead; ++s) issue(tile_begin + s, s);
+
+    WarpTile<WCfg> wt;
+    wt.init(16 * wm, lane);
+    const float scale_log2 = p.scale_log2;
+    // Causal: packed row r (token i = r / group) sees keys < L - seqlen_q + 1 + i; padding rows
+    // (r >= rows) get L, they are never written. limit_lo: the smallest limit of the CTA's rows.
+    int limit[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int i = (row0 + 16 * wm + 8 * h + g) / p.group;
+        limit[h] = p.is_causal ? min(L, L - p.seqlen_q + 1 + i) : L;
+    }
+    const int limit_lo = p.is_causal ? L - p.seqlen_q + 1 + row0 / p.group : L;
+    const bool warp_has_rows = 16 * wm < rows_valid;  // else the slab is padding: skip its MMAs
+    float S[1][kNB][4];  // scores, then probabilities, of the warp's keys of the current tile
+
+    int stage = 0;  // stage holding `tile`: tile_begin + k lives in stage k % kStages
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+        if constexpr (Cfg::kStages > 1) {
+            cp_async_wait<Cfg::kStages - 2>();  // this tile's group (and Q's) landed for this thread
+            // This tile (and Q) visible to every warp; every warp is done with the previous tile, so
+            // its stage, (stage - 1) mod kStages, is free for tile + kStages - 1.
+            __syncthreads();
+            issue(tile + Cfg::kStages - 1, stage == 0 ? Cfg::kStages - 1 : stage - 1);
+        } else {
+            cp_async_wait<0>();
+            __syncthreads();  // this tile (and Q) visible to every warp
+        }
+        const int n0 = tile * kBlockN + wn * Cfg::kKeysPerWarp;  // first key of this warp's share
+        if (warp_has_rows && n0 < L) {  // warp-uniform: a share wholly past the end is all masked
+            const u16* s_k = s_k0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * kStride;
+            const u16* s_v = s_v0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * kStride;
+            // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
+            wt.gemm_qk(S, s_q, s_k);
+            if (n0 + Cfg::kKeysPerWarp > limit_lo) decode_mask(S, n0 + 2 * t, limit);
+            wt.softmax(S, scale_log2);
+            // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
+            wt.gemm_pv(S, s_v);
+        }
+        if constexpr (Cfg::kStages == 1) {
+            __syncthreads();  // every warp is done with the only stage before it is refilled
+            issue(tile + 1, 0);
+        }
+        stage = stage + 1 == Cfg::kStages ? 0 : stage + 1;
+    }
+
+    // Epilogue 1: m and l of every warp column. The merge buffer overwrites the K/V stages: wait for
+    // this thread's copies (only empty groups remain) and for every warp to finish its last tile.
+    cp_async_wait<0>();
+    __syncthreads();  // all warps done reading sK / sV; no cp.async into them in flight
+    float l_own[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_own[h] = quad_sum(wt.row_sum[0][h]);
+        if (t == 0) {
+            s_m[wn * kBlockM + 16 * wm + 8 * h + g] = wt.row_max[0][h];
+            s_l[wn * kBlockM + 16 * wm + 8 * h + g] = l_own[h];
+        }
+    }
+    __syncthreads();  // every warp column's m and l visible
+
+    // Epilogue 2: m* = max_w m_w, l* = sum_w l_w 2^{(m_w - m*) scale_log2}; this warp's O scaled by
+    // 2^{(m_own - m*) scale_log2} / l* into its rows of the merge buffer. Rows that saw no key in any
+    // warp (m* = -inf) get l* = 0, factor 0, O = 0 and lse = -inf.
+    float factor[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * wm + 8 * h + g;
+        float m_all = -kInf;
+#pragma unroll
+        for (int w = 0; w < Cfg::kWarpsN; ++w) m_all = fmaxf(m_all, s_m[w * kBlockM + r]);
+        const float m_scaled = m_all == -kInf ? 0.f : m_all * scale_log2;  // -inf - (-inf) would be NaN
+        float l_all = 0.f;
+#pragma unroll
+        for (int w = 0; w < Cfg::kWarpsN; ++w) l_all += s_l[w * kBlockM + r] * fast_exp2(fmaf(s_m[w * kBlockM + r], scale_log2, -m_scaled));
+        const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
+        factor[h] = fast_exp2(fmaf(wt.row_max[0][h], scale_log2, -m_scaled)) * inv_l;
+        if (wn == 0 && t == 0 && r < rows_valid) {
+            int i, hq;
+            decode_unpack_row(p, hk, row0 + r, i, hq);
+            const float lse = l_all > 0.f ? m_all * p.softmax_scale + __logf(l_all) : -kInf;
+            if (!final_out) p.lse_partial[decode_row_index(p, split, b, hq, i)] = lse;
+            else if (p.lse != nullptr) p.lse[decode_row_index(p, 0, b, hq, i)] = lse;
+        }
+    }
+    float* s_red_w = s_red + (wn * kBlockM + 16 * wm) * kRed;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int d = 0; d < kDB; ++d)
+            *reinterpret_cast<float2*>(s_red_w + (8 * h + g) * kRed + d * 8 + 2 * t) =
+                make_float2(wt.acc_o[0][d][2 * h] * factor[h], wt.acc_o[0][d][2 * h + 1] * factor[h]);
+    __syncthreads();  // every warp column's scaled O rows in the merge buffer
+
+    // Epilogue 3: O[r][c..c+7] = sum_w merge[w][r][c..c+7], written as the final output (dtype, 16-byte
+    // stores on the aligned path) or as this split's fp32 partial row.
+    constexpr int kC = Cfg::kChunksPerRow;
+    for (int unit = tid; unit < kBlockM * kC; unit += Cfg::kNThreads) {
+        const int r = unit / kC, col = (unit % kC) * 8;
+        if (r >= rows_valid) continue;
+        float o[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = 0.f;
+#pragma unroll
+        for (int w = 0; w < Cfg::kWarpsN; ++w) {
+            const float* src = s_red + (w * kBlockM + r) * kRed + col;
+            const float4 x0 = *reinterpret_cast<const float4*>(src);
+            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+            o[0] += x0.x; o[1] += x0.y; o[2] += x0.z; o[3] += x0.w;
+            o[4] += x1.x; o[5] += x1.y; o[6] += x1.z; o[7] += x1.w;
+        }
+        int i, h;
+        decode_unpack_row(p, hk, row0 + r, i, h);
+        if (final_out) {
+            u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + col;
+            u32 packed[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) packed[e] = pack2<kBF16>(o[2 * e], o[2 * e + 1]);
+            if constexpr (Cfg::kAligned) {
+                if (col < p.head_dim) *reinterpret_cast<uint4*>(g_o) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    if (col + e < p.head_dim) g_o[e] = static_cast<u16>(packed[e / 2] >> (16 * (e % 2)));
+                }
+            }
+        } else {
+            // The whole bucket row is written (columns >= head_dim hold 0): combine reads float4s.
+            float* g_op = p.o_partial + decode_row_index(p, split, b, h, i) * p.partial_stride + col;
+            *reinterpret_cast<float4*>(g_op) = make_float4(o[0], o[1], o[2], o[3]);
+            *reinterpret_cast<float4*>(g_op + 4) = make_float4(o[4], o[5], o[6], o[7]);
+        }
+    }
+}
+
+// Combine (num_splits > 1): one warp per output row (b, h, i), 4 rows per CTA.
+//   lse = m + ln sum_s exp(lse_s - m) (m = max_s lse_s),  O = sum_s exp(lse_s - lse) O_s.
+// Every split writes every one of its partial rows (zeros and lse = -inf where it saw no key), so the
+// sum runs branch-free over all splits; a row no split saw gets O = 0, lse = -inf.
+template <bool kIsBF16>
+CUFLASH_DEVICE void flash_decode_combine_kernel(const DecodeParams& p) {
+    constexpr int kWarps = kDecodeThreads / 32;
+    __shared__ float s_w[kWarps][kDecodeMaxSplits];  // weight of each split, per warp (row)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
+    const i64 row = (i64)blockIdx.x * kWarps + warp;  // == decode_row_index(p, 0, b, h, i)
+    if (row >= n_rows) return;  // warp-uniform; no block-wide barrier below
+    const float* g_lse = p.lse_partial + row;  // split s at g_lse[s * n_rows]
+
+    float m = -kInf;
+    for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, g_lse[s * n_rows]);
+    m = decode_warp_max(m);
+    float sum = 0.f;
+    for (int s = lane; s < p.num_splits; s += 32) {
+        const float x = g_lse[s * n_rows];
+        sum += x == -kInf ? 0.f : fast_exp2((x - m) * kLog2e);
+    }
+    sum = decode_warp_sum(sum);
+    const float lse = sum > 0.f ? m + __logf(sum) : -kInf;
+    for (int s = lane; s < p.num_splits; s += 32) {
+        const float x = g_lse[s * n_rows];
+        s_w[warp][s] = x == -kInf ? 0.f : fast_exp2((x - lse) * kLog2e);
+    }
+    __syncwarp();  // the warp's weights visible to all its lanes
+
+    const int i = static_cast<int>(row % p.seqlen_q);
+    const i64 bh = row / p.seqlen_q;
+    const int h = static_cast<int>(bh % p.nheads), b = static_cast<int>(bh / p.nheads);
+    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+    const float* g_op = p.o_partial + row * p.partial_stride;
+    const i64 split_stride = n_rows * p.partial_stride;
+    for (int c = 4 * lane; c < p.head_dim; c += 128) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int s = 0; s < p.num_splits; ++s) {  // unrolled: 4 independent 16-byte loads in flight
+            const float w = s_w[warp][s];
+            const float4 x = *reinterpret_cast<const float4*>(g_op + s * split_stride + c);
+            acc.x = fmaf(w, x.x, acc.x);
+            acc.y = fmaf(w, x.y, acc.y);
+            acc.z = fmaf(w, x.z, acc.z);
+            acc.w = fmaf(w, x.w, acc.w);
+        }
+        const u32 lo = pack2<kIsBF16>(acc.x, acc.y), hi = pack2<kIsBF16>(acc.z, acc.w);
+        if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
+        if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
+        if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
+        if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
+    }
+    if (lane == 0 && p.lse != nullptr) p.lse[row] = lse;
+}
+
+// Append: k_new[b, t] -> cache position clamp(cache_seqlens[b], 0, capacity) + t of sequence b, and
+// the same for v; positions at or past capacity are dropped (Python rejects them where it can see
+// the lengths). One thread per 16-byte chunk (kAligned) or element of a new row, grid-stride.
+template <bool kAligned>
+CUFLASH_DEVICE void flash_decode_append_kernel(const DecodeParams& p) {
+    constexpr int kElems = kAligned ? 8 : 1;
+    const int chunks = (p.head_dim + kElems - 1) / kElems;
+    const i64 total = (i64)p.batch * p.seqlen_new * p.nheads_kv * chunks;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+        const int c = static_cast<int>(idx % chunks);
+        i64 rest = idx / chunks;
+        const int hk = static_cast<int>(rest % p.nheads_kv);
+        rest /= p.nheads_kv;
+        const int tn = static_cast<int>(rest % p.seqlen_new);
+        const int b = static_cast<int>(rest / p.seqlen_new);
+        const int pos = decode_cached_len(p, b) + tn;
+        if (pos >= p.capacity) continue;
+        int page, slot;
+        decode_cache_rows(p, b).locate(pos, page, slot);
+        const int col = c * kElems;
+        u16* dst_k = static_cast<u16*>(p.k) + page * p.k_batch_stride + slot * p.k_row_stride + hk * p.k_head_stride + col;
+        u16* dst_v = static_cast<u16*>(p.v) + page * p.v_batch_stride + slot * p.v_row_stride + hk * p.v_head_stride + col;
+        const u16* src_k = static_cast<const u16*>(p.k_new) + b * p.k_new_batch_stride + tn * p.k_new_row_stride +
+                           hk * p.k_new_head_stride + col;
+        const u16* src_v = static_cast<const u16*>(p.v_new) + b * p.v_new_batch_stride + tn * p.v_new_row_stride +
+                           hk * p.v_new_head_stride + col;
+        if constexpr (kAligned) {
+            *reinterpret_cast<uint4*>(dst_k) = *reinterpret_cast<const uint4*>(src_k);
+            *reinterpret_cast<uint4*>(dst_v) = *reinterpret_cast<const uint4*>(src_v);
+        } else {
+            *dst_k = *src_k;
+            *dst_v = *src_v;
+        }
+    }
+}
+
+}  // namespace cuflash

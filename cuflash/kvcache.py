@@ -1,0 +1,382 @@
+"""Decode with a KV cache: ``attention_with_kvcache`` (flash-attn's ``flash_attn_with_kvcache``).
+
+Checks happen here, once, with messages that say what to do; the kernels (cuda_src/flash_decode.cuh)
+assume their preconditions, except that they clamp every length and page index they read from
+device memory, so no value of ``cache_seqlens`` / ``block_table`` can make them touch memory outside
+the caches.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import struct
+
+import numpy as np
+
+from . import jit, plan
+from .attention import _DTYPE_NAMES, _check_array, _cupy, _elem_strides, _launch
+from .params import DECODE_DTYPE
+
+_INT32_MAX = 2**31 - 1
+
+#: DecodeParams packed by field name with one precompiled struct (a decode step is a few microseconds
+#: of GPU time: the host side must stay small). Same bytes as params.make_record(DECODE_DTYPE, ...).
+_STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i", np.dtype(np.float32): "f"}
+_RECORD = struct.Struct("<" + "".join(_STRUCT_CODES[DECODE_DTYPE.fields[n][0]] for n in DECODE_DTYPE.names))
+assert _RECORD.size == DECODE_DTYPE.itemsize, "DecodeParams has padding the packed record does not reproduce"
+
+
+def _record(**values) -> np.ndarray:
+    """The DecodeParams record (0-d, DECODE_DTYPE) with every field given by name."""
+    if len(values) != len(DECODE_DTYPE.names):
+        missing, extra = set(DECODE_DTYPE.names) - set(values), set(values) - set(DECODE_DTYPE.names)
+        raise KeyError(f"parameter fields missing {sorted(missing)} / unknown {sorted(extra)}")
+    packed = _RECORD.pack(*(values[n] for n in DECODE_DTYPE.names))
+    return np.frombuffer(packed, dtype=DECODE_DTYPE)[0:1].reshape(())
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    k=None,
+    v=None,
+    cache_seqlens=None,
+    block_table=None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out=None,
+    check: bool = False,
+):
+    """Attention of a few new query tokens against a KV cache (decode), with flash-attn's semantics.
+
+    q: (batch, seqlen_q, nheads, headdim), seqlen_q small (1 for decode, a few for speculative
+    decoding). Caches, float16 or bfloat16 like q, any strides with a contiguous last dimension:
+      contiguous: k_cache, v_cache (batch_cache, seqlen_cache, nheads_kv, headdim), batch_cache >= batch;
+        sequence b uses cache row b.
+      paged: k_cache, v_cache (num_blocks, page_size, nheads_kv, headdim) and block_table int32
+        (batch, max_blocks): token t of sequence b lives in page block_table[b, t // page_size], slot
+        t % page_size. page_size is any multiple of 16.
+    cache_seqlens: tokens already cached per sequence: an int, a sequence / NumPy array of ints, or an
+      int32 CuPy array (batch,). None means every cache is full.
+    k, v: optional new tokens (batch, seqlen_new, nheads_kv, headdim), written into the caches in
+      place at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 before attention;
+      sequence b then attends to its first cache_seqlens[b] + seqlen_new tokens. cache_seqlens itself
+      is not modified.
+    causal: queries aligned to the end: token i sees keys j <= L_b - seqlen_q + i (L_b the attended
+      length); a query that sees no key (also every query of an empty sequence) gets 0, lse -inf.
+    GQA / MQA: nheads % nheads_kv == 0; query head h reads kv head h // (nheads // nheads_kv), and the
+      query heads of one group share a single read of their K/V.
+    softmax_scale: defaults to 1 / sqrt(headdim); must be positive.
+    num_splits: key splits per sequence (Flash-Decoding). 0 picks them to fill the GPU
+      (cuflash.plan.decode_num_splits); 1 disables splitting; at most 128 and one per 64-key tile.
+    return_lse: also return lse, float32 (batch, nheads, seqlen_q), natural log of the softmax sum.
+    out: optional output array (shape and dtype of q, last dim contiguous) written in place.
+    check: also validate cache_seqlens / block_table given as CuPy arrays (see below).
+
+    Returns out (shape and dtype of q), or (out, lse).
+
+    Validation of lengths and page indices. Values the host can see (an int, a list, a NumPy array)
+    are always checked: 0 <= cache_seqlens[b], cache_seqlens[b] + seqlen_new <= capacity (the cache's
+    seqlen, or max_blocks * page_size), and the block_table entries a sequence uses lie in
+    [0, num_blocks). Values in CuPy arrays live on the GPU: reading them would synchronize the device
+    on every decode step, so by default they are not read; check=True reads them (one device
+    synchronization) and raises the same errors. Unchecked, the kernels clamp instead: a length into
+    [0, capacity], new tokens that would land past the capacity are dropped, a page index into
+    [0, num_blocks). Bad values then give wrong numbers for their sequence, never an access outside
+    the caches. Shapes, dtypes and devices are always checked.
+
+    Runs on CuPy's current stream and never synchronizes (check=True aside). Launches the append
+    kernel (with new tokens), the split-KV kernel and, with more than one split, the combine kernel;
+    the split buffers (O(splits * batch * nheads * seqlen_q * headdim) floats) come from CuPy's memory
+    pool.
+    """
+    cupy = _cupy()
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_array(name, x, cupy)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {k_cache.shape} and {v_cache.shape}")
+    cache_rows, slots, nheads_kv, head_dim_c = k_cache.shape
+    if head_dim_c != head_dim:
+        raise ValueError(f"q and k_cache must have the same head dim, got {head_dim} and {head_dim_c}")
+    if not 1 <= head_dim <= plan.HEAD_DIM_BUCKETS[-1]:
+        raise ValueError(f"head dim {head_dim} is not supported: cuflash handles head dims 1 to {plan.HEAD_DIM_BUCKETS[-1]}")
+    if nheads_kv == 0 or nheads % nheads_kv != 0:
+        raise ValueError(
+            f"the number of query heads ({nheads}) must be a multiple of the number of key/value heads ({nheads_kv})"
+        )
+    device_id = q.device.id
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.device.id != device_id:
+            raise ValueError(f"q is on device {device_id} but {name} is on device {x.device.id}; move them to one device")
+
+    # Cache layout: capacity = tokens one sequence can hold.
+    paged = block_table is not None
+    bt_host = bt_dev = None
+    if paged:
+        page_size = slots
+        if page_size < 16 or page_size % 16 != 0:
+            raise ValueError(
+                f"page size (k_cache.shape[1] of a paged cache) must be a positive multiple of 16, got {page_size}"
+            )
+        if cache_rows < 1:
+            raise ValueError("a paged k_cache needs at least one page (k_cache.shape[0] >= 1)")
+        bt_host, bt_dev = _block_table_arrays(block_table, batch, device_id, cupy)
+        capacity = bt_dev.shape[1] * page_size
+    else:
+        if cache_rows < batch:
+            raise ValueError(
+                f"k_cache holds {cache_rows} sequences (shape[0]) but q has batch {batch}; sequence b uses cache row b"
+            )
+        page_size = capacity = slots
+
+    # New tokens.
+    if (k is None) != (v is None):
+        raise ValueError("the new tokens k and v must be given together (or neither)")
+    seqlen_new = 0
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            _check_array(name, x, cupy)
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+            if x.device.id != device_id:
+                raise ValueError(f"q is on device {device_id} but {name} is on device {x.device.id}")
+        seqlen_new = k.shape[1]
+        want = (batch, seqlen_new, nheads_kv, head_dim)
+        if k.shape != want or v.shape != want:
+            raise ValueError(
+                f"new tokens k and v must have shape (batch, seqlen_new, nheads_kv, headdim) = {want}, "
+                f"got k {k.shape} and v {v.shape}"
+            )
+    if capacity + seqlen_new > _INT32_MAX:
+        raise ValueError(f"a sequence can hold at most {_INT32_MAX} tokens, got capacity {capacity} + {seqlen_new} new")
+
+    # Lengths: host-visible values are validated; CuPy arrays only with check=True.
+    seqlens_dev, seqlen_const, host_lengths = None, 0, None
+    if cache_seqlens is None:
+        if seqlen_new > 0:
+            raise ValueError(
+                "cache_seqlens=None means every cache is full, which leaves no room for the new tokens k, v; "
+                "pass cache_seqlens (the tokens already cached per sequence)"
+            )
+        seqlen_const, host_lengths = capacity, np.full(batch, capacity, dtype=np.int64)
+    elif isinstance(cache_seqlens, cupy.ndarray):
+        _check_device_int32("cache_seqlens", cache_seqlens, (batch,), device_id)
+        seqlens_dev = cache_seqlens
+        if check:
+            host_lengths = cache_seqlens.get().astype(np.int64)  # the one synchronization check=True costs
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        seqlen_const = int(cache_seqlens)  # one length for all: a kernel argument, no upload
+        if not 0 <= seqlen_const <= capacity - seqlen_new:  # the decode loop's case: no NumPy on the way
+            validate_lengths(np.full(max(batch, 1), seqlen_const, dtype=np.int64), seqlen_new, capacity)
+    else:
+        host_lengths = _host_seqlens(cache_seqlens, batch)
+    if host_lengths is not None:
+        validate_lengths(host_lengths, seqlen_new, capacity)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, cupy.ndarray) and host_lengths is not None:
+        if np.ndim(cache_seqlens) == 0:
+            seqlen_const = int(host_lengths[0]) if batch else 0
+        else:
+            with cupy.cuda.Device(device_id):
+                seqlens_dev = cupy.asarray(host_lengths.astype(np.int32))  # validated: fits int32
+    if paged and (bt_host is not None or check) and (host_lengths is not None or seqlens_dev is None):
+        if bt_host is None:
+            bt_host = bt_dev.get()
+        lengths = host_lengths if host_lengths is not None else np.full(batch, seqlen_const, dtype=np.int64)
+        validate_block_table(bt_host, lengths + seqlen_new, page_size, cache_rows)
+
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen to fill the GPU, 1: no split), got {num_splits!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    softmax_scale = float(softmax_scale)
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+
+    with cupy.cuda.Device(device_id):
+        if out is None:
+            out = cupy.empty(q.shape, dtype=q.dtype)
+        else:
+            if not isinstance(out, cupy.ndarray):
+                raise TypeError(f"out must be a cupy.ndarray, got {type(out).__name__}")
+            if out.shape != q.shape or out.dtype != q.dtype:
+                raise ValueError(f"out must have q's shape {q.shape} and dtype {q.dtype}, got {out.shape} {out.dtype}")
+            if out.device.id != device_id:
+                raise ValueError(f"out is on device {out.device.id}, q on device {device_id}")
+            if out.size > 0 and head_dim > 1 and out.strides[3] != out.itemsize:
+                raise ValueError(f"out must be contiguous in its last dimension, got strides {out.strides}")
+        lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32) if return_lse else None
+        attend = seqlen_q > 0 and nheads > 0  # else only the append (if any) runs
+        if batch == 0 or not (attend or seqlen_new > 0):
+            return (out, lse) if return_lse else out
+
+        ptr = {name: 0 if x is None else x.data.ptr for name, x in
+               (("q", q), ("k", k_cache), ("v", v_cache), ("k_new", k), ("v_new", v), ("o", out), ("lse", lse))}
+        aligned = head_dim % 8 == 0 and all(_aligned16(ptr[n], x) for n, x in (("q", q), ("k", k_cache),
+                                                                            ("v", v_cache), ("o", out)))
+        append_aligned = seqlen_new > 0 and head_dim % 8 == 0 and all(
+            _aligned16(ptr[n], x) for n, x in (("k", k_cache), ("v", v_cache), ("k_new", k), ("v_new", v))
+        )
+        if host_lengths is not None:
+            max_len = min(int(host_lengths.max()) + seqlen_new, capacity)
+        elif seqlens_dev is None:
+            max_len = min(seqlen_const + seqlen_new, capacity)
+        else:
+            max_len = capacity  # lengths on the GPU: plan the splits for the longest possible sequence
+        dplan, (fn_attn, fn_combine, fn_append) = _plan_and_load(
+            batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], aligned,
+            -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id,
+        )  # fmt: skip
+        splits = dplan.num_splits
+        bucket = dplan.attn.spec.head_dim
+        partials = None  # o_partial (splits, batch, nheads, seqlen_q, bucket) then lse_partial, one allocation
+        o_partial_ptr = lse_partial_ptr = 0
+        if attend and splits > 1:
+            rows_out = splits * batch * nheads * seqlen_q
+            partials = cupy.empty(rows_out * (bucket + 1), dtype=cupy.float32)
+            o_partial_ptr = partials.data.ptr
+            lse_partial_ptr = o_partial_ptr + 4 * rows_out * bucket  # bucket % 32 == 0: 128-byte aligned
+        strides = lambda x: (0, 0, 0) if x is None else _elem_strides(x)  # noqa: E731
+        qs, ks, vs, kns, vns, os_ = (strides(x) for x in (q, k_cache, v_cache, k, v, out))
+        group = max(nheads, nheads_kv) // nheads_kv
+        rec = _record(
+            q=ptr["q"], k=ptr["k"], v=ptr["v"], k_new=ptr["k_new"], v_new=ptr["v_new"], o=ptr["o"], lse=ptr["lse"],
+            o_partial=o_partial_ptr, lse_partial=lse_partial_ptr,
+            seqlens=0 if seqlens_dev is None else seqlens_dev.data.ptr,
+            block_table=0 if bt_dev is None else bt_dev.data.ptr,
+            q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
+            k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
+            v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
+            k_new_batch_stride=kns[0], k_new_row_stride=kns[1], k_new_head_stride=kns[2],
+            v_new_batch_stride=vns[0], v_new_row_stride=vns[1], v_new_head_stride=vns[2],
+            o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
+            block_table_batch_stride=bt_dev.strides[0] // bt_dev.itemsize if paged else 0,
+            batch=batch, nheads=nheads, nheads_kv=nheads_kv, group=group, seqlen_q=seqlen_q,
+            rows=group * seqlen_q, head_dim=head_dim, seqlen_const=seqlen_const, seqlen_new=seqlen_new,
+            capacity=capacity, page_size=page_size, num_pages=cache_rows, num_splits=splits,
+            num_row_blocks=dplan.num_row_blocks, partial_stride=bucket, is_causal=int(bool(causal)),
+            softmax_scale=softmax_scale, scale_log2=softmax_scale * math.log2(math.e),
+        )  # fmt: skip
+        if dplan.append is not None:
+            _launch(fn_append, dplan.append, rec)  # the attention below reads the new tokens (same stream)
+        if attend:
+            _launch(fn_attn, dplan.attn, rec)
+            if dplan.combine is not None:
+                _launch(fn_combine, dplan.combine, rec)
+        del partials  # back to the pool; stream order keeps it alive for the kernels above
+    return (out, lse) if return_lse else out
+
+
+def _aligned16(ptr: int, x) -> bool:
+    """attention._aligned16 with the pointer already read: every row of x starts on a 16-byte boundary."""
+    return ptr % 16 == 0 and all((s * x.itemsize) % 16 == 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument helpers (pure NumPy where the values are on the host: tested on the CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+def _host_int_array(x, name: str) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise TypeError(f"{name} must hold integers, got {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _host_seqlens(cache_seqlens, batch: int) -> np.ndarray:
+    """cache_seqlens given on the host (int, sequence, NumPy array) as int64 (batch,)."""
+    arr = _host_int_array(cache_seqlens, "cache_seqlens")
+    if arr.ndim == 0:
+        return np.full(batch, int(arr), dtype=np.int64)
+    if arr.shape != (batch,):
+        raise ValueError(f"cache_seqlens must be an int or have shape (batch,) = ({batch},), got shape {arr.shape}")
+    return arr
+
+
+def validate_lengths(lengths: np.ndarray, seqlen_new: int, capacity: int) -> None:
+    """0 <= lengths[b] and lengths[b] + seqlen_new <= capacity for every sequence b (ValueError naming the first bad one)."""
+    neg = np.flatnonzero(lengths < 0)
+    if neg.size:
+        b = int(neg[0])
+        raise ValueError(f"cache_seqlens must be >= 0, got cache_seqlens[{b}] = {int(lengths[b])}")
+    over = np.flatnonzero(lengths + seqlen_new > capacity)
+    if over.size:
+        b = int(over[0])
+        if seqlen_new:
+            raise ValueError(
+                f"{seqlen_new} new tokens do not fit: cache_seqlens[{b}] = {int(lengths[b])} + {seqlen_new} exceeds "
+                f"the cache capacity of {capacity} tokens per sequence"
+            )
+        raise ValueError(
+            f"cache_seqlens[{b}] = {int(lengths[b])} exceeds the cache capacity of {capacity} tokens per sequence"
+        )
+
+
+def validate_block_table(block_table: np.ndarray, lengths: np.ndarray, page_size: int, num_pages: int) -> None:
+    """Every block_table entry a sequence uses (its first ceil(lengths[b] / page_size) pages) is a page
+    of the cache, in [0, num_pages). Entries past a sequence's length are never read (padding is fine)."""
+    used = -(-np.asarray(lengths, dtype=np.int64) // page_size)
+    cols = np.arange(block_table.shape[1])
+    bad = (cols[None, :] < used[:, None]) & ((block_table < 0) | (block_table >= num_pages))
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the cache (k_cache has {num_pages} "
+            f"pages, indices 0..{num_pages - 1}); sequence {b} uses its first {int(used[b])} entries"
+        )
+
+
+def _check_device_int32(name: str, x, shape: tuple, device_id: int) -> None:
+    if x.dtype != np.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}; convert with {name}.astype(cupy.int32)")
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+    if x.device.id != device_id:
+        raise ValueError(f"{name} is on device {x.device.id}, q on device {device_id}")
+    if x.ndim and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.strides}")
+
+
+def _block_table_arrays(block_table, batch: int, device_id: int, cupy):
+    """(host copy or None, int32 CuPy array (batch, max_blocks)) of block_table."""
+    if isinstance(block_table, cupy.ndarray):
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch, max_blocks) = ({batch}, ...), got {block_table.shape}")
+        _check_device_int32("block_table", block_table, block_table.shape, device_id)
+        return None, block_table
+    host = _host_int_array(block_table, "block_table")
+    if host.ndim != 2 or host.shape[0] != batch:
+        raise ValueError(f"block_table must have shape (batch, max_blocks) = ({batch}, ...), got {host.shape}")
+    with cupy.cuda.Device(device_id):
+        # Out-of-range entries past a sequence's length are never read; clip so int32 cannot wrap them.
+        return host, cupy.asarray(np.clip(host, -1, _INT32_MAX).astype(np.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def _num_sms(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned, max_seqlen, num_splits, seqlen_new,
+                   append_aligned, device_id):  # fmt: skip
+    """Launch plan and loaded kernels for one call signature (memoized: the host side of a repeated
+    decode step is a dictionary lookup; max_seqlen arrives rounded up to 64 tokens, so consecutive
+    steps share an entry)."""
+    p = plan.plan_decode(
+        batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype,
+        aligned=aligned, max_seqlen=max_seqlen, num_splits=num_splits, num_sms=_num_sms(device_id),
+        arch=jit.device_arch(device_id), seqlen_new=seqlen_new, append_aligned=append_aligned,
+    )  # fmt: skip
+    fns = tuple(None if launch is None else jit.get_function(launch.spec, device_id) for launch in (p.attn, p.combine, p.append))
+    return p, fns

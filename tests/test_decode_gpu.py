@@ -1,0 +1,580 @@
+"""GPU tests of cuflash.attention_with_kvcache against the float64 reference (skipped without a GPU).
+
+Every check applies DESIGN.md's rule: the kernel's max abs error is at most 2x that of a plain
+implementation in the same precision (reference.plain_attention on each sequence's gathered cache)
++ 1e-5, and NaN never passes. Outputs are poisoned with NaN before the launch, and so are the free
+blocks of CuPy's memory pool (where the split buffers come from). A failure names the sequence,
+query token and head of the worst element, the error and the bound.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cuflash import reference
+from gpu_util import DTYPES, poisoned, randn, to_f64
+
+pytestmark = pytest.mark.gpu
+
+EXAMPLES = int(os.environ.get("CUFLASH_HYPOTHESIS_EXAMPLES", "60"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def poison_pool(nbytes: int = 64 << 20) -> None:
+    """Fill a pool block with NaN and free it: buffers the next call takes from the pool start as NaN."""
+    import cupy
+
+    x = cupy.empty(nbytes // 4, dtype=cupy.float32)
+    x.fill(cupy.nan)
+    del x
+
+
+def host(x):
+    if x is None or isinstance(x, (int, np.integer)):
+        return x
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def make_caches(rng, *, batch, capacity, nheads_kv, head_dim, dtype, page_size=None, spare_pages=3, layout="bshd"):
+    """(k_cache, v_cache, block_table) of `capacity` tokens per sequence; paged caches get their pages in
+    a random order (plus spare pages nobody uses), block_table int32 on the host."""
+    if page_size is None:
+        kc = randn(rng, (batch, capacity, nheads_kv, head_dim), dtype, layout)
+        vc = randn(rng, (batch, capacity, nheads_kv, head_dim), dtype, layout)
+        return kc, vc, None
+    max_blocks = -(-capacity // page_size)
+    num_pages = batch * max_blocks + spare_pages
+    kc = randn(rng, (num_pages, page_size, nheads_kv, head_dim), dtype, layout)
+    vc = randn(rng, (num_pages, page_size, nheads_kv, head_dim), dtype, layout)
+    bt = rng.permutation(num_pages)[: batch * max_blocks].reshape(batch, max_blocks).astype(np.int32)
+    return kc, vc, bt
+
+
+def gather(cache64: np.ndarray, b: int, L: int, block_table, page_size: int) -> np.ndarray:
+    """Tokens [0, L) of sequence b from a float64 host cache (contiguous or paged)."""
+    if block_table is None:
+        return cache64[b, :L]
+    t = np.arange(L)
+    return cache64[np.asarray(block_table)[b, t // page_size], t % page_size]
+
+
+def run_and_check(q, k_cache, v_cache, *, dtype, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
+                  softmax_scale=None, num_splits=0, check=False, ref_lengths=None, what=""):  # fmt: skip
+    """Call attention_with_kvcache (NaN-poisoned out and pool) and check out, lse and the caches after
+    the append against the reference. ref_lengths: the lengths the reference should use (the clamped
+    ones when the call passes out-of-range values unchecked). Returns (out, lse, err, bound)."""
+    import cuflash
+
+    kc0, vc0 = to_f64(k_cache), to_f64(v_cache)
+    seqlens_before = host(cache_seqlens)
+    seqlens_before = None if seqlens_before is None else np.array(seqlens_before, copy=True)
+    out = poisoned(q.shape, dtype)
+    poison_pool()
+    ret, lse = cuflash.attention_with_kvcache(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal,
+        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True, out=out, check=check,
+    )  # fmt: skip
+    assert ret is out
+    bt = host(block_table)
+    lengths = host(cache_seqlens) if ref_lengths is None else ref_lengths
+    ref, ref_lse, ref_kc, ref_vc = reference.attention_with_kvcache(
+        q, kc0, vc0, k=k, v=v, cache_seqlens=lengths, block_table=bt, causal=causal, softmax_scale=softmax_scale
+    )
+    if seqlens_before is not None and hasattr(cache_seqlens, "get"):
+        assert (cache_seqlens.get() == seqlens_before).all(), f"cache_seqlens was modified {what}"
+
+    # Caches after the append: the new tokens in their slots, every other element unchanged.
+    for name, got_c, want_c in (("k_cache", k_cache, ref_kc), ("v_cache", v_cache, ref_vc)):
+        got = to_f64(got_c)
+        bad = np.argwhere(~((got == want_c) | (np.isnan(got) & np.isnan(want_c))))
+        assert bad.size == 0, (
+            f"{name} after the call differs from the reference at {len(bad)} elements, first at index "
+            f"{tuple(bad[0])}: got {got[tuple(bad[0])]}, want {want_c[tuple(bad[0])]} {what}"
+        )
+
+    # Plain same-precision attention per sequence on its gathered (updated) cache: the error bar.
+    batch, seqlen_q, nheads, head_dim = q.shape
+    page_size = k_cache.shape[1]
+    q64 = to_f64(q)
+    L_all = reference._cache_lengths(lengths, batch, bt.shape[1] * page_size if bt is not None else k_cache.shape[1])
+    L_all = L_all + (0 if k is None else k.shape[1])
+    plain = np.zeros(q.shape)
+    for b in range(batch):
+        L = int(L_all[b])
+        if L == 0:
+            continue
+        kb, vb = gather(ref_kc, b, L, bt, page_size), gather(ref_vc, b, L, bt, page_size)
+        plain[b : b + 1] = reference.plain_attention(q64[b : b + 1], kb[None], vb[None], causal=causal,
+                                                     softmax_scale=softmax_scale, dtype=DTYPES[dtype])  # fmt: skip
+    got = to_f64(out)
+    assert not np.isnan(got).any(), (
+        f"NaN in out at (b, i, h, d) = {tuple(np.argwhere(np.isnan(got))[0])} (unwritten or poisoned) {what}"
+    )
+    err = reference.max_abs_error(got, ref)
+    bound = 2 * reference.max_abs_error(plain, ref) + 1e-5
+    if not err <= bound:
+        diff = np.abs(got - ref)
+        worst = tuple(int(x) for x in np.unravel_index(np.argmax(diff), diff.shape))
+        per_seq = [f"b{b}(L={int(L_all[b])}): {diff[b].max():.3g}" for b in range(batch)]
+        pytest.fail(
+            f"max abs error {err:.3g} > bound {bound:.3g} (2 x plain {reference.max_abs_error(plain, ref):.3g} + 1e-5); "
+            f"worst at (b, i, h, d) = {worst}: got {got[worst]:.6g}, want {ref[worst]:.6g}; per sequence "
+            f"{', '.join(per_seq)} {what}"
+        )
+
+    lse64 = np.asarray(lse.get(), dtype=np.float64)
+    assert not np.isnan(lse64).any(), f"NaN in lse at (b, h, i) = {tuple(np.argwhere(np.isnan(lse64))[0])} {what}"
+    ninf = np.isneginf(ref_lse)
+    mism = np.argwhere(np.isneginf(lse64) != ninf)
+    assert mism.size == 0, (
+        f"lse -inf pattern differs at (b, h, i) = {tuple(mism[0])}: got {lse64[tuple(mism[0])]}, "
+        f"want {ref_lse[tuple(mism[0])]} {what}"
+    )
+    if (~ninf).any():
+        with np.errstate(invalid="ignore"):  # -inf - -inf where both are -inf: zeroed below
+            rel = np.abs(lse64 - ref_lse) / np.maximum(1.0, np.abs(ref_lse))
+        rel[ninf] = 0
+        worst = tuple(int(x) for x in np.unravel_index(np.argmax(rel), rel.shape))
+        assert rel.max() < 2e-4, f"lse relative error {rel.max():.3g} at (b, h, i) = {worst} {what}"
+    # Queries that see no key: exactly 0.
+    zero_rows = np.argwhere(ninf)  # (b, h, i)
+    for b, h, i in zero_rows[:64]:
+        assert (got[b, i, h] == 0).all(), f"out[{b}, {i}, {h}] must be 0 (the query sees no key) {what}"
+    return out, lse, err, bound
+
+
+def case(rng, *, batch=2, seqlen_q=1, nheads=4, nheads_kv=2, head_dim=64, dtype="bf16", capacity=300, lengths=None,
+         seqlen_new=0, page_size=None, layout="bshd"):  # fmt: skip
+    """Random q, caches, new tokens and lengths (by default random lengths that leave room for the new tokens)."""
+    q = randn(rng, (batch, seqlen_q, nheads, head_dim), dtype, layout)
+    kc, vc, bt = make_caches(rng, batch=batch, capacity=capacity, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype,
+                             page_size=page_size, layout=layout)  # fmt: skip
+    if page_size is not None:
+        capacity = bt.shape[1] * page_size
+    if lengths is None:
+        lengths = rng.integers(0, capacity - seqlen_new + 1, size=batch)
+    lengths = np.asarray(lengths, dtype=np.int32)
+    k = v = None
+    if seqlen_new:
+        k = randn(rng, (batch, seqlen_new, nheads_kv, head_dim), dtype, layout)
+        v = randn(rng, (batch, seqlen_new, nheads_kv, head_dim), dtype, layout)
+    return dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, cache_seqlens=lengths, block_table=bt, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Coverage of the variants
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160, 192, 224, 256])
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_every_bucket(dtype, head_dim, num_splits):
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, nheads=4, nheads_kv=2, head_dim=head_dim, dtype=dtype, capacity=700, lengths=[700, 333])
+    run_and_check(**c, num_splits=num_splits, what=f"hd{head_dim} {dtype} splits={num_splits}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 0, 5])
+@pytest.mark.parametrize("causal, seqlen_q", [(False, 1), (True, 1), (True, 3), (False, 3)])
+def test_ragged_lengths_including_zero(num_splits, causal, seqlen_q):
+    rng = np.random.default_rng()
+    c = case(rng, batch=7, seqlen_q=seqlen_q, capacity=1000, lengths=[0, 1, 2, 63, 64, 65, 1000])
+    run_and_check(**c, causal=causal, num_splits=num_splits, what=f"causal={causal} sq={seqlen_q} splits={num_splits}")
+
+
+@pytest.mark.parametrize("nheads, nheads_kv, seqlen_q", [
+    (8, 8, 1), (8, 2, 1), (8, 1, 1), (32, 8, 1), (32, 8, 4), (32, 1, 1), (32, 1, 2), (64, 8, 3), (64, 1, 3),
+])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_mqa_and_packed_rows(nheads, nheads_kv, seqlen_q, causal):
+    """Group * seqlen_q packed rows: 1 slab (<= 16 rows), 2 (<= 32), 4 (<= 64), several row blocks (> 64)."""
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=530,
+             lengths=[530, 77])  # fmt: skip
+    run_and_check(**c, causal=causal, what=f"h={nheads}/{nheads_kv} sq={seqlen_q} causal={causal}")
+
+
+@pytest.mark.parametrize("seqlen_q", [2, 4, 7])
+@pytest.mark.parametrize("num_splits", [1, 0, 3])
+def test_causal_with_several_query_tokens(seqlen_q, num_splits):
+    """Causal aligned to the end of each sequence; sequences shorter than seqlen_q leave early queries
+    without any key (out 0, lse -inf)."""
+    rng = np.random.default_rng()
+    c = case(rng, batch=6, seqlen_q=seqlen_q, nheads=6, nheads_kv=2, capacity=300, lengths=[0, 1, 3, 7, 129, 300])
+    run_and_check(**c, causal=True, num_splits=num_splits, what=f"sq={seqlen_q} splits={num_splits}")
+
+
+def test_num_splits_agree():
+    import cuflash
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=3, nheads=8, nheads_kv=2, head_dim=128, capacity=5000, lengths=[5000, 4097, 10])
+    outs = {s: to_f64(run_and_check(**c, num_splits=s, what=f"splits={s}")[0]) for s in (1, 0, 2, 7, 33, 128)}
+    ref = reference.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=c["cache_seqlens"])[0]
+    for s, o in outs.items():  # every split count agrees with no split to within the same error bar
+        err = reference.max_abs_error(o, outs[1])
+        assert err <= 2 * reference.max_abs_error(outs[1], ref) + 1e-5, f"splits={s} vs 1: {err:.3g}"
+    again = cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=c["cache_seqlens"])
+    assert (to_f64(again) == outs[0]).all(), "the heuristic's split count changed between two identical calls"
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged caches
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 48, 80, 256])
+@pytest.mark.parametrize("num_splits", [1, 0, 4])
+def test_paged_equals_contiguous(page_size, num_splits):
+    """The same tokens in a contiguous cache and in shuffled pages give bitwise the same out and lse
+    (the kernel visits the same tiles in the same order; only the addresses differ)."""
+    import cuflash
+    import cupy
+
+    rng = np.random.default_rng()
+    batch, hk, d, capacity = 3, 2, 128, 20 * page_size
+    c = case(rng, batch=batch, nheads=8, nheads_kv=hk, head_dim=d, capacity=capacity, page_size=page_size,
+             lengths=[capacity, 5 * page_size + 7, 0])  # fmt: skip
+    bt = c["block_table"]
+    pos = np.arange(capacity)
+    kc_cont = cupy.ascontiguousarray(c["k_cache"][cupy.asarray(bt[:, pos // page_size]), cupy.asarray(pos % page_size)])
+    vc_cont = cupy.ascontiguousarray(c["v_cache"][cupy.asarray(bt[:, pos // page_size]), cupy.asarray(pos % page_size)])
+    assert kc_cont.shape == (batch, capacity, hk, d)
+    paged_out, paged_lse, _, _ = run_and_check(**c, num_splits=num_splits, what=f"paged P={page_size}")
+    cont = dict(c, k_cache=kc_cont, v_cache=vc_cont, block_table=None)
+    cont_out, cont_lse, _, _ = run_and_check(**cont, num_splits=num_splits, what=f"contiguous P={page_size}")
+    same = (paged_out.view(cupy.uint16) == cont_out.view(cupy.uint16)).all()
+    assert bool(same), f"paged (P={page_size}) and contiguous outputs differ; max diff " \
+        f"{reference.max_abs_error(to_f64(paged_out), to_f64(cont_out)):.3g}"
+    assert bool((paged_lse.view(cupy.uint32) == cont_lse.view(cupy.uint32)).all())
+    out2 = cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=c["cache_seqlens"],
+                                          block_table=cupy.asarray(bt), num_splits=num_splits)  # fmt: skip
+    assert bool((out2.view(cupy.uint16) == paged_out.view(cupy.uint16)).all()), "device block_table differs from host"
+
+
+@pytest.mark.parametrize("page_size", [16, 48])
+@pytest.mark.parametrize("seqlen_new", [1, 3, 17])
+def test_paged_append(page_size, seqlen_new):
+    """New tokens land in the right page and slot (also across page boundaries); nothing else changes."""
+    rng = np.random.default_rng()
+    capacity = 6 * page_size
+    c = case(rng, batch=4, seqlen_q=2, nheads=4, nheads_kv=2, capacity=capacity, page_size=page_size,
+             seqlen_new=seqlen_new, lengths=[0, page_size - 1, 3 * page_size, capacity - seqlen_new])  # fmt: skip
+    run_and_check(**c, causal=True, what=f"P={page_size} new={seqlen_new}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Append (contiguous), load paths, layouts
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seqlen_new", [1, 2, 5])
+@pytest.mark.parametrize("head_dim", [64, 100])
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_append_semantics(seqlen_new, head_dim, num_splits):
+    rng = np.random.default_rng()
+    c = case(rng, batch=4, seqlen_q=seqlen_new, nheads=4, nheads_kv=2, head_dim=head_dim, capacity=200,
+             seqlen_new=seqlen_new, lengths=[0, 1, 64, 200 - seqlen_new])  # fmt: skip
+    run_and_check(**c, causal=True, num_splits=num_splits, what=f"new={seqlen_new} hd{head_dim}")
+
+
+@pytest.mark.parametrize("head_dim", [1, 3, 8, 40, 72, 100, 129, 200, 255])
+def test_ragged_head_dims(head_dim):
+    """16-byte path with zero-filled tail chunks (40, 72, 200) and the element-wise path (odd dims)."""
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, seqlen_q=2, nheads=4, nheads_kv=1, head_dim=head_dim, dtype="fp16", capacity=300,
+             lengths=[299, 150], seqlen_new=1)  # fmt: skip
+    run_and_check(**c, causal=True, what=f"hd{head_dim}")
+
+
+def _offset_view(x):
+    """The same values in a buffer shifted by one element: every row is misaligned for 16-byte loads."""
+    import cupy
+
+    buf = cupy.empty(x.size + 1, dtype=x.dtype)
+    y = buf[1:].reshape(x.shape)
+    y[...] = x
+    return y
+
+
+def test_element_wise_path_for_misaligned_rows():
+    from cuflash.attention import _aligned16
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=3, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=64, capacity=400, seqlen_new=2,
+             lengths=[0, 200, 398])  # fmt: skip
+    for name in ("q", "k_cache", "v_cache", "k", "v"):
+        c[name] = _offset_view(c[name])
+        assert not _aligned16(c[name])
+    run_and_check(**c, causal=True, what="misaligned")
+    paged = case(rng, batch=2, nheads=4, nheads_kv=2, head_dim=64, capacity=96, page_size=32, seqlen_new=1)
+    paged["k_cache"] = _offset_view(paged["k_cache"])
+    run_and_check(**paged, num_splits=2, what="misaligned paged")
+
+
+def test_16_byte_path_and_strided_layouts():
+    """(b, h, s, d) storage seen through transposed views: non-contiguous strides, 16-byte aligned."""
+    from cuflash.attention import _aligned16
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, seqlen_q=3, nheads=8, nheads_kv=2, head_dim=128, capacity=700, layout="bhsd",
+             seqlen_new=2)  # fmt: skip
+    assert not c["k_cache"].flags.c_contiguous
+    assert all(_aligned16(c[n]) for n in ("q", "k_cache", "v_cache", "k", "v"))
+    run_and_check(**c, causal=True, softmax_scale=0.25, what="bhsd views")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lengths and page tables on the device; values out of range
+# ---------------------------------------------------------------------------------------------
+
+
+def test_device_lengths_and_int_lengths():
+    import cupy
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=3, nheads=4, nheads_kv=2, capacity=500, lengths=[500, 17, 0])
+    dev = dict(c, cache_seqlens=cupy.asarray(c["cache_seqlens"]))
+    run_and_check(**dev, what="cupy cache_seqlens")
+    run_and_check(**dev, check=True, what="cupy cache_seqlens, check=True")
+    run_and_check(**dict(c, cache_seqlens=123), what="int cache_seqlens")
+    run_and_check(**dict(c, cache_seqlens=[500, 1, 2]), what="list cache_seqlens")
+    run_and_check(**dict(c, cache_seqlens=None), what="cache_seqlens=None (full caches)")
+
+
+def test_unchecked_device_values_are_clamped():
+    """Out-of-range lengths / pages in CuPy arrays (check=False): no access outside the caches, the
+    lengths clamped into [0, capacity] and the pages into [0, num_blocks)."""
+    import cuflash
+    import cupy
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=3, nheads=4, nheads_kv=2, capacity=400, lengths=[0, 0, 0])
+    bad = cupy.asarray(np.array([400 + 50, -7, 2**31 - 1], dtype=np.int32))
+    run_and_check(**dict(c, cache_seqlens=bad), ref_lengths=np.array([400, 0, 400]), what="clamped lengths")
+    with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0, got cache_seqlens\[1\] = -7"):
+        cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=bad, check=True)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 450 exceeds the cache capacity of 400"):
+        cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=bad.clip(0), check=True)
+    p = case(rng, batch=2, nheads=4, nheads_kv=2, capacity=64, page_size=16, lengths=[64, 64])
+    bt = p["block_table"].copy()
+    bt[0, 1], bt[1, 3] = -5, 10**6
+    out = cuflash.attention_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
+                                         block_table=cupy.asarray(bt))  # fmt: skip
+    assert not bool(cupy.isnan(out.astype(cupy.float32)).any())
+    clamped = np.clip(bt, 0, p["k_cache"].shape[0] - 1)  # what the kernel reads instead
+    want = cuflash.attention_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
+                                          block_table=clamped)  # fmt: skip
+    assert bool((out.view(cupy.uint16) == want.view(cupy.uint16)).all())
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -5"):
+        cuflash.attention_with_kvcache(p["q"], p["k_cache"], p["v_cache"], cache_seqlens=p["cache_seqlens"],
+                                       block_table=cupy.asarray(bt), check=True)  # fmt: skip
+
+
+def test_appends_past_the_capacity_are_dropped_when_unchecked():
+    import cuflash
+    import cupy
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, nheads=2, nheads_kv=1, capacity=100, seqlen_new=3, lengths=[0, 0])
+    lengths = cupy.asarray(np.array([98, 5], dtype=np.int32))  # sequence 0: its third new token does not fit
+    kc0, vc0 = to_f64(c["k_cache"]), to_f64(c["v_cache"])
+    out = cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], k=c["k"], v=c["v"], cache_seqlens=lengths)
+    kc, vc, kn, vn = (to_f64(x) for x in (c["k_cache"], c["v_cache"], c["k"], c["v"]))
+    assert (kc[0, 98:100] == kn[0, :2]).all() and (kc[0, :98] == kc0[0, :98]).all()
+    assert (vc[0, 98:100] == vn[0, :2]).all() and (vc[0, :98] == vc0[0, :98]).all()
+    assert (kc[1, 5:8] == kn[1]).all() and (kc[1, :5] == kc0[1, :5]).all() and (kc[1, 8:] == kc0[1, 8:]).all()
+    assert not bool(cupy.isnan(out.astype(cupy.float32)).any())
+
+
+# ---------------------------------------------------------------------------------------------
+# Property test over drawn shapes
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def decode_cases(draw):
+    nheads_kv = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    paged = draw(st.booleans())
+    page_size = draw(st.sampled_from([16, 32, 48, 64, 112, 256])) if paged else None
+    capacity = draw(st.integers(1, 2500))
+    seqlen_new = draw(st.sampled_from([0, 0, 1, 2, 5]))
+    if page_size is not None:
+        capacity = max(1, -(-capacity // page_size)) * page_size
+    capacity = max(capacity, seqlen_new)
+    batch = draw(st.integers(1, 4))
+    return dict(
+        dtype=draw(st.sampled_from(["bf16", "fp16"])),
+        head_dim=draw(st.one_of(st.sampled_from([32, 64, 96, 128, 160, 192, 224, 256]), st.integers(1, 256))),
+        nheads=nheads_kv * group, nheads_kv=nheads_kv, batch=batch,
+        seqlen_q=draw(st.integers(1, 4)), capacity=capacity, page_size=page_size, seqlen_new=seqlen_new,
+        lengths=[draw(st.integers(0, capacity - seqlen_new)) for _ in range(batch)],
+        causal=draw(st.booleans()),
+        scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
+        num_splits=draw(st.sampled_from([0, 0, 1, 2, 3, 9, 64])),
+        layout=draw(st.sampled_from(["bshd", "bhsd"])),
+        device_lengths=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )  # fmt: skip
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_cases())
+def test_decode_property(dc):
+    import cupy
+
+    rng = np.random.default_rng(dc["seed"])
+    c = case(rng, batch=dc["batch"], seqlen_q=dc["seqlen_q"], nheads=dc["nheads"], nheads_kv=dc["nheads_kv"],
+             head_dim=dc["head_dim"], dtype=dc["dtype"], capacity=dc["capacity"], lengths=dc["lengths"],
+             seqlen_new=dc["seqlen_new"], page_size=dc["page_size"], layout=dc["layout"])  # fmt: skip
+    if dc["device_lengths"]:
+        c["cache_seqlens"] = cupy.asarray(c["cache_seqlens"])
+    run_and_check(**c, causal=dc["causal"], softmax_scale=dc["scale"], num_splits=dc["num_splits"], what=str(dc))
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism, empty inputs, 64-bit offsets, argument errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_deterministic():
+    import cuflash
+    import cupy
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=128, capacity=3000, lengths=[3000, 1234])
+    args = dict(cache_seqlens=c["cache_seqlens"], causal=True, return_lse=True)
+    first, lse0 = cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], **args)
+    for _ in range(5):
+        again, lse = cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], **args)
+        assert bool((again.view(cupy.uint16) == first.view(cupy.uint16)).all())
+        assert bool((lse.view(cupy.uint32) == lse0.view(cupy.uint32)).all())
+
+
+def test_empty_inputs():
+    import cuflash
+    import cupy
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, nheads=4, nheads_kv=2, capacity=50, seqlen_new=1, lengths=[3, 0])
+    # No query token: the new tokens are still appended.
+    q0 = randn(rng, (2, 0, 4, 64), "bf16")
+    out, lse = cuflash.attention_with_kvcache(q0, c["k_cache"], c["v_cache"], k=c["k"], v=c["v"],
+                                              cache_seqlens=c["cache_seqlens"], return_lse=True)  # fmt: skip
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    assert (to_f64(c["k_cache"])[0, 3] == to_f64(c["k"])[0, 0]).all()
+    # A cache of capacity 0: every query sees nothing.
+    q = randn(rng, (2, 1, 4, 64), "bf16")
+    empty = randn(rng, (2, 0, 2, 64), "bf16")
+    out, lse = cuflash.attention_with_kvcache(q, empty, empty, return_lse=True)
+    assert float(cupy.abs(out.astype(cupy.float32)).max()) == 0.0 and bool(cupy.isneginf(lse).all())
+    qb = randn(rng, (0, 1, 4, 64), "bf16")
+    assert cuflash.attention_with_kvcache(qb, c["k_cache"][:0], c["v_cache"][:0], cache_seqlens=0).shape == qb.shape
+
+
+def test_64bit_offsets():
+    """Cache rows (and pages) beyond 2^31 elements: every offset is computed in 64 bits."""
+    import cupy
+
+    rng = np.random.default_rng()
+    d, s = 64, 200
+    stride = 2**31 + 4096  # elements between cache rows / pages
+    for paged in (False, True):
+        bufk = cupy.empty(stride + s * d, dtype=np.float16)
+        bufv = cupy.empty(stride + s * d, dtype=np.float16)
+        shape, strides = (2, s, 1, d), (stride * 2, d * 2, d * 2, 2)
+        kc = cupy.lib.stride_tricks.as_strided(bufk, shape=shape, strides=strides)
+        vc = cupy.lib.stride_tricks.as_strided(bufv, shape=shape, strides=strides)
+        kc[...] = randn(rng, shape, "fp16")
+        vc[...] = randn(rng, shape, "fp16")
+        q = randn(rng, (2, 1, 2, d), "fp16")
+        kn, vn = randn(rng, (2, 1, 1, d), "fp16"), randn(rng, (2, 1, 1, d), "fp16")
+        if paged:  # the 2 rows as 2 pages of 192 tokens; sequence 0 uses page 1, beyond 2^31 elements
+            kc, vc = kc[:, :192], vc[:, :192]
+            bt = np.array([[1], [0]], dtype=np.int32)
+            run_and_check(q, kc, vc, k=kn, v=vn, cache_seqlens=[150, 191], block_table=bt, dtype="fp16",
+                          what="paged, page 1 beyond 2^31 elements")  # fmt: skip
+        else:
+            run_and_check(q, kc, vc, k=kn, v=vn, cache_seqlens=[150, 199], dtype="fp16",
+                          what="contiguous, row 1 beyond 2^31 elements")  # fmt: skip
+        del kc, vc, bufk, bufv
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+def test_bad_inputs_have_clear_errors():
+    import cuflash
+    import cupy
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, nheads=4, nheads_kv=2, capacity=64, lengths=[10, 20])
+    q, kc, vc = c["q"], c["k_cache"], c["v_cache"]
+    f = cuflash.attention_with_kvcache
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        f(q.get(), kc, vc)
+    with pytest.raises(TypeError, match="share one dtype"):
+        f(q, kc.astype(cupy.float16), vc.astype(cupy.float16))
+    with pytest.raises(ValueError, match="same shape"):
+        f(q, kc, vc[:, :10])
+    with pytest.raises(ValueError, match="head dim"):
+        f(q[..., :32], kc, vc)
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+        f(randn(rng, (2, 1, 3, 64), "bf16"), kc, vc)
+    with pytest.raises(ValueError, match="holds 2 sequences"):
+        f(randn(rng, (3, 1, 4, 64), "bf16"), kc, vc)
+    # Lengths beyond the cache, negative, wrong shape, wrong device dtype.
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 65 exceeds the cache capacity of 64"):
+        f(q, kc, vc, cache_seqlens=[10, 65])
+    with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0"):
+        f(q, kc, vc, cache_seqlens=-1)
+    with pytest.raises(ValueError, match=r"shape \(batch,\)"):
+        f(q, kc, vc, cache_seqlens=[1, 2, 3])
+    with pytest.raises(TypeError, match="int32"):
+        f(q, kc, vc, cache_seqlens=cupy.asarray([1, 2], dtype=cupy.int64))
+    # New tokens that do not fit / malformed.
+    kn, vn = randn(rng, (2, 3, 2, 64), "bf16"), randn(rng, (2, 3, 2, 64), "bf16")
+    with pytest.raises(ValueError, match=r"3 new tokens do not fit: cache_seqlens\[1\] = 62 \+ 3"):
+        f(q, kc, vc, k=kn, v=vn, cache_seqlens=[0, 62])
+    with pytest.raises(ValueError, match="no room for the new tokens"):
+        f(q, kc, vc, k=kn, v=vn)
+    with pytest.raises(ValueError, match="given together"):
+        f(q, kc, vc, k=kn, cache_seqlens=0)
+    with pytest.raises(ValueError, match=r"\(batch, seqlen_new, nheads_kv, headdim\)"):
+        f(q, kc, vc, k=kn[:, :, :1], v=vn[:, :, :1], cache_seqlens=0)
+    with pytest.raises(TypeError, match="must have q's dtype"):
+        f(q, kc, vc, k=kn.astype(cupy.float16), v=vn.astype(cupy.float16), cache_seqlens=0)
+    # Paged: page size, block_table shape, dtype and range.
+    p = case(rng, batch=2, nheads=4, nheads_kv=2, capacity=64, page_size=16, lengths=[10, 20])
+    pq, pk, pv, bt = p["q"], p["k_cache"], p["v_cache"], p["block_table"]
+    pages24 = randn(rng, (pk.shape[0], 24, 2, 64), "bf16")
+    with pytest.raises(ValueError, match="multiple of 16, got 24"):
+        f(pq, pages24, pages24, block_table=bt, cache_seqlens=0)
+    with pytest.raises(ValueError, match=r"block_table must have shape \(batch, max_blocks\)"):
+        f(pq, pk, pv, block_table=bt[:1], cache_seqlens=0)
+    with pytest.raises(ValueError, match=r"block_table must have shape"):
+        f(pq, pk, pv, block_table=bt[0], cache_seqlens=0)
+    with pytest.raises(TypeError, match="block_table must be int32"):
+        f(pq, pk, pv, block_table=cupy.asarray(bt, dtype=cupy.int64), cache_seqlens=0)
+    bad = bt.copy()
+    bad[1, 1] = pk.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = \d+ is not a page of the cache"):
+        f(pq, pk, pv, block_table=bad, cache_seqlens=[10, 20])
+    f(pq, pk, pv, block_table=bad, cache_seqlens=[10, 16])  # entry 1 of sequence 1 unused: fine
+    with pytest.raises(ValueError, match=r"exceeds the cache capacity of 64"):
+        f(pq, pk, pv, block_table=bt, cache_seqlens=[65, 0])
+    # Scalars.
+    with pytest.raises(ValueError, match="num_splits"):
+        f(q, kc, vc, cache_seqlens=1, num_splits=-1)
+    with pytest.raises(ValueError, match="positive"):
+        f(q, kc, vc, cache_seqlens=1, softmax_scale=0.0)
+    with pytest.raises(ValueError, match="out must have"):
+        f(q, kc, vc, cache_seqlens=1, out=poisoned((2, 1, 4, 32), "bf16"))

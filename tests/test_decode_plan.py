@@ -1,0 +1,454 @@
+"""CPU tests of decode with a KV cache: tiles, specs, launch plans, the split heuristic, the argument
+checks that need no GPU, the CLI hand-over, and a float64 model of the kernels' decomposition.
+
+No GPU: plan.py is pure; one test compiles a static_assert snippet with NVRTC on the CPU.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cuflash import cli, jit, kvcache, plan, reference
+
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
+SMEM_PER_SM = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "sm_90a": 228 * 1024}
+H200_SMS = 132
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles and specs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_every_bucket_has_a_decode_tile():
+    assert set(plan.DECODE_TILES) == set(plan.HEAD_DIM_BUCKETS)
+
+
+@pytest.mark.parametrize("bucket", plan.HEAD_DIM_BUCKETS)
+def test_hopper_keeps_the_table_rows_for_one_slab(bucket):
+    assert plan.decode_tile(bucket, 1, "sm_90a") == plan.DECODE_TILES[bucket]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("bucket", plan.HEAD_DIM_BUCKETS)
+def test_decode_tiles_fit_every_arch(arch, bucket):
+    options = plan.decode_m_slabs_options(bucket, arch)
+    assert 1 in options and 2 in options  # decode (1 slab) and small groups run everywhere
+    for m in options:
+        t = plan.decode_tile(bucket, m, arch)
+        smem = plan.decode_smem_bytes(bucket, m, t)
+        assert smem <= plan.max_smem_bytes(arch)
+        assert t.min_blocks * (smem + 1024) <= SMEM_PER_SM[arch]  # the occupancy the launch bounds ask for
+        assert t.stages >= 1 and t.block_n % (16 * (4 // m)) == 0  # DecodeConfig's static_asserts
+        if t.min_blocks > 1:
+            assert t.stages >= 2
+
+
+def test_in_flight_bytes_of_the_hopper_tiles():
+    """Every Hopper row keeps >= 32 KB of K/V loads in flight per SM (the table's design rule)."""
+    for bucket, t in plan.DECODE_TILES.items():
+        tile_bytes = 2 * t.block_n * bucket * 2  # K and V of one tile
+        assert (t.stages - 1) * t.min_blocks * tile_bytes >= 32 * 1024, bucket
+
+
+def test_decode_smem_formula():
+    t = plan.DecodeTile(64, 3, 2)
+    stride = 136
+    q, ml, pipe = 2 * 16 * stride, 8 * 64, 2 * 2 * 3 * 64 * stride
+    assert plan.decode_smem_bytes(128, 1, t) == q + ml + pipe
+    # A single stage is smaller than the fp32 merge buffer of the warp columns, which then sets the size.
+    t1 = plan.DecodeTile(64, 1, 1)
+    assert plan.decode_smem_bytes(128, 1, t1) == q + ml + max(2 * 2 * 64 * stride, 4 * 64 * stride)
+
+
+def test_all_decode_specs():
+    specs = plan.all_decode_specs("sm_90a")
+    assert len(specs) == len(set(specs))
+    fam = lambda f: [s for s in specs if s.family == f]  # noqa: E731
+    assert len(fam("flash_decode")) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 3
+    assert {s.dtype for s in fam("flash_decode_combine")} == {"fp16", "bf16"}
+    assert {s.aligned for s in fam("flash_decode_append")} == {True, False}
+    names = [s.name for s in specs]
+    assert len(set(names)) == len(names)
+    few = plan.all_decode_specs("sm_80", head_dims=(100, 128), dtypes=("bf16",), causals=(True,), aligned=(True,))
+    assert {s.head_dim for s in few if s.family == "flash_decode"} == {128}
+    assert len(few) == 3 + 1 + 1  # three slab counts, one combine, one append
+
+
+def test_decode_names_spell_every_template_argument():
+    s = plan.decode_spec(100, "bf16", False, 2, "sm_90a")
+    t = s.tile
+    assert s.name == f"flash_decode_hd128_bf16_ms2_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_scalar_sm90a"
+    assert s.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false"
+    assert plan.DecodeCombineSpec("fp16", "sm_80").name == "flash_decode_combine_fp16_sm80"
+    assert plan.DecodeCombineSpec("fp16", "sm_80").template_args() == "false"
+    assert plan.DecodeAppendSpec(True, "sm_86").name == "flash_decode_append_vec16_sm86"
+    assert plan.DecodeAppendSpec(True, "sm_86").template_args() == "true"
+    for spec in (s, plan.DecodeCombineSpec("bf16", "sm_90a"), plan.DecodeAppendSpec(False, "sm_90a")):
+        assert spec.family in jit.ENTRY_TEMPLATES
+        assert spec.name in jit.entry_source(spec)
+        assert spec.threads == 128 and spec.min_blocks >= 1 and spec.smem_bytes >= 0
+        hash(spec)
+
+
+def test_decode_spec_rejects():
+    with pytest.raises(ValueError, match="16-byte"):
+        plan.decode_spec(100, "bf16", True, 1, "sm_90a")
+    with pytest.raises(ValueError, match="dtype"):
+        plan.decode_spec(128, "fp32", True, 1, "sm_90a")
+    with pytest.raises(ValueError, match="m_slabs"):
+        plan.decode_spec(128, "bf16", True, 3, "sm_90a")
+    with pytest.raises(ValueError, match="head dim"):
+        plan.decode_spec(257, "bf16", False, 1, "sm_90a")
+
+
+def test_template_args_and_smem_match_the_kernel_config():
+    """NVRTC checks, per variant, that template_args() lands every value on the DecodeConfig parameter
+    it names and that DecodeConfig::kSmemBytes is the plan's smem_bytes (no GPU needed)."""
+    from cupy.cuda import nvrtc
+
+    lines = ['#include "flash_decode.cuh"']
+    for arch in ("sm_80", "sm_86", "sm_90a"):
+        for s in plan.all_decode_specs(arch, dtypes=("bf16", "fp16")):
+            if s.family != "flash_decode":
+                continue
+            t = s.tile
+            c = f"cuflash::DecodeConfig<{s.template_args()}>"
+            bf16 = "true" if s.dtype == "bf16" else "false"
+            aligned = "true" if s.aligned else "false"
+            lines.append(
+                f"static_assert({c}::kHeadDim == {s.head_dim} && {c}::kBlockN == {t.block_n} && "
+                f"{c}::kMSlabs == {s.m_slabs} && {c}::kStages == {t.stages} && {c}::kIsBF16 == {bf16} && "
+                f"{c}::kAligned == {aligned}, \"{s.name}: template argument order\");"
+            )
+            lines.append(f'static_assert({c}::kSmemBytes == {s.smem_bytes}, "{s.name}: shared memory");')
+    text = "\n".join(lines) + "\n"
+    headers = jit.included_headers(text)
+    prog = nvrtc.createProgram(text, "decode_config_check.cu", [h.encode() for h in headers.values()],
+                               [n.encode() for n in headers])  # fmt: skip
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# ---------------------------------------------------------------------------------------------
+# Split heuristic and launch plans
+# ---------------------------------------------------------------------------------------------
+
+
+def _plan(**kw):
+    args = dict(batch=1, seqlen_q=1, nheads=32, nheads_kv=32, head_dim=128, dtype="bf16", aligned=True,
+                max_seqlen=32768, num_splits=0, num_sms=H200_SMS, arch="sm_90a")  # fmt: skip
+    args.update(kw)
+    return plan.plan_decode(**args)
+
+
+@pytest.mark.parametrize("batch, nheads_kv, seqlen", [(b, h, s) for b in (1, 8, 64) for h in (32, 8)
+                                                      for s in (4096, 16384, 131072)])  # fmt: skip
+def test_auto_splits_fill_the_h200(batch, nheads_kv, seqlen):
+    p = _plan(batch=batch, nheads_kv=nheads_kv, max_seqlen=seqlen)
+    ctas = p.attn.grid[0] * p.attn.grid[1] * p.attn.grid[2]
+    slots = H200_SMS * p.attn.spec.min_blocks
+    keys_per_split = -(-seqlen // p.num_splits)
+    assert 1 <= p.num_splits <= plan.MAX_DECODE_SPLITS
+    assert keys_per_split >= plan.MIN_DECODE_KEYS_PER_SPLIT or p.num_splits == 1
+    # Nearly every resident CTA slot gets work (the wave model may trade the last few slots for one tile
+    # less per split), unless the minimum keys per split forbid more splits ...
+    assert ctas >= 0.85 * slots or p.num_splits >= seqlen // plan.MIN_DECODE_KEYS_PER_SPLIT
+    # ... and the last wave is not mostly empty.
+    waves = ctas / slots
+    assert waves <= 1 or waves / math.ceil(waves) >= 0.75
+
+
+def test_auto_splits_examples():
+    # hd128 runs 3 CTAs per SM: 396 slots on the H200
+    assert _plan(batch=1, nheads_kv=32, max_seqlen=32768).num_splits == 12  # 32 CTAs -> 384 of 396 slots
+    assert _plan(batch=64, nheads_kv=32, max_seqlen=4096).num_splits == 2  # 2048 CTAs (5.2 waves) -> 4096 (10.3): a fuller last wave
+    assert _plan(batch=8, nheads_kv=32, max_seqlen=131072).num_splits == 3  # 256 long CTAs fill 65% of the slots; 768 make 1.94 waves
+    assert _plan(batch=1, nheads_kv=8, max_seqlen=4096).num_splits == 16  # capped by 256 keys per split
+    assert _plan(max_seqlen=100).num_splits == 1  # two tiles: nothing to split
+    assert _plan(max_seqlen=0).num_splits == 1
+
+
+def test_explicit_splits():
+    assert _plan(num_splits=1).num_splits == 1
+    assert _plan(num_splits=7).num_splits == 7
+    assert _plan(num_splits=1000).num_splits == plan.MAX_DECODE_SPLITS
+    assert _plan(num_splits=50, max_seqlen=640).num_splits == 10  # at most one split per 64-key tile
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 4096), st.integers(1, 600), st.integers(1, 8))
+def test_heuristic_bounds(ctas, n_tiles, slots, min_tiles):
+    s = plan.decode_num_splits(ctas=ctas, n_tiles=n_tiles, slots=slots, min_tiles=min_tiles)
+    s_max = max(1, min(plan.MAX_DECODE_SPLITS, n_tiles // min_tiles))
+    assert 1 <= s <= s_max
+    cost = lambda x: -(-ctas * x // slots) * (-(-n_tiles // x) + plan.DECODE_CTA_OVERHEAD_TILES)  # noqa: E731
+    assert cost(s) <= 1.02 * min(cost(x) for x in range(1, s_max + 1))
+    if ctas % slots == 0:  # whole waves already: a split only adds per-CTA cost
+        assert s == 1
+
+
+def test_plan_grids_and_kernels():
+    p = _plan(batch=3, nheads=32, nheads_kv=8, max_seqlen=8192, num_splits=4)
+    assert p.attn.grid == (4, 8, 3) and p.attn.block == (128, 1, 1)
+    assert p.attn.spec.m_slabs == 1 and p.num_row_blocks == 1
+    assert p.combine.spec == plan.DecodeCombineSpec("bf16", "sm_90a")
+    assert p.combine.grid == (-(-3 * 32 // 4), 1, 1)  # one warp per (b, h, i) row
+    assert p.append is None
+    p1 = _plan(num_splits=1, seqlen_new=3, append_aligned=True)
+    assert p1.combine is None and p1.num_splits == 1
+    assert p1.append.spec == plan.DecodeAppendSpec(True, "sm_90a")
+    assert p1.append.grid == (-(-1 * 3 * 32 * 16 // 128), 1, 1)  # one thread per 16-byte chunk
+    assert _plan(seqlen_new=2, head_dim=100, aligned=False).append.spec.aligned is False
+
+
+@pytest.mark.parametrize("group, seqlen_q, m_slabs, row_blocks", [
+    (1, 1, 1, 1), (4, 1, 1, 1), (16, 1, 1, 1), (8, 2, 1, 1), (4, 5, 2, 1), (32, 1, 2, 1), (8, 4, 2, 1),
+    (16, 4, 4, 1), (32, 3, 4, 2), (64, 4, 4, 4),
+])  # fmt: skip
+def test_packed_rows(group, seqlen_q, m_slabs, row_blocks):
+    p = _plan(nheads=8 * group, nheads_kv=8, seqlen_q=seqlen_q, num_splits=2)
+    assert (p.attn.spec.m_slabs, p.num_row_blocks) == (m_slabs, row_blocks)
+    assert p.attn.grid == (2 * row_blocks, 8, 1)
+
+
+def test_plan_decode_rejects():
+    with pytest.raises(ValueError, match="multiple"):
+        _plan(nheads=12, nheads_kv=8)
+    with pytest.raises(ValueError, match="non-empty"):
+        _plan(batch=0)
+    with pytest.raises(ValueError, match=">= 0"):
+        _plan(num_splits=-1)
+    with pytest.raises(ValueError, match="65535"):
+        _plan(batch=70000)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks that need no GPU (kvcache's host-side helpers)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_validate_lengths():
+    kvcache.validate_lengths(np.array([0, 5, 100]), 0, 100)
+    kvcache.validate_lengths(np.array([0, 5, 97]), 3, 100)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0, got cache_seqlens\[1\] = -1"):
+        kvcache.validate_lengths(np.array([0, -1]), 0, 100)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[2\] = 101 exceeds the cache capacity of 100"):
+        kvcache.validate_lengths(np.array([0, 5, 101]), 0, 100)
+    with pytest.raises(ValueError, match=r"3 new tokens do not fit: cache_seqlens\[0\] = 98 \+ 3"):
+        kvcache.validate_lengths(np.array([98, 0]), 3, 100)
+
+
+def test_validate_block_table():
+    bt = np.array([[3, 1, -1, 99], [0, 2, 2, 7]])
+    kvcache.validate_block_table(bt, np.array([32, 48]), page_size=16, num_pages=4)  # padding past the end is fine
+    with pytest.raises(ValueError, match=r"block_table\[0, 2\] = -1 is not a page of the cache \(k_cache has 4 pages"):
+        kvcache.validate_block_table(bt, np.array([33, 0]), page_size=16, num_pages=4)
+    with pytest.raises(ValueError, match=r"block_table\[1, 3\] = 7"):
+        kvcache.validate_block_table(bt, np.array([0, 64]), page_size=16, num_pages=4)
+
+
+def test_host_seqlens():
+    assert kvcache._host_seqlens(5, 3).tolist() == [5, 5, 5]
+    assert kvcache._host_seqlens([1, 2, 3], 3).tolist() == [1, 2, 3]
+    assert kvcache._host_seqlens(np.array([1, 2], dtype=np.int16), 2).dtype == np.int64
+    with pytest.raises(ValueError, match=r"shape \(batch,\) = \(3,\)"):
+        kvcache._host_seqlens([1, 2], 3)
+    with pytest.raises(TypeError, match="integers"):
+        kvcache._host_seqlens([1.5, 2.0], 2)
+
+
+def test_api_signature_is_flash_attn_compatible():
+    params = inspect.signature(kvcache.attention_with_kvcache).parameters
+    assert list(params)[:3] == ["q", "k_cache", "v_cache"]
+    defaults = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert defaults == dict(k=None, v=None, cache_seqlens=None, block_table=None, causal=False, softmax_scale=None,
+                            num_splits=0, return_lse=False, out=None, check=False)  # fmt: skip
+    import cuflash
+
+    assert cuflash.attention_with_kvcache is kvcache.attention_with_kvcache
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: precompile builds the decode kernels, bench --decode hands over to cuflash.bench_decode
+# ---------------------------------------------------------------------------------------------
+
+
+def test_precompile_builds_decode_variants(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    seen = []
+
+    def recorder(specs, jobs=1, on_done=None):
+        seen.extend(specs)
+        return [(s.name, "compiled", {"ptxas": {}}) for s in specs]
+
+    monkeypatch.setattr(jit, "precompile", recorder)
+    r = CliRunner().invoke(cli.main, ["precompile", "--arch", "sm_90a", "--head-dim", "128", "--dtype", "bf16",
+                                      "--kernels", "decode"], catch_exceptions=False)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert seen == plan.all_decode_specs("sm_90a", head_dims=(128,), dtypes=("bf16",))
+    assert {s.family for s in seen} == {"flash_decode", "flash_decode_combine", "flash_decode_append"}
+
+
+@pytest.fixture
+def fake_decode_bench(monkeypatch):
+    calls = []
+    mod = types.ModuleType("cuflash.bench_decode")
+    mod.cli_main = lambda **kw: calls.append(kw)
+    monkeypatch.setitem(sys.modules, "cuflash.bench_decode", mod)
+    return calls
+
+
+def test_bench_decode_defaults(fake_decode_bench):
+    r = CliRunner().invoke(cli.main, ["bench", "--decode"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert fake_decode_bench == [dict(head_dim=None, cache_len=None, batch=None, kv_heads=None, dtype="bf16",
+                                      repeats=30, peers=True, json_path=None)]  # fmt: skip
+
+
+def test_bench_decode_options(fake_decode_bench, tmp_path):
+    r = CliRunner().invoke(cli.main, ["bench", "--decode", "--batch", "2", "--batch", "4", "--kv-heads", "8",
+                                      "--seqlen", "1024", "--head-dim", "64", "--dtype", "fp16", "--no-peers",
+                                      "--repeats", "3", "--json", str(tmp_path / "d.json")],
+                           catch_exceptions=False)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert fake_decode_bench == [dict(head_dim=(64,), cache_len=(1024,), batch=(2, 4), kv_heads=(8,), dtype="fp16",
+                                      repeats=3, peers=False, json_path=str(tmp_path / "d.json"))]  # fmt: skip
+
+
+def test_bench_decode_only_options_need_decode(fake_decode_bench):
+    r = CliRunner().invoke(cli.main, ["bench", "--batch", "2"])
+    assert r.exit_code == 2 and "--decode" in r.output
+    assert fake_decode_bench == []
+
+
+def test_bench_decode_signature_matches_the_module():
+    from cuflash import bench_decode
+
+    params = inspect.signature(bench_decode.cli_main).parameters
+    assert {"head_dim", "cache_len", "batch", "kv_heads", "dtype", "repeats", "peers", "json_path"} <= set(params)
+    assert all(p.default is not inspect.Parameter.empty for p in params.values())
+    assert bench_decode.kv_bytes(8, 32768, 32, 128) == 2 * 8 * 32768 * 32 * 128 * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# A float64 model of the kernels' decomposition, against the reference
+# ---------------------------------------------------------------------------------------------
+
+
+def model_decode(q, k_cache, v_cache, lengths, *, causal, scale, num_splits, block_n, m_slabs):
+    """What flash_decode.cuh computes, step for step, in float64: packed query rows per kv head,
+    num_splits key splits of whole block_n-key tiles, 4 // m_slabs warp columns per tile each with its
+    own online softmax (base 2, scale folded in), the warp-column merge, then the combine of the splits."""
+    batch, seqlen_q, nheads, _ = q.shape
+    nheads_kv = k_cache.shape[2]
+    group = nheads // nheads_kv
+    rows = group * seqlen_q
+    warps_n, keys_per_warp = 4 // m_slabs, block_n // (4 // m_slabs)
+    log2e = 1 / math.log(2)
+    out = np.zeros(q.shape)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf)
+    for b in range(batch):
+        L = lengths[b]
+        n_tiles = -(-L // block_n)
+        tps = -(-n_tiles // num_splits)
+        for hk in range(nheads_kv):
+            r = np.arange(rows)
+            i, h = r // group, hk * group + r % group  # packed row r = token i, head hk * group + j
+            qr = q[b, i, h]
+            limit = np.minimum(L, L - seqlen_q + 1 + i) if causal else np.full(rows, L)
+            parts = []  # (O_s normalized, lse_s) per split
+            for s in range(num_splits):
+                m_w = np.full((warps_n, rows), -np.inf)
+                l_w = np.zeros((warps_n, rows))
+                o_w = np.zeros((warps_n, rows, q.shape[3]))
+                for tile in range(s * tps, min((s + 1) * tps, n_tiles)):
+                    for wn in range(warps_n):
+                        n0 = tile * block_n + wn * keys_per_warp
+                        keys = np.arange(n0, n0 + keys_per_warp)
+                        kk = np.where((keys < L)[:, None], k_cache[b, np.minimum(keys, L - 1), hk], 0)
+                        vv = np.where((keys < L)[:, None], v_cache[b, np.minimum(keys, L - 1), hk], 0)
+                        S = qr @ kk.T
+                        S[keys[None, :] >= limit[:, None]] = -np.inf
+                        m_new = np.maximum(m_w[wn], S.max(axis=1))
+                        m_sc = np.where(m_new == -np.inf, 0, m_new * scale * log2e)
+                        P = np.exp2(S * scale * log2e - m_sc[:, None])
+                        corr = np.exp2(m_w[wn] * scale * log2e - m_sc)
+                        l_w[wn] = l_w[wn] * corr + P.sum(axis=1)
+                        o_w[wn] = o_w[wn] * corr[:, None] + P @ vv
+                        m_w[wn] = m_new
+                m_all = m_w.max(axis=0)
+                m_sc = np.where(m_all == -np.inf, 0, m_all * scale * log2e)
+                fac = np.exp2(m_w * scale * log2e - m_sc)
+                l_all = (l_w * fac).sum(axis=0)
+                inv = np.where(l_all > 0, 1 / np.where(l_all > 0, l_all, 1), 0)
+                o_s = (o_w * (fac * inv)[:, :, None]).sum(axis=0)
+                with np.errstate(divide="ignore"):
+                    lse_s = np.where(l_all > 0, m_all * scale + np.log(np.where(l_all > 0, l_all, 1)), -np.inf)
+                parts.append((o_s, lse_s))
+            lses = np.stack([p[1] for p in parts])
+            m = lses.max(axis=0)
+            m0 = np.where(m == -np.inf, 0, m)
+            ssum = np.where(lses == -np.inf, 0, np.exp(lses - m0)).sum(axis=0)
+            with np.errstate(divide="ignore"):
+                lse_f = np.where(ssum > 0, m0 + np.log(np.where(ssum > 0, ssum, 1)), -np.inf)
+            w = np.where(lses == -np.inf, 0, np.exp(lses - np.where(lse_f == -np.inf, 0, lse_f)))
+            out[b, i, h] = sum(w[s][:, None] * parts[s][0] for s in range(num_splits))
+            lse[b, h, i] = lse_f
+    return out, lse
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_model_of_the_decomposition_matches_the_reference(data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    batch = data.draw(st.integers(1, 3))
+    nheads_kv = data.draw(st.integers(1, 2))
+    group = data.draw(st.sampled_from([1, 2, 4]))
+    seqlen_q = data.draw(st.integers(1, 4))
+    d = data.draw(st.sampled_from([8, 16]))
+    cap = data.draw(st.integers(1, 300))
+    lengths = np.array([data.draw(st.integers(0, cap)) for _ in range(batch)])
+    causal = data.draw(st.booleans())
+    num_splits = data.draw(st.integers(1, 6))
+    block_n = data.draw(st.sampled_from([64, 128]))
+    m_slabs = data.draw(st.sampled_from([1, 2, 4]))
+    q = rng.standard_normal((batch, seqlen_q, nheads_kv * group, d))
+    kc = rng.standard_normal((batch, cap, nheads_kv, d))
+    vc = rng.standard_normal((batch, cap, nheads_kv, d))
+    out, lse = model_decode(q, kc, vc, lengths, causal=causal, scale=0.3, num_splits=num_splits, block_n=block_n,
+                            m_slabs=m_slabs)  # fmt: skip
+    ref, ref_lse, _, _ = reference.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=causal,
+                                                         softmax_scale=0.3)  # fmt: skip
+    np.testing.assert_allclose(out, ref, atol=1e-12)
+    assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-12)
+
+
+def test_packed_record_matches_make_record():
+    """kvcache's struct-packed DecodeParams has exactly the bytes of params.make_record."""
+    from cuflash.params import DECODE_DTYPE, make_record
+
+    rng = np.random.default_rng(0)
+    values = {}
+    for name in DECODE_DTYPE.names:
+        kind = DECODE_DTYPE.fields[name][0]
+        values[name] = float(rng.uniform(0.1, 2)) if kind.kind == "f" else int(rng.integers(0, 2**31 - 1))
+    assert kvcache._record(**values).tobytes() == make_record(DECODE_DTYPE, **values).tobytes()
+    assert kvcache._record(**values).dtype == DECODE_DTYPE
+    with pytest.raises(KeyError, match="missing"):
+        kvcache._record(**{k: v for k, v in values.items() if k != "seqlens"})
