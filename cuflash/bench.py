@@ -178,6 +178,16 @@ def _peak_extra_mb(fn) -> float:
     return (after - before) / 2**20
 
 
+def _torch_peak_mb(torch, fn) -> float:
+    """Peak device memory one call takes from torch's caching allocator beyond what was in use (MB)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, nheads: int, *,
               repeats: int = 30, peers: bool = True, naive_max_gb: float = 4.0, tile=None, op: str = "fwd",
               bwd_tile=None) -> Row:  # fmt: skip
@@ -262,12 +272,7 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
         if name in ("cuflash", "naive"):
             row.mem_mb[name] = round(_peak_extra_mb(fn), 1)
         else:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fn()
-            torch.cuda.synchronize()
-            row.mem_mb[name] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+            row.mem_mb[name] = round(_torch_peak_mb(torch, fn), 1)
     return row
 
 

@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from .bench import _torch, environment, fwd_flops, host_us, time_ms
+from .bench import _peak_extra_mb, _torch, _torch_peak_mb, environment, fwd_flops, host_us, time_ms
 
 BYTES_MODEL = "KV bytes = 2*b*L*h_kv*d*2 B; TB/s = KV bytes / time"
 DEFAULT_BATCHES = (1, 8, 64)
@@ -89,30 +89,6 @@ def _random(shape, dtype: str, rng):
     for i in range(shape[0]):
         x[i] = rng.standard_normal(shape[1:], dtype=cupy.float32).astype(x.dtype)
     return x
-
-
-def _cupy_peak_mb(fn) -> float:
-    """Peak device memory one call takes from CuPy's pool (its cached blocks released first)."""
-    import cupy
-
-    pool = cupy.get_default_memory_pool()
-    cupy.cuda.get_current_stream().synchronize()
-    pool.free_all_blocks()
-    before = pool.total_bytes()
-    res = fn()
-    cupy.cuda.get_current_stream().synchronize()
-    after = pool.total_bytes()
-    del res
-    return (after - before) / 2**20
-
-
-def _torch_peak_mb(torch, fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def _free_bytes() -> int:
@@ -190,7 +166,7 @@ def run_decode_point(dtype: str, head_dim: int, batch: int, cache_len: int, nhea
         row.tbps[name] = nbytes / (row.ms[name] * 1e-3) / 1e12
     if "cuflash" in runnable:
         row.host_us = round(host_us(ours, calls=50), 1)
-        row.mem_mb["cuflash"] = round(_cupy_peak_mb(ours), 1)
+        row.mem_mb["cuflash"] = round(_peak_extra_mb(ours), 1)
         row.num_splits = _splits_used(q, k_cache, cache_len)
     for name in runnable:
         if name != "cuflash":

@@ -131,8 +131,22 @@ def fwd_tile(bucket: int, arch: str) -> Tile:
     raise ValueError(f"no forward tile for head dim {bucket} fits the {limit // 1024} KB of shared memory of {arch}")
 
 
+class _TiledSpec:
+    """threads and min_blocks of a spec whose ``tile`` has ``warps`` and ``min_blocks``."""
+
+    tile: Tile
+
+    @property
+    def threads(self) -> int:
+        return self.tile.warps * 32
+
+    @property
+    def min_blocks(self) -> int:
+        return self.tile.min_blocks
+
+
 @dataclass(frozen=True)
-class KernelSpec:
+class KernelSpec(_TiledSpec):
     """One compiled kernel variant: every template argument, and the target arch."""
 
     family: str  # "flash_fwd"
@@ -154,13 +168,6 @@ class KernelSpec:
             f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
         )
 
-    @property
-    def threads(self) -> int:
-        return self.tile.warps * 32
-
-    @property
-    def min_blocks(self) -> int:
-        return self.tile.min_blocks
 
     @property
     def smem_bytes(self) -> int:
@@ -348,7 +355,7 @@ def bwd_tile(bucket: int, arch: str) -> BwdTile:
 
 
 @dataclass(frozen=True)
-class BwdSpec:
+class BwdSpec(_TiledSpec):
     """One backward main-kernel variant."""
 
     head_dim: int  # bucket
@@ -369,13 +376,6 @@ class BwdSpec:
             f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
         )
 
-    @property
-    def threads(self) -> int:
-        return self.tile.warps * 32
-
-    @property
-    def min_blocks(self) -> int:
-        return self.tile.min_blocks
 
     @property
     def smem_bytes(self) -> int:
