@@ -131,10 +131,25 @@ def fwd_tile(bucket: int, arch: str) -> Tile:
     raise ValueError(f"no forward tile for head dim {bucket} fits the {limit // 1024} KB of shared memory of {arch}")
 
 
+def _cpp_bool(x: bool) -> str:
+    """A Python bool as a C++ template argument."""
+    return "true" if x else "false"
+
+
 class _TiledSpec:
-    """threads and min_blocks of a spec whose ``tile`` has ``warps`` and ``min_blocks``."""
+    """What the forward and backward main-kernel specs share: threads and min_blocks from ``tile``, and
+    the variant name (family, head dim, dtype, causal, the tile's common fields, ``tile_fields``, load
+    path, arch)."""
 
     tile: Tile
+
+    def _variant_name(self, tile_fields: str) -> str:
+        t = self.tile
+        return (
+            f"{self.family}_hd{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}"
+            f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}_st{t.stages}{tile_fields}"
+            f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+        )
 
     @property
     def threads(self) -> int:
@@ -160,14 +175,7 @@ class KernelSpec(_TiledSpec):
     @property
     def name(self) -> str:
         """Human-readable name spelling every template argument; also the kernel's symbol."""
-        t = self.tile
-        return (
-            f"{self.family}_hd{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}"
-            f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}_st{t.stages}"
-            f"_{'qreg' if t.q_in_regs else 'qsmem'}"
-            f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
-        )
-
+        return self._variant_name(f"_{'qreg' if self.tile.q_in_regs else 'qsmem'}")
 
     @property
     def smem_bytes(self) -> int:
@@ -175,8 +183,7 @@ class KernelSpec(_TiledSpec):
 
     def template_args(self) -> str:
         """C++ template argument list of cuflash::FwdConfig for this variant."""
-        t = self.tile
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        t, b = self.tile, _cpp_bool
         return (
             f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, "
             f"{b(self.causal)}, {b(self.aligned)}, {b(t.q_in_regs)}, {t.stages}"
@@ -369,21 +376,14 @@ class BwdSpec(_TiledSpec):
     @property
     def name(self) -> str:
         t = self.tile
-        return (
-            f"{self.family}_hd{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}"
-            f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}_st{t.stages}"
-            f"_s{t.s_key_warps}kv{t.kv_key_warps}dq{t.dq_q_warps}"
-            f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
-        )
-
+        return self._variant_name(f"_s{t.s_key_warps}kv{t.kv_key_warps}dq{t.dq_q_warps}")
 
     @property
     def smem_bytes(self) -> int:
         return bwd_smem_bytes(self.head_dim, self.tile)
 
     def template_args(self) -> str:
-        t = self.tile
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        t, b = self.tile, _cpp_bool
         return (
             f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, {b(self.causal)}, "
             f"{b(self.aligned)}, {t.stages}, {t.s_key_warps}, {t.kv_key_warps}, {t.dq_q_warps}"
@@ -408,7 +408,7 @@ class BwdAuxSpec:
     smem_bytes = 0
 
     def template_args(self) -> str:
-        return f"{'true' if self.dtype == 'bf16' else 'false'}, {'true' if self.aligned else 'false'}"
+        return f"{_cpp_bool(self.dtype == 'bf16')}, {_cpp_bool(self.aligned)}"
 
 
 @dataclass(frozen=True)
@@ -619,8 +619,7 @@ class DecodeSpec:
 
     def template_args(self) -> str:
         """C++ template argument list of cuflash::DecodeConfig for this variant."""
-        t = self.tile
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        t, b = self.tile, _cpp_bool
         return f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}"
 
 
@@ -641,7 +640,7 @@ class DecodeCombineSpec:
     smem_bytes = 0
 
     def template_args(self) -> str:
-        return "true" if self.dtype == "bf16" else "false"
+        return _cpp_bool(self.dtype == "bf16")
 
 
 @dataclass(frozen=True)
@@ -661,7 +660,7 @@ class DecodeAppendSpec:
     smem_bytes = 0
 
     def template_args(self) -> str:
-        return "true" if self.aligned else "false"
+        return _cpp_bool(self.aligned)
 
 
 @dataclass(frozen=True)

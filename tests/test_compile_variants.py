@@ -33,13 +33,11 @@ def _budget(spec) -> int:
     return MAX_STACK_BYTES.get(spec.head_dim, MAX_STACK_BYTES_OTHER)
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("compile-cache")
+def _compile_into(cache, specs):
+    """Compile ``specs`` into a cache folder of their own; yields (specs, {name: cache header})."""
     old = os.environ.get("CUFLASH_CACHE_DIR")
     os.environ["CUFLASH_CACHE_DIR"] = str(cache)
     try:
-        specs = [s for arch in ARCHS for s in plan.all_fwd_specs(arch) + plan.all_bwd_specs(arch)]
         results = jit.precompile(specs, jobs=max(1, min(4, os.cpu_count() or 1)))
         yield specs, {name: header for name, _, header in results}
     finally:
@@ -47,6 +45,12 @@ def compiled(tmp_path_factory):
             del os.environ["CUFLASH_CACHE_DIR"]
         else:
             os.environ["CUFLASH_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    specs = [s for arch in ARCHS for s in plan.all_fwd_specs(arch) + plan.all_bwd_specs(arch)]
+    yield from _compile_into(tmp_path_factory.mktemp("compile-cache"), specs)
 
 
 @pytest.mark.slow
@@ -108,18 +112,8 @@ def _decode_ci_selection(spec) -> bool:
 
 @pytest.fixture(scope="module")
 def compiled_decode(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("compile-cache-decode")
-    old = os.environ.get("CUFLASH_CACHE_DIR")
-    os.environ["CUFLASH_CACHE_DIR"] = str(cache)
-    try:
-        specs = [s for arch in ARCHS for s in plan.all_decode_specs(arch) if _decode_ci_selection(s)]
-        results = jit.precompile(specs, jobs=max(1, min(4, os.cpu_count() or 1)))
-        yield specs, {name: header for name, _, header in results}
-    finally:
-        if old is None:
-            del os.environ["CUFLASH_CACHE_DIR"]
-        else:
-            os.environ["CUFLASH_CACHE_DIR"] = old
+    specs = [s for arch in ARCHS for s in plan.all_decode_specs(arch) if _decode_ci_selection(s)]
+    yield from _compile_into(tmp_path_factory.mktemp("compile-cache-decode"), specs)
 
 
 @pytest.mark.slow
