@@ -15,7 +15,7 @@ import struct
 import numpy as np
 
 from . import jit, plan
-from .attention import _DTYPE_NAMES, _check_array, _cupy, _elem_strides, _launch
+from .attention import _DTYPE_NAMES, _check_array, _check_like, _cupy, _elem_strides, _launch, _resolve_scale
 from .params import DECODE_DTYPE
 
 _INT32_MAX = 2**31 - 1
@@ -194,24 +194,13 @@ def attention_with_kvcache(
 
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen to fill the GPU, 1: no split), got {num_splits!r}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    softmax_scale = float(softmax_scale)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    softmax_scale = _resolve_scale(softmax_scale, head_dim)
 
     with cupy.cuda.Device(device_id):
         if out is None:
             out = cupy.empty(q.shape, dtype=q.dtype)
         else:
-            if not isinstance(out, cupy.ndarray):
-                raise TypeError(f"out must be a cupy.ndarray, got {type(out).__name__}")
-            if out.shape != q.shape or out.dtype != q.dtype:
-                raise ValueError(f"out must have q's shape {q.shape} and dtype {q.dtype}, got {out.shape} {out.dtype}")
-            if out.device.id != device_id:
-                raise ValueError(f"out is on device {out.device.id}, q on device {device_id}")
-            if out.size > 0 and head_dim > 1 and out.strides[3] != out.itemsize:
-                raise ValueError(f"out must be contiguous in its last dimension, got strides {out.strides}")
+            _check_like("out", out, "q", q, device_id, cupy)
         lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32) if return_lse else None
         attend = seqlen_q > 0 and nheads > 0  # else only the append (if any) runs
         if batch == 0 or not (attend or seqlen_new > 0):
