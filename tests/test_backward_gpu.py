@@ -90,7 +90,7 @@ def test_backward_property(case):
     v = randn(rng, (b, case["seqlen_k"], case["nheads_kv"], d), dt, case["layout_kv"])
     check_backward(
         q, k, v, causal=case["causal"], softmax_scale=case["scale"], dtype=dt, deterministic=case["deterministic"],
-        what=str(case),
+        what=str(case), rng=rng,
     )  # fmt: skip
 
 
