@@ -302,6 +302,67 @@ struct WarpTile {
             }
         }
     }
+
+    // Epilogue: l = sum over the quad, O /= l once, lse = m * scale + ln(l); rows that saw no key
+    // (l == 0) write O = 0 and lse = -inf. g_o and g_lse point at row 0 of the CTA's tile; the warp's
+    // rows start at warp_row0. Aligned variants stage the normalized rows in s_stage (kRowsPerWarp rows
+    // of kSmemStride elements that only this warp touches) and write whole 16-byte chunks: coalesced
+    // rows instead of 4-byte pieces.
+    CUFLASH_DEVICE void store(u16* g_o, i64 o_row_stride, float* g_lse, float softmax_scale, int warp_row0,
+                              int rows_valid, int head_dim, u16* s_stage, int lane) const {
+        const int g = lane / 4, t = lane % 4;
+        float inv_l[kMSlabs][2];
+#pragma unroll
+        for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = warp_row0 + 16 * s + 8 * r + g;  // row inside the tile
+                const float l = quad_sum(row_sum[s][r]);
+                inv_l[s][r] = l > 0.f ? 1.f / l : 0.f;
+                if (t == 0 && row < rows_valid) g_lse[row] = l > 0.f ? row_max[s][r] * softmax_scale + __logf(l) : -kInf;
+            }
+        }
+        if constexpr (Cfg::kAligned) {
+            __syncwarp();  // every lane of the warp is done reading what s_stage held before
+#pragma unroll
+            for (int s = 0; s < kMSlabs; ++s)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+#pragma unroll
+                    for (int d = 0; d < kDB; ++d) {
+                        const u32 packed = pack2<kBF16>(acc_o[s][d][2 * r] * inv_l[s][r], acc_o[s][d][2 * r + 1] * inv_l[s][r]);
+                        *reinterpret_cast<u32*>(s_stage + (16 * s + 8 * r + g) * kStride + d * 8 + 2 * t) = packed;
+                    }
+            __syncwarp();  // staged rows visible to the whole warp
+            constexpr int kChunks = Cfg::kRowsPerWarp * Cfg::kChunksPerRow;
+#pragma unroll
+            for (int i = 0; i < (kChunks + 31) / 32; ++i) {
+                const int chunk = lane + 32 * i;
+                const int row = chunk / Cfg::kChunksPerRow, col = (chunk % Cfg::kChunksPerRow) * 8;
+                if ((kChunks % 32 == 0 || chunk < kChunks) && warp_row0 + row < rows_valid && col < head_dim) {
+                    *reinterpret_cast<uint4*>(g_o + (warp_row0 + row) * o_row_stride + col) =
+                        *reinterpret_cast<const uint4*>(s_stage + row * kStride + col);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < kMSlabs; ++s) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = warp_row0 + 16 * s + 8 * r + g;
+                    if (row >= rows_valid) continue;
+                    u16* g_row = g_o + row * o_row_stride;
+#pragma unroll
+                    for (int d = 0; d < kDB; ++d) {
+                        const int col = d * 8 + 2 * t;
+                        const u32 packed = pack2<kBF16>(acc_o[s][d][2 * r] * inv_l[s][r], acc_o[s][d][2 * r + 1] * inv_l[s][r]);
+                        if (col < head_dim) g_row[col] = static_cast<u16>(packed & 0xffffu);
+                        if (col + 1 < head_dim) g_row[col + 1] = static_cast<u16>(packed >> 16);
+                    }
+                }
+            }
+        }
+    }
 };
 
 template <class Cfg>
@@ -416,62 +477,8 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
         }
     }
 
-    // Epilogue: l = sum over the quad, O /= l once, lse = m * scale + ln(l). Rows that saw no key
-    // (l == 0) write O = 0 and lse = -inf.
-    float inv_l[kMSlabs][2];
-#pragma unroll
-    for (int s = 0; s < kMSlabs; ++s) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = warp_row0 + 16 * s + 8 * r + g;  // row inside the tile
-            const float l = quad_sum(wt.row_sum[s][r]);
-            inv_l[s][r] = l > 0.f ? 1.f / l : 0.f;
-            if (t == 0 && row < rows_valid) g_lse[row] = l > 0.f ? wt.row_max[s][r] * p.softmax_scale + __logf(l) : -kInf;
-        }
-    }
-    if constexpr (Cfg::kAligned) {
-        // Stage the warp's O rows in its own rows of sQ (only this warp ever read them, so a warp
-        // barrier suffices), then write whole 16-byte chunks: coalesced rows instead of 4-byte pieces.
-        u16* s_o = s_q + warp_row0 * kStride;
-        __syncwarp();  // every lane of the warp is done reading its Q rows
-#pragma unroll
-        for (int s = 0; s < kMSlabs; ++s)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int d = 0; d < kDB; ++d) {
-                    const u32 packed = pack2<kBF16>(wt.acc_o[s][d][2 * r] * inv_l[s][r], wt.acc_o[s][d][2 * r + 1] * inv_l[s][r]);
-                    *reinterpret_cast<u32*>(s_o + (16 * s + 8 * r + g) * kStride + d * 8 + 2 * t) = packed;
-                }
-        __syncwarp();  // staged rows visible to the whole warp
-        constexpr int kChunks = Cfg::kRowsPerWarp * Cfg::kChunksPerRow;
-#pragma unroll
-        for (int i = 0; i < (kChunks + 31) / 32; ++i) {
-            const int chunk = lane + 32 * i;
-            const int row = chunk / Cfg::kChunksPerRow, col = (chunk % Cfg::kChunksPerRow) * 8;
-            if ((kChunks % 32 == 0 || chunk < kChunks) && warp_row0 + row < rows_valid && col < p.head_dim) {
-                *reinterpret_cast<uint4*>(g_o + (warp_row0 + row) * p.o_row_stride + col) =
-                    *reinterpret_cast<const uint4*>(s_o + row * kStride + col);
-            }
-        }
-    } else {
-#pragma unroll
-        for (int s = 0; s < kMSlabs; ++s) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = warp_row0 + 16 * s + 8 * r + g;
-                if (row >= rows_valid) continue;
-                u16* g_row = g_o + row * p.o_row_stride;
-#pragma unroll
-                for (int d = 0; d < kDB; ++d) {
-                    const int col = d * 8 + 2 * t;
-                    const u32 packed = pack2<kBF16>(wt.acc_o[s][d][2 * r] * inv_l[s][r], wt.acc_o[s][d][2 * r + 1] * inv_l[s][r]);
-                    if (col < p.head_dim) g_row[col] = static_cast<u16>(packed & 0xffffu);
-                    if (col + 1 < p.head_dim) g_row[col + 1] = static_cast<u16>(packed >> 16);
-                }
-            }
-        }
-    }
+    // Each warp stages its O rows in its own rows of sQ (only this warp ever read them).
+    wt.store(g_o, p.o_row_stride, g_lse, p.softmax_scale, warp_row0, rows_valid, p.head_dim, s_q + warp_row0 * kStride, lane);
 }
 
 }  // namespace cuflash

@@ -55,6 +55,13 @@ ENTRY_TEMPLATES = {
         "    cuflash::flash_fwd_kernel<cuflash::FwdConfig<{template_args}>>(params);\n"
         "}}\n"
     ),
+    "flash_fwd_sm90": (
+        '#include "flash_fwd_sm90.cuh"\n'
+        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
+        "{name}(const cuflash::FwdParams params) {{\n"
+        "    cuflash::flash_fwd_sm90_kernel<cuflash::Sm90FwdConfig<{template_args}>>(params);\n"
+        "}}\n"
+    ),
     "flash_bwd": (
         '#include "flash_bwd.cuh"\n'
         'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'

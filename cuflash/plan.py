@@ -73,6 +73,43 @@ def fwd_smem_bytes(head_dim_bucket: int, tile: Tile) -> int:
     return 2 * (tile.block_m * stride + 2 * tile.stages * tile.block_n * stride)
 
 
+@dataclass(frozen=True)
+class Sm90Tile:
+    """Tile shape of one Hopper (wgmma) forward variant: 64 query rows per warpgroup of 4 warps."""
+
+    block_m: int  # query rows per CTA (block_m / 64 warpgroups)
+    block_n: int  # key rows per K/V tile (the N of S = Q K^T)
+    stages: int = 2  # smem buffers per K and per V tile
+    min_blocks: int = 1  # __launch_bounds__ minimum CTAs per SM
+
+    @property
+    def warps(self) -> int:
+        return self.block_m // 16
+
+
+#: Hopper forward tiles (cuda_src/flash_fwd_sm90.cuh) per head-dim bucket; buckets not listed (and
+#: unaligned inputs) run the mma.sync kernel. Registers per thread ~ O (d / 2) + S (block_n / 2) + P
+#: fragments (block_n / 4). Shared memory = 1024 + 2 * (block_m + 2 * stages * block_n) * d bytes.
+#: The loader needs threads % (d / 8) == 0 with 8 | threads / (d / 8), so d = 192 waits for a
+#: 3-warpgroup tile.
+FWD_SM90_TILES: dict[int, Sm90Tile] = {
+    # Measured on the H200 with tools/tune_fwd.py --sm90 (median ratio to torch's FA2 over 1k/4k/16k,
+    # causal and not, bf16).
+    # 2 warpgroups x 64-key tiles: O 32 + S 32 regs, 50 KB (1.30x; 128-key tiles 1.09x, 192-row CTAs 1.14x).
+    64: Sm90Tile(128, 64),
+    # 2 warpgroups x 128-key tiles: O 64 + S 64 regs, 161 KB, 1 CTA/SM (1.34x; 64-key tiles 1.13x,
+    # 3 warpgroups x 64 keys 1.24x).
+    128: Sm90Tile(128, 128),
+    # 2 warpgroups x 64-key tiles: O 128 + S 32 regs, 193 KB, 1 CTA/SM (1.55x; the only shape that fits).
+    256: Sm90Tile(128, 64),
+}
+
+
+def fwd_sm90_smem_bytes(head_dim_bucket: int, tile: Sm90Tile) -> int:
+    """Dynamic shared memory of the Hopper forward kernel: must match Sm90FwdConfig::kSmemBytes."""
+    return 1024 + 2 * (tile.block_m + 2 * tile.stages * tile.block_n) * head_dim_bucket
+
+
 def arch_for_capability(major: int, minor: int) -> str:
     """NVRTC target for a device of compute capability (major, minor)."""
     if (major, minor) < MIN_COMPUTE_CAPABILITY:
@@ -191,8 +228,60 @@ class KernelSpec(_TiledSpec):
 
 
 @dataclass(frozen=True)
+class Sm90KernelSpec(_TiledSpec):
+    """One Hopper forward variant (wgmma, sm_90a, 16-byte loads only)."""
+
+    head_dim: int  # bucket, a multiple of 64
+    dtype: str
+    causal: bool
+    tile: Sm90Tile
+    arch: str = "sm_90a"
+    family: str = "flash_fwd_sm90"
+    aligned: bool = True
+
+    @property
+    def name(self) -> str:
+        return self._variant_name("")
+
+    @property
+    def smem_bytes(self) -> int:
+        return fwd_sm90_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        """C++ template argument list of cuflash::Sm90FwdConfig for this variant."""
+        t, b = self.tile, _cpp_bool
+        return f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.causal)}"
+
+
+def fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90Tile | None = None) -> Sm90KernelSpec:
+    """The Hopper forward variant for ``head_dim`` (its bucket must have a FWD_SM90_TILES row, or give ``tile``)."""
+    bucket = head_dim_bucket(head_dim)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if head_dim % 8 != 0:
+        raise ValueError("the Hopper kernel loads 16-byte chunks: it needs head_dim % 8 == 0")
+    if tile is None:
+        if bucket not in FWD_SM90_TILES:
+            raise ValueError(f"no Hopper forward tile for head-dim bucket {bucket} (have {sorted(FWD_SM90_TILES)})")
+        tile = FWD_SM90_TILES[bucket]
+    if bucket % 64 or tile.block_m % 64 or tile.block_n % 64 or tile.stages != 2:
+        raise ValueError(f"Hopper tile {tile} for bucket {bucket}: needs multiples of 64 and 2 stages")
+    threads, chunks = tile.warps * 32, bucket // 8
+    if threads % chunks or (threads // chunks) % 8:
+        raise ValueError(f"Hopper tile {tile}: {threads} threads do not split {chunks}-chunk rows evenly")
+    if fwd_sm90_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
+        raise ValueError(f"Hopper tile {tile} needs {fwd_sm90_smem_bytes(bucket, tile)} bytes of shared memory")
+    return Sm90KernelSpec(bucket, dtype, bool(causal), tile)
+
+
+def uses_sm90_forward(head_dim: int, aligned: bool, arch: str) -> bool:
+    """True when the forward runs the Hopper wgmma kernel: sm_90a, 16-byte loads, a tuned bucket."""
+    return arch == "sm_90a" and aligned and head_dim % 8 == 0 and head_dim_bucket(head_dim) in FWD_SM90_TILES
+
+
+@dataclass(frozen=True)
 class Launch:
-    spec: KernelSpec
+    spec: KernelSpec | Sm90KernelSpec
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem_bytes: int
@@ -225,20 +314,30 @@ def plan_forward(
     causal: bool,
     aligned: bool,
     arch: str,
-    tile: Tile | None = None,
+    tile: Tile | Sm90Tile | None = None,
 ) -> Launch:
-    """Kernel variant, grid, block and shared memory for one forward call (all sizes >= 1)."""
+    """Kernel variant, grid, block and shared memory for one forward call (all sizes >= 1).
+
+    On sm_90a with 16-byte aligned inputs and a bucket of FWD_SM90_TILES the Hopper (wgmma) kernel
+    runs, else the mma.sync kernel; a given ``tile`` picks the kernel by its type."""
     if min(batch, seqlen_q, seqlen_k, nheads, nheads_kv) < 1:
         raise ValueError("plan_forward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-    spec = fwd_spec(head_dim, dtype, causal, aligned, arch, tile)
+    if isinstance(tile, Sm90Tile) or (tile is None and uses_sm90_forward(head_dim, aligned, arch)):
+        if arch != "sm_90a" or not aligned:
+            raise ValueError("the Hopper forward kernel needs arch sm_90a and 16-byte aligned inputs")
+        spec = fwd_sm90_spec(head_dim, dtype, causal, tile)
+    else:
+        spec = fwd_spec(head_dim, dtype, causal, aligned, arch, tile)
     num_m_blocks = -(-seqlen_q // spec.tile.block_m)
     return Launch(spec, (num_m_blocks, nheads, batch), (spec.threads, 1, 1), spec.smem_bytes)
 
 
 def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False)):
-    """Every forward variant the library can launch for ``arch`` (what `cuflash precompile --all` builds)."""
+    """Every forward variant the library can launch for ``arch`` (what `cuflash precompile --all` builds):
+    the mma.sync kernel for every combination, and on sm_90a the Hopper kernel for the aligned ones
+    of its buckets."""
     specs = []
     for d in head_dims:
         bucket = head_dim_bucket(d)
@@ -246,6 +345,8 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
             for c in causals:
                 for al in aligned:
                     specs.append(KernelSpec("flash_fwd", bucket, dt, c, al, fwd_tile(bucket, arch), arch))
+                    if al and uses_sm90_forward(bucket, True, arch):
+                        specs.append(fwd_sm90_spec(bucket, dt, c))
     return list(dict.fromkeys(specs))  # unique, order kept
 
 

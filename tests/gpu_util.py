@@ -47,12 +47,17 @@ def check_lse(lse, ref_lse, what=""):
         assert err < 2e-4, f"lse relative error {err:.3g} {what}"
 
 
-def check_forward(q, k, v, *, causal, softmax_scale=None, dtype: str, what=""):
-    """Run cuflash.attention with a NaN-poisoned `out` and apply DESIGN.md's pass rule."""
+def check_forward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", tile=None):
+    """Run cuflash.attention with a NaN-poisoned `out` and apply DESIGN.md's pass rule. A `tile`
+    (plan.Tile or plan.Sm90Tile) forces that kernel and tile instead of the planner's choice."""
     import cuflash
+    from cuflash.attention import _forward
 
     out = poisoned(q.shape, dtype)
-    ret, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out)
+    if tile is None:
+        ret, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out)
+    else:
+        ret, lse = _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out, tile=tile)
     assert ret is out
     ref, ref_lse = reference.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
     plain = reference.plain_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=DTYPES[dtype])

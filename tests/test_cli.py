@@ -19,9 +19,13 @@ from cuflash import cli, jit, plan
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The cheapest selection that compiles: 2 forward variants (16-byte vector and element-wise loads).
+# The cheapest selection that compiles: 3 forward variants (mma.sync with 16-byte vector and with
+# element-wise loads, and the Hopper kernel).
 SMALL = ["precompile", "--arch", "sm_90a", "--head-dim", "64", "--dtype", "bf16", "--no-causal", "--kernels", "fwd"]
-SMALL_NAMES = {plan.fwd_spec(64, "bf16", False, aligned, "sm_90a").name for aligned in (True, False)}
+SMALL_NAMES = {plan.fwd_spec(64, "bf16", False, aligned, "sm_90a").name for aligned in (True, False)} | {
+    plan.fwd_sm90_spec(64, "bf16", False).name
+}
+N_SMALL = len(SMALL_NAMES)
 
 
 @pytest.fixture
@@ -92,7 +96,7 @@ def test_info_counts_cache_entries(cache):
     assert invoke(SMALL).exit_code == 0
     r = invoke(["info"])
     size = sum(p.stat().st_size for p in cache.glob("*.cubin"))
-    assert "2 entries" in r.output
+    assert f"{len(SMALL_NAMES)} entries" in r.output
     assert cli.human_size(size) in r.output
 
 
@@ -118,19 +122,19 @@ def test_precompile_without_arch_and_without_gpu_asks_for_arch(cache, no_gpu):
 def test_precompile_compiles_both_load_paths_then_hits_the_cache(cache):
     r = invoke(SMALL)
     assert r.exit_code == 0, r.output
-    assert "2 variants: 2 compiled, 0 already cached" in r.output
+    assert f"{N_SMALL} variants: {N_SMALL} compiled, 0 already cached" in r.output
     assert str(cache) in r.output
-    assert jit.stats()["compiles"] == 2
+    assert jit.stats()["compiles"] == N_SMALL
     assert entry_names(cache) == SMALL_NAMES
-    assert len(list(cache.glob("*.cubin"))) == 2
+    assert len(list(cache.glob("*.cubin"))) == N_SMALL
 
     jit.reset_stats()
     r = invoke(SMALL)
     assert r.exit_code == 0, r.output
-    assert "2 variants: 0 compiled, 2 already cached" in r.output
+    assert f"{N_SMALL} variants: 0 compiled, {N_SMALL} already cached" in r.output
     assert jit.stats()["compiles"] == 0
-    assert jit.stats()["disk_loads"] == 2
-    assert len(list(cache.glob("*.cubin"))) == 2
+    assert jit.stats()["disk_loads"] == N_SMALL
+    assert len(list(cache.glob("*.cubin"))) == N_SMALL
 
 
 def test_precompile_in_parallel(cache):
@@ -175,7 +179,7 @@ def test_precompile_verbose_without_the_ptxas_report(cache, nvrtc_log_empty):
     """The failure seen on the GPU machine (NVRTC 13.0): registers still come from the cubin."""
     r = invoke(SMALL + ["-v"])
     assert r.exit_code == 0, r.output
-    assert "2 variants: 2 compiled, 0 already cached" in r.output
+    assert f"{N_SMALL} variants: {N_SMALL} compiled, 0 already cached" in r.output
     entries = jit.list_cache()
     assert {e.header["name"] for e in entries} == SMALL_NAMES
     for e in entries:
@@ -337,11 +341,11 @@ def test_cache_list_and_clear(cache):
         assert cols[1] == "sm_90a"
         assert cols[2] == str(headers[name]["ptxas"]["registers"])
         assert cols[-1] == f"{major}.{minor}"
-    assert "2 entries (0 damaged)" in r.output
+    assert f"{len(SMALL_NAMES)} entries (0 damaged)" in r.output
 
     r = invoke(["cache", "clear", "--yes"])
     assert r.exit_code == 0
-    assert "Removed 2 files" in r.output
+    assert f"Removed {N_SMALL} files" in r.output
     assert not list(cache.iterdir())
     assert "empty" in invoke(["cache", "list"]).output
 
@@ -362,17 +366,17 @@ def test_cache_list_shows_damaged_entries(cache):
     assert r.exit_code == 0
     line = next(ln for ln in r.output.splitlines() if ln.startswith(victim.name))
     assert "DAMAGED" in line and "checksum" in line
-    assert "2 entries (1 damaged)" in r.output
+    assert f"{len(SMALL_NAMES)} entries (1 damaged)" in r.output
 
 
 def test_cache_clear_asks_first(cache):
     assert invoke(SMALL).exit_code == 0
     r = CliRunner().invoke(cli.main, ["cache", "clear"], input="n\n")
     assert r.exit_code == 1  # aborted
-    assert len(list(cache.glob("*.cubin"))) == 2
+    assert len(list(cache.glob("*.cubin"))) == N_SMALL
     r = CliRunner().invoke(cli.main, ["cache", "clear"], input="y\n")
     assert r.exit_code == 0
-    assert "Removed 2 files" in r.output
+    assert f"Removed {N_SMALL} files" in r.output
     assert not list(cache.glob("*.cubin"))
 
 

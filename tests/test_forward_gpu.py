@@ -51,6 +51,33 @@ def test_ragged_head_dims(head_dim):
     check_forward(q, k, v, causal=True, dtype="fp16", what=f"hd{head_dim}")
 
 
+def _device_arch():
+    from cuflash import jit
+
+    return jit.device_arch(0)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(300, 333), (1, 700), (700, 1), (513, 1025), (128, 128)])
+def test_both_forward_kernels(dtype, head_dim, causal, sq, sk):
+    """On Hopper the planner runs the wgmma kernel for these inputs: check it and the mma.sync kernel
+    (which other GPUs, unaligned inputs and other buckets run) on the same data."""
+    from cuflash import plan
+
+    arch = _device_arch()
+    rng = np.random.default_rng()
+    q = randn(rng, (2, sq, 4, head_dim), dtype)
+    k = randn(rng, (2, sk, 2, head_dim), dtype)
+    v = randn(rng, (2, sk, 2, head_dim), dtype)
+    tiles = [plan.fwd_tile(head_dim, arch)]
+    if arch == "sm_90a":
+        tiles.append(plan.FWD_SM90_TILES[head_dim])
+    for tile in tiles:
+        check_forward(q, k, v, causal=causal, dtype=dtype, tile=tile, what=f"{tile} sq={sq} sk={sk}")
+
+
 def test_transposed_inputs_and_gqa():
     rng = np.random.default_rng()
     q = randn(rng, (2, 513, 8, 128), "bf16", layout="bhsd")

@@ -192,14 +192,23 @@ _NAME_RE = re.compile(
 
 
 def _specs_two_archs():
-    return plan.all_fwd_specs("sm_80") + plan.all_fwd_specs("sm_90a")
+    """The mma.sync kernel's variants for sm_80 and sm_90a."""
+    return [s for s in plan.all_fwd_specs("sm_80") + plan.all_fwd_specs("sm_90a") if s.family == "flash_fwd"]
 
 
 def test_all_fwd_specs_covers_every_combination():
     specs = plan.all_fwd_specs("sm_90a")
-    combos = {(s.head_dim, s.dtype, s.causal, s.aligned) for s in specs}
-    assert len(specs) == len(combos) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 2
-    assert all(s.tile == plan.FWD_TILES[s.head_dim] and s.arch == "sm_90a" and s.family == "flash_fwd" for s in specs)
+    mma = [s for s in specs if s.family == "flash_fwd"]
+    combos = {(s.head_dim, s.dtype, s.causal, s.aligned) for s in mma}
+    assert len(mma) == len(combos) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 2
+    assert all(s.tile == plan.FWD_TILES[s.head_dim] and s.arch == "sm_90a" for s in mma)
+    # plus the Hopper kernel for every aligned combination of its buckets, and nothing else
+    hopper = [s for s in specs if s.family == "flash_fwd_sm90"]
+    assert {(s.head_dim, s.dtype, s.causal) for s in hopper} == {
+        (d, dt, c) for d in plan.FWD_SM90_TILES for dt in plan.DTYPES for c in (False, True)
+    }
+    assert len(hopper) == len(plan.FWD_SM90_TILES) * 4 and len(specs) == len(mma) + len(hopper)
+    assert all(s.family == "flash_fwd" for s in plan.all_fwd_specs("sm_80") + plan.all_fwd_specs("sm_86"))
     # head dims map to buckets, duplicates dropped, order kept
     few = plan.all_fwd_specs("sm_80", head_dims=(33, 64, 60, 100), dtypes=("bf16",), causals=(True,))
     assert [(s.head_dim, s.aligned) for s in few] == [(64, True), (64, False), (128, True), (128, False)]
@@ -320,6 +329,13 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
                                aligned=aligned, arch=arch)  # fmt: skip
     spec = launch.spec
     bucket = plan.head_dim_bucket(head_dim)
+    if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_TILES:  # the Hopper kernel
+        t = plan.FWD_SM90_TILES[bucket]
+        assert spec == plan.Sm90KernelSpec(bucket, dtype, causal, t)
+        assert launch.smem_bytes == plan.fwd_sm90_smem_bytes(bucket, t) == spec.smem_bytes <= 227 * 1024
+        assert launch.grid == (math.ceil(seqlen_q / t.block_m), nheads, batch)
+        assert launch.block == (t.block_m * 2, 1, 1) == (spec.threads, 1, 1)
+        return
     t = plan.fwd_tile(bucket, arch)
     assert spec == plan.KernelSpec("flash_fwd", bucket, dtype, causal, aligned, t, arch)
     assert t == plan.FWD_TILES[bucket] or plan.fwd_smem_bytes(bucket, plan.FWD_TILES[bucket]) > plan.max_smem_bytes(arch)
@@ -374,3 +390,79 @@ def test_plan_forward_rejects_aligned_odd_head_dim():
     with pytest.raises(ValueError, match="head_dim % 8"):
         plan.plan_forward(**{**_OK, "head_dim": 60})
     assert plan.plan_forward(**{**_OK, "head_dim": 60, "aligned": False}).spec.head_dim == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Hopper (wgmma) forward
+# ---------------------------------------------------------------------------------------------
+
+
+def _fwd_plan(head_dim=128, arch="sm_90a", aligned=True, tile=None, seqlen_q=1000):
+    return plan.plan_forward(batch=2, seqlen_q=seqlen_q, seqlen_k=900, nheads=4, nheads_kv=2, head_dim=head_dim,
+                             dtype="bf16", causal=True, aligned=aligned, arch=arch, tile=tile)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [64, 56, 128, 120, 256, 248])
+def test_hopper_kernel_runs_where_it_can(head_dim):
+    launch = _fwd_plan(head_dim)
+    bucket = plan.head_dim_bucket(head_dim)
+    assert launch.spec.family == "flash_fwd_sm90" and launch.spec.tile == plan.FWD_SM90_TILES[bucket]
+    assert launch.grid == (-(-1000 // launch.spec.tile.block_m), 4, 2)
+    assert launch.block == (launch.spec.tile.block_m * 2, 1, 1)  # 4 warps per 64 rows
+    assert launch.smem_bytes == 1024 + 2 * (launch.spec.tile.block_m + 4 * launch.spec.tile.block_n) * bucket
+    # the mma.sync kernel elsewhere: other archs, unaligned inputs, buckets without a Hopper tile
+    assert _fwd_plan(head_dim, arch="sm_80").spec.family == "flash_fwd"
+    assert _fwd_plan(head_dim, arch="sm_89").spec.family == "flash_fwd"
+    assert _fwd_plan(head_dim, aligned=False).spec.family == "flash_fwd"
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224])
+def test_buckets_without_hopper_tile_use_mma_sync(head_dim):
+    assert _fwd_plan(head_dim).spec.family == "flash_fwd"
+
+
+@pytest.mark.parametrize("head_dim", [100, 4, 63])
+def test_odd_head_dims_use_mma_sync(head_dim):  # no 16-byte rows: the element-wise mma.sync path
+    assert _fwd_plan(head_dim, aligned=False).spec.family == "flash_fwd"
+
+
+def test_explicit_tile_picks_the_kernel():
+    t = plan.FWD_TILES[128]
+    assert _fwd_plan(128, tile=t).spec == plan.fwd_spec(128, "bf16", True, True, "sm_90a", t)
+    h = plan.Sm90Tile(128, 64)
+    spec = _fwd_plan(128, tile=h).spec
+    assert spec.family == "flash_fwd_sm90" and spec.tile == h
+    assert spec.template_args() == "128, 128, 64, 2, true, true"
+    assert spec.name == "flash_fwd_sm90_hd128_bf16_causal_bm128_bn64_w8_mb1_st2_vec16_sm90a"
+    assert spec.threads == 256 and spec.min_blocks == 1
+    with pytest.raises(ValueError, match="sm_90a"):
+        _fwd_plan(128, arch="sm_80", tile=h)
+    with pytest.raises(ValueError, match="sm_90a"):
+        _fwd_plan(128, aligned=False, tile=h)
+
+
+@pytest.mark.parametrize(
+    "head_dim,tile,match",
+    [
+        (96, plan.Sm90Tile(128, 64), "multiples of 64"),  # bucket 96: half a swizzle atom
+        (128, plan.Sm90Tile(96, 64), "multiples of 64"),
+        (128, plan.Sm90Tile(128, 64, stages=1), "2 stages"),
+        (256, plan.Sm90Tile(64, 64), "threads"),  # 128 threads over 32-chunk rows: 4 rows per pass
+        (256, plan.Sm90Tile(128, 128), "shared memory"),
+        (192, None, "no Hopper forward tile"),
+        (60, None, "head_dim % 8"),
+    ],
+)
+def test_hopper_spec_rejects_bad_tiles(head_dim, tile, match):
+    with pytest.raises(ValueError, match=match):
+        plan.fwd_sm90_spec(head_dim, "bf16", False, tile)
+
+
+def test_hopper_tiles_fit_and_names_are_unique():
+    for bucket, tile in plan.FWD_SM90_TILES.items():
+        spec = plan.fwd_sm90_spec(bucket, "fp16", False)
+        assert spec.smem_bytes <= plan.max_smem_bytes("sm_90a")
+        assert tile.block_m % 64 == 0 and tile.block_n % 64 == 0 and bucket % 64 == 0
+    specs = [s for s in plan.all_fwd_specs("sm_90a")]
+    assert len({s.name for s in specs}) == len(specs)
+    assert all(s.name.isidentifier() for s in specs)

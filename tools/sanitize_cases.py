@@ -16,6 +16,8 @@ import numpy as np  # noqa: E402
 from gpu_util import check_backward, check_forward, randn  # noqa: E402
 from test_decode_gpu import case, run_and_check  # noqa: E402
 
+from cuflash import jit, plan  # noqa: E402
+
 CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, causal, dtype, layout)
     (1, 77, 45, 2, 1, 64, True, "bf16", "bshd"),
     (2, 45, 77, 2, 2, 64, False, "fp16", "bhsd"),
@@ -30,12 +32,16 @@ CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, causal, dt
 
 def main():
     rng = np.random.default_rng(0)
+    arch = jit.device_arch(0)
     for b, sq, sk, h, hk, d, causal, dt, layout in CASES:
         q = randn(rng, (b, sq, h, d), dt, layout)
         k = randn(rng, (b, sk, hk, d), dt, layout)
         v = randn(rng, (b, sk, hk, d), dt, layout)
         err, bound = check_forward(q, k, v, causal=causal, dtype=dt)
         print(f"ok fwd b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} {dt} {layout}: err {err:.2e} <= {bound:.2e}")
+        if plan.uses_sm90_forward(d, True, arch):  # that ran the Hopper kernel: the mma.sync one too
+            err, bound = check_forward(q, k, v, causal=causal, dtype=dt, tile=plan.fwd_tile(plan.head_dim_bucket(d), arch))
+            print(f"ok fwd mma.sync kernel: err {err:.2e} <= {bound:.2e}")
         for deterministic in (False, True):
             errors = check_backward(q, k, v, causal=causal, dtype=dt, deterministic=deterministic)
             print(f"ok bwd deterministic={deterministic}: " + ", ".join(f"{n} {e:.2e} <= {bd:.2e}" for n, (e, bd) in errors.items()))

@@ -1,7 +1,8 @@
 """Sweep forward tile shapes on the GPU at a few points of the paper grid, side by side with
 torch's FlashAttention-2, to choose the rows of cuflash/plan.py FWD_TILES.
 
-    python tools/tune_fwd.py [--hd 64 128 256] [--seqlen 2048 8192] [--dtype bf16]
+    python tools/tune_fwd.py [--hd 64 128 256] [--seqlen 2048 8192] [--dtype bf16] [--sm90]
+--sm90 sweeps the Hopper (wgmma) kernel's tiles (FWD_SM90_TILES) instead of the mma.sync kernel's.
 Prints one line per (head dim, tile, causal, seqlen) and, last, the best tile per head dim.
 """
 import argparse
@@ -11,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cuflash import bench  # noqa: E402
-from cuflash.plan import Tile  # noqa: E402
+from cuflash.plan import Sm90Tile, Tile  # noqa: E402
 
 T = Tile
 CANDIDATES = {  # (block_m, block_n, warps, q_in_regs, min_blocks, stages)
@@ -24,6 +25,20 @@ CANDIDATES = {  # (block_m, block_n, warps, q_in_regs, min_blocks, stages)
     224: [T(128, 64, 8, False, 1), T(64, 64, 4, False, 2, 1)],
     256: [T(128, 64, 8, False, 1), T(64, 64, 4, False, 2, 1), T(64, 32, 4, False, 2, 2)],
 }
+
+
+H = Sm90Tile
+SM90_CANDIDATES = {  # (block_m, block_n, stages, min_blocks)
+    64: [H(128, 64), H(128, 64, min_blocks=2), H(128, 128, min_blocks=2), H(192, 64)],
+    128: [H(128, 128), H(128, 64, min_blocks=2)],
+    256: [H(128, 64)],
+}
+
+
+def describe(tile) -> str:
+    if isinstance(tile, Sm90Tile):
+        return f"sm90 bm{tile.block_m} bn{tile.block_n} st{tile.stages} mb{tile.min_blocks}"
+    return f"bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} st={tile.stages}"
 
 
 def check_tile(hd, tile, dtype):
@@ -53,14 +68,16 @@ def main():
     ap.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--sm90", action="store_true", help="sweep the Hopper kernel's tiles")
     a = ap.parse_args()
+    candidates = SM90_CANDIDATES if a.sm90 else CANDIDATES
     best = {}
     for hd in a.hd:
         scores = {}
-        for tile in CANDIDATES[hd]:
+        for tile in candidates.get(hd, []):
             ratios = []
             if not check_tile(hd, tile, a.dtype):
-                print(f"hd{hd} {tile}: WRONG RESULTS, skipped", flush=True)
+                print(f"hd{hd} {describe(tile)}: WRONG RESULTS, skipped", flush=True)
                 continue
             for causal in (False, True):
                 for s in a.seqlen:
@@ -78,8 +95,7 @@ def main():
                         continue
                     r = t["cuflash"] / t["flash"] if "flash" in t else float("nan")
                     ratios.append(r)
-                    print(f"hd{hd} bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} "
-                          f"st={tile.stages} "
+                    print(f"hd{hd} {describe(tile)} "
                           f"causal={int(causal)} s={s:5d}: cuflash {t['cuflash']:6.1f}  flash {t.get('flash', 0):6.1f} "
                           f"cudnn {t.get('cudnn', 0):6.1f}  ratio {r:.3f}", flush=True)
             if ratios:

@@ -1,0 +1,227 @@
+// FlashAttention-2 forward on Hopper warpgroup MMA (wgmma, sm_90a only).
+//
+// Computes exactly what flash_fwd.cuh computes (same math, masks, lse and output conventions; read
+// its header first): O = softmax(scale * Q K^T + mask) V and lse per query row, one CTA per
+// (query tile, head, batch), K/V tiles streamed through shared memory with an online softmax.
+// What changes is how the two matrix products run:
+//   S = Q K^T   one wgmma m64n{kBlockN}k16 per 16-wide k-step, both operands read by the tensor
+//               cores straight from shared memory (no ldmatrix, no per-warp fragments of K);
+//   O += P V    P stays in registers (the S accumulators, packed to 16 bits, are already the A
+//               fragment layout) and V is read from shared memory as a transposed (N-major) B.
+//
+// Grid and tiles
+//   grid  = (ceil(seqlen_q / kBlockM), nheads, batch), heaviest causal tiles first (as flash_fwd).
+//   block = kBlockM / 64 warpgroups of 4 warps. Warpgroup w owns query rows [64w, 64w + 64) of the
+//           tile and issues its own wgmmas; warp i of it owns rows 64w + 16i .. +15 for the softmax
+//           (the wgmma accumulator layout, see wgmma.cuh). Every thread helps load every tile.
+//   smem  = Q[kBlockM x d] + kStages x (K[kBlockN x d] + V[kBlockN x d]), each tile in the 128-byte
+//           swizzled K-major layout wgmma reads (load_tile_sw128), 1024-byte aligned.
+//   K/V tiles are double buffered with cp.async: tile j-1 streams in while tile j is used; after a
+//   tile's cp.async group lands, each thread fences its writes into the async proxy
+//   (fence.proxy.async) before the barrier that hands the tile to the tensor cores.
+//   Epilogue: after the loop the K/V buffers are free; each warp stages its normalized O rows there
+//   and writes 16-byte chunks (WarpTile::store).
+//
+// Preconditions (cuflash/plan.py picks this kernel only then): sm_90a; head_dim % 8 == 0 and 16-byte
+// aligned rows (the 16-byte cp.async path); head-dim bucket a multiple of 64.
+#pragma once
+
+#include "flash_fwd.cuh"
+#include "wgmma.cuh"
+
+namespace cuflash {
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_>
+struct Sm90FwdConfig {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kStages = kStages_;
+    static constexpr bool kIsBF16 = kIsBF16_;
+    static constexpr bool kIsCausal = kIsCausal_;
+
+    static constexpr int kWarpGroups = kBlockM / 64;
+    static constexpr int kNWarps = 4 * kWarpGroups;
+    static constexpr int kNThreads = 32 * kNWarps;
+    // What WarpTile (flash_fwd.cuh) needs for the softmax and the epilogue.
+    static constexpr bool kAligned = true;
+    static constexpr bool kQInRegs = false;
+    static constexpr int kRowsPerWarp = 16;
+    static constexpr int kMSlabs = 1;
+    static constexpr int kNBlocksS = kBlockN / 8;
+    static constexpr int kDBlocks = kHeadDim / 8;
+    static constexpr int kKStepsQK = kHeadDim / 16;
+    static constexpr int kKStepsPV = kBlockN / 16;
+    static constexpr int kChunksPerRow = kHeadDim / 8;
+    static constexpr int kSmemStride = kHeadDim + 8;  // epilogue staging rows (16 bytes of padding)
+
+    static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
+    static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
+    // 1024 bytes of slack to align the dynamic shared memory base to the swizzle pattern.
+    static constexpr int kSmemBytes = 1024 + kTileBytesQ + 2 * kStages * kTileBytesKV;
+
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-element swizzle atoms, N <= 256");
+    static_assert(kBlockM % 64 == 0 && kBlockM <= 256, "whole warpgroups of 64 rows");
+    static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tiles are wgmma N (multiple of 64 here)");
+    static_assert(kStages == 2, "K/V tiles are double buffered");
+    static_assert(kNWarps * 16 * kSmemStride * 2 <= 2 * kStages * kTileBytesKV, "O staging fits in the K/V buffers");
+};
+
+// Copy a kRows x kHeadDim row-major global tile (rows_valid real rows, head_dim real columns; the rest
+// zero-filled) into the 128-byte swizzled K-major layout of wgmma: the head dim is cut in atoms of 64
+// elements (128 bytes); atom a holds kRows rows of 128 bytes at byte a * kRows * 128, and within each
+// 8-row group (1024 bytes) the 16-byte chunk c of row r is stored at chunk position c ^ (r % 8).
+template <class Cfg, int kRows>
+CUFLASH_DEVICE void load_tile_sw128(u32 s_tile, const u16* g_tile, i64 row_stride, int rows_valid, int head_dim,
+                                    int tid) {
+    constexpr int kC = Cfg::kChunksPerRow;
+    constexpr int kChunks = kRows * kC;
+    constexpr int kPasses = (kChunks + Cfg::kNThreads - 1) / Cfg::kNThreads;
+    static_assert(Cfg::kNThreads % kC == 0 && (Cfg::kNThreads / kC) % 8 == 0,
+                  "each thread keeps one column and one row-in-group: a fixed swizzled offset");
+    constexpr int kRowsPerPass = Cfg::kNThreads / kC;
+    const int c = tid % kC, row0 = tid / kC;
+    const u32 s_off = (c / 8) * kRows * 128 + (((c % 8) ^ (row0 % 8)) * 16) + row0 * 128;
+    const u16* g_walk = g_tile + row0 * row_stride + c * 8;
+    const bool col_ok = c * 8 < head_dim;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+        const int row = row0 + i * kRowsPerPass;
+        if (kChunks % Cfg::kNThreads != 0 && row >= kRows) break;
+        const bool valid = col_ok && row < rows_valid;
+        cp_async_16(s_tile + s_off + i * kRowsPerPass * 128, valid ? g_walk : g_tile, valid);
+        g_walk += kRowsPerPass * row_stride;
+    }
+}
+
+// wgmma shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format") for a 128-byte
+// swizzled tile: start address, leading byte offset (K-major: unused; N-major: bytes between
+// 64-element atoms along N), stride byte offset 1024 (between 8-row groups), swizzle mode 1.
+CUFLASH_DEVICE u64 sw128_desc(u32 s_addr, u32 leading_bytes) {
+    return static_cast<u64>((s_addr & 0x3FFFF) >> 4) | (static_cast<u64>(leading_bytes >> 4) << 16) |
+           (static_cast<u64>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// Fence this thread's generic-proxy shared-memory writes (cp.async) before async-proxy reads (wgmma).
+CUFLASH_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+template <class Cfg>
+CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
+    constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+    constexpr bool kBF16 = Cfg::kIsBF16;
+    constexpr int kNB = Cfg::kNBlocksS;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wg = warp / 4;
+    const int t = lane % 4;
+    const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / p.head_ratio;
+    const int m0 = m_block * kBlockM;
+
+    // 64-bit offsets: batch * batch_stride and m0 * row_stride can exceed 2^31 elements.
+    const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
+    float* g_lse = p.lse + ((i64)b * p.nheads + h) * p.seqlen_q + m0;
+
+    const CausalMask<Cfg::kIsCausal> mask{p.seqlen_q, p.seqlen_k};
+    const int n_block_end = mask.n_block_end(m0, kBlockM, kBlockN);
+    const int rows_valid = min(kBlockM, p.seqlen_q - m0);
+    const int warp_row0 = warp * 16;
+
+    if (n_block_end == 0) {  // no row of this tile sees any key: O = 0, lse = -inf
+        for (int i = tid; i < rows_valid * p.head_dim; i += Cfg::kNThreads) {
+            g_o[(i / p.head_dim) * p.o_row_stride + i % p.head_dim] = 0;
+        }
+        for (int i = tid; i < rows_valid; i += Cfg::kNThreads) g_lse[i] = -kInf;
+        return;
+    }
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const u32 s_base = (smem_u32(smem_raw) + 1023u) & ~1023u;  // swizzle pattern starts on 1024 bytes
+    const u32 s_q = s_base;
+    const u32 s_k0 = s_q + Cfg::kTileBytesQ;
+    const u32 s_v0 = s_k0 + Cfg::kStages * Cfg::kTileBytesKV;
+    auto s_k = [&](int j) { return s_k0 + (j & 1) * Cfg::kTileBytesKV; };
+    auto s_v = [&](int j) { return s_v0 + (j & 1) * Cfg::kTileBytesKV; };
+    auto load_kv = [&](int j) {
+        const int n0 = j * kBlockN;
+        load_tile_sw128<Cfg, kBlockN>(s_k(j), g_k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        load_tile_sw128<Cfg, kBlockN>(s_v(j), g_v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    };
+
+    // Descriptors. A = this warpgroup's 64 rows of Q (K-major); B of S = K (K-major); B of O = V read
+    // N-major: 64-column atoms kBlockN * 128 bytes apart, 8-key groups 1024 bytes apart. Stepping k by 16
+    // moves 32 bytes inside a Q/K atom (atoms of 4 steps are kRows * 128 bytes apart), 16 keys of V 2048 bytes.
+    const u64 desc_q = sw128_desc(s_q + wg * 64 * 128, 16);
+    const u64 desc_k0 = sw128_desc(s_k0, 16);
+    const u64 desc_v0 = sw128_desc(s_v0, kBlockN * 128);
+    auto qk_step = [](int ks, int rows) { return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4); };
+    constexpr u64 kKVStageStep = Cfg::kTileBytesKV >> 4;
+
+    WarpTile<Cfg> wt;
+    wt.init(warp_row0, lane);
+    const float scale_log2 = p.scale_log2;
+    const int row_abs0 = m0 + warp_row0 + lane / 4;
+    const int n_last = n_block_end - 1;
+    float S[1][kNB][4];
+    float(&s_acc)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(S);
+    float(&o_acc)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(wt.acc_o);
+
+    // Prologue: Q and the first K/V tile.
+    load_tile_sw128<Cfg, kBlockM>(s_q, g_q, p.q_row_stride, rows_valid, p.head_dim, tid);
+    load_kv(n_last);
+    cp_async_commit();
+
+    for (int j = n_last; j >= 0; --j) {
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+        // Tile j visible to every warpgroup's wgmmas; every warpgroup is done with tile j+1's stage.
+        __syncthreads();
+        if (j > 0) load_kv(j - 1);
+        cp_async_commit();
+
+        // S = Q K_j^T
+        const u64 desc_k = desc_k0 + (j & 1) * kKVStageStep;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < Cfg::kKStepsQK; ++ks) {
+            wgmma_ss<kBlockN, kBF16>(s_acc, desc_q + qk_step(ks, kBlockM), desc_k + qk_step(ks, kBlockN), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(s_acc);
+
+        if (mask.block_needs_mask(m0, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
+        wt.softmax(S, scale_log2);
+
+        // O += P V_j: P packed from the S accumulators into A fragments, one per 16-key step.
+        u32 a[Cfg::kKStepsPV][4];
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
+            a[kk][0] = pack2<kBF16>(S[0][2 * kk][0], S[0][2 * kk][1]);
+            a[kk][1] = pack2<kBF16>(S[0][2 * kk][2], S[0][2 * kk][3]);
+            a[kk][2] = pack2<kBF16>(S[0][2 * kk + 1][0], S[0][2 * kk + 1][1]);
+            a[kk][3] = pack2<kBF16>(S[0][2 * kk + 1][2], S[0][2 * kk + 1][3]);
+        }
+        const u64 desc_v = desc_v0 + (j & 1) * kKVStageStep;
+        wgmma_fence_operands(o_acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
+            wgmma_rs<kHeadDim, kBF16>(o_acc, a[kk], desc_v + static_cast<u64>((kk * 16 * 128) >> 4));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(o_acc);
+    }
+
+    // Every warpgroup's last wgmma has read its K/V tile: the K/V buffers become O staging rows.
+    __syncthreads();
+    u16* s_stage = reinterpret_cast<u16*>(smem_raw + (s_k0 - smem_u32(smem_raw))) + warp * 16 * Cfg::kSmemStride;
+    wt.store(g_o, p.o_row_stride, g_lse, p.softmax_scale, warp_row0, rows_valid, p.head_dim, s_stage, lane);
+}
+
+}  // namespace cuflash
