@@ -39,7 +39,8 @@ def attention_backward(
                      deterministic=deterministic, dq=dq, dk=dk, dv=dv)  # fmt: skip
 
 
-def _backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, dq, dk, dv, tile: plan.BwdTile | None = None):
+def _backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, dq, dk, dv,
+              tile: plan.BwdTile | plan.BwdSm90Tile | None = None):
     cupy = _cupy()
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = _check_inputs(q, k, v, cupy)
     softmax_scale = _resolve_scale(softmax_scale, head_dim)
@@ -76,7 +77,7 @@ def _backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, 
         aligned = head_dim % 8 == 0 and all(_aligned16(x) for x in (q, k, v, out, dout, dq, dk, dv))
         bp, fns = _plan_and_load(
             batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], bool(causal), aligned,
-            device_id, tile,
+            device_id, tile, bool(deterministic),
         )  # fmt: skip
         main_tile = bp.main.spec.tile
         dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
@@ -107,10 +108,12 @@ def _backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, 
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, causal, aligned, device_id, tile):
+def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, causal, aligned, device_id, tile,
+                   deterministic):  # fmt: skip
     """Plan and the three loaded kernels for one call signature (memoized, as in the forward)."""
     bp = plan.plan_backward(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
         dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
+        deterministic=deterministic,
     )  # fmt: skip
     return bp, tuple(jit.get_function(launch.spec, device_id) for launch in (bp.pre, bp.main, bp.convert))

@@ -69,6 +69,13 @@ ENTRY_TEMPLATES = {
         "    cuflash::flash_bwd_kernel<cuflash::BwdConfig<{template_args}>>(params);\n"
         "}}\n"
     ),
+    "flash_bwd_sm90": (
+        '#include "flash_bwd_sm90.cuh"\n'
+        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
+        "{name}(const cuflash::BwdParams params) {{\n"
+        "    cuflash::flash_bwd_sm90_kernel<cuflash::Sm90BwdConfig<{template_args}>>(params);\n"
+        "}}\n"
+    ),
     "flash_bwd_pre": (
         '#include "flash_bwd.cuh"\n'
         'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'

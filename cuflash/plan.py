@@ -513,6 +513,72 @@ class BwdAuxSpec:
 
 
 @dataclass(frozen=True)
+class BwdSm90Tile:
+    """Tile of the Hopper (wgmma) backward main kernel (cuda_src/flash_bwd_sm90.cuh): block_n keys per
+    CTA, one warpgroup per 64 of them, query blocks of 64 rows. Its dQ tile layout (what the convert
+    kernel reads) is 4 warps of 16 query rows x one head-dim column block per warpgroup."""
+
+    block_n: int = 128
+    block_m: int = 64
+    stages: int = 2
+    min_blocks: int = 1
+
+    @property
+    def warps(self) -> int:
+        return self.block_n // 16
+
+    @property
+    def dq_q_warps(self) -> int:
+        return 4
+
+    def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
+        return {"dq": (16, head_dim_bucket // (self.block_n // 64))}
+
+
+#: Head-dim buckets of the Hopper backward: dK + dV accumulators of 64 keys x d per warpgroup take
+#: d registers per thread, so d <= 128 (hd256 and the others run the mma.sync kernel).
+BWD_SM90_TILES: dict[int, BwdSm90Tile] = {64: BwdSm90Tile(), 128: BwdSm90Tile()}
+
+
+def bwd_sm90_smem_bytes(head_dim_bucket: int, tile: BwdSm90Tile) -> int:
+    """Must match Sm90BwdConfig::kSmemBytes: K, V, 2 x (Q, dO), dS^T, 2 x (lse_log2, D), 1 KB alignment."""
+    d, n, m = head_dim_bucket, tile.block_n, tile.block_m
+    return 1024 + 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 2 * m * 4
+
+
+@dataclass(frozen=True)
+class BwdSm90Spec(_TiledSpec):
+    """One Hopper backward main-kernel variant (sm_90a, 16-byte loads, atomic dQ)."""
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    tile: BwdSm90Tile
+    arch: str = "sm_90a"
+    family: str = "flash_bwd_sm90"
+    aligned: bool = True
+
+    @property
+    def name(self) -> str:
+        return self._variant_name("")
+
+    @property
+    def smem_bytes(self) -> int:
+        return bwd_sm90_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        b = _cpp_bool
+        return f"{self.head_dim}, {self.tile.block_n}, {b(self.dtype == 'bf16')}, {b(self.causal)}"
+
+
+def uses_sm90_backward(head_dim: int, aligned: bool, arch: str, deterministic: bool) -> bool:
+    """True when the backward's main kernel is the Hopper one: sm_90a, 16-byte loads, a bucket of
+    BWD_SM90_TILES, and atomic dQ (deterministic mode runs the mma.sync kernel's ordered additions)."""
+    return (arch == "sm_90a" and aligned and not deterministic and head_dim % 8 == 0
+            and head_dim_bucket(head_dim) in BWD_SM90_TILES)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class BwdPlan:
     pre: Launch
     main: Launch
@@ -550,14 +616,21 @@ def plan_backward(
     causal: bool,
     aligned: bool,
     arch: str,
-    tile: BwdTile | None = None,
+    tile: BwdTile | BwdSm90Tile | None = None,
+    deterministic: bool = False,
 ) -> BwdPlan:
-    """The three launches of one backward call (all sizes >= 1)."""
+    """The three launches of one backward call (all sizes >= 1). The main kernel is the Hopper one
+    where uses_sm90_backward says so (or a BwdSm90Tile is given), else the mma.sync one."""
     if min(batch, seqlen_q, seqlen_k, nheads, nheads_kv) < 1:
         raise ValueError("plan_backward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-    spec = bwd_spec(head_dim, dtype, causal, aligned, arch, tile)
+    if isinstance(tile, BwdSm90Tile) or (tile is None and uses_sm90_backward(head_dim, aligned, arch, deterministic)):
+        if arch != "sm_90a" or not aligned or deterministic or head_dim % 8:
+            raise ValueError("the Hopper backward kernel needs sm_90a, 16-byte aligned inputs and deterministic=False")
+        spec = bwd_sm90_spec(head_dim, dtype, causal, tile)
+    else:
+        spec = bwd_spec(head_dim, dtype, causal, aligned, arch, tile)
     num_m_blocks = -(-seqlen_q // spec.tile.block_m)
     seqlen_q_pad = num_m_blocks * spec.tile.block_m
     rows_per_cta = BWD_AUX_THREADS // 32
@@ -569,8 +642,21 @@ def plan_backward(
     return BwdPlan(pre, main, convert, seqlen_q_pad, spec.head_dim, num_m_blocks)
 
 
+def bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90Tile | None = None) -> BwdSm90Spec:
+    bucket = head_dim_bucket(head_dim)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if bucket not in BWD_SM90_TILES:
+        raise ValueError(f"no Hopper backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_TILES)})")
+    tile = tile or BWD_SM90_TILES[bucket]
+    if tile.block_n != 128 or tile.block_m != 64 or tile.stages != 2:
+        raise ValueError(f"the Hopper backward kernel runs 128 keys x 64 queries, 2 stages; got {tile}")
+    return BwdSm90Spec(bucket, dtype, bool(causal), tile)
+
+
 def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False)):
-    """Every backward variant (main, preprocess, convert) for ``arch``."""
+    """Every backward variant (main, preprocess, convert) for ``arch``; on sm_90a also the Hopper main
+    kernel for the aligned variants of its buckets."""
     specs: list = []
     for dt in dtypes:
         for al in aligned:
@@ -579,6 +665,8 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                 bucket = head_dim_bucket(d)
                 for c in causals:
                     specs.append(BwdSpec(bucket, dt, c, al, bwd_tile(bucket, arch), arch))
+                    if al and uses_sm90_backward(bucket, True, arch, False):
+                        specs.append(bwd_sm90_spec(bucket, dt, c))
     return list(dict.fromkeys(specs))
 
 

@@ -69,20 +69,23 @@ def check_forward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", t
     return err, bound
 
 
-def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", deterministic=False, rng=None):
+def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", deterministic=False, rng=None,
+                   tile=None):  # fmt: skip
     """Forward with cuflash, then cuflash.attention_backward into NaN-poisoned dq/dk/dv, each gradient
-    held to DESIGN.md's rule for gradients: 3x the plain same-precision error + 1e-5, NaN never passes."""
+    held to DESIGN.md's rule for gradients: 3x the plain same-precision error + 1e-5, NaN never passes.
+    A `tile` (plan.BwdTile or plan.BwdSm90Tile) forces that main kernel instead of the planner's choice."""
     import cupy
 
     import cuflash
+    from cuflash.backward import _backward  # attention_backward plus the tile to force
 
     out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
     rng = rng if rng is not None else np.random.default_rng()  # pass the case's rng to make a failure replayable
     dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES[dtype]))
     grads = [poisoned(x.shape, dtype) for x in (q, k, v)]
-    ret = cuflash.attention_backward(
+    ret = _backward(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-        dq=grads[0], dk=grads[1], dv=grads[2],
+        dq=grads[0], dk=grads[1], dv=grads[2], tile=tile,
     )  # fmt: skip
     assert all(r is g for r, g in zip(ret, grads))
     refs = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale)

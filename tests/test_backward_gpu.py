@@ -94,6 +94,27 @@ def test_backward_property(case):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk,h,hk", [(300, 333, 4, 2), (1, 700, 2, 1), (700, 1, 2, 2), (513, 1025, 2, 1), (128, 128, 1, 1)])
+def test_both_backward_kernels(dtype, head_dim, causal, sq, sk, h, hk):
+    """On Hopper the planner runs the wgmma backward for these inputs: check it and the mma.sync kernel
+    (other GPUs, unaligned inputs, other buckets, deterministic mode) on the same data."""
+    from cuflash import jit, plan
+
+    arch = jit.device_arch(0)
+    rng = np.random.default_rng()
+    q = randn(rng, (2, sq, h, head_dim), dtype)
+    k = randn(rng, (2, sk, hk, head_dim), dtype)
+    v = randn(rng, (2, sk, hk, head_dim), dtype)
+    tiles = [plan.bwd_tile(head_dim, arch)]
+    if arch == "sm_90a":
+        tiles.append(plan.BWD_SM90_TILES[head_dim])
+    for tile in tiles:
+        check_backward(q, k, v, causal=causal, dtype=dtype, tile=tile, rng=rng, what=f"{tile} sq={sq} sk={sk}")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_mode_is_bitwise_reproducible(causal):
     """deterministic=True: 50 runs give bitwise identical dq, dk, dv (GQA, many key blocks per query block)."""

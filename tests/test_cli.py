@@ -219,7 +219,10 @@ def test_precompile_all_selects_every_variant(cache, recorder):
     n_fwd = 2 * len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 2
     assert len([s for s in expected if s.family == "flash_fwd"]) == n_fwd
     # backward: main kernels as many as the forward, plus preprocess and convert per dtype and load path
-    assert len([s for s in expected if s.family.startswith("flash_bwd")]) == n_fwd + 2 * 2 * 2 * 2
+    assert len([s for s in expected if s.family in ("flash_bwd", "flash_bwd_pre", "flash_bwd_convert")]) == n_fwd + 2 * 2 * 2 * 2
+    # and the Hopper kernels, sm_90a only
+    assert len([s for s in expected if s.family == "flash_fwd_sm90"]) == len(plan.FWD_SM90_TILES) * 2 * 2
+    assert len([s for s in expected if s.family == "flash_bwd_sm90"]) == len(plan.BWD_SM90_TILES) * 2 * 2
     assert recorder.specs == expected
     assert f"{len(expected)} variants: {len(expected)} compiled" in r.output
 

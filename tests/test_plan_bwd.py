@@ -79,5 +79,48 @@ def test_plan_backward_errors(kwargs, match):
 
 def test_all_bwd_specs_lists_every_variant_once():
     specs = plan.all_bwd_specs("sm_90a")
-    assert len(specs) == len(set(specs)) == 8 * 2 * 2 * 2 + 2 * 2 * 2  # main + (pre, convert) x dtype x load path
+    hopper = len(plan.BWD_SM90_TILES) * 2 * 2  # buckets x dtype x causal, aligned only
+    assert len(specs) == len(set(specs)) == 8 * 2 * 2 * 2 + 2 * 2 * 2 + hopper  # main + (pre, convert) x dtype x load path
     assert len({s.name for s in specs}) == len(specs)
+    assert not [s for s in plan.all_bwd_specs("sm_80") if s.family == "flash_bwd_sm90"]
+
+
+def _bwd_plan(head_dim=128, arch="sm_90a", aligned=True, deterministic=False, tile=None):
+    return plan.plan_backward(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=head_dim,
+                              dtype="bf16", causal=True, aligned=aligned, arch=arch, tile=tile,
+                              deterministic=deterministic)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [64, 56, 128, 120])
+def test_hopper_backward_where_it_can(head_dim):
+    bp = _bwd_plan(head_dim)
+    spec, t = bp.main.spec, bp.main.spec.tile
+    assert spec.family == "flash_bwd_sm90" and t == plan.BWD_SM90_TILES[plan.head_dim_bucket(head_dim)]
+    assert bp.main.grid == (-(-700 // 128), 2, 2) and bp.main.block == (256, 1, 1)
+    assert bp.num_m_blocks == -(-1000 // 64) and bp.seqlen_q_pad == bp.num_m_blocks * 64
+    d = spec.head_dim
+    assert bp.main.smem_bytes == 1024 + 2 * 128 * d * 2 + 4 * 64 * d * 2 + 128 * 64 * 2 + 2 * 2 * 64 * 4 <= 227 * 1024
+    # the dQ layout the convert kernel is told: 4 warps of 16 rows x a column half per warpgroup
+    assert t.warp_tiles(d)["dq"] == (16, d // 2) and t.dq_q_warps == 4 and t.warps == 8
+    assert spec.template_args() == f"{d}, 128, true, true"
+    # the mma.sync kernel elsewhere
+    assert _bwd_plan(head_dim, deterministic=True).main.spec.family == "flash_bwd"  # ordered dQ additions
+    assert _bwd_plan(head_dim, arch="sm_80").main.spec.family == "flash_bwd"
+    assert _bwd_plan(head_dim, aligned=False).main.spec.family == "flash_bwd"
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 256])
+def test_other_buckets_run_the_mma_sync_backward(head_dim):
+    assert _bwd_plan(head_dim).main.spec.family == "flash_bwd"
+
+
+def test_hopper_backward_tile_errors():
+    assert _bwd_plan(128, tile=plan.BwdSm90Tile()).main.spec.family == "flash_bwd_sm90"
+    assert _bwd_plan(128, tile=plan.BWD_TILES[128]).main.spec.family == "flash_bwd"
+    for kwargs in (dict(arch="sm_80"), dict(aligned=False), dict(deterministic=True)):
+        with pytest.raises(ValueError, match="Hopper backward"):
+            _bwd_plan(128, tile=plan.BwdSm90Tile(), **kwargs)
+    with pytest.raises(ValueError, match="no Hopper backward tile"):
+        _bwd_plan(256, tile=plan.BwdSm90Tile())
+    with pytest.raises(ValueError, match="128 keys x 64 queries"):
+        _bwd_plan(128, tile=plan.BwdSm90Tile(block_n=64))

@@ -24,6 +24,7 @@ def test_every_wrapper_the_kernels_need_is_there():
     assert needed <= set(gen_wgmma.N_VALUES)
     for n in gen_wgmma.N_VALUES:
         for bf16 in ("true", "false"):
-            assert f"wgmma_ss<{n}, {bf16}>(float (&d)[{n // 2}]" in text
             assert f"wgmma_rs<{n}, {bf16}>(float (&d)[{n // 2}]" in text
+        for t in ("bf16", "f16"):
+            assert f"wgmma_ss_n{n}_{t}(float (&d)[{n // 2}]" in text
         assert f"m64n{n}k16.f32.bf16.bf16" in text and f"m64n{n}k16.f32.f16.f16" in text

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 #: N of the m64nNk16 shapes the kernels use: key-tile widths (S = Q K^T) and head-dim buckets (O += P V).
-N_VALUES = (64, 128, 192, 256)
+N_VALUES = (32, 64, 128, 192, 256)
 DTYPES = (("true", "bf16"), ("false", "f16"))
 
 HEADER = """\
@@ -24,8 +24,8 @@ HEADER = """\
 // accumulators, issued by all 128 threads of a warpgroup. Accumulator layout per warp w of the
 // group (g = lane / 4, t = lane % 4): d[4i + 0..1] = (row 16w + g, columns 8i + 2t..2t+1),
 // d[4i + 2..3] = (row 16w + g + 8, same columns): mma.sync's m16n8 C layout repeated N/8 times.
-//   wgmma_ss: A and B from shared memory (64-bit matrix descriptors), both K-major.
-//             accumulate = false overwrites D (D = A B).
+//   wgmma_ss: A and B from shared memory (64-bit matrix descriptors); kTransA / kTransB = 0 for
+//             K-major, 1 for M-major A / N-major B. accumulate = false overwrites D (D = A B).
 //   wgmma_rs: A from registers (mma.sync's m16n8k16 A fragment per warp), B from shared memory,
 //             MN-major (transposed: B stored with N contiguous), D += A B.
 // The calls are asynchronous: bracket them with wgmma_fence() ... wgmma_commit(); wgmma_wait<n>().
@@ -50,8 +50,14 @@ CUFLASH_DEVICE void wgmma_fence_operands(float (&d)[kN]) {
     for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <int kN, bool kIsBF16>
-CUFLASH_DEVICE void wgmma_ss(float (&d)[kN / 2], u64 desc_a, u64 desc_b, bool accumulate);
+template <int kN>
+CUFLASH_DEVICE void wgmma_fence_operands(u32 (&a)[kN][4]) {  // A fragments read by an in-flight wgmma_rs
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
 template <int kN, bool kIsBF16>
 CUFLASH_DEVICE void wgmma_rs(float (&d)[kN / 2], const u32 (&a)[4], u64 desc_b);
 """
@@ -73,12 +79,13 @@ def wrapper(n: int, bf16: str, ptx_type: str, kind: str) -> str:
     shape = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type}"
     d_list = "{" + _placeholders(0, regs) + "}"
     if kind == "ss":
-        sig = f"wgmma_ss<{n}, {bf16}>(float (&d)[{regs}], u64 desc_a, u64 desc_b, bool accumulate)"
+        sig = (f"wgmma_ss<{n}, {bf16}, kTransA, kTransB>(float (&d)[{regs}], u64 desc_a, u64 desc_b, "
+               f"bool accumulate)")
         body = (
             f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
-            f'        "{shape} {d_list}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
+            f'        "{shape} {d_list}, %{regs}, %{regs + 1}, p, 1, 1, %{regs + 3}, %{regs + 4};\\n}}\\n"\n'
             f"        :\n{_operands(regs)}\n"
-            f'        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));'
+            f'        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kTransA), "n"(kTransB));'
         )
     else:
         sig = f"wgmma_rs<{n}, {bf16}>(float (&d)[{regs}], const u32 (&a)[4], u64 desc_b)"
@@ -88,7 +95,30 @@ def wrapper(n: int, bf16: str, ptx_type: str, kind: str) -> str:
             f"        :\n{_operands(regs)}\n"
             f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));'
         )
-    return f"template <>\nCUFLASH_DEVICE void {sig} {{\n    asm volatile(\n{body}\n}}\n"
+    tmpl = "template <int kTransA, int kTransB>" if kind == "ss" else "template <>"
+    if kind == "ss":  # a partial specialization of a function template is not C++: overload on a tag
+        sig = sig.replace(f"wgmma_ss<{n}, {bf16}, kTransA, kTransB>(", f"wgmma_ss_n{n}_{ptx_type}(")
+    return f"{tmpl}\nCUFLASH_DEVICE void {sig} {{\n    asm volatile(\n{body}\n}}\n"
+
+
+def dispatcher() -> str:
+    """wgmma_ss<N, bf16, transA, transB>: picks the generated wgmma_ss_n<N>_<type> function."""
+    lines = [
+        "template <int kN, bool kIsBF16, int kTransA = 0, int kTransB = 0>",
+        "CUFLASH_DEVICE void wgmma_ss(float (&d)[kN / 2], u64 desc_a, u64 desc_b, bool accumulate) {",
+    ]
+    first = True
+    for n in N_VALUES:
+        for bf16, ptx_type in DTYPES:
+            cond = f"kN == {n} && {'kIsBF16' if bf16 == 'true' else '!kIsBF16'}"
+            lines.append(f"    {'if' if first else '} else if'} constexpr ({cond}) {{")
+            lines.append(f"        wgmma_ss_n{n}_{ptx_type}<kTransA, kTransB>(d, desc_a, desc_b, accumulate);")
+            first = False
+    lines.append("    } else {")
+    lines.append('        static_assert(kN == 0, "no generated wgmma of this N: add it to tools/gen_wgmma.py N_VALUES");')
+    lines.append("    }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
 
 
 def generate() -> str:
@@ -97,6 +127,7 @@ def generate() -> str:
         for bf16, ptx_type in DTYPES:
             for kind in ("ss", "rs"):
                 parts.append("\n" + wrapper(n, bf16, ptx_type, kind))
+    parts.append("\n" + dispatcher())
     parts.append("\n}  // namespace cuflash\n")
     return "".join(parts)
 

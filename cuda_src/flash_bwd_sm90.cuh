@@ -1,0 +1,264 @@
+// FlashAttention-2 backward main kernel on Hopper warpgroup MMA (wgmma, sm_90a only).
+//
+// Computes what flash_bwd_kernel (flash_bwd.cuh) computes and writes the same outputs: dK and dV of
+// its keys (summed over the query heads of a GQA group) and its part of dQ, added with fp32 vector
+// reductions to dq_accum in the layout flash_bwd_convert_kernel reads. The preprocess (D, lse_log2)
+// and convert kernels of flash_bwd.cuh run around it unchanged. Read that file's header first.
+//
+// Grid and tiles
+//   grid  = (ceil(seqlen_k / kBlockN), nheads_kv, batch): CTA (n, hk, b) owns keys [n kBlockN, ...)
+//           and walks every (query head of the group, query block of kBlockM = 64 rows) that sees them.
+//   block = kBlockN / 64 warpgroups. Warpgroup w owns keys [64 w, 64 w + 64) of the CTA; warp i of
+//           it owns key rows 64 w + 16 i + (g, g + 8) of every accumulator (g = lane / 4).
+//   Per query block, warpgroup w:
+//     S^T  = K_w Q^T, dP^T = V_w dO^T        wgmma m64n64, A = K_w / V_w, B = Q / dO, all from smem
+//     P^T  = exp2(S^T scale_log2 - lse_log2[q]),  dS^T = P^T (dP^T - D[q])   (registers; causal mask)
+//     dV_w += P^T dO,  dK_w += dS^T Q         wgmma m64n{d}, A = P^T / dS^T from registers, B = dO / Q
+//                                             read N-major; dK, dV accumulate in registers all along
+//     dS^T -> smem (every warpgroup's 64 keys), barrier, then
+//     dQ[:, w d/2 .. (w+1) d/2] = dS K        wgmma m64n{d/2}, A = dS read M-major from the dS^T rows,
+//                                             B = K read N-major: one column half per warpgroup
+//     dq_accum += dQ part                     red.global.add.v4.f32 in register order
+//   smem  = K, V [kBlockN x d] + 2 x (Q, dO [64 x d]) + dS^T [kBlockN x 64] + 2 x (lse_log2, D [64]);
+//           every tile in the 128-byte swizzled layout of load_tile_sw128 (flash_fwd_sm90.cuh),
+//           1024-byte aligned. Query block i+1 streams in (cp.async) while block i is used.
+//
+// Preconditions (cuflash/plan.py picks this kernel only then): sm_90a; 16-byte aligned rows and
+// head_dim % 8 == 0; head-dim bucket 64 or 128; deterministic mode off (it runs flash_bwd_kernel).
+#pragma once
+
+#include "flash_bwd.cuh"
+#include "flash_fwd_sm90.cuh"
+
+namespace cuflash {
+
+template <int kHeadDim_, int kBlockN_, bool kIsBF16_, bool kIsCausal_>
+struct Sm90BwdConfig {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = 64;  // query rows per iteration: the N of S^T, one wgmma M of dQ
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr bool kIsBF16 = kIsBF16_;
+    static constexpr bool kIsCausal = kIsCausal_;
+
+    static constexpr int kWarpGroups = kBlockN / 64;
+    static constexpr int kNWarps = 4 * kWarpGroups;
+    static constexpr int kNThreads = 32 * kNWarps;
+    static constexpr int kChunksPerRow = kHeadDim / 8;  // load_tile_sw128
+    static constexpr int kDQCols = kHeadDim / kWarpGroups;  // dQ columns per warpgroup
+
+    static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
+    static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
+    static constexpr int kTileBytesDS = kBlockN * kBlockM * 2;
+    static constexpr int kSmemBytes = 1024 + 2 * kTileBytesKV + 4 * kTileBytesQ + kTileBytesDS + 2 * 2 * kBlockM * 4;
+
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "dK + dV accumulators: at most 128 registers");
+    static_assert(kBlockN == 128, "two warpgroups: the dQ column halves");
+    static_assert(kDQCols % 32 == 0, "dQ halves are whole wgmma N blocks");
+};
+
+template <class Cfg>
+CUFLASH_DEVICE void flash_bwd_sm90_kernel(const BwdParams& p) {
+    constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+    constexpr bool kBF16 = Cfg::kIsBF16;
+    constexpr int kNB = kBlockM / 8;           // 8-column blocks of S^T (queries)
+    constexpr int kQSteps = kBlockM / 16;      // k-steps of dV, dK (over queries)
+    constexpr int kDSteps = kHeadDim / 16;     // k-steps of S^T, dP^T (over the head dim)
+    constexpr int kKeySteps = kBlockN / 16;    // k-steps of dQ (over keys)
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wg = warp / 4, g = lane / 4, t = lane % 4;
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = n_block * kBlockN;
+    const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
+
+    const int m_begin = Cfg::kIsCausal ? max(0, n0 - offset) / kBlockM : 0;
+    const int n_m = max(0, p.num_m_blocks - m_begin);
+    const int n_iters = p.head_ratio * n_m;  // (query head of the group, query block) pairs
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const u32 s_k = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const u32 s_v = s_k + Cfg::kTileBytesKV;
+    const u32 s_q0 = s_v + Cfg::kTileBytesKV;          // 2 stages
+    const u32 s_do0 = s_q0 + 2 * Cfg::kTileBytesQ;     // 2 stages
+    const u32 s_ds = s_do0 + 2 * Cfg::kTileBytesQ;     // dS^T [key][query], swizzled rows of 128 bytes
+    const u32 s_rows0 = s_ds + Cfg::kTileBytesDS;      // 2 stages x (lse_log2[64], D[64]) floats
+    const float* s_rows = reinterpret_cast<const float*>(smem_raw + (s_rows0 - smem_u32(smem_raw)));
+
+    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
+    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
+
+    auto load_query_side = [&](int it, int stage) {
+        const int h = hk * p.head_ratio + it / n_m;
+        const int m0 = (m_begin + it % n_m) * kBlockM;
+        const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+        const u16* g_do = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+        load_tile_sw128<Cfg, kBlockM>(s_q0 + stage * Cfg::kTileBytesQ, g_q, p.q_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+        load_tile_sw128<Cfg, kBlockM>(s_do0 + stage * Cfg::kTileBytesQ, g_do, p.do_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+        // lse_log2 and D rows are padded to whole query blocks: no bounds to check.
+        const i64 row0 = ((i64)b * p.nheads + h) * p.seqlen_q_pad + m0;
+        const u32 s_dst = s_rows0 + stage * 2 * kBlockM * 4;
+        if (tid < kBlockM / 4) {
+            cp_async_16(s_dst + 16 * tid, p.lse_log2 + row0 + 4 * tid, true);
+        } else if (tid < kBlockM / 2) {
+            const int c = tid - kBlockM / 4;
+            cp_async_16(s_dst + kBlockM * 4 + 16 * c, p.dsum + row0 + 4 * c, true);
+        }
+    };
+
+    load_tile_sw128<Cfg, kBlockN>(s_k, g_k, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    load_tile_sw128<Cfg, kBlockN>(s_v, g_v, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    if (n_iters > 0) load_query_side(0, 0);
+    cp_async_commit();
+
+    // Descriptors (see flash_fwd_sm90.cuh). K-major A/B: k-step ks of the head dim moves 32 bytes
+    // inside a 64-column atom, atoms are rows * 128 bytes apart. N-major B (dO, Q as B of dV, dK; K as
+    // B of dQ) and M-major A (dS^T rows as A of dQ): 64-column atoms rows * 128 bytes apart (leading
+    // offset), 16 rows of k per step = 2048 bytes.
+    auto kstep = [](int ks, int rows) { return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4); };
+    const u64 desc_k_w = sw128_desc(s_k + wg * 64 * 128, 16);
+    const u64 desc_v_w = sw128_desc(s_v + wg * 64 * 128, 16);
+    const u64 desc_q0 = sw128_desc(s_q0, 16);
+    const u64 desc_do0 = sw128_desc(s_do0, 16);
+    const u64 desc_q0_n = sw128_desc(s_q0, kBlockM * 128);
+    const u64 desc_do0_n = sw128_desc(s_do0, kBlockM * 128);
+    const u64 desc_ds = sw128_desc(s_ds, kBlockN * 128);
+    // dQ columns [wg * kDQCols, ...) of K: whole atoms (hd128) or half an atom (hd64: +64 bytes).
+    const u64 desc_k_dq = sw128_desc(s_k + (wg * Cfg::kDQCols / 64) * kBlockN * 128 + (wg * Cfg::kDQCols % 64) * 2, kBlockN * 128);
+    constexpr u64 kQStage = Cfg::kTileBytesQ >> 4;
+
+    float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    const int key_local = wg * 64 + (warp % 4) * 16 + g;  // this thread's key rows: key_local, key_local + 8
+
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = it & 1;
+        const int h = hk * p.head_ratio + it / n_m;
+        const int m_block = m_begin + it % n_m;
+        const int m0 = m_block * kBlockM;
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+        // Query block it visible to every warpgroup; every warpgroup is done with iteration it-1 (its
+        // stage and dS^T), so the other stage can take block it+1.
+        __syncthreads();
+        if (it + 1 < n_iters) load_query_side(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        // ---- S^T = K_w Q^T, dP^T = V_w dO^T
+        float S[kNB][4], dP[kNB][4];
+        float(&s_acc)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(S);
+        float(&dp_acc)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(dP);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kDSteps; ++ks) {
+            wgmma_ss<kBlockM, kBF16>(s_acc, desc_k_w + kstep(ks, kBlockN), desc_q0 + stage * kQStage + kstep(ks, kBlockM), ks > 0);
+        }
+#pragma unroll
+        for (int ks = 0; ks < kDSteps; ++ks) {
+            wgmma_ss<kBlockM, kBF16>(dp_acc, desc_v_w + kstep(ks, kBlockN), desc_do0 + stage * kQStage + kstep(ks, kBlockM), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(s_acc);
+        wgmma_fence_operands(dp_acc);
+
+        // ---- P^T = exp2(S^T scale_log2 - lse_log2[i]), dS^T = P^T (dP^T - D[i]), packed as A fragments
+        const float* s_lse = s_rows + stage * 2 * kBlockM;
+        const float* s_d = s_lse + kBlockM;
+        const bool need_mask = Cfg::kIsCausal && n0 + kBlockN - 1 > m0 + offset;
+        u32 a_p[kQSteps][4], a_ds[kQSteps][4];
+#pragma unroll
+        for (int nb = 0; nb < kNB; ++nb) {
+            const int col = 8 * nb + 2 * t;
+            const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
+            const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
+            u32 pk[2], dk[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float p0 = fast_exp2(fmaf(S[nb][2 * r], p.scale_log2, -l2.x));
+                float p1 = fast_exp2(fmaf(S[nb][2 * r + 1], p.scale_log2, -l2.y));
+                if (need_mask) {
+                    const int j = n0 + key_local + 8 * r, i = m0 + col;
+                    if (j > i + offset) p0 = 0.f;
+                    if (j > i + 1 + offset) p1 = 0.f;
+                }
+                pk[r] = pack2<kBF16>(p0, p1);
+                dk[r] = pack2<kBF16>(p0 * (dP[nb][2 * r] - dd.x), p1 * (dP[nb][2 * r + 1] - dd.y));
+            }
+            // A fragment of k-step nb / 2: rows g / g+8 x queries 2t.. of blocks 2kk (regs 0, 1), 2kk+1 (2, 3)
+            a_p[nb / 2][2 * (nb % 2)] = pk[0];
+            a_p[nb / 2][2 * (nb % 2) + 1] = pk[1];
+            a_ds[nb / 2][2 * (nb % 2)] = dk[0];
+            a_ds[nb / 2][2 * (nb % 2) + 1] = dk[1];
+            // dS^T rows to smem: row key_local (+8), 16-byte chunk nb swizzled by the row, bytes 4t..4t+3.
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = key_local + 8 * r;
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t), "r"(dk[r]));
+            }
+        }
+
+        // ---- dV += P^T dO, dK += dS^T Q (in flight while dS^T is shared and dQ runs)
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk) {
+            wgmma_rs<kHeadDim, kBF16>(acc_dv, a_p[kk], desc_do0_n + stage * kQStage + static_cast<u64>(kk * 128));
+        }
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk) {
+            wgmma_rs<kHeadDim, kBF16>(acc_dk, a_ds[kk], desc_q0_n + stage * kQStage + static_cast<u64>(kk * 128));
+        }
+        wgmma_commit();
+
+        fence_proxy_async_smem();
+        __syncthreads();  // dS^T of every warpgroup's keys in smem
+
+        // ---- dQ part: rows [m0, m0 + 64) x columns [wg kDQCols, ...) = dS K over the CTA's keys
+        float acc_dq[Cfg::kDQCols / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKeySteps; ++kk) {
+            wgmma_ss<Cfg::kDQCols, kBF16, 1, 1>(acc_dq, desc_ds + static_cast<u64>(kk * 128), desc_k_dq + static_cast<u64>(kk * 128), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc_dq);
+        wgmma_fence_operands(acc_dv);
+        wgmma_fence_operands(acc_dk);
+        wgmma_fence_operands(a_p);
+        wgmma_fence_operands(a_ds);
+
+        // Register order of flash_bwd_convert_kernel with dq_q_warps = 4 warps of 16 rows along the
+        // queries and kWarpGroups column blocks of kDQCols: warp w = 4 wg + i, float4 group db.
+        constexpr int kDB = Cfg::kDQCols / 8;
+        float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * p.dq_accum_cols + (warp * kDB) * 128 + lane * 4;
+#pragma unroll
+        for (int db = 0; db < kDB; ++db) {
+            red_add_f32x4(g_dq + db * 128, acc_dq[4 * db], acc_dq[4 * db + 1], acc_dq[4 * db + 2], acc_dq[4 * db + 3]);
+        }
+    }
+
+    cp_async_wait<0>();  // nothing left in flight (a CTA without query blocks still loaded K and V)
+    // Epilogue: dK = scale * (dS^T Q summed), dV as accumulated; rows beyond seqlen_k and columns
+    // beyond head_dim are not written. Accumulator (row r, 8-column block db): acc[4 db + 2 r + e].
+    u16* g_dk = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+    u16* g_dv = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = n0 + key_local + 8 * r;
+        if (j >= p.seqlen_k) continue;
+        u16* dk_row = g_dk + j * p.dk_row_stride;
+        u16* dv_row = g_dv + j * p.dv_row_stride;
+#pragma unroll
+        for (int db = 0; db < kHeadDim / 8; ++db) {
+            const int col = 8 * db + 2 * t;
+            if (col < p.head_dim) {  // head_dim % 8 == 0: both columns are in or both out
+                *reinterpret_cast<u32*>(dk_row + col) =
+                    pack2<kBF16>(acc_dk[4 * db + 2 * r] * p.softmax_scale, acc_dk[4 * db + 2 * r + 1] * p.softmax_scale);
+                *reinterpret_cast<u32*>(dv_row + col) = pack2<kBF16>(acc_dv[4 * db + 2 * r], acc_dv[4 * db + 2 * r + 1]);
+            }
+        }
+    }
+}
+
+}  // namespace cuflash
