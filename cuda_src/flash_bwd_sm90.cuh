@@ -23,8 +23,15 @@
 //           every tile in the 128-byte swizzled layout of load_tile_sw128 (flash_fwd_sm90.cuh),
 //           1024-byte aligned. Query block i+1 streams in (cp.async) while block i is used.
 //
+// Head dim 256 (kBlockN == 64: flash_bwd_sm90_split_kernel): dK + dV of 64 keys x 256 columns would
+// take 256 registers per thread, so the two warpgroups split the work instead of the keys. Per
+// query block: warpgroup 0 computes S^T and P^T (64 keys x 64 queries), warpgroup 1 dP^T; P^T goes
+// to warpgroup 1 through smem (fp32), which forms dS^T and shares it (bf16, swizzled); then each
+// warpgroup accumulates dV, dK and computes dQ for its half of the head dim (128 columns).
+//
 // Preconditions (cuflash/plan.py picks this kernel only then): sm_90a; 16-byte aligned rows and
-// head_dim % 8 == 0; head-dim bucket 64 or 128; deterministic mode off (it runs flash_bwd_kernel).
+// head_dim % 8 == 0; head-dim bucket 64 or 128 (kBlockN 128) or 256 (kBlockN 64); deterministic mode
+// off (it runs flash_bwd_kernel).
 #pragma once
 
 #include "flash_bwd.cuh"
@@ -39,25 +46,49 @@ struct Sm90BwdConfig {
     static constexpr int kBlockN = kBlockN_;
     static constexpr bool kIsBF16 = kIsBF16_;
     static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr bool kSplit = kBlockN == 64;  // warpgroups split the head dim, not the keys
 
-    static constexpr int kWarpGroups = kBlockN / 64;
-    static constexpr int kNWarps = 4 * kWarpGroups;
+    static constexpr int kNWarps = 8;  // two warpgroups
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kChunksPerRow = kHeadDim / 8;  // load_tile_sw128
-    static constexpr int kDQCols = kHeadDim / kWarpGroups;  // dQ columns per warpgroup
+    static constexpr int kDQCols = kHeadDim / 2;        // dQ (and, split, dK / dV) columns per warpgroup
 
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
     static constexpr int kTileBytesDS = kBlockN * kBlockM * 2;
-    static constexpr int kSmemBytes = 1024 + 2 * kTileBytesKV + 4 * kTileBytesQ + kTileBytesDS + 2 * 2 * kBlockM * 4;
+    static constexpr int kPStride = kBlockM + 4;  // fp32 P^T exchange rows (split): 16 bytes of padding
+    static constexpr int kExchangeBytes = kSplit ? kBlockN * kPStride * 4 : 0;
+    static constexpr int kSmemBytes =
+        1024 + 2 * kTileBytesKV + 4 * kTileBytesQ + kTileBytesDS + kExchangeBytes + 2 * 2 * kBlockM * 4;
 
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "dK + dV accumulators: at most 128 registers");
-    static_assert(kBlockN == 128, "two warpgroups: the dQ column halves");
+    static_assert(kSplit ? kHeadDim == 256 : (kHeadDim == 64 || kHeadDim == 128),
+                  "dK + dV accumulators: at most 128 registers per thread");
+    static_assert(kBlockN == 128 || kBlockN == 64, "keys per CTA: 64 per warpgroup, or 64 split");
     static_assert(kDQCols % 32 == 0, "dQ halves are whole wgmma N blocks");
 };
 
+// Query block m0 of query head h into one stage: Q and dO tiles (swizzled), lse_log2 and D rows.
 template <class Cfg>
-CUFLASH_DEVICE void flash_bwd_sm90_kernel(const BwdParams& p) {
+CUFLASH_DEVICE void bwd_sm90_load_query_block(const BwdParams& p, int b, int h, int m0, u32 s_q, u32 s_do, u32 s_rows,
+                                              int tid) {
+    constexpr int kBlockM = Cfg::kBlockM;
+    const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+    const u16* g_do = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+    load_tile_sw128<Cfg, kBlockM>(s_q, g_q, p.q_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+    load_tile_sw128<Cfg, kBlockM>(s_do, g_do, p.do_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+    // lse_log2 and D rows are padded to whole query blocks: no bounds to check.
+    const i64 row0 = ((i64)b * p.nheads + h) * p.seqlen_q_pad + m0;
+    if (tid < kBlockM / 4) {
+        cp_async_16(s_rows + 16 * tid, p.lse_log2 + row0 + 4 * tid, true);
+    } else if (tid < kBlockM / 2) {
+        const int c = tid - kBlockM / 4;
+        cp_async_16(s_rows + kBlockM * 4 + 16 * c, p.dsum + row0 + 4 * c, true);
+    }
+}
+
+// Head dims 64 and 128: each warpgroup owns 64 keys (see the header).
+template <class Cfg>
+CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
     constexpr bool kBF16 = Cfg::kIsBF16;
     constexpr int kNB = kBlockM / 8;           // 8-column blocks of S^T (queries)
@@ -87,22 +118,11 @@ CUFLASH_DEVICE void flash_bwd_sm90_kernel(const BwdParams& p) {
     const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
     const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
 
+    // Iteration it covers query head hk * head_ratio + it / n_m and query block m_begin + it % n_m.
     auto load_query_side = [&](int it, int stage) {
-        const int h = hk * p.head_ratio + it / n_m;
-        const int m0 = (m_begin + it % n_m) * kBlockM;
-        const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-        const u16* g_do = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
-        load_tile_sw128<Cfg, kBlockM>(s_q0 + stage * Cfg::kTileBytesQ, g_q, p.q_row_stride, p.seqlen_q - m0, p.head_dim, tid);
-        load_tile_sw128<Cfg, kBlockM>(s_do0 + stage * Cfg::kTileBytesQ, g_do, p.do_row_stride, p.seqlen_q - m0, p.head_dim, tid);
-        // lse_log2 and D rows are padded to whole query blocks: no bounds to check.
-        const i64 row0 = ((i64)b * p.nheads + h) * p.seqlen_q_pad + m0;
-        const u32 s_dst = s_rows0 + stage * 2 * kBlockM * 4;
-        if (tid < kBlockM / 4) {
-            cp_async_16(s_dst + 16 * tid, p.lse_log2 + row0 + 4 * tid, true);
-        } else if (tid < kBlockM / 2) {
-            const int c = tid - kBlockM / 4;
-            cp_async_16(s_dst + kBlockM * 4 + 16 * c, p.dsum + row0 + 4 * c, true);
-        }
+        bwd_sm90_load_query_block<Cfg>(p, b, hk * p.head_ratio + it / n_m, (m_begin + it % n_m) * kBlockM,
+                                       s_q0 + stage * Cfg::kTileBytesQ, s_do0 + stage * Cfg::kTileBytesQ,
+                                       s_rows0 + stage * 2 * kBlockM * 4, tid);
     };
 
     load_tile_sw128<Cfg, kBlockN>(s_k, g_k, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
@@ -258,6 +278,206 @@ CUFLASH_DEVICE void flash_bwd_sm90_kernel(const BwdParams& p) {
                 *reinterpret_cast<u32*>(dv_row + col) = pack2<kBF16>(acc_dv[4 * db + 2 * r], acc_dv[4 * db + 2 * r + 1]);
             }
         }
+    }
+}
+
+// Head dim 256: warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, then each accumulates
+// dV, dK and computes dQ for its half of the head dim (see the header).
+template <class Cfg>
+CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
+    constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHalf = Cfg::kDQCols;
+    constexpr bool kBF16 = Cfg::kIsBF16;
+    constexpr int kNB = kBlockM / 8, kQSteps = kBlockM / 16, kDSteps = Cfg::kHeadDim / 16, kKeySteps = kBlockN / 16;
+    constexpr int kPStride = Cfg::kPStride;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wg = warp / 4, g = lane / 4, t = lane % 4;
+    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = n_block * kBlockN;
+    const int offset = p.seqlen_k - p.seqlen_q;
+
+    const int m_begin = Cfg::kIsCausal ? max(0, n0 - offset) / kBlockM : 0;
+    const int n_m = max(0, p.num_m_blocks - m_begin);
+    const int n_iters = p.head_ratio * n_m;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const u32 s_k = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const u32 s_v = s_k + Cfg::kTileBytesKV;
+    const u32 s_q0 = s_v + Cfg::kTileBytesKV;
+    const u32 s_do0 = s_q0 + 2 * Cfg::kTileBytesQ;
+    const u32 s_ds = s_do0 + 2 * Cfg::kTileBytesQ;       // dS^T [key][query], swizzled bf16 rows
+    const u32 s_pf = s_ds + Cfg::kTileBytesDS;           // P^T [key][kPStride] fp32: warpgroup 0 -> 1
+    const u32 s_rows0 = s_pf + Cfg::kExchangeBytes;
+    float* pf = reinterpret_cast<float*>(smem_raw + (s_pf - smem_u32(smem_raw)));
+    const float* s_rows = reinterpret_cast<const float*>(smem_raw + (s_rows0 - smem_u32(smem_raw)));
+
+    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
+    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
+    auto load_query_side = [&](int it, int stage) {
+        bwd_sm90_load_query_block<Cfg>(p, b, hk * p.head_ratio + it / n_m, (m_begin + it % n_m) * kBlockM,
+                                       s_q0 + stage * Cfg::kTileBytesQ, s_do0 + stage * Cfg::kTileBytesQ,
+                                       s_rows0 + stage * 2 * kBlockM * 4, tid);
+    };
+    load_tile_sw128<Cfg, kBlockN>(s_k, g_k, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    load_tile_sw128<Cfg, kBlockN>(s_v, g_v, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    if (n_iters > 0) load_query_side(0, 0);
+    cp_async_commit();
+
+    // Descriptors as in the pair kernel. Warpgroup 0 multiplies K by Q, warpgroup 1 V by dO; the
+    // head-dim half of warpgroup wg is 64-column atoms 2 wg and 2 wg + 1.
+    auto kstep = [](int ks, int rows) { return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4); };
+    const u64 desc_a = sw128_desc(wg == 0 ? s_k : s_v, 16);
+    const u64 desc_b0 = sw128_desc(wg == 0 ? s_q0 : s_do0, 16);
+    const u64 desc_do_half = sw128_desc(s_do0 + 2 * wg * kBlockM * 128, kBlockM * 128);
+    const u64 desc_q_half = sw128_desc(s_q0 + 2 * wg * kBlockM * 128, kBlockM * 128);
+    const u64 desc_ds = sw128_desc(s_ds, kBlockN * 128);
+    const u64 desc_k_half = sw128_desc(s_k + 2 * wg * kBlockN * 128, kBlockN * 128);
+    constexpr u64 kQStage = Cfg::kTileBytesQ >> 4;
+
+    float acc_dk[kHalf / 2], acc_dv[kHalf / 2];
+#pragma unroll
+    for (int i = 0; i < kHalf / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    const int key_local = (warp % 4) * 16 + g;  // this thread's key rows (both warpgroups): key_local, + 8
+
+    for (int it = 0; it < n_iters; ++it) {
+        const int stage = it & 1;
+        const int h = hk * p.head_ratio + it / n_m;
+        const int m0 = (m_begin + it % n_m) * kBlockM;
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+        __syncthreads();  // query block it visible; iteration it-1 finished everywhere
+        if (it + 1 < n_iters) load_query_side(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        // ---- warpgroup 0: X = S^T = K Q^T; warpgroup 1: X = dP^T = V dO^T
+        float X[kNB][4];
+        float(&x_acc)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(X);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kDSteps; ++ks) {
+            wgmma_ss<kBlockM, kBF16>(x_acc, desc_a + kstep(ks, kBlockN), desc_b0 + stage * kQStage + kstep(ks, kBlockM), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(x_acc);
+
+        const float* s_lse = s_rows + stage * 2 * kBlockM;
+        const float* s_d = s_lse + kBlockM;
+        u32 a_p[kQSteps][4], a_ds[kQSteps][4];
+        if (wg == 0) {  // P^T = exp2(S^T scale_log2 - lse_log2[i]) (causal mask), to registers and to warpgroup 1
+            const bool need_mask = Cfg::kIsCausal && n0 + kBlockN - 1 > m0 + offset;
+#pragma unroll
+            for (int nb = 0; nb < kNB; ++nb) {
+                const int col = 8 * nb + 2 * t;
+                const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    float p0 = fast_exp2(fmaf(X[nb][2 * r], p.scale_log2, -l2.x));
+                    float p1 = fast_exp2(fmaf(X[nb][2 * r + 1], p.scale_log2, -l2.y));
+                    if (need_mask) {
+                        const int j = n0 + key_local + 8 * r, i = m0 + col;
+                        if (j > i + offset) p0 = 0.f;
+                        if (j > i + 1 + offset) p1 = 0.f;
+                    }
+                    *reinterpret_cast<float2*>(pf + (key_local + 8 * r) * kPStride + col) = make_float2(p0, p1);
+                    a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(p0, p1);
+                }
+            }
+        }
+        __syncthreads();  // P^T in smem for warpgroup 1
+        if (wg == 1) {  // dS^T = P^T (dP^T - D[i]), to registers and to smem for both warpgroups
+#pragma unroll
+            for (int nb = 0; nb < kNB; ++nb) {
+                const int col = 8 * nb + 2 * t;
+                const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = key_local + 8 * r;
+                    const float2 pp = *reinterpret_cast<const float2*>(pf + row * kPStride + col);
+                    const u32 ds = pack2<kBF16>(pp.x * (X[nb][2 * r] - dd.x), pp.y * (X[nb][2 * r + 1] - dd.y));
+                    a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pp.x, pp.y);
+                    a_ds[nb / 2][2 * (nb % 2) + r] = ds;
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t), "r"(ds));
+                }
+            }
+        }
+        fence_proxy_async_smem();
+        __syncthreads();  // dS^T in smem
+        if (wg == 0) {
+#pragma unroll
+            for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = key_local + 8 * r;
+                    asm volatile("ld.shared.b32 %0, [%1];\n"
+                                 : "=r"(a_ds[nb / 2][2 * (nb % 2) + r])
+                                 : "r"(s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t));
+                }
+        }
+
+        // ---- dV[:, half] += P^T dO[:, half], dK[:, half] += dS^T Q[:, half]
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk) {
+            wgmma_rs<kHalf, kBF16>(acc_dv, a_p[kk], desc_do_half + stage * kQStage + static_cast<u64>(kk * 128));
+        }
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk) {
+            wgmma_rs<kHalf, kBF16>(acc_dk, a_ds[kk], desc_q_half + stage * kQStage + static_cast<u64>(kk * 128));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();  // before dQ's accumulators go live: keeps the thread under 255 registers
+        wgmma_fence_operands(acc_dv);
+        wgmma_fence_operands(acc_dk);
+        wgmma_fence_operands(a_p);
+        wgmma_fence_operands(a_ds);
+
+        // ---- dQ[:, half] = dS K[:, half] over the CTA's 64 keys
+        float acc_dq[kHalf / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKeySteps; ++kk) {
+            wgmma_ss<kHalf, kBF16, 1, 1>(acc_dq, desc_ds + static_cast<u64>(kk * 128), desc_k_half + static_cast<u64>(kk * 128), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc_dq);
+        constexpr int kDB = kHalf / 8;  // register order of flash_bwd_convert_kernel, as the pair kernel
+        float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * p.dq_accum_cols + (warp * kDB) * 128 + lane * 4;
+#pragma unroll
+        for (int db = 0; db < kDB; ++db) {
+            red_add_f32x4(g_dq + db * 128, acc_dq[4 * db], acc_dq[4 * db + 1], acc_dq[4 * db + 2], acc_dq[4 * db + 3]);
+        }
+    }
+
+    cp_async_wait<0>();
+    // Epilogue: this warpgroup's half of dK (scaled) and dV for the thread's two key rows.
+    u16* g_dk = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+    u16* g_dv = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = n0 + key_local + 8 * r;
+        if (j >= p.seqlen_k) continue;
+        u16* dk_row = g_dk + j * p.dk_row_stride;
+        u16* dv_row = g_dv + j * p.dv_row_stride;
+#pragma unroll
+        for (int db = 0; db < kHalf / 8; ++db) {
+            const int col = wg * kHalf + 8 * db + 2 * t;
+            if (col < p.head_dim) {
+                *reinterpret_cast<u32*>(dk_row + col) =
+                    pack2<kBF16>(acc_dk[4 * db + 2 * r] * p.softmax_scale, acc_dk[4 * db + 2 * r + 1] * p.softmax_scale);
+                *reinterpret_cast<u32*>(dv_row + col) = pack2<kBF16>(acc_dv[4 * db + 2 * r], acc_dv[4 * db + 2 * r + 1]);
+            }
+        }
+    }
+}
+
+template <class Cfg>
+CUFLASH_DEVICE void flash_bwd_sm90_kernel(const BwdParams& p) {
+    if constexpr (Cfg::kSplit) {
+        flash_bwd_sm90_split_kernel<Cfg>(p);
+    } else {
+        flash_bwd_sm90_pair_kernel<Cfg>(p);
     }
 }
 

@@ -514,9 +514,10 @@ class BwdAuxSpec:
 
 @dataclass(frozen=True)
 class BwdSm90Tile:
-    """Tile of the Hopper (wgmma) backward main kernel (cuda_src/flash_bwd_sm90.cuh): block_n keys per
-    CTA, one warpgroup per 64 of them, query blocks of 64 rows. Its dQ tile layout (what the convert
-    kernel reads) is 4 warps of 16 query rows x one head-dim column block per warpgroup."""
+    """Tile of the Hopper (wgmma) backward main kernel (cuda_src/flash_bwd_sm90.cuh): two warpgroups,
+    query blocks of 64 rows, and block_n keys per CTA: 128 (one warpgroup per 64 keys) or 64 (the
+    warpgroups split the work and the head dim, for d = 256). Either way the dQ tile layout (what the
+    convert kernel reads) is 4 warps of 16 query rows x one head-dim half per warpgroup."""
 
     block_n: int = 128
     block_m: int = 64
@@ -525,25 +526,28 @@ class BwdSm90Tile:
 
     @property
     def warps(self) -> int:
-        return self.block_n // 16
+        return 8
 
     @property
     def dq_q_warps(self) -> int:
         return 4
 
     def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
-        return {"dq": (16, head_dim_bucket // (self.block_n // 64))}
+        return {"dq": (16, head_dim_bucket // 2)}
 
 
-#: Head-dim buckets of the Hopper backward: dK + dV accumulators of 64 keys x d per warpgroup take
-#: d registers per thread, so d <= 128 (hd256 and the others run the mma.sync kernel).
-BWD_SM90_TILES: dict[int, BwdSm90Tile] = {64: BwdSm90Tile(), 128: BwdSm90Tile()}
+#: Hopper backward tiles. dK + dV accumulators of 64 keys x d per warpgroup take d registers per
+#: thread: d <= 128 gives each warpgroup its own 64 keys; d = 256 splits the head dim between the
+#: warpgroups instead (64 keys per CTA). Other buckets run the mma.sync kernel.
+BWD_SM90_TILES: dict[int, BwdSm90Tile] = {64: BwdSm90Tile(), 128: BwdSm90Tile(), 256: BwdSm90Tile(block_n=64)}
 
 
 def bwd_sm90_smem_bytes(head_dim_bucket: int, tile: BwdSm90Tile) -> int:
-    """Must match Sm90BwdConfig::kSmemBytes: K, V, 2 x (Q, dO), dS^T, 2 x (lse_log2, D), 1 KB alignment."""
+    """Must match Sm90BwdConfig::kSmemBytes: K, V, 2 x (Q, dO), dS^T, the fp32 P^T exchange of the
+    split (64-key) kernel, 2 x (lse_log2, D), 1 KB alignment."""
     d, n, m = head_dim_bucket, tile.block_n, tile.block_m
-    return 1024 + 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + 2 * 2 * m * 4
+    exchange = n * (m + 4) * 4 if n == 64 else 0
+    return 1024 + 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + exchange + 2 * 2 * m * 4
 
 
 @dataclass(frozen=True)
@@ -649,8 +653,10 @@ def bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90Tile | N
     if bucket not in BWD_SM90_TILES:
         raise ValueError(f"no Hopper backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_TILES)})")
     tile = tile or BWD_SM90_TILES[bucket]
-    if tile.block_n != 128 or tile.block_m != 64 or tile.stages != 2:
-        raise ValueError(f"the Hopper backward kernel runs 128 keys x 64 queries, 2 stages; got {tile}")
+    if tile.block_n != (64 if bucket == 256 else 128) or tile.block_m != 64 or tile.stages != 2:
+        raise ValueError(
+            f"the Hopper backward kernel runs 128 keys (64 for head dim 256) x 64 queries, 2 stages; got {tile}"
+        )
     return BwdSm90Spec(bucket, dtype, bool(causal), tile)
 
 

@@ -95,7 +95,7 @@ def test_backward_property(case):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk,h,hk", [(300, 333, 4, 2), (1, 700, 2, 1), (700, 1, 2, 2), (513, 1025, 2, 1), (128, 128, 1, 1)])
 def test_both_backward_kernels(dtype, head_dim, causal, sq, sk, h, hk):

@@ -91,25 +91,29 @@ def _bwd_plan(head_dim=128, arch="sm_90a", aligned=True, deterministic=False, ti
                               deterministic=deterministic)  # fmt: skip
 
 
-@pytest.mark.parametrize("head_dim", [64, 56, 128, 120])
+@pytest.mark.parametrize("head_dim", [64, 56, 128, 120, 256, 248])
 def test_hopper_backward_where_it_can(head_dim):
     bp = _bwd_plan(head_dim)
     spec, t = bp.main.spec, bp.main.spec.tile
     assert spec.family == "flash_bwd_sm90" and t == plan.BWD_SM90_TILES[plan.head_dim_bucket(head_dim)]
-    assert bp.main.grid == (-(-700 // 128), 2, 2) and bp.main.block == (256, 1, 1)
-    assert bp.num_m_blocks == -(-1000 // 64) and bp.seqlen_q_pad == bp.num_m_blocks * 64
     d = spec.head_dim
-    assert bp.main.smem_bytes == 1024 + 2 * 128 * d * 2 + 4 * 64 * d * 2 + 128 * 64 * 2 + 2 * 2 * 64 * 4 <= 227 * 1024
+    n = 64 if d == 256 else 128  # d = 256: the warpgroups split the head dim, 64 keys per CTA
+    assert t.block_n == n
+    assert bp.main.grid == (-(-700 // n), 2, 2) and bp.main.block == (256, 1, 1)
+    assert bp.num_m_blocks == -(-1000 // 64) and bp.seqlen_q_pad == bp.num_m_blocks * 64
+    exchange = 64 * 68 * 4 if n == 64 else 0  # fp32 P^T handed from warpgroup 0 to 1
+    assert bp.main.smem_bytes == 1024 + 2 * n * d * 2 + 4 * 64 * d * 2 + n * 64 * 2 + exchange + 2 * 2 * 64 * 4
+    assert bp.main.smem_bytes <= 227 * 1024
     # the dQ layout the convert kernel is told: 4 warps of 16 rows x a column half per warpgroup
     assert t.warp_tiles(d)["dq"] == (16, d // 2) and t.dq_q_warps == 4 and t.warps == 8
-    assert spec.template_args() == f"{d}, 128, true, true"
+    assert spec.template_args() == f"{d}, {n}, true, true"
     # the mma.sync kernel elsewhere
     assert _bwd_plan(head_dim, deterministic=True).main.spec.family == "flash_bwd"  # ordered dQ additions
     assert _bwd_plan(head_dim, arch="sm_80").main.spec.family == "flash_bwd"
     assert _bwd_plan(head_dim, aligned=False).main.spec.family == "flash_bwd"
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 256])
+@pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224])
 def test_other_buckets_run_the_mma_sync_backward(head_dim):
     assert _bwd_plan(head_dim).main.spec.family == "flash_bwd"
 
@@ -121,6 +125,8 @@ def test_hopper_backward_tile_errors():
         with pytest.raises(ValueError, match="Hopper backward"):
             _bwd_plan(128, tile=plan.BwdSm90Tile(), **kwargs)
     with pytest.raises(ValueError, match="no Hopper backward tile"):
-        _bwd_plan(256, tile=plan.BwdSm90Tile())
-    with pytest.raises(ValueError, match="128 keys x 64 queries"):
+        _bwd_plan(192, tile=plan.BwdSm90Tile())
+    with pytest.raises(ValueError, match="128 keys"):
         _bwd_plan(128, tile=plan.BwdSm90Tile(block_n=64))
+    with pytest.raises(ValueError, match="64 for head dim 256"):
+        _bwd_plan(256, tile=plan.BwdSm90Tile())
