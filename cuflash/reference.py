@@ -195,12 +195,14 @@ def _forward_head(q, k, v, scale, causal, rnd: Rounder = _identity):
     return out, lse
 
 
-def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity):
+def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=None):
     """Gradients (dq, dk, dv) of one head.
 
     ``rnd`` rounds P, O and dS where a low-precision implementation would
     store them (identity = exact).  The gradients themselves are returned
     unrounded: callers accumulate dk and dv over a GQA group, then round.
+    ``o``: the forward output handed to the backward (used for D); None
+    recomputes it.
     """
     seqlen_q, seqlen_k = q.shape[0], k.shape[0]
     dq = np.zeros(q.shape, dtype=q.dtype)
@@ -211,7 +213,7 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity):
         mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop)
         P, _ = _softmax_rows(_scores(q_c, k, scale, mask))
         P_r = rnd(P)
-        O = rnd(P_r @ v)                       # the forward output, recomputed
+        O = rnd(P_r @ v) if o is None else o[start:stop]  # the forward output, recomputed or given
         dv += P_r.T @ do_c                     # dV = P^T dO
         dP = do_c @ v.T                        # dP = dO V^T
         D = np.sum(do_c * O, axis=1)           # D = rowsum(dO * O)
@@ -405,12 +407,20 @@ def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dtype):
     return rnd(out).astype(np.float64)
 
 
-def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, dtype):
+def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, dtype, out=None):
     """Gradients the plain way in precision ``dtype``; returns float64 (dq, dk, dv).
 
     Inputs are rounded to ``dtype``, the math runs in float32, P, O and dS are
     rounded to ``dtype`` before the matmuls that consume them, and the
     gradients are rounded to ``dtype`` at the end.
+
+    ``out``: the forward output a backward pass is handed (shape of q), as
+    ``attention_backward(dout, q, k, v, out, lse)`` receives it; D =
+    rowsum(dO * out) then uses it, as any implementation of that API does.
+    None recomputes O the plain way. (The difference matters for tiny
+    problems: with one query row, D's rounding error alone decides the error
+    of every dK / dQ element, and an O recomputed here rounds independently
+    of the one the kernel under test was given.)
     """
     rnd = _rounder(dtype)
     q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
@@ -418,6 +428,9 @@ def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None,
     batch, _, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
     _require_shape(dout, "dout", q.shape)
     dout, q, k, v = (_round_input(x, dtype) for x in (dout, q, k, v))
+    if out is not None:
+        out = _round_input(_to_f64(out, "out"), dtype)
+        _require_shape(out, "out", q.shape)
     scale = np.float32(_scale(softmax_scale, headdim))
     dq = np.zeros(q.shape, dtype=np.float32)
     dk = np.zeros(k.shape, dtype=np.float32)
@@ -425,7 +438,8 @@ def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None,
     for b in range(batch):
         for h, hk in _head_pairs(nheads, nheads_kv):
             dq_h, dk_h, dv_h = _backward_head(
-                dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, rnd)
+                dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, rnd,
+                None if out is None else out[b, :, h])
             dq[b, :, h] = dq_h
             dk[b, :, hk] += dk_h
             dv[b, :, hk] += dv_h

@@ -89,7 +89,9 @@ def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", 
     )  # fmt: skip
     assert all(r is g for r, g in zip(ret, grads))
     refs = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale)
-    plains = reference.plain_attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=DTYPES[dtype])
+    # The plain backward gets the same `out` as the kernel (for D), as any implementation of the API does.
+    plains = reference.plain_attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                dtype=DTYPES[dtype], out=out)  # fmt: skip
     errors = {}
     for name, got, ref, plain in zip(("dq", "dk", "dv"), grads, refs, plains):
         got = to_f64(got)
