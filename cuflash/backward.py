@@ -29,7 +29,8 @@ def attention_backward(
     causal, softmax_scale: the values the forward ran with.
     deterministic: False (default) adds the dq partial sums with fp32 atomics in whatever order the
     CTAs run (results may differ in the last bits between runs); True adds them in a fixed order
-    (bitwise identical results run after run, somewhat slower).
+    (bitwise identical results run after run, somewhat slower; on Hopper it runs the mma.sync main
+    kernel instead of the wgmma one).
     dq, dk, dv: optional outputs (shapes and dtypes of q, k, v, last dim contiguous) written in place.
 
     Runs on CuPy's current stream and never synchronizes. Extra device memory: an fp32 buffer of
