@@ -94,6 +94,22 @@ struct BwdConfig {
     static_assert(kStages == 1 || kStages == 2, "query tiles are single or double buffered");
 };
 
+// The (query head of the GQA group, query block) pairs the CTA of key block n0 of kv head hk visits,
+// one per iteration it: query head head(it) = hk * head_ratio + it / n_m, query block m_block(it) =
+// m_begin + it % n_m. All query blocks, or (causal) those with a row i >= n0 - (seqlen_k - seqlen_q),
+// the first that sees any of these keys.
+struct BwdQueryWalk {
+    int head0, m_begin, n_m, n_iters;
+    CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int hk, int n0, int block_m, bool causal) {
+        head0 = hk * p.head_ratio;
+        m_begin = causal ? max(0, n0 - (p.seqlen_k - p.seqlen_q)) / block_m : 0;
+        n_m = max(0, p.num_m_blocks - m_begin);
+        n_iters = p.head_ratio * n_m;
+    }
+    CUFLASH_DEVICE int head(int it) const { return head0 + it / n_m; }
+    CUFLASH_DEVICE int m_block(int it) const { return m_begin + it % n_m; }
+};
+
 template <class Cfg>
 CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStride = Cfg::kSmemStride;
@@ -106,10 +122,8 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
     const int n0 = n_block * kBlockN;
     const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
 
-    // Query blocks that see any of these keys: all, or (causal) those with a row i >= n0 - offset.
-    const int m_begin = Cfg::kIsCausal ? max(0, n0 - offset) / kBlockM : 0;
-    const int n_m = max(0, p.num_m_blocks - m_begin);
-    const int n_iters = p.head_ratio * n_m;  // (query head of the group, query block) pairs
+    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal);
+    const int n_iters = walk.n_iters;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* s_k = reinterpret_cast<u16*>(smem_raw);
@@ -124,10 +138,9 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
     const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
     const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
 
-    // Iteration it covers query head h = hk * head_ratio + it / n_m and query block m_begin + it % n_m.
     auto load_query_side = [&](int it, int stage) {
-        const int h = hk * p.head_ratio + it / n_m;
-        const int m0 = (m_begin + it % n_m) * kBlockM;
+        const int h = walk.head(it);
+        const int m0 = walk.m_block(it) * kBlockM;
         const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
         const u16* g_do = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
         load_tile<Cfg, kBlockM>(s_q0 + stage * Cfg::kSmemQ, g_q, p.q_row_stride, p.seqlen_q - m0, p.head_dim, tid);
@@ -173,8 +186,8 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
 
     for (int it = 0; it < n_iters; ++it) {
         const int stage = Cfg::kStages == 2 ? (it & 1) : 0;
-        const int h = hk * p.head_ratio + it / n_m;
-        const int m_block = m_begin + it % n_m;
+        const int h = walk.head(it);
+        const int m_block = walk.m_block(it);
         const int m0 = m_block * kBlockM;
         if constexpr (Cfg::kStages == 2) {
             cp_async_wait<0>();

@@ -67,22 +67,108 @@ struct Sm90BwdConfig {
     static_assert(kDQCols % 32 == 0, "dQ halves are whole wgmma N blocks");
 };
 
-// Query block m0 of query head h into one stage: Q and dO tiles (swizzled), lse_log2 and D rows.
+// Shared memory of both Hopper backward kernels (Sm90BwdConfig::kSmemBytes, 1024-byte aligned):
+// K, V [kBlockN x d]; 2 stages of Q, dO [64 x d]; dS^T [kBlockN x 64] (swizzled rows of 128 bytes);
+// the split kernel's fp32 P^T exchange; 2 stages of (lse_log2[64], D[64]). Plus the loads into it.
 template <class Cfg>
-CUFLASH_DEVICE void bwd_sm90_load_query_block(const BwdParams& p, int b, int h, int m0, u32 s_q, u32 s_do, u32 s_rows,
-                                              int tid) {
-    constexpr int kBlockM = Cfg::kBlockM;
-    const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-    const u16* g_do = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
-    load_tile_sw128<Cfg, kBlockM>(s_q, g_q, p.q_row_stride, p.seqlen_q - m0, p.head_dim, tid);
-    load_tile_sw128<Cfg, kBlockM>(s_do, g_do, p.do_row_stride, p.seqlen_q - m0, p.head_dim, tid);
-    // lse_log2 and D rows are padded to whole query blocks: no bounds to check.
-    const i64 row0 = ((i64)b * p.nheads + h) * p.seqlen_q_pad + m0;
-    if (tid < kBlockM / 4) {
-        cp_async_16(s_rows + 16 * tid, p.lse_log2 + row0 + 4 * tid, true);
-    } else if (tid < kBlockM / 2) {
-        const int c = tid - kBlockM / 4;
-        cp_async_16(s_rows + kBlockM * 4 + 16 * c, p.dsum + row0 + 4 * c, true);
+struct Sm90BwdSmem {
+    u32 k, v, q0, do0, ds, pf, rows0;  // shared-space addresses (q0, do0, rows0: stage 0)
+    float* pf_ptr;                      // pf and rows0 as pointers
+    const float* rows_ptr;
+
+    CUFLASH_DEVICE explicit Sm90BwdSmem(unsigned char* smem_raw) {
+        const u32 raw = smem_u32(smem_raw);
+        k = (raw + 1023u) & ~1023u;  // the swizzle pattern starts on 1024 bytes
+        v = k + Cfg::kTileBytesKV;
+        q0 = v + Cfg::kTileBytesKV;
+        do0 = q0 + 2 * Cfg::kTileBytesQ;
+        ds = do0 + 2 * Cfg::kTileBytesQ;
+        pf = ds + Cfg::kTileBytesDS;
+        rows0 = pf + Cfg::kExchangeBytes;
+        pf_ptr = reinterpret_cast<float*>(smem_raw + (pf - raw));
+        rows_ptr = reinterpret_cast<const float*>(smem_raw + (rows0 - raw));
+    }
+    CUFLASH_DEVICE u32 q(int stage) const { return q0 + stage * Cfg::kTileBytesQ; }
+    CUFLASH_DEVICE u32 dout(int stage) const { return do0 + stage * Cfg::kTileBytesQ; }
+    CUFLASH_DEVICE const float* lse_log2(int stage) const { return rows_ptr + stage * 2 * Cfg::kBlockM; }
+    CUFLASH_DEVICE const float* dsum(int stage) const { return lse_log2(stage) + Cfg::kBlockM; }
+
+    // K and V rows [n0, n0 + kBlockN) of kv head hk (zero-filled past seqlen_k).
+    CUFLASH_DEVICE void load_kv(const BwdParams& p, int b, int hk, int n0, int tid) const {
+        const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
+        const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
+        load_tile_sw128<Cfg, Cfg::kBlockN>(k, g_k, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        load_tile_sw128<Cfg, Cfg::kBlockN>(v, g_v, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    }
+
+    // Query block m0 of query head h into one stage: Q and dO tiles, lse_log2 and D rows.
+    CUFLASH_DEVICE void load_query(const BwdParams& p, int b, int h, int m0, int stage, int tid) const {
+        constexpr int kBlockM = Cfg::kBlockM;
+        const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+        const u16* g_do = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+        load_tile_sw128<Cfg, kBlockM>(q(stage), g_q, p.q_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+        load_tile_sw128<Cfg, kBlockM>(dout(stage), g_do, p.do_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+        // lse_log2 and D rows are padded to whole query blocks: no bounds to check.
+        const i64 row0 = ((i64)b * p.nheads + h) * p.seqlen_q_pad + m0;
+        const u32 s_rows = rows0 + stage * 2 * kBlockM * 4;
+        if (tid < kBlockM / 4) {
+            cp_async_16(s_rows + 16 * tid, p.lse_log2 + row0 + 4 * tid, true);
+        } else if (tid < kBlockM / 2) {
+            const int c = tid - kBlockM / 4;
+            cp_async_16(s_rows + kBlockM * 4 + 16 * c, p.dsum + row0 + 4 * c, true);
+        }
+    }
+};
+
+// P^T of key row j for queries i and i + 1: exp2(S^T scale_log2 - lse_log2), 0 where the causal
+// mask hides the key (query i sees keys j <= i + offset; applied only on blocks that need it).
+CUFLASH_DEVICE float2 bwd_p_pair(float s0, float s1, float2 lse2, float scale_log2, bool mask, int j, int i, int offset) {
+    float p0 = fast_exp2(fmaf(s0, scale_log2, -lse2.x));
+    float p1 = fast_exp2(fmaf(s1, scale_log2, -lse2.y));
+    if (mask) {
+        if (j > i + offset) p0 = 0.f;
+        if (j > i + 1 + offset) p1 = 0.f;
+    }
+    return make_float2(p0, p1);
+}
+
+// dq_accum += this warp's dQ part (query block at m0 of head h): kCols / 8 float4 groups per thread,
+// in the register order of flash_bwd_convert_kernel with dq_q_warps = 4 (warp w = 4 wg + i holds
+// rows 16 i + (g, g + 8) of column block wg): one 512-byte warp-wide vector reduction per group.
+template <int kCols>
+CUFLASH_DEVICE void bwd_sm90_add_dq(const BwdParams& p, const float (&acc_dq)[kCols / 2], int b, int h, int m0,
+                                    int warp, int lane) {
+    constexpr int kDB = kCols / 8;
+    float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * p.dq_accum_cols + (warp * kDB) * 128 + lane * 4;
+#pragma unroll
+    for (int db = 0; db < kDB; ++db) {
+        red_add_f32x4(g_dq + db * 128, acc_dq[4 * db], acc_dq[4 * db + 1], acc_dq[4 * db + 2], acc_dq[4 * db + 3]);
+    }
+}
+
+// Epilogue: dK = scale * (dS^T Q summed) and dV as accumulated, for key rows j and j + 8 and the
+// kCols columns from col0 (accumulator (row r, 8-column block db, element e) = acc[4 db + 2 r + e]).
+// Rows beyond seqlen_k and columns beyond head_dim (whole 8-column pairs: head_dim % 8 == 0) are not written.
+template <bool kBF16, int kCols>
+CUFLASH_DEVICE void bwd_sm90_store_dkdv(const BwdParams& p, const float (&acc_dk)[kCols / 2], const float (&acc_dv)[kCols / 2],
+                                        int b, int hk, int j, int col0, int t) {
+    u16* g_dk = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
+    u16* g_dv = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = j + 8 * r;
+        if (row >= p.seqlen_k) continue;
+        u16* dk_row = g_dk + row * p.dk_row_stride;
+        u16* dv_row = g_dv + row * p.dv_row_stride;
+#pragma unroll
+        for (int db = 0; db < kCols / 8; ++db) {
+            const int col = col0 + 8 * db + 2 * t;
+            if (col < p.head_dim) {
+                *reinterpret_cast<u32*>(dk_row + col) =
+                    pack2<kBF16>(acc_dk[4 * db + 2 * r] * p.softmax_scale, acc_dk[4 * db + 2 * r + 1] * p.softmax_scale);
+                *reinterpret_cast<u32*>(dv_row + col) = pack2<kBF16>(acc_dv[4 * db + 2 * r], acc_dv[4 * db + 2 * r + 1]);
+            }
+        }
     }
 }
 
@@ -102,31 +188,14 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
     const int n0 = n_block * kBlockN;
     const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
 
-    const int m_begin = Cfg::kIsCausal ? max(0, n0 - offset) / kBlockM : 0;
-    const int n_m = max(0, p.num_m_blocks - m_begin);
-    const int n_iters = p.head_ratio * n_m;  // (query head of the group, query block) pairs
+    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal);
+    const int n_iters = walk.n_iters;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const u32 s_k = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const u32 s_v = s_k + Cfg::kTileBytesKV;
-    const u32 s_q0 = s_v + Cfg::kTileBytesKV;          // 2 stages
-    const u32 s_do0 = s_q0 + 2 * Cfg::kTileBytesQ;     // 2 stages
-    const u32 s_ds = s_do0 + 2 * Cfg::kTileBytesQ;     // dS^T [key][query], swizzled rows of 128 bytes
-    const u32 s_rows0 = s_ds + Cfg::kTileBytesDS;      // 2 stages x (lse_log2[64], D[64]) floats
-    const float* s_rows = reinterpret_cast<const float*>(smem_raw + (s_rows0 - smem_u32(smem_raw)));
-
-    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
-    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
-
-    // Iteration it covers query head hk * head_ratio + it / n_m and query block m_begin + it % n_m.
-    auto load_query_side = [&](int it, int stage) {
-        bwd_sm90_load_query_block<Cfg>(p, b, hk * p.head_ratio + it / n_m, (m_begin + it % n_m) * kBlockM,
-                                       s_q0 + stage * Cfg::kTileBytesQ, s_do0 + stage * Cfg::kTileBytesQ,
-                                       s_rows0 + stage * 2 * kBlockM * 4, tid);
-    };
-
-    load_tile_sw128<Cfg, kBlockN>(s_k, g_k, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
-    load_tile_sw128<Cfg, kBlockN>(s_v, g_v, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    const Sm90BwdSmem<Cfg> sm(smem_raw);
+    const u32 s_k = sm.k, s_v = sm.v, s_q0 = sm.q0, s_do0 = sm.do0, s_ds = sm.ds;
+    auto load_query_side = [&](int it, int stage) { sm.load_query(p, b, walk.head(it), walk.m_block(it) * kBlockM, stage, tid); };
+    sm.load_kv(p, b, hk, n0, tid);  // prologue: K, V and the first query block in one group
     if (n_iters > 0) load_query_side(0, 0);
     cp_async_commit();
 
@@ -153,9 +222,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
 
     for (int it = 0; it < n_iters; ++it) {
         const int stage = it & 1;
-        const int h = hk * p.head_ratio + it / n_m;
-        const int m_block = m_begin + it % n_m;
-        const int m0 = m_block * kBlockM;
+        const int h = walk.head(it);
+        const int m0 = walk.m_block(it) * kBlockM;
         cp_async_wait<0>();
         fence_proxy_async_smem();
         // Query block it visible to every warpgroup; every warpgroup is done with iteration it-1 (its
@@ -183,8 +251,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         wgmma_fence_operands(dp_acc);
 
         // ---- P^T = exp2(S^T scale_log2 - lse_log2[i]), dS^T = P^T (dP^T - D[i]), packed as A fragments
-        const float* s_lse = s_rows + stage * 2 * kBlockM;
-        const float* s_d = s_lse + kBlockM;
+        const float* s_lse = sm.lse_log2(stage);
+        const float* s_d = sm.dsum(stage);
         const bool need_mask = Cfg::kIsCausal && n0 + kBlockN - 1 > m0 + offset;
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
 #pragma unroll
@@ -195,15 +263,10 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
             u32 pk[2], dk[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float p0 = fast_exp2(fmaf(S[nb][2 * r], p.scale_log2, -l2.x));
-                float p1 = fast_exp2(fmaf(S[nb][2 * r + 1], p.scale_log2, -l2.y));
-                if (need_mask) {
-                    const int j = n0 + key_local + 8 * r, i = m0 + col;
-                    if (j > i + offset) p0 = 0.f;
-                    if (j > i + 1 + offset) p1 = 0.f;
-                }
-                pk[r] = pack2<kBF16>(p0, p1);
-                dk[r] = pack2<kBF16>(p0 * (dP[nb][2 * r] - dd.x), p1 * (dP[nb][2 * r + 1] - dd.y));
+                const float2 pp = bwd_p_pair(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask,
+                                             n0 + key_local + 8 * r, m0 + col, offset);
+                pk[r] = pack2<kBF16>(pp.x, pp.y);
+                dk[r] = pack2<kBF16>(pp.x * (dP[nb][2 * r] - dd.x), pp.y * (dP[nb][2 * r + 1] - dd.y));
             }
             // A fragment of k-step nb / 2: rows g / g+8 x queries 2t.. of blocks 2kk (regs 0, 1), 2kk+1 (2, 3)
             a_p[nb / 2][2 * (nb % 2)] = pk[0];
@@ -220,14 +283,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
 
         // ---- dV += P^T dO, dK += dS^T Q (in flight while dS^T is shared and dQ runs)
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kQSteps; ++kk) {
-            wgmma_rs<kHeadDim, kBF16>(acc_dv, a_p[kk], desc_do0_n + stage * kQStage + static_cast<u64>(kk * 128));
-        }
-#pragma unroll
-        for (int kk = 0; kk < kQSteps; ++kk) {
-            wgmma_rs<kHeadDim, kBF16>(acc_dk, a_ds[kk], desc_q0_n + stage * kQStage + static_cast<u64>(kk * 128));
-        }
+        wgmma_rs_ksteps<kHeadDim, kBF16>(acc_dv, a_p, desc_do0_n + stage * kQStage);
+        wgmma_rs_ksteps<kHeadDim, kBF16>(acc_dk, a_ds, desc_q0_n + stage * kQStage);
         wgmma_commit();
 
         fence_proxy_async_smem();
@@ -248,37 +305,11 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         wgmma_fence_operands(a_p);
         wgmma_fence_operands(a_ds);
 
-        // Register order of flash_bwd_convert_kernel with dq_q_warps = 4 warps of 16 rows along the
-        // queries and kWarpGroups column blocks of kDQCols: warp w = 4 wg + i, float4 group db.
-        constexpr int kDB = Cfg::kDQCols / 8;
-        float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * p.dq_accum_cols + (warp * kDB) * 128 + lane * 4;
-#pragma unroll
-        for (int db = 0; db < kDB; ++db) {
-            red_add_f32x4(g_dq + db * 128, acc_dq[4 * db], acc_dq[4 * db + 1], acc_dq[4 * db + 2], acc_dq[4 * db + 3]);
-        }
+        bwd_sm90_add_dq<Cfg::kDQCols>(p, acc_dq, b, h, m0, warp, lane);
     }
 
     cp_async_wait<0>();  // nothing left in flight (a CTA without query blocks still loaded K and V)
-    // Epilogue: dK = scale * (dS^T Q summed), dV as accumulated; rows beyond seqlen_k and columns
-    // beyond head_dim are not written. Accumulator (row r, 8-column block db): acc[4 db + 2 r + e].
-    u16* g_dk = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
-    u16* g_dv = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = n0 + key_local + 8 * r;
-        if (j >= p.seqlen_k) continue;
-        u16* dk_row = g_dk + j * p.dk_row_stride;
-        u16* dv_row = g_dv + j * p.dv_row_stride;
-#pragma unroll
-        for (int db = 0; db < kHeadDim / 8; ++db) {
-            const int col = 8 * db + 2 * t;
-            if (col < p.head_dim) {  // head_dim % 8 == 0: both columns are in or both out
-                *reinterpret_cast<u32*>(dk_row + col) =
-                    pack2<kBF16>(acc_dk[4 * db + 2 * r] * p.softmax_scale, acc_dk[4 * db + 2 * r + 1] * p.softmax_scale);
-                *reinterpret_cast<u32*>(dv_row + col) = pack2<kBF16>(acc_dv[4 * db + 2 * r], acc_dv[4 * db + 2 * r + 1]);
-            }
-        }
-    }
+    bwd_sm90_store_dkdv<kBF16, kHeadDim>(p, acc_dk, acc_dv, b, hk, n0 + key_local, 0, t);
 }
 
 // Head dim 256: warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, then each accumulates
@@ -296,30 +327,15 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
     const int n0 = n_block * kBlockN;
     const int offset = p.seqlen_k - p.seqlen_q;
 
-    const int m_begin = Cfg::kIsCausal ? max(0, n0 - offset) / kBlockM : 0;
-    const int n_m = max(0, p.num_m_blocks - m_begin);
-    const int n_iters = p.head_ratio * n_m;
+    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal);
+    const int n_iters = walk.n_iters;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const u32 s_k = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const u32 s_v = s_k + Cfg::kTileBytesKV;
-    const u32 s_q0 = s_v + Cfg::kTileBytesKV;
-    const u32 s_do0 = s_q0 + 2 * Cfg::kTileBytesQ;
-    const u32 s_ds = s_do0 + 2 * Cfg::kTileBytesQ;       // dS^T [key][query], swizzled bf16 rows
-    const u32 s_pf = s_ds + Cfg::kTileBytesDS;           // P^T [key][kPStride] fp32: warpgroup 0 -> 1
-    const u32 s_rows0 = s_pf + Cfg::kExchangeBytes;
-    float* pf = reinterpret_cast<float*>(smem_raw + (s_pf - smem_u32(smem_raw)));
-    const float* s_rows = reinterpret_cast<const float*>(smem_raw + (s_rows0 - smem_u32(smem_raw)));
-
-    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
-    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
-    auto load_query_side = [&](int it, int stage) {
-        bwd_sm90_load_query_block<Cfg>(p, b, hk * p.head_ratio + it / n_m, (m_begin + it % n_m) * kBlockM,
-                                       s_q0 + stage * Cfg::kTileBytesQ, s_do0 + stage * Cfg::kTileBytesQ,
-                                       s_rows0 + stage * 2 * kBlockM * 4, tid);
-    };
-    load_tile_sw128<Cfg, kBlockN>(s_k, g_k, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
-    load_tile_sw128<Cfg, kBlockN>(s_v, g_v, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    const Sm90BwdSmem<Cfg> sm(smem_raw);
+    const u32 s_k = sm.k, s_v = sm.v, s_q0 = sm.q0, s_do0 = sm.do0, s_ds = sm.ds;
+    float* pf = sm.pf_ptr;  // P^T [key][kPStride] fp32: warpgroup 0 -> 1
+    auto load_query_side = [&](int it, int stage) { sm.load_query(p, b, walk.head(it), walk.m_block(it) * kBlockM, stage, tid); };
+    sm.load_kv(p, b, hk, n0, tid);
     if (n_iters > 0) load_query_side(0, 0);
     cp_async_commit();
 
@@ -341,8 +357,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
 
     for (int it = 0; it < n_iters; ++it) {
         const int stage = it & 1;
-        const int h = hk * p.head_ratio + it / n_m;
-        const int m0 = (m_begin + it % n_m) * kBlockM;
+        const int h = walk.head(it);
+        const int m0 = walk.m_block(it) * kBlockM;
         cp_async_wait<0>();
         fence_proxy_async_smem();
         __syncthreads();  // query block it visible; iteration it-1 finished everywhere
@@ -361,8 +377,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
         wgmma_wait<0>();
         wgmma_fence_operands(x_acc);
 
-        const float* s_lse = s_rows + stage * 2 * kBlockM;
-        const float* s_d = s_lse + kBlockM;
+        const float* s_lse = sm.lse_log2(stage);
+        const float* s_d = sm.dsum(stage);
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
         if (wg == 0) {  // P^T = exp2(S^T scale_log2 - lse_log2[i]) (causal mask), to registers and to warpgroup 1
             const bool need_mask = Cfg::kIsCausal && n0 + kBlockN - 1 > m0 + offset;
@@ -372,15 +388,10 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
                 const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    float p0 = fast_exp2(fmaf(X[nb][2 * r], p.scale_log2, -l2.x));
-                    float p1 = fast_exp2(fmaf(X[nb][2 * r + 1], p.scale_log2, -l2.y));
-                    if (need_mask) {
-                        const int j = n0 + key_local + 8 * r, i = m0 + col;
-                        if (j > i + offset) p0 = 0.f;
-                        if (j > i + 1 + offset) p1 = 0.f;
-                    }
-                    *reinterpret_cast<float2*>(pf + (key_local + 8 * r) * kPStride + col) = make_float2(p0, p1);
-                    a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(p0, p1);
+                    const float2 pp = bwd_p_pair(X[nb][2 * r], X[nb][2 * r + 1], l2, p.scale_log2, need_mask,
+                                                 n0 + key_local + 8 * r, m0 + col, offset);
+                    *reinterpret_cast<float2*>(pf + (key_local + 8 * r) * kPStride + col) = pp;
+                    a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pp.x, pp.y);
                 }
             }
         }
@@ -417,14 +428,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
 
         // ---- dV[:, half] += P^T dO[:, half], dK[:, half] += dS^T Q[:, half]
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kQSteps; ++kk) {
-            wgmma_rs<kHalf, kBF16>(acc_dv, a_p[kk], desc_do_half + stage * kQStage + static_cast<u64>(kk * 128));
-        }
-#pragma unroll
-        for (int kk = 0; kk < kQSteps; ++kk) {
-            wgmma_rs<kHalf, kBF16>(acc_dk, a_ds[kk], desc_q_half + stage * kQStage + static_cast<u64>(kk * 128));
-        }
+        wgmma_rs_ksteps<kHalf, kBF16>(acc_dv, a_p, desc_do_half + stage * kQStage);
+        wgmma_rs_ksteps<kHalf, kBF16>(acc_dk, a_ds, desc_q_half + stage * kQStage);
         wgmma_commit();
         wgmma_wait<0>();  // before dQ's accumulators go live: keeps the thread under 255 registers
         wgmma_fence_operands(acc_dv);
@@ -442,34 +447,11 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(acc_dq);
-        constexpr int kDB = kHalf / 8;  // register order of flash_bwd_convert_kernel, as the pair kernel
-        float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * p.dq_accum_cols + (warp * kDB) * 128 + lane * 4;
-#pragma unroll
-        for (int db = 0; db < kDB; ++db) {
-            red_add_f32x4(g_dq + db * 128, acc_dq[4 * db], acc_dq[4 * db + 1], acc_dq[4 * db + 2], acc_dq[4 * db + 3]);
-        }
+        bwd_sm90_add_dq<kHalf>(p, acc_dq, b, h, m0, warp, lane);
     }
 
     cp_async_wait<0>();
-    // Epilogue: this warpgroup's half of dK (scaled) and dV for the thread's two key rows.
-    u16* g_dk = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
-    u16* g_dv = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = n0 + key_local + 8 * r;
-        if (j >= p.seqlen_k) continue;
-        u16* dk_row = g_dk + j * p.dk_row_stride;
-        u16* dv_row = g_dv + j * p.dv_row_stride;
-#pragma unroll
-        for (int db = 0; db < kHalf / 8; ++db) {
-            const int col = wg * kHalf + 8 * db + 2 * t;
-            if (col < p.head_dim) {
-                *reinterpret_cast<u32*>(dk_row + col) =
-                    pack2<kBF16>(acc_dk[4 * db + 2 * r] * p.softmax_scale, acc_dk[4 * db + 2 * r + 1] * p.softmax_scale);
-                *reinterpret_cast<u32*>(dv_row + col) = pack2<kBF16>(acc_dv[4 * db + 2 * r], acc_dv[4 * db + 2 * r + 1]);
-            }
-        }
-    }
+    bwd_sm90_store_dkdv<kBF16, kHalf>(p, acc_dk, acc_dv, b, hk, n0 + key_local, wg * kHalf, t);  // this warpgroup's half
 }
 
 template <class Cfg>

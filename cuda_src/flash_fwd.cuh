@@ -365,6 +365,41 @@ struct WarpTile {
     }
 };
 
+// What a forward CTA works on: query tile m of head h in batch b (blockIdx), its rows of Q, O and
+// lse, its kv head's K and V, and the K/V blocks it visits.
+template <class Cfg>
+struct FwdTileRef {
+    const u16 *q, *k, *v;  // q: row m0 of the tile; k, v: key 0 of kv head h / head_ratio
+    u16* o;
+    float* lse;
+    int m0, rows_valid, n_block_end;
+    CausalMask<Cfg::kIsCausal> mask;
+
+    CUFLASH_DEVICE explicit FwdTileRef(const FwdParams& p) : mask{p.seqlen_q, p.seqlen_k} {
+        // Causal row tiles differ in cost (tile m visits about m+1 K/V blocks): launch the heavy ones first.
+        const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
+        const int h = blockIdx.y, b = blockIdx.z;
+        const int hk = h / p.head_ratio;  // GQA: query head h reads kv head h / (nheads / nheads_kv)
+        m0 = m_block * Cfg::kBlockM;
+        // 64-bit offsets: batch * batch_stride and m0 * row_stride can exceed 2^31 elements.
+        q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+        k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+        v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+        o = static_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
+        lse = p.lse + ((i64)b * p.nheads + h) * p.seqlen_q + m0;
+        n_block_end = mask.n_block_end(m0, Cfg::kBlockM, Cfg::kBlockN);
+        rows_valid = min(Cfg::kBlockM, p.seqlen_q - m0);
+    }
+
+    // n_block_end == 0: no row of this tile sees any key, so O = 0 and lse = -inf.
+    CUFLASH_DEVICE void write_empty(const FwdParams& p, int tid) const {
+        for (int i = tid; i < rows_valid * p.head_dim; i += Cfg::kNThreads) {
+            o[(i / p.head_dim) * p.o_row_stride + i % p.head_dim] = 0;
+        }
+        for (int i = tid; i < rows_valid; i += Cfg::kNThreads) lse[i] = -kInf;
+    }
+};
+
 template <class Cfg>
 CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
@@ -374,29 +409,15 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    // Causal row tiles differ in cost (tile m visits about m+1 K/V blocks): launch the heavy ones first.
-    const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / p.head_ratio;  // GQA: query head h reads kv head h / (nheads / nheads_kv)
-    const int m0 = m_block * kBlockM;
-
-    // 64-bit offsets: batch * batch_stride and m0 * row_stride can exceed 2^31 elements.
-    const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
-    float* g_lse = p.lse + ((i64)b * p.nheads + h) * p.seqlen_q + m0;
-
-    const CausalMask<Cfg::kIsCausal> mask{p.seqlen_q, p.seqlen_k};
-    const int n_block_end = mask.n_block_end(m0, kBlockM, kBlockN);
-    const int rows_valid = min(kBlockM, p.seqlen_q - m0);
+    const FwdTileRef<Cfg> tile(p);
+    const u16 *g_q = tile.q, *g_k = tile.k, *g_v = tile.v;
+    u16* g_o = tile.o;
+    float* g_lse = tile.lse;
+    const int m0 = tile.m0, rows_valid = tile.rows_valid, n_block_end = tile.n_block_end;
+    const CausalMask<Cfg::kIsCausal> mask = tile.mask;
     const int warp_row0 = warp * Cfg::kRowsPerWarp;  // first row of this warp inside the tile
-
-    if (n_block_end == 0) {  // no row of this tile sees any key: O = 0, lse = -inf
-        for (int i = tid; i < rows_valid * p.head_dim; i += Cfg::kNThreads) {
-            g_o[(i / p.head_dim) * p.o_row_stride + i % p.head_dim] = 0;
-        }
-        for (int i = tid; i < rows_valid; i += Cfg::kNThreads) g_lse[i] = -kInf;
+    if (n_block_end == 0) {
+        tile.write_empty(p, tid);
         return;
     }
 

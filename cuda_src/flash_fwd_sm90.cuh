@@ -105,6 +105,14 @@ CUFLASH_DEVICE u64 sw128_desc(u32 s_addr, u32 leading_bytes) {
 // Fence this thread's generic-proxy shared-memory writes (cp.async) before async-proxy reads (wgmma).
 CUFLASH_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// acc (+)= A B over kSteps k-steps of 16: A fragments from registers (a[kk]), B an N-major tile whose
+// 16-row k-steps lie 2048 bytes apart (desc_b: the first).
+template <int kN, bool kBF16, int kSteps>
+CUFLASH_DEVICE void wgmma_rs_ksteps(float (&acc)[kN / 2], const u32 (&a)[kSteps][4], u64 desc_b) {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) wgmma_rs<kN, kBF16>(acc, a[kk], desc_b + static_cast<u64>((kk * 16 * 128) >> 4));
+}
+
 template <class Cfg>
 CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
@@ -114,28 +122,13 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wg = warp / 4;
     const int t = lane % 4;
-    const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int hk = h / p.head_ratio;
-    const int m0 = m_block * kBlockM;
-
-    // 64-bit offsets: batch * batch_stride and m0 * row_stride can exceed 2^31 elements.
-    const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
-    float* g_lse = p.lse + ((i64)b * p.nheads + h) * p.seqlen_q + m0;
-
-    const CausalMask<Cfg::kIsCausal> mask{p.seqlen_q, p.seqlen_k};
-    const int n_block_end = mask.n_block_end(m0, kBlockM, kBlockN);
-    const int rows_valid = min(kBlockM, p.seqlen_q - m0);
+    const FwdTileRef<Cfg> tile(p);  // pointers, rows, visited K/V blocks: as flash_fwd_kernel
+    const u16 *g_q = tile.q, *g_k = tile.k, *g_v = tile.v;
+    const int m0 = tile.m0, rows_valid = tile.rows_valid, n_block_end = tile.n_block_end;
+    const CausalMask<Cfg::kIsCausal> mask = tile.mask;
     const int warp_row0 = warp * 16;
-
-    if (n_block_end == 0) {  // no row of this tile sees any key: O = 0, lse = -inf
-        for (int i = tid; i < rows_valid * p.head_dim; i += Cfg::kNThreads) {
-            g_o[(i / p.head_dim) * p.o_row_stride + i % p.head_dim] = 0;
-        }
-        for (int i = tid; i < rows_valid; i += Cfg::kNThreads) g_lse[i] = -kInf;
+    if (n_block_end == 0) {
+        tile.write_empty(p, tid);
         return;
     }
 
@@ -209,10 +202,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
         const u64 desc_v = desc_v0 + (j & 1) * kKVStageStep;
         wgmma_fence_operands(o_acc);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
-            wgmma_rs<kHeadDim, kBF16>(o_acc, a[kk], desc_v + static_cast<u64>((kk * 16 * 128) >> 4));
-        }
+        wgmma_rs_ksteps<kHeadDim, kBF16>(o_acc, a, desc_v);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(o_acc);
@@ -221,7 +211,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     // Every warpgroup's last wgmma has read its K/V tile: the K/V buffers become O staging rows.
     __syncthreads();
     u16* s_stage = reinterpret_cast<u16*>(smem_raw + (s_k0 - smem_u32(smem_raw))) + warp * 16 * Cfg::kSmemStride;
-    wt.store(g_o, p.o_row_stride, g_lse, p.softmax_scale, warp_row0, rows_valid, p.head_dim, s_stage, lane);
+    wt.store(tile.o, p.o_row_stride, tile.lse, p.softmax_scale, warp_row0, rows_valid, p.head_dim, s_stage, lane);
 }
 
 }  // namespace cuflash

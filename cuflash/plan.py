@@ -228,20 +228,29 @@ class KernelSpec(_TiledSpec):
 
 
 @dataclass(frozen=True)
-class Sm90KernelSpec(_TiledSpec):
-    """One Hopper forward variant (wgmma, sm_90a, 16-byte loads only)."""
+class _HopperSpec(_TiledSpec):
+    """What the Hopper (wgmma) kernel specs share: sm_90a, the 16-byte load path, a name spelling the
+    tile's common fields."""
 
-    head_dim: int  # bucket, a multiple of 64
+    head_dim: int  # bucket
     dtype: str
     causal: bool
-    tile: Sm90Tile
+    tile: object
     arch: str = "sm_90a"
-    family: str = "flash_fwd_sm90"
+    family: str = ""
     aligned: bool = True
 
     @property
     def name(self) -> str:
         return self._variant_name("")
+
+
+@dataclass(frozen=True)
+class Sm90KernelSpec(_HopperSpec):
+    """One Hopper forward variant (wgmma, sm_90a, 16-byte loads only)."""
+
+    tile: Sm90Tile
+    family: str = "flash_fwd_sm90"
 
     @property
     def smem_bytes(self) -> int:
@@ -551,20 +560,11 @@ def bwd_sm90_smem_bytes(head_dim_bucket: int, tile: BwdSm90Tile) -> int:
 
 
 @dataclass(frozen=True)
-class BwdSm90Spec(_TiledSpec):
+class BwdSm90Spec(_HopperSpec):
     """One Hopper backward main-kernel variant (sm_90a, 16-byte loads, atomic dQ)."""
 
-    head_dim: int
-    dtype: str
-    causal: bool
     tile: BwdSm90Tile
-    arch: str = "sm_90a"
     family: str = "flash_bwd_sm90"
-    aligned: bool = True
-
-    @property
-    def name(self) -> str:
-        return self._variant_name("")
 
     @property
     def smem_bytes(self) -> int:
