@@ -203,7 +203,6 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
     // inside a 64-column atom, atoms are rows * 128 bytes apart. N-major B (dO, Q as B of dV, dK; K as
     // B of dQ) and M-major A (dS^T rows as A of dQ): 64-column atoms rows * 128 bytes apart (leading
     // offset), 16 rows of k per step = 2048 bytes.
-    auto kstep = [](int ks, int rows) { return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4); };
     const u64 desc_k_w = sw128_desc(s_k + wg * 64 * 128, 16);
     const u64 desc_v_w = sw128_desc(s_v + wg * 64 * 128, 16);
     const u64 desc_q0 = sw128_desc(s_q0, 16);
@@ -237,14 +236,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         float(&s_acc)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(S);
         float(&dp_acc)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(dP);
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kDSteps; ++ks) {
-            wgmma_ss<kBlockM, kBF16>(s_acc, desc_k_w + kstep(ks, kBlockN), desc_q0 + stage * kQStage + kstep(ks, kBlockM), ks > 0);
-        }
-#pragma unroll
-        for (int ks = 0; ks < kDSteps; ++ks) {
-            wgmma_ss<kBlockM, kBF16>(dp_acc, desc_v_w + kstep(ks, kBlockN), desc_do0 + stage * kQStage + kstep(ks, kBlockM), ks > 0);
-        }
+        wgmma_ss_kmajor<kBlockM, kBF16, kDSteps, kBlockN, kBlockM>(s_acc, desc_k_w, desc_q0 + stage * kQStage);
+        wgmma_ss_kmajor<kBlockM, kBF16, kDSteps, kBlockN, kBlockM>(dp_acc, desc_v_w, desc_do0 + stage * kQStage);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(s_acc);
@@ -341,7 +334,6 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
 
     // Descriptors as in the pair kernel. Warpgroup 0 multiplies K by Q, warpgroup 1 V by dO; the
     // head-dim half of warpgroup wg is 64-column atoms 2 wg and 2 wg + 1.
-    auto kstep = [](int ks, int rows) { return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4); };
     const u64 desc_a = sw128_desc(wg == 0 ? s_k : s_v, 16);
     const u64 desc_b0 = sw128_desc(wg == 0 ? s_q0 : s_do0, 16);
     const u64 desc_do_half = sw128_desc(s_do0 + 2 * wg * kBlockM * 128, kBlockM * 128);
@@ -369,10 +361,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
         float X[kNB][4];
         float(&x_acc)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(X);
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kDSteps; ++ks) {
-            wgmma_ss<kBlockM, kBF16>(x_acc, desc_a + kstep(ks, kBlockN), desc_b0 + stage * kQStage + kstep(ks, kBlockM), ks > 0);
-        }
+        wgmma_ss_kmajor<kBlockM, kBF16, kDSteps, kBlockN, kBlockM>(x_acc, desc_a, desc_b0 + stage * kQStage);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(x_acc);

@@ -403,9 +403,8 @@ struct FwdTileRef {
 template <class Cfg>
 CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
-    constexpr int kMSlabs = Cfg::kMSlabs, kNB = Cfg::kNBlocksS, kDB = Cfg::kDBlocks;
+    constexpr int kMSlabs = Cfg::kMSlabs, kNB = Cfg::kNBlocksS;
     constexpr int kStride = Cfg::kSmemStride;
-    constexpr bool kBF16 = Cfg::kIsBF16;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;

@@ -105,6 +105,23 @@ CUFLASH_DEVICE u64 sw128_desc(u32 s_addr, u32 leading_bytes) {
 // Fence this thread's generic-proxy shared-memory writes (cp.async) before async-proxy reads (wgmma).
 CUFLASH_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Byte offset >> 4 (descriptor units) of k-step ks (16 columns) in a K-major swizzled tile of kRows
+// rows: 32 bytes per step inside a 64-column atom, atoms kRows * 128 bytes apart.
+template <int kRows>
+CUFLASH_DEVICE u64 kmajor_kstep(int ks) {
+    return static_cast<u64>(((ks / 4) * kRows * 128 + (ks % 4) * 32) >> 4);
+}
+
+// acc = A B over kSteps k-steps of 16, A (kRowsA rows) and B (kRowsB rows) both K-major swizzled
+// tiles in smem (desc_a, desc_b: their first step). The caller fences, commits and waits.
+template <int kN, bool kBF16, int kSteps, int kRowsA, int kRowsB>
+CUFLASH_DEVICE void wgmma_ss_kmajor(float (&acc)[kN / 2], u64 desc_a, u64 desc_b) {
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+        wgmma_ss<kN, kBF16>(acc, desc_a + kmajor_kstep<kRowsA>(ks), desc_b + kmajor_kstep<kRowsB>(ks), ks > 0);
+    }
+}
+
 // acc (+)= A B over kSteps k-steps of 16: A fragments from registers (a[kk]), B an N-major tile whose
 // 16-row k-steps lie 2048 bytes apart (desc_b: the first).
 template <int kN, bool kBF16, int kSteps>
@@ -151,7 +168,6 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     const u64 desc_q = sw128_desc(s_q + wg * 64 * 128, 16);
     const u64 desc_k0 = sw128_desc(s_k0, 16);
     const u64 desc_v0 = sw128_desc(s_v0, kBlockN * 128);
-    auto qk_step = [](int ks, int rows) { return static_cast<u64>(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4); };
     constexpr u64 kKVStageStep = Cfg::kTileBytesKV >> 4;
 
     WarpTile<Cfg> wt;
@@ -179,10 +195,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
         // S = Q K_j^T
         const u64 desc_k = desc_k0 + (j & 1) * kKVStageStep;
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < Cfg::kKStepsQK; ++ks) {
-            wgmma_ss<kBlockN, kBF16>(s_acc, desc_q + qk_step(ks, kBlockM), desc_k + qk_step(ks, kBlockN), ks > 0);
-        }
+        wgmma_ss_kmajor<kBlockN, kBF16, Cfg::kKStepsQK, kBlockM, kBlockN>(s_acc, desc_q, desc_k);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(s_acc);
