@@ -22,6 +22,16 @@ def randn(rng: np.random.Generator, shape, dtype: str, layout: str = "bshd"):
     return cupy.asarray(host)
 
 
+def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype: str, layout_q="bshd",
+               layout_kv="bshd", layout_v=None):  # fmt: skip
+    """q (batch, seqlen_q, nheads, head_dim), then k and v (batch, seqlen_k, nheads_kv, head_dim), drawn
+    from rng in that order (randn; v takes layout_kv unless layout_v is given)."""
+    q = randn(rng, (batch, seqlen_q, nheads, head_dim), dtype, layout_q)
+    k = randn(rng, (batch, seqlen_k, nheads_kv, head_dim), dtype, layout_kv)
+    v = randn(rng, (batch, seqlen_k, nheads_kv, head_dim), dtype, layout_kv if layout_v is None else layout_v)
+    return q, k, v
+
+
 def poisoned(shape, dtype: str):
     """A fresh array filled with NaN bits (0x7fff is NaN in both fp16 and bf16)."""
     import cupy

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_util import check_backward, poisoned, randn
+from gpu_util import check_backward, poisoned, random_qkv, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -22,9 +22,7 @@ BUCKETS = [32, 64, 96, 128, 160, 192, 224, 256]
 def test_every_bucket(dtype, head_dim, causal):
     rng = np.random.default_rng()
     b, sq, sk, h = 2, 300, 333, 2
-    q = randn(rng, (b, sq, h, head_dim), dtype)
-    k = randn(rng, (b, sk, h, head_dim), dtype)
-    v = randn(rng, (b, sk, h, head_dim), dtype)
+    q, k, v = random_qkv(rng, b, sq, sk, h, h, head_dim, dtype)
     check_backward(q, k, v, causal=causal, dtype=dtype, what=f"hd{head_dim} {dtype} causal={causal}")
 
 
@@ -35,27 +33,21 @@ def test_every_bucket(dtype, head_dim, causal):
 )
 def test_lengths_and_causal_alignment(sq, sk, causal):
     rng = np.random.default_rng()
-    q = randn(rng, (1, sq, 2, 64), "bf16")
-    k = randn(rng, (1, sk, 2, 64), "bf16")
-    v = randn(rng, (1, sk, 2, 64), "bf16")
+    q, k, v = random_qkv(rng, 1, sq, sk, 2, 2, 64, "bf16")
     check_backward(q, k, v, causal=causal, dtype="bf16", what=f"sq={sq} sk={sk}")
 
 
 @pytest.mark.parametrize("head_dim", [1, 3, 8, 33, 72, 100, 129, 200, 255])
 def test_ragged_head_dims(head_dim):
     rng = np.random.default_rng()
-    q = randn(rng, (2, 150, 2, head_dim), "fp16")
-    k = randn(rng, (2, 170, 1, head_dim), "fp16")
-    v = randn(rng, (2, 170, 1, head_dim), "fp16")
+    q, k, v = random_qkv(rng, 2, 150, 170, 2, 1, head_dim, "fp16")
     check_backward(q, k, v, causal=True, dtype="fp16", what=f"hd{head_dim}")
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_transposed_inputs_and_gqa(causal):
     rng = np.random.default_rng()
-    q = randn(rng, (2, 513, 8, 128), "bf16", layout="bhsd")
-    k = randn(rng, (2, 700, 2, 128), "bf16", layout="bhsd")
-    v = randn(rng, (2, 700, 2, 128), "bf16")
+    q, k, v = random_qkv(rng, 2, 513, 700, 8, 2, 128, "bf16", layout_q="bhsd", layout_kv="bhsd", layout_v="bshd")
     check_backward(q, k, v, causal=causal, softmax_scale=0.3, dtype="bf16")
 
 
@@ -85,9 +77,8 @@ def backward_cases(draw):
 def test_backward_property(case):
     rng = np.random.default_rng(case["seed"])
     b, d, dt = case["batch"], case["head_dim"], case["dtype"]
-    q = randn(rng, (b, case["seqlen_q"], case["nheads"], d), dt, case["layout_q"])
-    k = randn(rng, (b, case["seqlen_k"], case["nheads_kv"], d), dt, case["layout_kv"])
-    v = randn(rng, (b, case["seqlen_k"], case["nheads_kv"], d), dt, case["layout_kv"])
+    q, k, v = random_qkv(rng, b, case["seqlen_q"], case["seqlen_k"], case["nheads"], case["nheads_kv"], d, dt,
+                         layout_q=case["layout_q"], layout_kv=case["layout_kv"])
     check_backward(
         q, k, v, causal=case["causal"], softmax_scale=case["scale"], dtype=dt, deterministic=case["deterministic"],
         what=str(case), rng=rng,
@@ -105,9 +96,7 @@ def test_both_backward_kernels(dtype, head_dim, causal, sq, sk, h, hk):
 
     arch = jit.device_arch(0)
     rng = np.random.default_rng()
-    q = randn(rng, (2, sq, h, head_dim), dtype)
-    k = randn(rng, (2, sk, hk, head_dim), dtype)
-    v = randn(rng, (2, sk, hk, head_dim), dtype)
+    q, k, v = random_qkv(rng, 2, sq, sk, h, hk, head_dim, dtype)
     tiles = [plan.bwd_tile(head_dim, arch)]
     if arch == "sm_90a":
         tiles.append(plan.BWD_SM90_TILES[head_dim])
@@ -123,9 +112,7 @@ def test_deterministic_mode_is_bitwise_reproducible(causal):
     import cuflash
 
     rng = np.random.default_rng()
-    q = randn(rng, (2, 1000, 4, 64), "bf16")
-    k = randn(rng, (2, 1500, 2, 64), "bf16")
-    v = randn(rng, (2, 1500, 2, 64), "bf16")
+    q, k, v = random_qkv(rng, 2, 1000, 1500, 4, 2, 64, "bf16")
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     dout = randn(rng, q.shape, "bf16")
     first = [x.copy() for x in cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)]

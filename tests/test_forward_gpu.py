@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_util import check_forward, poisoned, randn, to_f64
+from gpu_util import check_forward, poisoned, random_qkv, randn, to_f64
 
 pytestmark = pytest.mark.gpu
 
@@ -23,9 +23,7 @@ EXAMPLES = int(os.environ.get("CUFLASH_HYPOTHESIS_EXAMPLES", "60"))
 def test_every_bucket(dtype, head_dim, causal):
     rng = np.random.default_rng()
     b, sq, sk, h = 2, 300, 333, 2
-    q = randn(rng, (b, sq, h, head_dim), dtype)
-    k = randn(rng, (b, sk, h, head_dim), dtype)
-    v = randn(rng, (b, sk, h, head_dim), dtype)
+    q, k, v = random_qkv(rng, b, sq, sk, h, h, head_dim, dtype)
     check_forward(q, k, v, causal=causal, dtype=dtype, what=f"hd{head_dim} {dtype} causal={causal}")
 
 
@@ -36,18 +34,14 @@ def test_every_bucket(dtype, head_dim, causal):
 )
 def test_lengths_and_causal_alignment(sq, sk, causal):
     rng = np.random.default_rng()
-    q = randn(rng, (1, sq, 3, 64), "bf16")
-    k = randn(rng, (1, sk, 3, 64), "bf16")
-    v = randn(rng, (1, sk, 3, 64), "bf16")
+    q, k, v = random_qkv(rng, 1, sq, sk, 3, 3, 64, "bf16")
     check_forward(q, k, v, causal=causal, dtype="bf16", what=f"sq={sq} sk={sk}")
 
 
 @pytest.mark.parametrize("head_dim", [1, 3, 8, 33, 72, 100, 129, 200, 255])
 def test_ragged_head_dims(head_dim):
     rng = np.random.default_rng()
-    q = randn(rng, (2, 150, 2, head_dim), "fp16")
-    k = randn(rng, (2, 170, 1, head_dim), "fp16")
-    v = randn(rng, (2, 170, 1, head_dim), "fp16")
+    q, k, v = random_qkv(rng, 2, 150, 170, 2, 1, head_dim, "fp16")
     check_forward(q, k, v, causal=True, dtype="fp16", what=f"hd{head_dim}")
 
 
@@ -68,9 +62,7 @@ def test_both_forward_kernels(dtype, head_dim, causal, sq, sk):
 
     arch = _device_arch()
     rng = np.random.default_rng()
-    q = randn(rng, (2, sq, 4, head_dim), dtype)
-    k = randn(rng, (2, sk, 2, head_dim), dtype)
-    v = randn(rng, (2, sk, 2, head_dim), dtype)
+    q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, head_dim, dtype)
     tiles = [plan.fwd_tile(head_dim, arch)]
     if arch == "sm_90a":
         tiles.append(plan.FWD_SM90_TILES[head_dim])
@@ -80,9 +72,7 @@ def test_both_forward_kernels(dtype, head_dim, causal, sq, sk):
 
 def test_transposed_inputs_and_gqa():
     rng = np.random.default_rng()
-    q = randn(rng, (2, 513, 8, 128), "bf16", layout="bhsd")
-    k = randn(rng, (2, 700, 2, 128), "bf16", layout="bhsd")
-    v = randn(rng, (2, 700, 2, 128), "bf16")
+    q, k, v = random_qkv(rng, 2, 513, 700, 8, 2, 128, "bf16", layout_q="bhsd", layout_kv="bhsd", layout_v="bshd")
     assert not q.flags.c_contiguous
     check_forward(q, k, v, causal=False, softmax_scale=0.3, dtype="bf16")
 
@@ -116,9 +106,8 @@ def forward_cases(draw):
 def test_forward_property(case):
     rng = np.random.default_rng(case["seed"])
     b, d, dt = case["batch"], case["head_dim"], case["dtype"]
-    q = randn(rng, (b, case["seqlen_q"], case["nheads"], d), dt, case["layout_q"])
-    k = randn(rng, (b, case["seqlen_k"], case["nheads_kv"], d), dt, case["layout_kv"])
-    v = randn(rng, (b, case["seqlen_k"], case["nheads_kv"], d), dt, case["layout_kv"])
+    q, k, v = random_qkv(rng, b, case["seqlen_q"], case["seqlen_k"], case["nheads"], case["nheads_kv"], d, dt,
+                         layout_q=case["layout_q"], layout_kv=case["layout_kv"])
     check_forward(q, k, v, causal=case["causal"], softmax_scale=case["scale"], dtype=dt, what=str(case))
 
 
@@ -126,9 +115,7 @@ def test_deterministic():
     import cuflash
 
     rng = np.random.default_rng()
-    q = randn(rng, (2, 1000, 4, 128), "bf16")
-    k = randn(rng, (2, 1100, 4, 128), "bf16")
-    v = randn(rng, (2, 1100, 4, 128), "bf16")
+    q, k, v = random_qkv(rng, 2, 1000, 1100, 4, 4, 128, "bf16")
     first, lse0 = cuflash.attention(q, k, v, causal=True, return_lse=True)
     for _ in range(10):
         again, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)

@@ -13,7 +13,7 @@ cupy.cuda.set_allocator(None)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
-from gpu_util import check_backward, check_forward, randn  # noqa: E402
+from gpu_util import check_backward, check_forward, random_qkv  # noqa: E402
 from test_decode_gpu import case, run_and_check  # noqa: E402
 
 from cuflash import jit, plan  # noqa: E402
@@ -34,9 +34,7 @@ def main():
     rng = np.random.default_rng(0)
     arch = jit.device_arch(0)
     for b, sq, sk, h, hk, d, causal, dt, layout in CASES:
-        q = randn(rng, (b, sq, h, d), dt, layout)
-        k = randn(rng, (b, sk, hk, d), dt, layout)
-        v = randn(rng, (b, sk, hk, d), dt, layout)
+        q, k, v = random_qkv(rng, b, sq, sk, h, hk, d, dt, layout_q=layout, layout_kv=layout)
         err, bound = check_forward(q, k, v, causal=causal, dtype=dt)
         print(f"ok fwd b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} {dt} {layout}: err {err:.2e} <= {bound:.2e}")
         if plan.uses_sm90_forward(d, True, arch):  # that ran the Hopper kernel: the mma.sync one too
