@@ -1,0 +1,318 @@
+"""How fast can a decode kernel stream a KV cache on this GPU? Read-only bandwidth probes on the
+decode layout, with no attention math, to separate the memory side from the rest of the kernel.
+
+    python tools/probe_decode_bw.py [--shapes 8,32768,32,3 ...] [--probes ring_t64_s2_o3 ...] [--repeats 10]
+
+A shape is batch,cache_len,kv_heads,splits; K and V are (batch, cache_len, kv_heads, 128) bf16. The
+`flat*` probes read both buffers front to back; every other probe walks them as a decode kernel
+does: CTA (split, kv head, sequence) reads the 256-byte rows of its keys of one head, one tile of
+keys at a time, into shared memory (or registers). Probe names:
+    flat            grid-stride 16-byte ld.global.nc over both buffers (the read ceiling)
+    flatcp_oO       cp.async 16-byte chunks of contiguous 16 KB blocks of K and V, 2-stage ring
+    ring_tT_sS_oO   cp.async by all 128 threads into an S-stage ring of T-key (K, V) tiles, one
+                    barrier per tile (cuda_src/flash_decode.cuh's scheme); _hk: kv head fastest in
+                    the grid; _ns: no key split (one CTA per head and sequence)
+    alt_tT_oO       one T-key K buffer and one V buffer, loaded alternately (FlashAttention-2's scheme:
+                    the V load flies while S would be computed, the next K load during P V)
+    ldg_tT_oO       16-byte ld.global.nc into registers, all of a thread's loads of a tile in flight
+    bulk_sS         one producer warp, cp.async.bulk per 256-byte row, full / empty mbarriers (sm_90)
+O is the CTAs per SM the probe's shared memory allows (set by padding its dynamic shared memory).
+Prints KV TB/s (2 * b * L * h * 128 * 2 bytes / time) per probe and shape, medians of CUDA-event times.
+"""
+import argparse
+import statistics
+
+SOURCE = r"""
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ uint4 ldg16(const void* p) {
+    uint4 x;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "l"(p));
+    return x;
+}
+
+extern "C" __global__ void flat(const uint4* a, const uint4* b, long long n, float* sink) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const uint4 x = ldg16(a + i), y = ldg16(b + i);
+        acc.x ^= x.x ^ y.x; acc.y ^= x.y ^ y.y; acc.z ^= x.z ^ y.z; acc.w ^= x.w ^ y.w;
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) sink[0] = 1.f;
+}
+
+// Contiguous 16 KB blocks of K and of V (n16: 16-byte chunks per buffer), 2-stage cp.async ring.
+extern "C" __global__ void __launch_bounds__(128) flatcp(const uint4* a, const uint4* b, long long n16, float* sink) {
+    extern __shared__ __align__(128) unsigned char smem_flat[];
+    uint4* s = (uint4*)smem_flat;  // [2][2][1024]
+    const long long blocks = n16 / 1024;
+    auto issue = [&](long long blk, int st) {
+        if (blk < blocks)
+            for (int c = threadIdx.x; c < 1024; c += 128) {
+                cp16(smem_u32(s + (st * 2 + 0) * 1024 + c), a + blk * 1024 + c, true);
+                cp16(smem_u32(s + (st * 2 + 1) * 1024 + c), b + blk * 1024 + c, true);
+            }
+        commit();
+    };
+    int st = 0;
+    issue(blockIdx.x, 0);
+    u32 acc = 0;
+    for (long long blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+        wait_group<0>();
+        __syncthreads();
+        issue(blk + gridDim.x, st ^ 1);
+        acc ^= s[st * 2048 + threadIdx.x].x;
+        st ^= 1;
+    }
+    if (acc == 0x12345678u) sink[0] = 1.f;
+}
+
+struct Walk {  // CTA -> its keys of one head
+    const u16 *gk, *gv;
+    long long row;
+    int n0, n1;
+    __device__ Walk(const u16* K, const u16* V, int L, int H, int kps, bool hk_first) {
+        const int split = hk_first ? blockIdx.y : blockIdx.x, hk = hk_first ? blockIdx.x : blockIdx.y, b = blockIdx.z;
+        n0 = split * kps;
+        n1 = min(L, n0 + kps);
+        row = (long long)H * 128;
+        gk = K + (long long)b * L * row + hk * 128;
+        gv = V + (long long)b * L * row + hk * 128;
+    }
+    template <int kTile>
+    __device__ void load(const u16* g, u16* s, int t) const {
+        for (int c = threadIdx.x; c < kTile * 16; c += 128) {
+            const int r = c / 16, col = (c % 16) * 8, n = n0 + t * kTile + r;
+            const bool ok = n < n1;
+            cp16(smem_u32(s + r * 136 + col), ok ? g + n * row + col : g, ok);
+        }
+    }
+};
+
+template <int kTile, int kStages, bool kHkFirst>
+__device__ void ring_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    u16* sk = (u16*)smem;
+    u16* sv = sk + kStages * kTile * 136;
+    const Walk w(K, V, L, H, kps, kHkFirst);
+    const int tiles = (w.n1 - w.n0 + kTile - 1) / kTile;
+    auto issue = [&](int t, int s) {
+        if (t < tiles) {
+            w.load<kTile>(w.gk, sk + s * kTile * 136, t);
+            w.load<kTile>(w.gv, sv + s * kTile * 136, t);
+        }
+        commit();
+    };
+    for (int s = 0; s < kStages - 1; ++s) issue(s, s);
+    float acc = 0.f;
+    for (int t = 0; t < tiles; ++t) {
+        wait_group<kStages - 2>();
+        __syncthreads();
+        issue(t + kStages - 1, (t + kStages - 1) % kStages);
+        const int s = t % kStages;
+        acc += (float)sk[(s * kTile + threadIdx.x % kTile) * 136] + (float)sv[(s * kTile + threadIdx.x % kTile) * 136];
+    }
+    if (acc == 1234.5f) sink[0] = acc;
+}
+
+template <int kTile>
+__device__ void alt_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    u16* sk = (u16*)smem;
+    u16* sv = sk + kTile * 136;
+    const Walk w(K, V, L, H, kps, false);
+    const int tiles = (w.n1 - w.n0 + kTile - 1) / kTile;
+    float acc = 0.f;
+    if (tiles > 0) w.load<kTile>(w.gk, sk, 0);
+    commit();
+    for (int t = 0; t < tiles; ++t) {
+        wait_group<0>();
+        __syncthreads();  // K(t) landed; V(t - 1) consumed
+        w.load<kTile>(w.gv, sv, t);
+        commit();
+        acc += (float)sk[(threadIdx.x % kTile) * 136];
+        wait_group<0>();
+        __syncthreads();  // V(t) landed; K(t) consumed
+        if (t + 1 < tiles) w.load<kTile>(w.gk, sk, t + 1);
+        commit();
+        acc += (float)sv[(threadIdx.x % kTile) * 136];
+    }
+    if (acc == 1234.5f) sink[0] = acc;
+}
+
+template <int kTile>
+__device__ void ldg_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    const Walk w(K, V, L, H, kps, false);
+    const int tiles = (w.n1 - w.n0 + kTile - 1) / kTile;
+    constexpr int kPer = kTile * 16 / 128;
+    u32 acc = 0;
+    for (int t = 0; t < tiles; ++t) {
+        uint4 xk[kPer], xv[kPer];
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) {
+            const int c = threadIdx.x + 128 * i, r = c / 16, col = (c % 16) * 8, n = min(w.n0 + t * kTile + r, w.n1 - 1);
+            xk[i] = ldg16(w.gk + n * w.row + col);
+            xv[i] = ldg16(w.gv + n * w.row + col);
+        }
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) acc ^= xk[i].x ^ xv[i].y;
+    }
+    if (acc == 0x12345678u) sink[0] = 1.f;
+}
+
+__device__ __forceinline__ void mbar_init(u32 a, int count) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(count)); }
+__device__ __forceinline__ void mbar_expect_arrive(u32 a, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 a) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory"); }
+__device__ __forceinline__ void mbar_wait(u32 a, int parity) {
+    asm volatile("{\n.reg .pred P1;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n@!P1 bra WAIT;\n}\n"
+                 ::"r"(a), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_row(u32 dst, const void* src, u32 bytes, u32 mbar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(mbar) : "memory");
+}
+
+template <int kStages>
+__device__ void bulk_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    constexpr int kTile = 64;
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned long long* bars = (unsigned long long*)smem;  // full[kStages], empty[kStages]
+    u16* sk = (u16*)(smem + 256);
+    u16* sv = sk + kStages * kTile * 136;
+    const Walk w(K, V, L, H, kps, false);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int tiles = (w.n1 - w.n0 + kTile - 1) / kTile;
+    if (threadIdx.x < kStages) {
+        mbar_init(smem_u32(bars + threadIdx.x), 1);
+        mbar_init(smem_u32(bars + kStages + threadIdx.x), 3);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+    if (warp == 0) {
+        for (int t = 0; t < tiles; ++t) {
+            const int s = t % kStages;
+            if (t >= kStages) mbar_wait(smem_u32(bars + kStages + s), ((t / kStages) - 1) & 1);
+            const int rows = min(kTile, w.n1 - (w.n0 + t * kTile));
+            if (lane == 0) mbar_expect_arrive(smem_u32(bars + s), rows * 256 * 2);
+            __syncwarp();
+            for (int r = lane; r < rows; r += 32) {
+                const long long n = w.n0 + t * kTile + r;
+                bulk_row(smem_u32(sk + (s * kTile + r) * 136), w.gk + n * w.row, 256, smem_u32(bars + s));
+                bulk_row(smem_u32(sv + (s * kTile + r) * 136), w.gv + n * w.row, 256, smem_u32(bars + s));
+            }
+        }
+    } else {
+        float acc = 0.f;
+        for (int t = 0; t < tiles; ++t) {
+            const int s = t % kStages;
+            mbar_wait(smem_u32(bars + s), (t / kStages) & 1);
+            acc += (float)sk[(s * kTile + lane) * 136] + (float)sv[(s * kTile + lane) * 136];
+            __syncwarp();
+            if (lane == 0) mbar_arrive(smem_u32(bars + kStages + s));
+        }
+        if (acc == 1234.5f) sink[0] = acc;
+    }
+}
+
+#define PROBE(name, call) \
+    extern "C" __global__ void __launch_bounds__(128) name(const u16* K, const u16* V, int L, int H, int kps, float* sink) { call; }
+PROBE(ring_t64_s2, (ring_probe<64, 2, false>(K, V, L, H, kps, sink)))
+PROBE(ring_t64_s3, (ring_probe<64, 3, false>(K, V, L, H, kps, sink)))
+PROBE(ring_t64_s2_hk, (ring_probe<64, 2, true>(K, V, L, H, kps, sink)))
+PROBE(ring_t128_s2, (ring_probe<128, 2, false>(K, V, L, H, kps, sink)))
+PROBE(ring_t32_s4, (ring_probe<32, 4, false>(K, V, L, H, kps, sink)))
+PROBE(alt_t64, (alt_probe<64>(K, V, L, H, kps, sink)))
+PROBE(alt_t128, (alt_probe<128>(K, V, L, H, kps, sink)))
+PROBE(ldg_t64, (ldg_probe<64>(K, V, L, H, kps, sink)))
+PROBE(ldg_t32, (ldg_probe<32>(K, V, L, H, kps, sink)))
+PROBE(bulk_s2, (bulk_probe<2>(K, V, L, H, kps, sink)))
+"""
+
+# name -> (kernel, shared memory the kernel needs, CTAs per SM to pad to (0: as many as fit), grid)
+# grid: "split" (splits, h, b), "hk" (h, splits, b), "nosplit" (1, h, b), "flat"
+PROBES = {
+    "flat": ("flat", 0, 0, "flat"),
+    "flatcp_o3": ("flatcp", 65536, 3, "flat"),
+    "ring_t64_s2_o3": ("ring_t64_s2", 69632, 3, "split"),
+    "ring_t64_s2_o2": ("ring_t64_s2", 69632, 2, "split"),
+    "ring_t64_s3_o2": ("ring_t64_s3", 104448, 2, "split"),
+    "ring_t64_s2_o3_hk": ("ring_t64_s2_hk", 69632, 3, "hk"),
+    "ring_t64_s2_o3_ns": ("ring_t64_s2", 69632, 3, "nosplit"),
+    "ring_t128_s2_o1": ("ring_t128_s2", 139264, 1, "split"),
+    "ring_t32_s4_o3": ("ring_t32_s4", 69632, 3, "split"),
+    "alt_t128_o2": ("alt_t128", 69632, 2, "split"),
+    "alt_t128_o3": ("alt_t128", 69632, 3, "split"),
+    "alt_t128_o2_ns": ("alt_t128", 69632, 2, "nosplit"),
+    "alt_t64_o4": ("alt_t64", 34816, 4, "split"),
+    "ldg_t64_o3": ("ldg_t64", 0, 3, "split"),
+    "ldg_t32_o6": ("ldg_t32", 0, 6, "split"),
+    "bulk_s2": ("bulk_s2", 69888, 3, "split"),
+}
+SHAPES = ["1,32768,32,12", "1,131072,32,12", "8,4096,32,3", "8,32768,32,3", "64,4096,32,2", "64,32768,32,3",
+          "8,32768,8,6", "8,131072,8,6", "64,4096,8,3", "64,32768,8,3"]
+SMEM_PER_SM = 233472  # 228 KB on sm_90; the driver reserves 1 KB per CTA
+
+
+def padded_smem(need: int, per_sm: int) -> int:
+    return need if per_sm == 0 else max(need, SMEM_PER_SM // per_sm - 1024)
+
+
+def main():
+    import cupy
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=SHAPES)
+    ap.add_argument("--probes", nargs="*", default=list(PROBES))
+    ap.add_argument("--repeats", type=int, default=10)
+    a = ap.parse_args()
+    mod = cupy.RawModule(code=SOURCE, options=("-std=c++17", "-arch=sm_90a"))
+    sink = cupy.zeros(1, dtype=cupy.float32)
+    print(f"{'shape (b,L,h,splits)':24} {'probe':20} {'TB/s':>6}", flush=True)
+    for shape in a.shapes:
+        b, L, H, splits = map(int, shape.split(","))
+        K = cupy.empty((b, L, H, 128), dtype=cupy.uint16)
+        V = cupy.empty_like(K)
+        K.view(cupy.float16)[...] = 0.5
+        V.view(cupy.float16)[...] = 0.25
+        nbytes = 2 * K.nbytes
+        for name in a.probes:
+            kernel, need, per_sm, grid_kind = PROBES[name]
+            fn = mod.get_function(kernel)
+            sm = padded_smem(need, per_sm)
+            if sm > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = sm
+            if grid_kind == "flat":
+                n16 = K.nbytes // 16
+                grid = (132 * 16,) if kernel == "flat" else (132 * per_sm,)
+                args = (K, V, cupy.int64(n16), sink)
+            else:
+                s = 1 if grid_kind == "nosplit" else splits
+                grid = {"split": (s, H, b), "nosplit": (1, H, b), "hk": (H, s, b)}[grid_kind]
+                kps = -(-L // (s * 64)) * 64
+                args = (K, V, cupy.int32(L), cupy.int32(H), cupy.int32(kps), sink)
+            block = (256,) if kernel == "flat" else (128,)
+            for _ in range(3):
+                fn(grid, block, args, shared_mem=sm)
+            ts = []
+            for _ in range(a.repeats):
+                e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+                e0.record()
+                fn(grid, block, args, shared_mem=sm)
+                e1.record()
+                e1.synchronize()
+                ts.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e-3)
+            print(f"{shape:24} {name:20} {nbytes / statistics.median(ts) / 1e12:6.2f}", flush=True)
+        del K, V
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
