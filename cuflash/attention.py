@@ -62,11 +62,17 @@ def _elem_strides(x) -> tuple[int, int, int]:
     return x.strides[0] // x.itemsize, x.strides[1] // x.itemsize, x.strides[2] // x.itemsize
 
 
-def _aligned16(x) -> bool:
-    """True when every row of x starts on a 16-byte boundary (for cp.async 16-byte loads)."""
-    if x.data.ptr % 16:
+def _aligned16(x, ptr: int | None = None) -> bool:
+    """True when every row of x (each index of its first three dims) starts on a 16-byte boundary, as
+    16-byte cp.async loads and stores need. CuPy strides are in bytes; a dim of size 1 may have any
+    stride. ptr: x.data.ptr, where the caller has read it already."""
+    if (x.data.ptr if ptr is None else ptr) % 16:
         return False
-    return all((s * x.itemsize) % 16 == 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
+    shape, strides = x.shape, x.strides
+    for i in range(3):
+        if shape[i] > 1 and strides[i] % 16:
+            return False
+    return True
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, out=None):

@@ -265,7 +265,7 @@ def attention_with_kvcache(
 
 def _aligned16(ptr: int, x) -> bool:
     """attention._aligned16 with the pointer already read: every row of x starts on a 16-byte boundary."""
-    return ptr % 16 == 0 and all((s * x.itemsize) % 16 == 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
+    return ptr % 16 == 0 and all(s % 16 == 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)  # byte strides
 
 
 # ---------------------------------------------------------------------------------------------

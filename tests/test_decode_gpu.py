@@ -321,6 +321,28 @@ def test_element_wise_path_for_misaligned_rows():
     run_and_check(**paged, num_splits=2, what="misaligned paged")
 
 
+def _padded_rows_view(x):
+    """The same values with every (b, s, h) row 4 elements (8 bytes) apart from a 16-byte boundary:
+    a 16-byte aligned base, but head strides of head_dim + 4 elements."""
+    import cupy
+
+    b, s, h, d = x.shape
+    y = cupy.empty((b, s, h, d + 4), dtype=x.dtype)[..., :d]
+    y[...] = x
+    return y
+
+
+def test_element_wise_path_for_rows_off_by_8_bytes():
+    from cuflash.attention import _aligned16
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=64, capacity=300, seqlen_new=1)
+    for name in ("q", "k_cache", "v_cache", "k", "v"):
+        c[name] = _padded_rows_view(c[name])
+        assert c[name].data.ptr % 16 == 0 and not _aligned16(c[name])
+    run_and_check(**c, causal=True, what="rows off by 8 bytes")
+
+
 def test_16_byte_path_and_strided_layouts():
     """(b, h, s, d) storage seen through transposed views: non-contiguous strides, 16-byte aligned."""
     from cuflash.attention import _aligned16

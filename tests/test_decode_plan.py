@@ -452,3 +452,29 @@ def test_packed_record_matches_make_record():
     assert kvcache._record(**values).dtype == DECODE_DTYPE
     with pytest.raises(KeyError, match="missing"):
         kvcache._record(**{k: v for k, v in values.items() if k != "seqlens"})
+
+
+# ---------------------------------------------------------------------------------------------
+# 16-byte row alignment (which load path a call takes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fake_array(ptr, shape, strides):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(data=SimpleNamespace(ptr=ptr), shape=shape, strides=strides)
+
+
+def test_aligned16_reads_byte_strides():
+    """CuPy strides are bytes: a row stride of 8 bytes is misaligned even though 8 elements of a
+    2-byte dtype would not be (the check once multiplied the byte strides by the item size)."""
+    from cuflash.attention import _aligned16
+
+    d = 64
+    dense = _fake_array(4096, (2, 5, 3, d), (5 * 3 * d * 2, 3 * d * 2, d * 2, 2))
+    assert _aligned16(dense)
+    padded = _fake_array(4096, (2, 5, 3, d), (5 * 3 * (d + 4) * 2, 3 * (d + 4) * 2, (d + 4) * 2, 2))  # 136-byte heads
+    assert not _aligned16(padded)
+    assert not _aligned16(dense, ptr=4096 + 8)  # the base pointer counts too
+    one_head = _fake_array(4096, (2, 5, 1, d), (5 * (d + 4) * 2 * 2, (d + 4) * 2 * 2, 8, 2))  # size-1 dim: any stride
+    assert _aligned16(one_head)
