@@ -30,8 +30,10 @@
 //           slab wm and keys [wn * kKeysPerWarp, (wn + 1) * kKeysPerWarp) of every tile: its own
 //           online softmax (m, l, O) over its keys, FA2's per-warp steps (flash_fwd.cuh WarpTile).
 //           The kWarpsN partial results of a row are merged once, at the end, through shared memory.
-//   smem  = sQ[kBlockM][kHeadDim+8] + m, l [kWarpsN][kBlockM] + kStages x (sK[kBlockN][kHeadDim+8],
+//   smem  = sQ[kBlockM][kHeadDim+8] + m, l [kWarpsN][kBlockM] + kStages x (sK[kBlockN][kKVStride],
 //           sV[...]); the fp32 merge buffer [kWarpsN][kBlockM][kHeadDim+8] reuses the K/V stages.
+//           K/V rows are unpadded with XOR-swizzled 16-byte chunks for head dims that are multiples
+//           of 64 (kKVStride = kHeadDim), padded otherwise (flash_fwd.cuh kv_chunk_offset).
 //   Pipeline: kStages-deep cp.async ring of 16-byte chunks, kStages - 1 tiles in flight while one is
 //           used; one barrier per tile (kStages == 1, for small-smem GPUs: load, use, barrier, load).
 //   Paged caches: key n of sequence b lives at page block_table[b][n / page_size], slot n % page_size;
@@ -76,12 +78,17 @@ struct DecodeConfig {
     static constexpr int kWarpsN = kNWarps / kMSlabs;   // warp columns: share each tile's keys
     static constexpr int kBlockM = 16 * kMSlabs;        // packed query rows per CTA
     static constexpr int kKeysPerWarp = kBlockN / kWarpsN;
-    static constexpr int kSmemStride = kHeadDim + 8;    // elements per smem row (16 bytes pad)
+    static constexpr int kSmemStride = kHeadDim + 8;    // elements per Q smem row (16 bytes pad)
+    // K/V rows: unpadded and XOR-swizzled where the head dim is whole 128-byte groups, else padded
+    // (flash_fwd.cuh kv_chunk_offset; the swizzle is what lets the cp.async stream reach HBM speed).
+    // Not at hd256 with more than one slab: the swizzle's per-lane offsets make those spill.
+    static constexpr bool kKVSwizzled = kHeadDim % 64 == 0 && !(kHeadDim == 256 && kMSlabs > 1);
+    static constexpr int kKVStride = kKVSwizzled ? kHeadDim : kSmemStride;
     static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row
     static constexpr int kRedStride = kHeadDim + 8;     // floats per row of the merge buffer
     static constexpr int kSmemQBytes = 2 * kBlockM * kSmemStride;
     static constexpr int kSmemMLBytes = 2 * 4 * kWarpsN * kBlockM;           // m and l, fp32
-    static constexpr int kSmemKV = kBlockN * kSmemStride;                   // elements of one K (or V) tile
+    static constexpr int kSmemKV = kBlockN * kKVStride;                     // elements of one K (or V) tile
     static constexpr int kSmemPipeBytes = 2 * 2 * kStages * kSmemKV;         // kStages x (K, V)
     static constexpr int kSmemRedBytes = 4 * kWarpsN * kBlockM * kRedStride;  // merge buffer, fp32
     static constexpr int kSmemBytes =
@@ -92,7 +99,7 @@ struct DecodeConfig {
     static_assert(kBlockN % kWarpsN == 0 && kKeysPerWarp % 16 == 0, "every warp owns whole 16-key MMA k-steps");
     static_assert((kSmemStride / 8) % 2 == 1, "odd 16-byte row stride keeps ldmatrix conflict free");
     static_assert(kStages >= 1, "at least one K/V stage");
-    static_assert(kSmemQBytes % 16 == 0 && kSmemMLBytes % 16 == 0, "the K/V stages start 16-byte aligned");
+    static_assert((kSmemQBytes + kSmemMLBytes) % 128 == 0, "the K/V stages start 128-byte aligned (swizzle groups)");
 };
 
 // The per-warp view that flash_fwd.cuh's WarpTile expects: one 16-row slab, kKeysPerWarp keys.
@@ -104,6 +111,8 @@ struct DecodeWarpConfig {
     static constexpr int kKStepsQK = Cfg::kHeadDim / 16;     // k-steps of S = Q K^T
     static constexpr int kKStepsPV = Cfg::kKeysPerWarp / 16; // k-steps of O += P V
     static constexpr int kSmemStride = Cfg::kSmemStride;
+    static constexpr bool kKVSwizzled = Cfg::kKVSwizzled;
+    static constexpr int kKVStride = Cfg::kKVStride;
     static constexpr bool kIsBF16 = Cfg::kIsBF16;
     static constexpr bool kQInRegs = false;  // Q is re-read from smem per tile (memory bound: free)
 };
@@ -226,8 +235,9 @@ CUFLASH_DEVICE void decode_load_kv(u16* s_k, u16* s_v, const u16* g_k, const u16
         if (row_ok) cache.locate(n, page, slot);
         const u16* src_k = g_k + page * p.k_batch_stride + slot * p.k_row_stride + col;
         const u16* src_v = g_v + page * p.v_batch_stride + slot * p.v_row_stride + col;
-        u16* dst_k = s_k + row * Cfg::kSmemStride + col;
-        u16* dst_v = s_v + row * Cfg::kSmemStride + col;
+        const int s_off = kv_chunk_offset<Cfg::kKVSwizzled, Cfg::kKVStride>(row, col / 8);
+        u16* dst_k = s_k + s_off;
+        u16* dst_v = s_v + s_off;
         if constexpr (Cfg::kAligned) {
             // head_dim % 8 == 0 here, so a chunk is either wholly inside the row or wholly outside.
             const bool valid = row_ok && col < p.head_dim;
@@ -256,7 +266,7 @@ CUFLASH_DEVICE void decode_mask(float (&S)[1][kNB][4], int col0, const int (&lim
 template <class Cfg>
 CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     using WCfg = DecodeWarpConfig<Cfg>;
-    constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kStride = Cfg::kSmemStride;
+    constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM;
     constexpr int kNB = WCfg::kNBlocksS, kDB = WCfg::kDBlocks, kRed = Cfg::kRedStride;
     constexpr bool kBF16 = Cfg::kIsBF16;
 
@@ -296,7 +306,7 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         return;
     }
 
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    extern __shared__ __align__(128) unsigned char smem_raw[];
     u16* s_q = reinterpret_cast<u16*>(smem_raw);
     float* s_m = reinterpret_cast<float*>(smem_raw + Cfg::kSmemQBytes);  // [kWarpsN][kBlockM]: m of each warp column
     float* s_l = s_m + Cfg::kWarpsN * kBlockM;                           // [kWarpsN][kBlockM]: l of each warp column
@@ -353,8 +363,8 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         }
         const int n0 = tile * kBlockN + wn * Cfg::kKeysPerWarp;  // first key of this warp's share
         if (warp_has_rows && n0 < L) {  // warp-uniform: a share wholly past the end is all masked
-            const u16* s_k = s_k0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * kStride;
-            const u16* s_v = s_v0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * kStride;
+            const u16* s_k = s_k0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
+            const u16* s_v = s_v0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
             // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
             wt.gemm_qk(S, s_q, s_k);
             if (n0 + Cfg::kKeysPerWarp > limit_lo) decode_mask(S, n0 + 2 * t, limit);

@@ -63,6 +63,8 @@ struct FwdConfig {
     static constexpr int kKStepsQK = kHeadDim / 16;    // k-steps of S = Q K^T
     static constexpr int kKStepsPV = kBlockN / 16;     // k-steps of O += P V
     static constexpr int kSmemStride = kHeadDim + 8;   // elements per smem row (16 bytes pad)
+    static constexpr bool kKVSwizzled = false;         // K/V rows padded like Q (WarpTile, kv_chunk_offset)
+    static constexpr int kKVStride = kSmemStride;      // elements between K/V rows in smem
     static constexpr int kChunksPerRow = kHeadDim / 8; // 16-byte chunks per row
     static constexpr int kSmemQ = kBlockM * kSmemStride;
     static constexpr int kSmemKV = kBlockN * kSmemStride;
@@ -160,12 +162,29 @@ CUFLASH_DEVICE void load_tile(u16* s_tile, const u16* g_tile, i64 row_stride, in
     }
 }
 
-// Per-warp tile state and the three steps of one K/V tile. Fragment layouts: common.cuh.
+// Element offset of 16-byte chunk `chunk` of row `row` in a K/V smem tile (Cfg::kKVSwizzled):
+//   padded:   rows of kKVStride = head dim + 8 elements; the 16 bytes of padding keep ldmatrix's
+//             8 rows on distinct banks.
+//   swizzled: unpadded rows (kKVStride = head dim, a multiple of 64); chunk c of row r sits at
+//             c ^ (r % 8), inside its own 128-byte group, which keeps ldmatrix conflict free. Each
+//             128-byte piece of a global row then lands in one 128-byte aligned piece of smem: a
+//             padded row straddles those pieces, and cp.async then fetches ~1.5 L2 sectors per
+//             sector of data (ncu, decode kernel on the H200), which caps a memory-bound kernel.
+template <bool kSwizzled, int kKVStride>
+CUFLASH_DEVICE int kv_chunk_offset(int row, int chunk) {
+    return row * kKVStride + (kSwizzled ? (chunk ^ (row & 7)) : chunk) * 8;
+}
+
+// Per-warp tile state and the three steps of one K/V tile. Fragment layouts: common.cuh. Q rows are
+// padded (kSmemStride); K and V rows follow Cfg::kKVSwizzled (kv_chunk_offset).
 template <class Cfg>
 struct WarpTile {
     static constexpr int kMSlabs = Cfg::kMSlabs, kNB = Cfg::kNBlocksS, kDB = Cfg::kDBlocks;
     static constexpr int kStride = Cfg::kSmemStride;
+    static constexpr bool kSwizzled = Cfg::kKVSwizzled;
+    static constexpr int kKVStride = Cfg::kKVStride;
     static constexpr bool kBF16 = Cfg::kIsBF16;
+    static_assert(!kSwizzled || (kKVStride % 64 == 0), "swizzled rows are whole 128-byte groups");
 
     float acc_o[kMSlabs][kDB][4];   // unnormalized O
     float row_max[kMSlabs][2];      // m, raw score units
@@ -177,11 +196,26 @@ struct WarpTile {
                      // (2i+1, k hi) -> lane l -> key (l % 8) + 8 (l / 16), column 8 ((l / 8) % 2)
     int v_lane_off;  // B of P V from V rows, transposed: matrices (keys lo, d-block 2i), (keys hi, 2i),
                      // (keys lo, 2i+1), (keys hi, 2i+1) -> lane l -> key (l % 8) + 8 ((l / 8) % 2), column 8 (l / 16)
+    // Swizzled K/V: k_lane_off / v_lane_off hold the row part only. Every row a lane addresses is
+    // l % 8 modulo 8, and the chunk it reads is an even constant c plus its chunk bit, so it is stored
+    // at c ^ y, y = chunk bit ^ l % 8, = (c & ~7) + ((c & 6) ^ y): k_col[j] / v_col[j] hold
+    // ((2 j) ^ y) * 8 elements for the four values of c & 6.
+    int k_col[kSwizzled ? 4 : 1], v_col[kSwizzled ? 4 : 1];
 
     CUFLASH_DEVICE void init(int warp_row0, int lane) {
         q_lane_off = (warp_row0 + lane % 16) * kStride + (lane / 16) * 8;
-        k_lane_off = (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
-        v_lane_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
+        if constexpr (kSwizzled) {
+            k_lane_off = (lane % 8 + (lane / 16) * 8) * kKVStride;
+            v_lane_off = (lane % 8 + ((lane / 8) % 2) * 8) * kKVStride;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                k_col[j] = ((2 * j) ^ ((lane / 8) % 2) ^ (lane % 8)) * 8;
+                v_col[j] = ((2 * j) ^ (lane / 16) ^ (lane % 8)) * 8;
+            }
+        } else {
+            k_lane_off = (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
+            v_lane_off = (lane % 8 + ((lane / 8) % 2) * 8) * kStride + (lane / 16) * 8;
+        }
 #pragma unroll
         for (int s = 0; s < kMSlabs; ++s) {
 #pragma unroll
@@ -220,7 +254,8 @@ struct WarpTile {
 #pragma unroll
             for (int nb = 0; nb < kNB; nb += 2) {
                 u32 bk[4];
-                ldmatrix_x4(bk, smem_u32(s_k + k_lane_off + nb * 8 * kStride + ks * 16));
+                const int col = kSwizzled ? (2 * ks & ~7) * 8 + k_col[ks % 4] : ks * 16;
+                ldmatrix_x4(bk, smem_u32(s_k + k_lane_off + nb * 8 * kKVStride + col));
 #pragma unroll
                 for (int s = 0; s < kMSlabs; ++s) {
                     mma_16816<kBF16>(S[s][nb], a[s], bk[0], bk[1]);
@@ -293,7 +328,8 @@ struct WarpTile {
 #pragma unroll
             for (int d = 0; d < kDB; d += 2) {
                 u32 bv[4];
-                ldmatrix_x4_trans(bv, smem_u32(s_v + v_lane_off + kk * 16 * kStride + d * 8));
+                const int col = kSwizzled ? (d & ~7) * 8 + v_col[(d / 2) % 4] : d * 8;
+                ldmatrix_x4_trans(bv, smem_u32(s_v + v_lane_off + kk * 16 * kKVStride + col));
 #pragma unroll
                 for (int s = 0; s < kMSlabs; ++s) {
                     mma_16816<kBF16>(acc_o[s][d], a[s], bv[0], bv[1]);

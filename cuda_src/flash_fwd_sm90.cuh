@@ -54,6 +54,8 @@ struct Sm90FwdConfig {
     static constexpr int kKStepsPV = kBlockN / 16;
     static constexpr int kChunksPerRow = kHeadDim / 8;
     static constexpr int kSmemStride = kHeadDim + 8;  // epilogue staging rows (16 bytes of padding)
+    static constexpr bool kKVSwizzled = false;        // (WarpTile's K/V layout: unused here)
+    static constexpr int kKVStride = kSmemStride;
 
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;

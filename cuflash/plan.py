@@ -710,27 +710,29 @@ class DecodeTile:
 #: Split-KV tiles per head-dim bucket (Hopper: 227 KB per CTA, 228 KB per SM). Decode streams the
 #: cache once, so the rows are about bytes in flight: at ~4.5 TB/s and ~1 us of loaded latency an
 #: SM needs ~35 KB of loads outstanding; every row keeps >= 2 tiles (>= 32 KB) in flight per CTA.
-#: Shared memory = 2 * 16 * m_slabs * (d + 8) (Q) + 512 (m, l) + 4 * stages * block_n * (d + 8)
-#: (K and V stages). Registers per thread: O 16 * d / 32 + S block_n * m_slabs / 8 (FA2's
-#: per-warp steps on one 16-row slab). hd128 swept on the H200 with tools/tune_decode.py; the other
-#: rows follow the same bytes-in-flight reasoning, untuned.
+#: K/V rows are unpadded (XOR-swizzled chunks) where the bucket is a multiple of 64, else padded by 8
+#: elements (decode_kv_row_elements). Shared memory = 2 * 16 * m_slabs * (d + 8) (Q) + 512 (m, l) +
+#: 4 * stages * block_n * kv_row (K and V stages). Registers per thread: O 16 * d / 32 + S
+#: block_n * m_slabs / 8 (FA2's per-warp steps on one 16-row slab). hd128 swept on the H200 with
+#: tools/tune_decode.py; the other rows follow the same bytes-in-flight reasoning, untuned.
 DECODE_TILES: dict[int, DecodeTile] = {
     # 20 KB stages of 128 keys (a K tile is 8 KB): 4 stages = 82 KB, 2 CTAs/SM, 96 KB in flight per SM.
     32: DecodeTile(128, 4, 2),
-    # 18 KB stages of 64 keys: 4 stages = 74 KB, 2 CTAs/SM, 96 KB in flight per SM.
+    # 16 KB stages of 64 keys: 4 stages = 66 KB, 2 CTAs/SM, 96 KB in flight per SM.
     64: DecodeTile(64, 4, 2),
     # 27 KB stages: 3 stages = 80 KB, 2 CTAs/SM.
     96: DecodeTile(64, 3, 2),
-    # 35 KB stages: 2 stages (74 KB with Q) at 3 CTAs/SM. Measured (KV TB/s vs cuDNN, median of 5
-    # shapes): 2 stages x 3 CTAs 0.895, 4 x 2 0.884, 3 x 2 0.878, 128-key tiles 2 x 1 0.748.
+    # 32 KB stages: 2 stages (69 KB with Q) at 3 CTAs/SM. Measured with the swizzled rows (KV TB/s vs
+    # cuDNN, median of 9 shapes): 2 stages x 3 CTAs 0.988, 3 x 2 0.982, 4 x 1 0.874, 128-key tiles
+    # 2 x 1 0.761 (before the swizzle: 2 x 3 0.895, 4 x 2 0.884, 3 x 2 0.878, 128-key 2 x 1 0.748).
     128: DecodeTile(64, 2, 3),
     # 43 KB stages: 2 stages (86 KB) keep 2 CTAs/SM, 86 KB in flight per SM.
     160: DecodeTile(64, 2, 2),
-    # 51 KB stages: 2 stages (102 KB), 2 CTAs/SM.
+    # 48 KB stages: 2 stages (99 KB), 2 CTAs/SM.
     192: DecodeTile(64, 2, 2),
     # 59 KB stages: 2 would not fit twice per SM; 3 stages (178 KB) at 1 CTA/SM, 119 KB in flight.
     224: DecodeTile(64, 3, 1),
-    # 68 KB stages: 3 stages (203 KB) at 1 CTA/SM, 135 KB in flight.
+    # 64 KB stages (66 KB padded, with more than one slab): 3 stages (<= 203 KB) at 1 CTA/SM.
     256: DecodeTile(64, 3, 1),
 }
 
@@ -739,13 +741,22 @@ def smem_per_sm_bytes(arch: str) -> int:
     return SMEM_PER_SM_KB.get(int(_ARCH_RE.match(arch).group(1)), 100) * 1024
 
 
+def decode_kv_row_elements(head_dim_bucket: int, m_slabs: int) -> int:
+    """Elements per K/V smem row of the split-KV kernel (DecodeConfig::kKVStride): unpadded, with
+    XOR-swizzled 16-byte chunks, where the bucket is whole 128-byte groups (except hd256 with more
+    than one slab, which would spill); padded by 8 otherwise."""
+    swizzled = head_dim_bucket % 64 == 0 and not (head_dim_bucket == 256 and m_slabs > 1)
+    return head_dim_bucket if swizzled else head_dim_bucket + 8
+
+
 def decode_smem_bytes(head_dim_bucket: int, m_slabs: int, tile: DecodeTile) -> int:
     """Dynamic shared memory of the split-KV kernel: must match DecodeConfig::kSmemBytes."""
     stride = head_dim_bucket + 8
+    kv_stride = decode_kv_row_elements(head_dim_bucket, m_slabs)
     warps_n = 4 // m_slabs
     q = 2 * 16 * m_slabs * stride
     ml = 2 * 4 * warps_n * 16 * m_slabs
-    pipe = 2 * 2 * tile.stages * tile.block_n * stride
+    pipe = 2 * 2 * tile.stages * tile.block_n * kv_stride
     merge = 4 * warps_n * 16 * m_slabs * stride  # fp32 merge of the warp columns, over the K/V stages
     return q + ml + max(pipe, merge)
 

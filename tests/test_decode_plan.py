@@ -61,12 +61,17 @@ def test_in_flight_bytes_of_the_hopper_tiles():
 
 def test_decode_smem_formula():
     t = plan.DecodeTile(64, 3, 2)
-    stride = 136
-    q, ml, pipe = 2 * 16 * stride, 8 * 64, 2 * 2 * 3 * 64 * stride
+    stride = 136  # padded Q rows (and the fp32 merge rows)
+    kv_stride = 128  # hd128 K/V rows: unpadded, chunks XOR-swizzled
+    q, ml, pipe = 2 * 16 * stride, 8 * 64, 2 * 2 * 3 * 64 * kv_stride
     assert plan.decode_smem_bytes(128, 1, t) == q + ml + pipe
     # A single stage is smaller than the fp32 merge buffer of the warp columns, which then sets the size.
     t1 = plan.DecodeTile(64, 1, 1)
-    assert plan.decode_smem_bytes(128, 1, t1) == q + ml + max(2 * 2 * 64 * stride, 4 * 64 * stride)
+    assert plan.decode_smem_bytes(128, 1, t1) == q + ml + max(2 * 2 * 64 * kv_stride, 4 * 64 * stride)
+    # Buckets that are not whole 128-byte groups keep padded K/V rows.
+    assert plan.decode_kv_row_elements(96, 1) == 104 and plan.decode_kv_row_elements(192, 4) == 192
+    assert plan.decode_kv_row_elements(256, 1) == 256 and plan.decode_kv_row_elements(256, 2) == 264
+    assert plan.decode_smem_bytes(96, 1, t) == 2 * 16 * 104 + 8 * 64 + 2 * 2 * 3 * 64 * 104
 
 
 def test_all_decode_specs():
