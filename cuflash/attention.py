@@ -5,6 +5,7 @@ preconditions (see the header comment of cuda_src/flash_fwd.cuh).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
@@ -197,8 +198,7 @@ def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype
 
 
 def _launch(fn, launch: plan.Launch, rec: np.ndarray) -> None:
-    """Launch with the record's bytes as the kernel's by-value struct argument."""
-    from cupy.cuda import function
-
-    # The driver copies the argument bytes at launch time; rec stays alive until this returns.
-    fn(launch.grid, launch.block, (function.CPointer(rec.ctypes.data),), shared_mem=launch.smem_bytes)
+    """Launch on CuPy's current stream with the record's bytes as the kernel's by-value struct argument."""
+    # The driver copies the argument bytes at launch time; rec and argv stay alive until this returns.
+    argv = (ctypes.c_void_p * 1)(rec.ctypes.data)
+    jit.launch(fn, launch, ctypes.addressof(argv), _cupy().cuda.get_current_stream().ptr)

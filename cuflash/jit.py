@@ -536,6 +536,21 @@ def device_arch(device_id: int) -> str:
     return plan.arch_for_capability(int(cc[:-1]), int(cc[-1]))
 
 
+_driver = None
+
+
+def launch(fn, launch: plan.Launch, argv_ptr: int, stream_ptr: int) -> None:
+    """cuLaunchKernel of a loaded function on the current device: ``argv_ptr`` is the address of the
+    kernel's argument array (void*[1] pointing at the parameter struct's bytes, which the driver
+    copies), ``stream_ptr`` the stream handle. Straight to the driver: CuPy's generic argument
+    packing costs microseconds per launch, and a decode step is only a few microseconds of GPU time."""
+    global _driver
+    if _driver is None:
+        from cupy.cuda import driver as _driver
+    g, b = launch.grid, launch.block
+    _driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], launch.smem_bytes, stream_ptr, argv_ptr, 0)
+
+
 def get_function(spec: plan.KernelSpec, device_id: int):
     """Loaded kernel of ``spec`` on ``device_id``: memoized per process and device."""
     key = (spec, device_id)

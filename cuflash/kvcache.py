@@ -7,15 +7,17 @@ the caches.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import numbers
 import struct
+import threading
 
 import numpy as np
 
 from . import jit, plan
-from .attention import _DTYPE_NAMES, _check_array, _check_like, _cupy, _elem_strides, _launch, _resolve_scale
+from .attention import _DTYPE_NAMES, _aligned16, _check_array, _check_like, _cupy, _elem_strides, _resolve_scale
 from .params import DECODE_DTYPE
 
 _INT32_MAX = 2**31 - 1
@@ -24,17 +26,36 @@ _INT32_MAX = 2**31 - 1
 #: of GPU time: the host side must stay small). Same bytes as params.make_record(DECODE_DTYPE, ...).
 _STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i", np.dtype(np.float32): "f"}
 _RECORD = struct.Struct("<" + "".join(_STRUCT_CODES[DECODE_DTYPE.fields[n][0]] for n in DECODE_DTYPE.names))
+_NAMES = DECODE_DTYPE.names
 assert _RECORD.size == DECODE_DTYPE.itemsize, "DecodeParams has padding the packed record does not reproduce"
 
 
-def _record(**values) -> np.ndarray:
-    """The DecodeParams record (0-d, DECODE_DTYPE) with every field given by name."""
-    if len(values) != len(DECODE_DTYPE.names):
-        missing, extra = set(DECODE_DTYPE.names) - set(values), set(values) - set(DECODE_DTYPE.names)
+def _pack(buf, values: dict) -> None:
+    """DecodeParams with every field given by name, packed into the writable buffer ``buf``."""
+    if len(values) != len(_NAMES):
+        missing, extra = set(_NAMES) - set(values), set(values) - set(_NAMES)
         raise KeyError(f"parameter fields missing {sorted(missing)} / unknown {sorted(extra)}")
-    packed = _RECORD.pack(*(values[n] for n in DECODE_DTYPE.names))
-    return np.frombuffer(packed, dtype=DECODE_DTYPE)[0:1].reshape(())
+    _RECORD.pack_into(buf, 0, *map(values.__getitem__, _NAMES))  # a missing name is a KeyError here
 
+
+def _record(**values) -> np.ndarray:
+    """The DecodeParams record (0-d, DECODE_DTYPE) that _pack writes, for inspection and tests."""
+    buf = bytearray(_RECORD.size)
+    _pack(buf, values)
+    return np.frombuffer(bytes(buf), dtype=DECODE_DTYPE)[0:1].reshape(())
+
+
+class _LaunchArgs(threading.local):
+    """This thread's DecodeParams bytes and the void*[1] argument array cuLaunchKernel reads. The
+    driver copies the bytes at launch, so one buffer serves every launch of every call."""
+
+    def __init__(self):
+        self.buf = ctypes.create_string_buffer(_RECORD.size)
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
+        self.argv_ptr = ctypes.addressof(self.argv)
+
+
+_ARGS = _LaunchArgs()
 
 def attention_with_kvcache(
     q,
@@ -206,13 +227,13 @@ def attention_with_kvcache(
         if batch == 0 or not (attend or seqlen_new > 0):
             return (out, lse) if return_lse else out
 
-        ptr = {name: 0 if x is None else x.data.ptr for name, x in
-               (("q", q), ("k", k_cache), ("v", v_cache), ("k_new", k), ("v_new", v), ("o", out), ("lse", lse))}
-        aligned = head_dim % 8 == 0 and all(_aligned16(ptr[n], x) for n, x in (("q", q), ("k", k_cache),
-                                                                            ("v", v_cache), ("o", out)))
-        append_aligned = seqlen_new > 0 and head_dim % 8 == 0 and all(
-            _aligned16(ptr[n], x) for n, x in (("k", k_cache), ("v", v_cache), ("k_new", k), ("v_new", v))
-        )
+        q_ptr, k_ptr, v_ptr, o_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, out.data.ptr
+        kn_ptr, vn_ptr = (k.data.ptr, v.data.ptr) if seqlen_new > 0 else (0, 0)
+        rows16 = head_dim % 8 == 0  # whole 16-byte chunks per row
+        aligned = rows16 and _aligned16(q, q_ptr) and _aligned16(k_cache, k_ptr) and _aligned16(v_cache, v_ptr) \
+            and _aligned16(out, o_ptr)
+        append_aligned = seqlen_new > 0 and rows16 and _aligned16(k_cache, k_ptr) and _aligned16(v_cache, v_ptr) \
+            and _aligned16(k, kn_ptr) and _aligned16(v, vn_ptr)
         if host_lengths is not None:
             max_len = min(int(host_lengths.max()) + seqlen_new, capacity)
         elif seqlens_dev is None:
@@ -232,11 +253,12 @@ def attention_with_kvcache(
             partials = cupy.empty(rows_out * (bucket + 1), dtype=cupy.float32)
             o_partial_ptr = partials.data.ptr
             lse_partial_ptr = o_partial_ptr + 4 * rows_out * bucket  # bucket % 32 == 0: 128-byte aligned
-        strides = lambda x: (0, 0, 0) if x is None else _elem_strides(x)  # noqa: E731
-        qs, ks, vs, kns, vns, os_ = (strides(x) for x in (q, k_cache, v_cache, k, v, out))
+        qs, ks, vs, os_ = _elem_strides(q), _elem_strides(k_cache), _elem_strides(v_cache), _elem_strides(out)
+        kns, vns = (_elem_strides(k), _elem_strides(v)) if seqlen_new > 0 else ((0, 0, 0), (0, 0, 0))
         group = max(nheads, nheads_kv) // nheads_kv
-        rec = _record(
-            q=ptr["q"], k=ptr["k"], v=ptr["v"], k_new=ptr["k_new"], v_new=ptr["v_new"], o=ptr["o"], lse=ptr["lse"],
+        args = _ARGS
+        _pack(args.buf, dict(
+            q=q_ptr, k=k_ptr, v=v_ptr, k_new=kn_ptr, v_new=vn_ptr, o=o_ptr, lse=0 if lse is None else lse.data.ptr,
             o_partial=o_partial_ptr, lse_partial=lse_partial_ptr,
             seqlens=0 if seqlens_dev is None else seqlens_dev.data.ptr,
             block_table=0 if bt_dev is None else bt_dev.data.ptr,
@@ -252,20 +274,16 @@ def attention_with_kvcache(
             capacity=capacity, page_size=page_size, num_pages=cache_rows, num_splits=splits,
             num_row_blocks=dplan.num_row_blocks, partial_stride=bucket, is_causal=int(bool(causal)),
             softmax_scale=softmax_scale, scale_log2=softmax_scale * math.log2(math.e),
-        )  # fmt: skip
-        if dplan.append is not None:
-            _launch(fn_append, dplan.append, rec)  # the attention below reads the new tokens (same stream)
+        ))  # fmt: skip
+        stream = cupy.cuda.get_current_stream().ptr
+        if dplan.append is not None:  # the attention below reads the new tokens (same stream)
+            jit.launch(fn_append, dplan.append, args.argv_ptr, stream)
         if attend:
-            _launch(fn_attn, dplan.attn, rec)
+            jit.launch(fn_attn, dplan.attn, args.argv_ptr, stream)
             if dplan.combine is not None:
-                _launch(fn_combine, dplan.combine, rec)
+                jit.launch(fn_combine, dplan.combine, args.argv_ptr, stream)
         del partials  # back to the pool; stream order keeps it alive for the kernels above
     return (out, lse) if return_lse else out
-
-
-def _aligned16(ptr: int, x) -> bool:
-    """attention._aligned16 with the pointer already read: every row of x starts on a 16-byte boundary."""
-    return ptr % 16 == 0 and all(s % 16 == 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)  # byte strides
 
 
 # ---------------------------------------------------------------------------------------------
