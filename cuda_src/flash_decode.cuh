@@ -1,6 +1,5 @@
 // Decode with a KV cache: split-KV attention (Flash-Decoding; Dao, Haziza, Massa, Sizov 2023) on
-// tensor cores with mma.sync (sm_80 and newer), plus the in-place append of new tokens and the
-// combine of the splits.
+// tensor cores with mma.sync (sm_80 and newer), plus the in-place append of new tokens.
 //
 // Computes, for every sequence b, query token i < seqlen_q and query head h (kv head hk = h / group)
 //     O[b,i,h] = softmax(scale * q K_b^T + mask) V_b      lse[b,h,i] = log(sum_j exp(scale * q.k_j))
@@ -8,13 +7,15 @@
 // sequence b. Causal aligns the queries to the end: token i sees keys j <= L_b - seqlen_q + i.
 // A query that sees no key gets O = 0 and lse = -inf.
 //
-// Three kernels, launched in this order on one stream (cuflash/kvcache.py):
+// Two kernels, launched in this order on one stream (cuflash/kvcache.py):
 //   1. flash_decode_append_kernel: new k, v tokens -> cache positions cache_seqlens[b] + t (only
 //      when new tokens are given). One thread per 16-byte chunk (or element) of a new row.
 //   2. flash_decode_kernel: split s of the keys of (b, hk) -> partial O (fp32, normalized) and its
-//      lse, or, with one split, the final O and lse directly.
-//   3. flash_decode_combine_kernel: O = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s)
-//      (only with more than one split). One warp per output row.
+//      lse, or, with one split, the final O and lse directly. With several splits, the last CTA of
+//      each (b, hk, row block) to finish merges them: O = sum_s exp(lse_s - lse) O_s with
+//      lse = log sum_s exp(lse_s), one warp per output row (decode_merge_if_last). Doing it in the
+//      same launch saves a kernel launch and the gap between two kernels, which a decode step of a
+//      few tens of microseconds feels.
 //
 // Grid and tiles of flash_decode_kernel
 //   grid  = (num_splits * num_row_blocks, nheads_kv, batch); CTA (x, hk, b) owns split x / num_row_blocks
@@ -60,7 +61,7 @@
 namespace cuflash {
 
 constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cuflash/plan.py: DECODE_THREADS)
-constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS (combine's weight buffer)
+constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS (the merge's weight buffer)
 
 // Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
 template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_>
@@ -100,6 +101,8 @@ struct DecodeConfig {
     static_assert((kSmemStride / 8) % 2 == 1, "odd 16-byte row stride keeps ldmatrix conflict free");
     static_assert(kStages >= 1, "at least one K/V stage");
     static_assert((kSmemQBytes + kSmemMLBytes) % 128 == 0, "the K/V stages start 128-byte aligned (swizzle groups)");
+    static_assert(4 * kNWarps * kDecodeMaxSplits <= kSmemPipeBytes && kSmemMLBytes >= 4,
+                  "the merge of the splits reuses the stages (weights) and m (flag)");
 };
 
 // The per-warp view that flash_fwd.cuh's WarpTile expects: one 16-row slab, kKeysPerWarp keys.
@@ -263,6 +266,94 @@ CUFLASH_DEVICE void decode_mask(float (&S)[1][kNB][4], int col0, const int (&lim
                 if (col0 + 8 * nb + e >= limit[h]) S[0][nb][2 * h + e] = -kInf;
 }
 
+// Merge of the splits of one output row (b, h, i), by one warp (lane = 0..31):
+//   lse = m + ln sum_s exp(lse_s - m) (m = max_s lse_s),  O = sum_s exp(lse_s - lse) O_s.
+// Every split writes every one of its partial rows (zeros and lse = -inf where it saw no key), so the
+// sum runs branch-free over all splits; a row no split saw gets O = 0, lse = -inf. This is latency
+// bound: each lane reads its (at most 4) lse values in one round, and the O sum keeps 16 independent
+// 16-byte loads per lane in flight. The partial rows were written by other CTAs: read through L2
+// (ld.global.cg), never from this SM's L1. s_w: kDecodeMaxSplits floats of this warp's own.
+template <bool kIsBF16>
+CUFLASH_DEVICE void decode_merge_row(const DecodeParams& p, i64 row, int lane, float* s_w) {
+    constexpr int kLsePerLane = kDecodeMaxSplits / 32;
+    const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
+    const float* g_lse = p.lse_partial + row;  // split s at g_lse[s * n_rows]
+    float x[kLsePerLane];
+    float m = -kInf;
+#pragma unroll
+    for (int j = 0; j < kLsePerLane; ++j) {
+        const int s = lane + 32 * j;
+        x[j] = s < p.num_splits ? __ldcg(g_lse + s * n_rows) : -kInf;
+        m = fmaxf(m, x[j]);
+    }
+    m = decode_warp_max(m);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kLsePerLane; ++j) sum += x[j] == -kInf ? 0.f : fast_exp2((x[j] - m) * kLog2e);
+    sum = decode_warp_sum(sum);
+    const float lse = sum > 0.f ? m + __logf(sum) : -kInf;
+#pragma unroll
+    for (int j = 0; j < kLsePerLane; ++j) {
+        const int s = lane + 32 * j;
+        if (s < p.num_splits) s_w[s] = x[j] == -kInf ? 0.f : fast_exp2((x[j] - lse) * kLog2e);
+    }
+    __syncwarp();  // the weights visible to every lane
+
+    const int i = static_cast<int>(row % p.seqlen_q);
+    const i64 bh = row / p.seqlen_q;
+    const int h = static_cast<int>(bh % p.nheads), b = static_cast<int>(bh / p.nheads);
+    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+    const float* g_op = p.o_partial + row * p.partial_stride;
+    const i64 split_stride = n_rows * p.partial_stride;
+    for (int c = 4 * lane; c < p.head_dim; c += 128) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+        for (int s = 0; s < p.num_splits; ++s) {  // unrolled: 16 independent 16-byte loads in flight
+            const float w = s_w[s];
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(g_op + s * split_stride + c));
+            acc.x = fmaf(w, v.x, acc.x);
+            acc.y = fmaf(w, v.y, acc.y);
+            acc.z = fmaf(w, v.z, acc.z);
+            acc.w = fmaf(w, v.w, acc.w);
+        }
+        const u32 lo = pack2<kIsBF16>(acc.x, acc.y), hi = pack2<kIsBF16>(acc.z, acc.w);
+        if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
+        if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
+        if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
+        if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
+    }
+    if (lane == 0 && p.lse != nullptr) p.lse[row] = lse;
+    __syncwarp();  // every lane done with s_w before the warp's next row overwrites it
+}
+
+// End of a split CTA when num_splits > 1: count it in the group (sequence b, kv head hk, row block
+// rb), and if it is the last of the group's num_splits CTAs to finish, merge the group's packed rows
+// [row0, row0 + rows_valid) (one warp per row). The counter returns to 0 for the next launch. The
+// fence before the count publishes this CTA's partial rows; the last CTA sees every other count, so
+// it reads every partial row after it was written (threadfence reduction, CUDA programming guide).
+// s_w: kNWarps * kDecodeMaxSplits floats, s_flag: one int, both free shared memory by now.
+template <class Cfg>
+CUFLASH_DEVICE void decode_merge_if_last(const DecodeParams& p, int b, int hk, int rb, int row0, int rows_valid,
+                                         float* s_w, int* s_flag, int tid) {
+    __threadfence();  // this thread's partial rows reach device scope before the count
+    __syncthreads();  // ... for every thread of the CTA; and everyone is done with the smem reused below
+    if (tid == 0) {
+        int* counter = p.split_counters + ((i64)b * p.nheads_kv + hk) * p.num_row_blocks + rb;
+        const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
+        if (last) *counter = 0;  // every split of the group has counted: reset for the next launch
+        *s_flag = last;
+    }
+    __syncthreads();
+    if (!*s_flag) return;
+    __threadfence();
+    const int warp = tid / 32, lane = tid % 32;
+    for (int r = warp; r < rows_valid; r += Cfg::kNWarps) {
+        int i, h;
+        decode_unpack_row(p, hk, row0 + r, i, h);
+        decode_merge_row<Cfg::kIsBF16>(p, decode_row_index(p, 0, b, h, i), lane, s_w + warp * kDecodeMaxSplits);
+    }
+}
+
 template <class Cfg>
 CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     using WCfg = DecodeWarpConfig<Cfg>;
@@ -273,11 +364,25 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
-    const int split = blockIdx.x / p.num_row_blocks;
-    const int row0 = (blockIdx.x % p.num_row_blocks) * kBlockM;  // first packed row of this CTA
+    const int split = blockIdx.x / p.num_row_blocks, rb = blockIdx.x % p.num_row_blocks;
+    const int row0 = rb * kBlockM;  // first packed row of this CTA
     const int hk = blockIdx.y, b = blockIdx.z;
     const int rows_valid = min(kBlockM, p.rows - row0);
-    const bool final_out = p.num_splits == 1;  // write O and lse directly, no combine
+    const bool final_out = p.num_splits == 1;  // write O and lse directly, no merge of splits
+
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    u16* s_q = reinterpret_cast<u16*>(smem_raw);
+    float* s_m = reinterpret_cast<float*>(smem_raw + Cfg::kSmemQBytes);  // [kWarpsN][kBlockM]: m of each warp column
+    float* s_l = s_m + Cfg::kWarpsN * kBlockM;                           // [kWarpsN][kBlockM]: l of each warp column
+    unsigned char* s_pipe = smem_raw + Cfg::kSmemQBytes + Cfg::kSmemMLBytes;
+    u16* s_k0 = reinterpret_cast<u16*>(s_pipe);     // K stage s at s_k0 + s * kSmemKV
+    u16* s_v0 = s_k0 + Cfg::kStages * Cfg::kSmemKV;  // V stage s at s_v0 + s * kSmemKV
+    float* s_red = reinterpret_cast<float*>(s_pipe);  // epilogue only: [kWarpsN][kBlockM][kRed], over the stages
+    // The merge of the splits (last CTA of a group) reuses the stages for its weights and m for a flag.
+    auto merge_if_last = [&]() {
+        decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, reinterpret_cast<float*>(s_pipe),
+                                  reinterpret_cast<int*>(s_m), tid);
+    };
 
     // Keys of this sequence after the append, and this split's tiles of them.
     const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);
@@ -303,17 +408,9 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
                 p.o_partial[decode_row_index(p, split, b, h, i) * p.partial_stride + e % width] = 0.f;
             }
         }
+        if (!final_out) merge_if_last();
         return;
     }
-
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    u16* s_q = reinterpret_cast<u16*>(smem_raw);
-    float* s_m = reinterpret_cast<float*>(smem_raw + Cfg::kSmemQBytes);  // [kWarpsN][kBlockM]: m of each warp column
-    float* s_l = s_m + Cfg::kWarpsN * kBlockM;                           // [kWarpsN][kBlockM]: l of each warp column
-    unsigned char* s_pipe = smem_raw + Cfg::kSmemQBytes + Cfg::kSmemMLBytes;
-    u16* s_k0 = reinterpret_cast<u16*>(s_pipe);     // K stage s at s_k0 + s * kSmemKV
-    u16* s_v0 = s_k0 + Cfg::kStages * Cfg::kSmemKV;  // V stage s at s_v0 + s * kSmemKV
-    float* s_red = reinterpret_cast<float*>(s_pipe);  // epilogue only: [kWarpsN][kBlockM][kRed], over the stages
 
     const u16* g_k = static_cast<const u16*>(p.k) + hk * p.k_head_stride;
     const u16* g_v = static_cast<const u16*>(p.v) + hk * p.v_head_stride;
@@ -466,62 +563,7 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
             *reinterpret_cast<float4*>(g_op + 4) = make_float4(o[4], o[5], o[6], o[7]);
         }
     }
-}
-
-// Combine (num_splits > 1): one warp per output row (b, h, i), 4 rows per CTA.
-//   lse = m + ln sum_s exp(lse_s - m) (m = max_s lse_s),  O = sum_s exp(lse_s - lse) O_s.
-// Every split writes every one of its partial rows (zeros and lse = -inf where it saw no key), so the
-// sum runs branch-free over all splits; a row no split saw gets O = 0, lse = -inf.
-template <bool kIsBF16>
-CUFLASH_DEVICE void flash_decode_combine_kernel(const DecodeParams& p) {
-    constexpr int kWarps = kDecodeThreads / 32;
-    __shared__ float s_w[kWarps][kDecodeMaxSplits];  // weight of each split, per warp (row)
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
-    const i64 row = (i64)blockIdx.x * kWarps + warp;  // == decode_row_index(p, 0, b, h, i)
-    if (row >= n_rows) return;  // warp-uniform; no block-wide barrier below
-    const float* g_lse = p.lse_partial + row;  // split s at g_lse[s * n_rows]
-
-    float m = -kInf;
-    for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, g_lse[s * n_rows]);
-    m = decode_warp_max(m);
-    float sum = 0.f;
-    for (int s = lane; s < p.num_splits; s += 32) {
-        const float x = g_lse[s * n_rows];
-        sum += x == -kInf ? 0.f : fast_exp2((x - m) * kLog2e);
-    }
-    sum = decode_warp_sum(sum);
-    const float lse = sum > 0.f ? m + __logf(sum) : -kInf;
-    for (int s = lane; s < p.num_splits; s += 32) {
-        const float x = g_lse[s * n_rows];
-        s_w[warp][s] = x == -kInf ? 0.f : fast_exp2((x - lse) * kLog2e);
-    }
-    __syncwarp();  // the warp's weights visible to all its lanes
-
-    const int i = static_cast<int>(row % p.seqlen_q);
-    const i64 bh = row / p.seqlen_q;
-    const int h = static_cast<int>(bh % p.nheads), b = static_cast<int>(bh / p.nheads);
-    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-    const float* g_op = p.o_partial + row * p.partial_stride;
-    const i64 split_stride = n_rows * p.partial_stride;
-    for (int c = 4 * lane; c < p.head_dim; c += 128) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-        for (int s = 0; s < p.num_splits; ++s) {  // unrolled: 4 independent 16-byte loads in flight
-            const float w = s_w[warp][s];
-            const float4 x = *reinterpret_cast<const float4*>(g_op + s * split_stride + c);
-            acc.x = fmaf(w, x.x, acc.x);
-            acc.y = fmaf(w, x.y, acc.y);
-            acc.z = fmaf(w, x.z, acc.z);
-            acc.w = fmaf(w, x.w, acc.w);
-        }
-        const u32 lo = pack2<kIsBF16>(acc.x, acc.y), hi = pack2<kIsBF16>(acc.z, acc.w);
-        if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
-        if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
-        if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
-        if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
-    }
-    if (lane == 0 && p.lse != nullptr) p.lse[row] = lse;
+    if (!final_out) merge_if_last();
 }
 
 // Append: k_new[b, t] -> cache position clamp(cache_seqlens[b], 0, capacity) + t of sequence b, and

@@ -57,6 +57,36 @@ class _LaunchArgs(threading.local):
 
 _ARGS = _LaunchArgs()
 
+#: Scratch of the split path per (device, stream handle), kept between calls: (fp32 partial rows and
+#: lse of the splits, int32 split counters). Calls on one stream run in order, so they can share it;
+#: the kernel leaves every counter at 0 when it ends. Grown on demand; free_workspaces() drops them.
+_WORKSPACES: dict = {}
+_WORKSPACE_LOCK = threading.Lock()
+
+
+def _workspace(cupy, device_id: int, stream: int, floats: int, counters: int):
+    """(partials, counters) of at least ``floats`` float32 and ``counters`` zeroed int32 elements for
+    this device and stream (the caller holds the device current)."""
+    ws = _WORKSPACES.get((device_id, stream))
+    if ws is None or ws[0].size < floats or ws[1].size < counters:
+        with _WORKSPACE_LOCK:
+            old = _WORKSPACES.get((device_id, stream))
+            if old is not None:
+                floats, counters = max(floats, old[0].size), max(counters, old[1].size)
+            # Allocated on this stream: CuPy's pool reuses the old arrays' blocks only for work on the
+            # same stream, ordered after the kernels still reading them; cupy.zeros clears the new
+            # counters on this stream before the next kernel.
+            ws = (cupy.empty(floats, dtype=cupy.float32), cupy.zeros(counters, dtype=cupy.int32))
+            _WORKSPACES[(device_id, stream)] = ws
+    return ws
+
+
+def free_workspaces() -> None:
+    """Drop the scratch buffers of the split-KV path (per device and stream) back to CuPy's pool."""
+    with _WORKSPACE_LOCK:
+        _WORKSPACES.clear()
+
+
 def attention_with_kvcache(
     q,
     k_cache,
@@ -112,9 +142,10 @@ def attention_with_kvcache(
     the caches. Shapes, dtypes and devices are always checked.
 
     Runs on CuPy's current stream and never synchronizes (check=True aside). Launches the append
-    kernel (with new tokens), the split-KV kernel and, with more than one split, the combine kernel;
-    the split buffers (O(splits * batch * nheads * seqlen_q * headdim) floats) come from CuPy's memory
-    pool.
+    kernel (with new tokens) and the split-KV kernel, whose last CTA per sequence and kv head merges
+    the splits. With more than one split it uses a scratch buffer per device and stream (partial rows,
+    O(splits * batch * nheads * seqlen_q * headdim) floats, and one counter per sequence and kv head),
+    kept for the next call; cuflash.kvcache.free_workspaces() releases them.
     """
     cupy = _cupy()
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -240,18 +271,21 @@ def attention_with_kvcache(
             max_len = min(seqlen_const + seqlen_new, capacity)
         else:
             max_len = capacity  # lengths on the GPU: plan the splits for the longest possible sequence
-        dplan, (fn_attn, fn_combine, fn_append) = _plan_and_load(
+        dplan, (fn_attn, fn_append) = _plan_and_load(
             batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], aligned,
             -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id,
         )  # fmt: skip
         splits = dplan.num_splits
         bucket = dplan.attn.spec.head_dim
-        partials = None  # o_partial (splits, batch, nheads, seqlen_q, bucket) then lse_partial, one allocation
-        o_partial_ptr = lse_partial_ptr = 0
+        stream = cupy.cuda.get_current_stream().ptr
+        o_partial_ptr = lse_partial_ptr = counters_ptr = 0
         if attend and splits > 1:
+            # o_partial (splits, batch, nheads, seqlen_q, bucket), then lse_partial; one counter per
+            # (sequence, kv head, row block).
             rows_out = splits * batch * nheads * seqlen_q
-            partials = cupy.empty(rows_out * (bucket + 1), dtype=cupy.float32)
-            o_partial_ptr = partials.data.ptr
+            partials, counters = _workspace(cupy, device_id, stream, rows_out * (bucket + 1),
+                                            batch * nheads_kv * dplan.num_row_blocks)  # fmt: skip
+            o_partial_ptr, counters_ptr = partials.data.ptr, counters.data.ptr
             lse_partial_ptr = o_partial_ptr + 4 * rows_out * bucket  # bucket % 32 == 0: 128-byte aligned
         qs, ks, vs, os_ = _elem_strides(q), _elem_strides(k_cache), _elem_strides(v_cache), _elem_strides(out)
         kns, vns = (_elem_strides(k), _elem_strides(v)) if seqlen_new > 0 else ((0, 0, 0), (0, 0, 0))
@@ -259,7 +293,7 @@ def attention_with_kvcache(
         args = _ARGS
         _pack(args.buf, dict(
             q=q_ptr, k=k_ptr, v=v_ptr, k_new=kn_ptr, v_new=vn_ptr, o=o_ptr, lse=0 if lse is None else lse.data.ptr,
-            o_partial=o_partial_ptr, lse_partial=lse_partial_ptr,
+            o_partial=o_partial_ptr, lse_partial=lse_partial_ptr, split_counters=counters_ptr,
             seqlens=0 if seqlens_dev is None else seqlens_dev.data.ptr,
             block_table=0 if bt_dev is None else bt_dev.data.ptr,
             q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
@@ -275,14 +309,10 @@ def attention_with_kvcache(
             num_row_blocks=dplan.num_row_blocks, partial_stride=bucket, is_causal=int(bool(causal)),
             softmax_scale=softmax_scale, scale_log2=softmax_scale * math.log2(math.e),
         ))  # fmt: skip
-        stream = cupy.cuda.get_current_stream().ptr
         if dplan.append is not None:  # the attention below reads the new tokens (same stream)
             jit.launch(fn_append, dplan.append, args.argv_ptr, stream)
         if attend:
             jit.launch(fn_attn, dplan.attn, args.argv_ptr, stream)
-            if dplan.combine is not None:
-                jit.launch(fn_combine, dplan.combine, args.argv_ptr, stream)
-        del partials  # back to the pool; stream order keeps it alive for the kernels above
     return (out, lse) if return_lse else out
 
 
@@ -385,5 +415,5 @@ def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned,
         aligned=aligned, max_seqlen=max_seqlen, num_splits=num_splits, num_sms=_num_sms(device_id),
         arch=jit.device_arch(device_id), seqlen_new=seqlen_new, append_aligned=append_aligned,
     )  # fmt: skip
-    fns = tuple(None if launch is None else jit.get_function(launch.spec, device_id) for launch in (p.attn, p.combine, p.append))
+    fns = tuple(None if launch is None else jit.get_function(launch.spec, device_id) for launch in (p.attn, p.append))
     return p, fns

@@ -66,12 +66,13 @@ BWD_FIELDS = (
 
 BWD_DTYPE = np.dtype(BWD_FIELDS, align=True)
 
-#: Field order, names and types of struct DecodeParams (shared by the three decode kernels).
+#: Field order, names and types of struct DecodeParams (shared by the two decode kernels).
 DECODE_FIELDS = (
     [
         (name, _PTR)
         for name in (
-            "q", "k", "v", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "seqlens", "block_table",
+            "q", "k", "v", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "split_counters", "seqlens",
+            "block_table",
         )
     ]
     + [

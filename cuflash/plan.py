@@ -685,13 +685,13 @@ DECODE_THREADS = 128
 #: 16-row slabs of packed query rows (group * seqlen_q rows of one kv head) per CTA. A CTA of m slabs
 #: arranges its 4 warps as m slab rows x 4 / m key columns, so every warp holds one 16-row slab.
 DECODE_M_SLABS = (1, 2, 4)
-#: Most key splits per sequence (the combine kernel's weight buffer: kDecodeMaxSplits).
+#: Most key splits per sequence (the merge's weight buffer: kDecodeMaxSplits).
 MAX_DECODE_SPLITS = 128
 #: Fewest keys a split gets from the heuristic: below this a CTA's pipeline fill and its partial
-#: row (written, then read by the combine) weigh more than the tiles it streams.
+#: row (written, then read by the merge) weigh more than the tiles it streams.
 MIN_DECODE_KEYS_PER_SPLIT = 256
 #: Fixed cost of one CTA in units of one K/V tile's streaming time (pipeline fill, epilogue, the
-#: combine's share); the split heuristic's cost model.
+#: merge's share); the split heuristic's cost model.
 DECODE_CTA_OVERHEAD_TILES = 1
 #: Shared memory per SM in KB (CUDA programming guide, compute capabilities table), for the CTAs
 #: per SM the decode tiles are sized for; the driver reserves 1 KB of it per resident CTA.
@@ -830,26 +830,6 @@ class DecodeSpec:
 
 
 @dataclass(frozen=True)
-class DecodeCombineSpec:
-    """The combine kernel of the splits: one warp per output row, any head dim (static smem only)."""
-
-    dtype: str
-    arch: str
-    family: str = "flash_decode_combine"
-
-    @property
-    def name(self) -> str:
-        return f"{self.family}_{self.dtype}_{self.arch.replace('_', '')}"
-
-    threads = DECODE_THREADS
-    min_blocks = 1
-    smem_bytes = 0
-
-    def template_args(self) -> str:
-        return _cpp_bool(self.dtype == "bf16")
-
-
-@dataclass(frozen=True)
 class DecodeAppendSpec:
     """The in-place append of new tokens into the cache: dtype-free 2-byte copies, any head dim."""
 
@@ -872,7 +852,6 @@ class DecodeAppendSpec:
 @dataclass(frozen=True)
 class DecodePlan:
     attn: Launch  # split-KV attention: grid (num_splits * num_row_blocks, nheads_kv, batch)
-    combine: Launch | None  # merge of the splits; None when num_splits == 1 (attention writes O itself)
     append: Launch | None  # new tokens into the cache; None without new tokens
     num_splits: int
     num_row_blocks: int  # CTAs per (split, kv head, sequence) along the packed query rows
@@ -960,25 +939,20 @@ def plan_decode(
         splits = max(1, min(num_splits, MAX_DECODE_SPLITS, n_tiles))
     block = (DECODE_THREADS, 1, 1)
     attn = Launch(spec, (splits * row_blocks, nheads_kv, batch), block, spec.smem_bytes)
-    combine = None
-    if splits > 1:
-        rows_out = batch * nheads * seqlen_q
-        combine = Launch(DecodeCombineSpec(dtype, arch), (-(-rows_out // (DECODE_THREADS // 32)), 1, 1), block, 0)
     append = None
     if seqlen_new > 0:
         chunks = -(-head_dim // 8) if append_aligned else head_dim
         total = batch * seqlen_new * nheads_kv * chunks
         append = Launch(DecodeAppendSpec(bool(append_aligned), arch), (min(-(-total // DECODE_THREADS), 1 << 20), 1, 1), block, 0)
-    return DecodePlan(attn, combine, append, splits, row_blocks)
+    return DecodePlan(attn, append, splits, row_blocks)
 
 
 def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=None, aligned=(True, False),
                      m_slabs=DECODE_M_SLABS):  # fmt: skip
-    """Every decode variant (split-KV attention, combine, append) for ``arch``. ``causals`` is accepted
+    """Every decode variant (split-KV attention, append) for ``arch``. ``causals`` is accepted
     for the precompile command's uniform call and ignored: causal is a run-time flag in decode."""
     specs: list = []
     for dt in dtypes:
-        specs.append(DecodeCombineSpec(dt, arch))
         for d in head_dims:
             bucket = head_dim_bucket(d)
             fitting = decode_m_slabs_options(bucket, arch)

@@ -29,12 +29,18 @@ EXAMPLES = int(os.environ.get("CUFLASH_HYPOTHESIS_EXAMPLES", "60"))
 
 
 def poison_pool(nbytes: int = 64 << 20) -> None:
-    """Fill a pool block with NaN and free it: buffers the next call takes from the pool start as NaN."""
+    """Fill a pool block with NaN and free it: buffers the next call takes from the pool start as NaN.
+    The partial rows of the split path live in cuflash's per-stream workspace: NaN them too (never the
+    split counters, which the kernel relies on being 0 between calls)."""
     import cupy
+
+    from cuflash import kvcache
 
     x = cupy.empty(nbytes // 4, dtype=cupy.float32)
     x.fill(cupy.nan)
     del x
+    for partials, _ in kvcache._WORKSPACES.values():
+        partials.fill(cupy.nan)
 
 
 def host(x):
@@ -225,6 +231,53 @@ def test_num_splits_agree():
         assert err <= 2 * reference.max_abs_error(outs[1], ref) + 1e-5, f"splits={s} vs 1: {err:.3g}"
     again = cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=c["cache_seqlens"])
     assert (to_f64(again) == outs[0]).all(), "the heuristic's split count changed between two identical calls"
+
+
+def _all_counters_zero() -> bool:
+    import cupy
+
+    from cuflash import kvcache
+
+    cupy.cuda.runtime.deviceSynchronize()
+    return all(int(abs(counters).max()) == 0 for _, counters in kvcache._WORKSPACES.values())
+
+
+def test_split_counters_return_to_zero():
+    """The last CTA of each (sequence, kv head, row block) merges the splits and resets its counter:
+    after calls with many split counts, empty sequences, several row blocks and GQA, every counter of
+    every workspace is 0 again, and a repeated call gives the same output."""
+    import cuflash
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=3, seqlen_q=3, nheads=32, nheads_kv=2, head_dim=64, capacity=900, lengths=[900, 0, 333])
+    first = None
+    for s in (2, 5, 0, 128, 3):
+        out = to_f64(run_and_check(**c, num_splits=s, causal=True, what=f"splits={s}")[0])
+        assert _all_counters_zero(), f"a split counter was left non-zero after num_splits={s}"
+        first = out if first is None else first
+    again = cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=c["cache_seqlens"],
+                                           causal=True, num_splits=2)  # fmt: skip
+    assert (to_f64(again) == first).all()
+
+
+def test_streams_get_their_own_workspace():
+    """Calls on another stream use a workspace of their own (two streams may run at once)."""
+    import cupy
+
+    from cuflash import kvcache
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=2, nheads=8, nheads_kv=2, head_dim=128, capacity=3000, lengths=[3000, 1500])
+    run_and_check(**c, num_splits=6, what="default stream")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        run_and_check(**c, num_splits=6, what="another stream")
+    assert (c["q"].device.id, stream.ptr) in kvcache._WORKSPACES
+    assert (c["q"].device.id, cupy.cuda.Stream.null.ptr) in kvcache._WORKSPACES
+    assert _all_counters_zero()
+    kvcache.free_workspaces()
+    assert not kvcache._WORKSPACES
+    run_and_check(**c, num_splits=6, what="after free_workspaces")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,13 +79,12 @@ def test_all_decode_specs():
     assert len(specs) == len(set(specs))
     fam = lambda f: [s for s in specs if s.family == f]  # noqa: E731
     assert len(fam("flash_decode")) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 3
-    assert {s.dtype for s in fam("flash_decode_combine")} == {"fp16", "bf16"}
     assert {s.aligned for s in fam("flash_decode_append")} == {True, False}
     names = [s.name for s in specs]
     assert len(set(names)) == len(names)
     few = plan.all_decode_specs("sm_80", head_dims=(100, 128), dtypes=("bf16",), causals=(True,), aligned=(True,))
     assert {s.head_dim for s in few if s.family == "flash_decode"} == {128}
-    assert len(few) == 3 + 1 + 1  # three slab counts, one combine, one append
+    assert len(few) == 3 + 1  # three slab counts, one append (the merge of the splits is in the split kernel)
 
 
 def test_decode_names_spell_every_template_argument():
@@ -93,11 +92,9 @@ def test_decode_names_spell_every_template_argument():
     t = s.tile
     assert s.name == f"flash_decode_hd128_bf16_ms2_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_scalar_sm90a"
     assert s.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false"
-    assert plan.DecodeCombineSpec("fp16", "sm_80").name == "flash_decode_combine_fp16_sm80"
-    assert plan.DecodeCombineSpec("fp16", "sm_80").template_args() == "false"
     assert plan.DecodeAppendSpec(True, "sm_86").name == "flash_decode_append_vec16_sm86"
     assert plan.DecodeAppendSpec(True, "sm_86").template_args() == "true"
-    for spec in (s, plan.DecodeCombineSpec("bf16", "sm_90a"), plan.DecodeAppendSpec(False, "sm_90a")):
+    for spec in (s, plan.DecodeAppendSpec(False, "sm_90a")):
         assert spec.family in jit.ENTRY_TEMPLATES
         assert spec.name in jit.entry_source(spec)
         assert spec.threads == 128 and spec.min_blocks >= 1 and spec.smem_bytes >= 0
@@ -210,11 +207,9 @@ def test_plan_grids_and_kernels():
     p = _plan(batch=3, nheads=32, nheads_kv=8, max_seqlen=8192, num_splits=4)
     assert p.attn.grid == (4, 8, 3) and p.attn.block == (128, 1, 1)
     assert p.attn.spec.m_slabs == 1 and p.num_row_blocks == 1
-    assert p.combine.spec == plan.DecodeCombineSpec("bf16", "sm_90a")
-    assert p.combine.grid == (-(-3 * 32 // 4), 1, 1)  # one warp per (b, h, i) row
     assert p.append is None
     p1 = _plan(num_splits=1, seqlen_new=3, append_aligned=True)
-    assert p1.combine is None and p1.num_splits == 1
+    assert p1.num_splits == 1
     assert p1.append.spec == plan.DecodeAppendSpec(True, "sm_90a")
     assert p1.append.grid == (-(-1 * 3 * 32 * 16 // 128), 1, 1)  # one thread per 16-byte chunk
     assert _plan(seqlen_new=2, head_dim=100, aligned=False).append.spec.aligned is False
@@ -305,7 +300,7 @@ def test_precompile_builds_decode_variants(tmp_path, monkeypatch):
                                       "--kernels", "decode"], catch_exceptions=False)  # fmt: skip
     assert r.exit_code == 0, r.output
     assert seen == plan.all_decode_specs("sm_90a", head_dims=(128,), dtypes=("bf16",))
-    assert {s.family for s in seen} == {"flash_decode", "flash_decode_combine", "flash_decode_append"}
+    assert {s.family for s in seen} == {"flash_decode", "flash_decode_append"}
 
 
 @pytest.fixture
@@ -357,7 +352,7 @@ def test_bench_decode_signature_matches_the_module():
 def model_decode(q, k_cache, v_cache, lengths, *, causal, scale, num_splits, block_n, m_slabs):
     """What flash_decode.cuh computes, step for step, in float64: packed query rows per kv head,
     num_splits key splits of whole block_n-key tiles, 4 // m_slabs warp columns per tile each with its
-    own online softmax (base 2, scale folded in), the warp-column merge, then the combine of the splits."""
+    own online softmax (base 2, scale folded in), the warp-column merge, then the merge of the splits."""
     batch, seqlen_q, nheads, _ = q.shape
     nheads_kv = k_cache.shape[2]
     group = nheads // nheads_kv
