@@ -1,7 +1,7 @@
 """Sweep decode tiles (cuflash/plan.py DecodeTile rows of DECODE_TILES) on the GPU at a few shapes of
 the decode grid, side by side with torch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION.
 
-    python tools/tune_decode.py [--hd 128] [--tiles 64,3,2 128,2,2 ...]
+    python tools/tune_decode.py [--hd 128] [--tiles 64,3,2 128,2,2 ...] [--shapes 8,32768,8 ...]
 A tile is block_n,stages,min_blocks. Prints KV TB/s per (tile, shape) and, last, the median ratio to
 cuDNN per tile. Every tile is first checked against the float64 reference on a small GQA case.
 """
@@ -13,7 +13,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cuflash import bench_decode, kvcache, plan  # noqa: E402
 
-SHAPES = [(1, 131072, 32), (8, 32768, 32), (8, 32768, 8), (64, 4096, 32), (64, 32768, 8)]  # (batch, cache len, kv heads)
+#: (batch, cache len, kv heads): long caches that stream at HBM speed and shorter ones where a call is
+#: a few tens of microseconds (pipeline fill, the split count and the merge of the splits show there).
+SHAPES = [(1, 131072, 32), (8, 32768, 32), (8, 32768, 8), (64, 4096, 32), (64, 32768, 8), (1, 32768, 8),
+          (8, 4096, 8), (1, 131072, 8), (8, 4096, 32)]
 
 
 def check(hd):
@@ -39,7 +42,9 @@ def main():
     ap.add_argument("--hd", type=int, default=128)
     ap.add_argument("--tiles", nargs="*", default=[])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--shapes", nargs="*", default=[], help="batch,cache_len,kv_heads (default: SHAPES)")
     a = ap.parse_args()
+    shapes = [tuple(map(int, x.split(","))) for x in a.shapes] or SHAPES
     tiles = [plan.DecodeTile(*map(int, t.split(","))) for t in a.tiles] or [plan.DECODE_TILES[a.hd]]
     scores = {}
     for tile in tiles:
@@ -55,7 +60,7 @@ def main():
             print(f"{name}: WRONG RESULTS, skipped", flush=True)
             continue
         ratios = []
-        for b, L, h in SHAPES:
+        for b, L, h in shapes:
             row = bench_decode.run_decode_point("bf16", a.hd, b, L, 32, h, repeats=a.repeats)
             bench_decode._release_memory()
             t = row.tbps
