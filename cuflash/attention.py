@@ -110,17 +110,28 @@ def _check_inputs(q, k, v, cupy):
         raise ValueError(f"q and k must have the same head dim, got {head_dim} and {head_dim_k}")
     if head_dim > plan.HEAD_DIM_BUCKETS[-1]:
         raise ValueError(f"head dim {head_dim} is not supported: cuflash handles head dims 1 to {plan.HEAD_DIM_BUCKETS[-1]}")
-    if nheads_kv == 0 and nheads > 0 or nheads_kv > 0 and nheads % nheads_kv != 0:
-        raise ValueError(
-            f"the number of query heads ({nheads}) must be a multiple of the number of key/value heads ({nheads_kv})"
-        )
+    _check_head_ratio(nheads, nheads_kv, allow_no_heads=True)
     device_id = q.device.id
-    for name, x in (("k", k), ("v", v)):
-        if x.device.id != device_id:
-            raise ValueError(f"q is on device {device_id} but {name} is on device {x.device.id}; move them to one device")
+    _check_on_device(device_id, (("k", k), ("v", v)))
     if batch > _MAX_GRID_YZ or nheads > _MAX_GRID_YZ:
         raise ValueError(f"batch and nheads must each be at most {_MAX_GRID_YZ}, got {batch} and {nheads}")
     return batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id
+
+
+def _check_head_ratio(nheads: int, nheads_kv: int, *, allow_no_heads: bool) -> None:
+    """nheads must be a multiple of nheads_kv (GQA / MQA). allow_no_heads: 0 query and 0 kv heads
+    (an empty problem) pass too."""
+    if nheads_kv == 0 and (nheads > 0 or not allow_no_heads) or nheads_kv > 0 and nheads % nheads_kv != 0:
+        raise ValueError(
+            f"the number of query heads ({nheads}) must be a multiple of the number of key/value heads ({nheads_kv})"
+        )
+
+
+def _check_on_device(device_id: int, named_arrays) -> None:
+    """Every (name, array) of named_arrays lives on device_id, q's device."""
+    for name, x in named_arrays:
+        if x.device.id != device_id:
+            raise ValueError(f"q is on device {device_id} but {name} is on device {x.device.id}; move them to one device")
 
 
 def _resolve_scale(softmax_scale, head_dim: int) -> float:

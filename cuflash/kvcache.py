@@ -17,7 +17,10 @@ import threading
 import numpy as np
 
 from . import jit, plan
-from .attention import _DTYPE_NAMES, _aligned16, _check_array, _check_like, _cupy, _elem_strides, _resolve_scale
+from .attention import (
+    _DTYPE_NAMES, _aligned16, _check_array, _check_head_ratio, _check_like, _check_on_device, _cupy, _elem_strides,
+    _resolve_scale,
+)
 from .params import DECODE_DTYPE
 
 _INT32_MAX = 2**31 - 1
@@ -160,14 +163,9 @@ def attention_with_kvcache(
         raise ValueError(f"q and k_cache must have the same head dim, got {head_dim} and {head_dim_c}")
     if not 1 <= head_dim <= plan.HEAD_DIM_BUCKETS[-1]:
         raise ValueError(f"head dim {head_dim} is not supported: cuflash handles head dims 1 to {plan.HEAD_DIM_BUCKETS[-1]}")
-    if nheads_kv == 0 or nheads % nheads_kv != 0:
-        raise ValueError(
-            f"the number of query heads ({nheads}) must be a multiple of the number of key/value heads ({nheads_kv})"
-        )
+    _check_head_ratio(nheads, nheads_kv, allow_no_heads=False)
     device_id = q.device.id
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.device.id != device_id:
-            raise ValueError(f"q is on device {device_id} but {name} is on device {x.device.id}; move them to one device")
+    _check_on_device(device_id, (("k_cache", k_cache), ("v_cache", v_cache)))
 
     # Cache layout: capacity = tokens one sequence can hold.
     paged = block_table is not None

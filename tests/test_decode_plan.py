@@ -478,3 +478,18 @@ def test_aligned16_reads_byte_strides():
     assert not _aligned16(dense, ptr=4096 + 8)  # the base pointer counts too
     one_head = _fake_array(4096, (2, 5, 1, d), (5 * (d + 4) * 2 * 2, (d + 4) * 2 * 2, 8, 2))  # size-1 dim: any stride
     assert _aligned16(one_head)
+
+
+@pytest.mark.parametrize("nheads, nheads_kv, forward_ok, decode_ok", [
+    (8, 2, True, True), (8, 8, True, True), (8, 3, False, False), (4, 0, False, False), (0, 0, True, False),
+])  # fmt: skip
+def test_head_ratio_check(nheads, nheads_kv, forward_ok, decode_ok):
+    """The forward accepts an empty problem with no heads at all; decode always needs kv heads."""
+    from cuflash.attention import _check_head_ratio
+
+    for allow, ok in ((True, forward_ok), (False, decode_ok)):
+        if ok:
+            _check_head_ratio(nheads, nheads_kv, allow_no_heads=allow)
+        else:
+            with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
+                _check_head_ratio(nheads, nheads_kv, allow_no_heads=allow)
