@@ -13,9 +13,9 @@
 //   2. flash_decode_kernel: split s of the keys of (b, hk) -> partial O (fp32, normalized) and its
 //      lse, or, with one split, the final O and lse directly. With several splits, the last CTA of
 //      each (b, hk, row block) to finish merges them: O = sum_s exp(lse_s - lse) O_s with
-//      lse = log sum_s exp(lse_s), one warp per output row (decode_merge_if_last). Doing it in the
-//      same launch saves a kernel launch and the gap between two kernels, which a decode step of a
-//      few tens of microseconds feels.
+//      lse = log sum_s exp(lse_s), the whole CTA on the group's rows (decode_merge_rows). Doing it in
+//      the same launch saves a kernel launch and the gap between two kernels, which a decode step of
+//      a few tens of microseconds feels.
 //
 // Grid and tiles of flash_decode_kernel
 //   grid  = (num_splits * num_row_blocks, nheads_kv, batch); CTA (x, hk, b) owns split x / num_row_blocks
@@ -61,7 +61,7 @@
 namespace cuflash {
 
 constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cuflash/plan.py: DECODE_THREADS)
-constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS (the merge's weight buffer)
+constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS
 
 // Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
 template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_>
@@ -101,8 +101,7 @@ struct DecodeConfig {
     static_assert((kSmemStride / 8) % 2 == 1, "odd 16-byte row stride keeps ldmatrix conflict free");
     static_assert(kStages >= 1, "at least one K/V stage");
     static_assert((kSmemQBytes + kSmemMLBytes) % 128 == 0, "the K/V stages start 128-byte aligned (swizzle groups)");
-    static_assert(4 * kNWarps * kDecodeMaxSplits <= kSmemPipeBytes && kSmemMLBytes >= 4,
-                  "the merge of the splits reuses the stages (weights) and m (flag)");
+    static_assert(kSmemMLBytes >= 4, "the merge of the splits reuses m for its flag (and the stages, DecodeMergeLayout)");
 };
 
 // The per-warp view that flash_fwd.cuh's WarpTile expects: one 16-row slab, kKeysPerWarp keys.
@@ -266,75 +265,218 @@ CUFLASH_DEVICE void decode_mask(float (&S)[1][kNB][4], int col0, const int (&lim
                 if (col0 + 8 * nb + e >= limit[h]) S[0][nb][2 * h + e] = -kInf;
 }
 
-// Merge of the splits of one output row (b, h, i), by one warp (lane = 0..31):
-//   lse = m + ln sum_s exp(lse_s - m) (m = max_s lse_s),  O = sum_s exp(lse_s - lse) O_s.
-// Every split writes every one of its partial rows (zeros and lse = -inf where it saw no key), so the
-// sum runs branch-free over all splits; a row no split saw gets O = 0, lse = -inf. This is latency
-// bound: each lane reads its (at most 4) lse values in one round, and the O sum keeps 16 independent
-// 16-byte loads per lane in flight. The partial rows were written by other CTAs: read through L2
-// (ld.global.cg), never from this SM's L1. s_w: kDecodeMaxSplits floats of this warp's own.
-template <bool kIsBF16>
-CUFLASH_DEVICE void decode_merge_row(const DecodeParams& p, i64 row, int lane, float* s_w) {
-    constexpr int kLsePerLane = kDecodeMaxSplits / 32;
-    const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
-    const float* g_lse = p.lse_partial + row;  // split s at g_lse[s * n_rows]
-    float x[kLsePerLane];
-    float m = -kInf;
-#pragma unroll
-    for (int j = 0; j < kLsePerLane; ++j) {
-        const int s = lane + 32 * j;
-        x[j] = s < p.num_splits ? __ldcg(g_lse + s * n_rows) : -kInf;
-        m = fmaxf(m, x[j]);
+// Timeline probe for tools/trace_decode.py, compiled only with -DCUFLASH_DECODE_TRACE=<entries>: thread 0
+// of CTA c (linear block index) writes %globaltimer (ns) to cuflash_decode_trace[8 c + e] at event e:
+// 1 start, 2 first tile landed, 3 main loop done, 4 end, 5 partial rows written (before the count),
+// 6 count done, 7 first chunk of partial rows staged (merging CTA only); entry 0 is the SM id.
+#ifdef CUFLASH_DECODE_TRACE
+extern "C" {  // unmangled, for cuModuleGetGlobal
+__device__ unsigned long long cuflash_decode_trace[CUFLASH_DECODE_TRACE];
+}
+CUFLASH_DEVICE void decode_trace(int e) {
+    const long long c = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
+    if (threadIdx.x != 0 || 8 * c + 8 > CUFLASH_DECODE_TRACE) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    cuflash_decode_trace[8 * c + e] = t;
+    if (e == 1) {
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        cuflash_decode_trace[8 * c] = smid;
     }
-    m = decode_warp_max(m);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kLsePerLane; ++j) sum += x[j] == -kInf ? 0.f : fast_exp2((x[j] - m) * kLog2e);
-    sum = decode_warp_sum(sum);
-    const float lse = sum > 0.f ? m + __logf(sum) : -kInf;
-#pragma unroll
-    for (int j = 0; j < kLsePerLane; ++j) {
-        const int s = lane + 32 * j;
-        if (s < p.num_splits) s_w[s] = x[j] == -kInf ? 0.f : fast_exp2((x[j] - lse) * kLog2e);
-    }
-    __syncwarp();  // the weights visible to every lane
+}
+#define DECODE_TRACE(e) decode_trace(e)
+#else
+#define DECODE_TRACE(e)
+#endif
 
-    const int i = static_cast<int>(row % p.seqlen_q);
-    const i64 bh = row / p.seqlen_q;
-    const int h = static_cast<int>(bh % p.nheads), b = static_cast<int>(bh / p.nheads);
-    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-    const float* g_op = p.o_partial + row * p.partial_stride;
-    const i64 split_stride = n_rows * p.partial_stride;
-    for (int c = 4 * lane; c < p.head_dim; c += 128) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
-        for (int s = 0; s < p.num_splits; ++s) {  // unrolled: 16 independent 16-byte loads in flight
-            const float w = s_w[s];
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(g_op + s * split_stride + c));
-            acc.x = fmaf(w, v.x, acc.x);
-            acc.y = fmaf(w, v.y, acc.y);
-            acc.z = fmaf(w, v.z, acc.z);
-            acc.w = fmaf(w, v.w, acc.w);
-        }
-        const u32 lo = pack2<kIsBF16>(acc.x, acc.y), hi = pack2<kIsBF16>(acc.z, acc.w);
-        if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
-        if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
-        if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
-        if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
+// Merge of the splits, by the CTA that finishes a group last (decode_merge_if_last):
+//   lse = m + ln l,  O = acc / l,  with m = max_s lse_s, l = sum_s e^{lse_s - m}, acc = sum_s e^{lse_s - m} O_s.
+// It runs at the very end of the kernel, where nothing hides its latency, so the partial rows are
+// staged: every warp copies the partial rows it needs into the free K/V stages with cp.async, as
+// many as fit, loads their lse meanwhile and waits once; the arithmetic then reads shared memory.
+// (With register loads each lane has only a handful of 16-byte loads in flight and the L2 round trips
+// queue up; index arithmetic per copy, or a shared-memory store between loads, also showed: a lone
+// warp per scheduler runs this. tools/trace_decode.py measured each on the H200.)
+//   Rows: rows_valid packed rows, in rounds of kNWarps / team rows; a team of `team` warps shares a
+//         row (team = kNWarps with one row, as in MHA decode, 2 with two or three rows, else 1). Warp
+//         `sub` of a team stages and folds splits sub, sub + team, ... of its row, on its own; the
+//         team's partial sums meet in shared memory at the end of the round.
+//   Chunks: the splits of a round, staged up to capacity (DecodeMergeLayout::kCap partial rows) at a
+//         time; a chunk is folded into the running (m, l, acc) with one max, one weight per split
+//         and FMAs.
+//   Lane l owns columns [4 l + 128 j, 4 l + 128 j + 4) of its row, j < kColChunks.
+constexpr int kMergeLseBatch = 4;  // lse values per thread in flight while the merge stages a chunk
+
+template <class Cfg>
+struct DecodeMergeLayout {
+    static constexpr int kColChunks = (Cfg::kHeadDim + 127) / 128;
+    static constexpr int kRedFloats = kColChunks * 128 + 4;  // a warp's acc row, then m and l (16-byte rows)
+    static constexpr int kTeamFloats = Cfg::kNWarps * kRedFloats;
+    static constexpr int kRowFloats = Cfg::kHeadDim;  // a partial row: the whole bucket (partial_stride)
+    static constexpr int kCap = (Cfg::kSmemPipeBytes / 4 - kTeamFloats) / (kRowFloats + 1);  // staged rows
+    static_assert(kCap >= Cfg::kNWarps, "a chunk holds at least one split of every row of a round");
+    static_assert(kMergeLseBatch * 32 >= kDecodeMaxSplits, "one batch of lse loads covers every split of a chunk");
+};
+
+// The running merge of one row, per lane: (m, l) and the lane's columns of acc.
+template <int kColChunks>
+struct DecodeMergeRow {
+    float m = -kInf, l = 0.f;  // max lse so far (natural log), sum of e^{lse_s - m}
+    float4 acc[kColChunks];
+
+    // Rescale to a new max m_new >= m (nothing to rescale while m is -inf: l and acc are 0).
+    CUFLASH_DEVICE float rescale(float m_new) {
+        const float c = m == -kInf ? 0.f : fast_exp2((m - m_new) * kLog2e);
+        m = m_new;
+        l *= c;
+#pragma unroll
+        for (int j = 0; j < kColChunks; ++j) acc[j] = make_float4(acc[j].x * c, acc[j].y * c, acc[j].z * c, acc[j].w * c);
+        return c;
     }
-    if (lane == 0 && p.lse != nullptr) p.lse[row] = lse;
-    __syncwarp();  // every lane done with s_w before the warp's next row overwrites it
+    CUFLASH_DEVICE void add(float w, const float* o, int lane) {  // acc += w * (this lane's columns of o)
+#pragma unroll
+        for (int j = 0; j < kColChunks; ++j) {
+            const float4 v = *reinterpret_cast<const float4*>(o + 4 * lane + 128 * j);
+            acc[j] = make_float4(fmaf(w, v.x, acc[j].x), fmaf(w, v.y, acc[j].y), fmaf(w, v.z, acc[j].z),
+                                 fmaf(w, v.w, acc[j].w));
+        }
+    }
+};
+
+// The CTA's merge of packed rows [row0, row0 + rows_valid) of (b, hk). Every thread of the CTA calls
+// it (it has block barriers); smem: the K/V stages (kSmemPipeBytes), free by now. The partial rows
+// were written by other CTAs: they are read through L2 (cp.async.cg, ld.global.cg), never from L1.
+template <class Cfg>
+CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int row0, int rows_valid, float* smem,
+                                      int tid) {
+    using Lay = DecodeMergeLayout<Cfg>;
+    constexpr int kW = Cfg::kNWarps, kCC = Lay::kColChunks, kRowF = Lay::kRowFloats;
+    constexpr int kChunks16 = kRowF / 4;  // 16-byte pieces of a partial row
+    float* s_team = smem;                                   // [kW][kRedFloats]
+    float* s_rows = smem + Lay::kTeamFloats;                // [kCap][kRowF]: staged partial rows
+    float* s_w = s_rows + Lay::kCap * kRowF;                // [kCap]: their weights
+    const int warp = tid / 32, lane = tid % 32;
+    const int team = rows_valid >= kW ? 1 : (rows_valid >= 2 ? kW / 2 : kW);  // warps per row (divides kW)
+    const int sub = warp % team, rows_per_round = kW / team;
+    const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
+    const i64 split_stride = n_rows * p.partial_stride;  // floats from one split's partial rows to the next
+    for (int r0 = 0; r0 < rows_valid; r0 += rows_per_round) {  // uniform over the CTA: barriers inside
+        const int round_rows = min(rows_per_round, rows_valid - r0);
+        const int per_chunk = min(p.num_splits, Lay::kCap / round_rows);  // splits staged at once
+        const int r = r0 + warp / team;  // this warp's row (>= rows_valid: none this round)
+        i64 row = 0;
+        if (r < rows_valid) {
+            int i, h;
+            decode_unpack_row(p, hk, row0 + r, i, h);
+            row = decode_row_index(p, 0, b, h, i);
+        }
+        DecodeMergeRow<kCC> st;
+#pragma unroll
+        for (int j = 0; j < kCC; ++j) st.acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        // Each warp stages and folds only its own splits of its own row: from here to the team's
+        // meeting below, its lanes synchronize among themselves only.
+        if (r < rows_valid) {
+            const int k = warp / team;
+            const float* g_rows = p.o_partial + row * p.partial_stride;
+            for (int s_lo = 0; s_lo < p.num_splits; s_lo += per_chunk) {
+                const int n_s = min(per_chunk, p.num_splits - s_lo);
+                // Row k's area (fixed per row, so warps never overlap whatever chunk each is at): the
+                // staged partial row of split s_lo + s at rows_k[s * kRowF], its weight at w_k[s].
+                float* rows_k = s_rows + k * per_chunk * kRowF;
+                float* w_k = s_w + k * per_chunk;
+                __syncwarp();  // this warp is done with its previous chunk
+                for (int s = sub; s < n_s; s += team) {
+                    const float* g = g_rows + (s_lo + s) * split_stride;
+#pragma unroll
+                    for (int c16 = lane; c16 < kChunks16; c16 += 32) {
+                        cp_async_16(smem_u32(rows_k + s * kRowF + 4 * c16), g + 4 * c16, true);
+                    }
+                }
+                cp_async_commit();
+                // The lse values into registers while the rows are on their way (n_s <= 128 splits).
+                float x[kMergeLseBatch];
+#pragma unroll
+                for (int u = 0; u < kMergeLseBatch; ++u) {
+                    const int s = sub + team * (lane + 32 * u);
+                    x[u] = s < n_s ? __ldcg(p.lse_partial + row + (s_lo + s) * n_rows) : -kInf;
+                }
+                // New max over this warp's splits of the chunk (s = sub + team t), then their weights.
+                float m_c = -kInf;
+#pragma unroll
+                for (int u = 0; u < kMergeLseBatch; ++u) m_c = fmaxf(m_c, x[u]);
+                m_c = decode_warp_max(m_c);
+                const float m_new = fmaxf(st.m, m_c);
+                st.rescale(m_new);
+                float l_c = 0.f;
+#pragma unroll
+                for (int u = 0; u < kMergeLseBatch; ++u) {
+                    const int s = sub + team * (lane + 32 * u);
+                    const float w = x[u] == -kInf ? 0.f : fast_exp2((x[u] - m_new) * kLog2e);  // m_new finite if x is
+                    if (s < n_s) w_k[s] = w;
+                    l_c += w;
+                }
+                st.l += decode_warp_sum(l_c);
+                cp_async_wait<0>();
+                __syncwarp();  // the warp's staged rows and weights visible to all its lanes
+                if (s_lo == 0 && r0 == 0 && warp == 0) DECODE_TRACE(7);
+                for (int s = sub; s < n_s; s += team) st.add(w_k[s], rows_k + s * kRowF, lane);
+            }
+        }
+        if (team > 1) {  // the team's partial sums meet in shared memory; its first warp finishes the row
+            float* red = s_team + warp * Lay::kRedFloats;
+#pragma unroll
+            for (int j = 0; j < kCC; ++j) *reinterpret_cast<float4*>(red + 4 * lane + 128 * j) = st.acc[j];
+            if (lane == 0) {
+                red[Lay::kRedFloats - 4] = st.m;
+                red[Lay::kRedFloats - 3] = st.l;
+            }
+            __syncthreads();
+            if (sub == 0 && r < rows_valid) {
+                for (int w = 1; w < team; ++w) {
+                    const float* o = s_team + (warp + w) * Lay::kRedFloats;
+                    const float m_w = o[Lay::kRedFloats - 4], l_w = o[Lay::kRedFloats - 3];
+                    if (m_w == -kInf) continue;  // that warp's splits all saw no key
+                    // (m_w, l_w, acc_w) joins like one more split of weight e^{m_w - m} and sums l_w, acc_w.
+                    if (m_w > st.m) st.rescale(m_w);
+                    const float c_w = fast_exp2((m_w - st.m) * kLog2e);
+                    st.l = fmaf(c_w, l_w, st.l);
+                    st.add(c_w, o, lane);
+                }
+            }
+            if (r0 + rows_per_round < rows_valid) __syncthreads();  // s_team read before the next round writes it
+        }
+        if (sub == 0 && r < rows_valid) {  // a row no split saw: O = 0, lse = -inf
+            const float inv_l = st.l > 0.f ? 1.f / st.l : 0.f;
+            const int i = static_cast<int>(row % p.seqlen_q);
+            const i64 bh = row / p.seqlen_q;
+            const int h = static_cast<int>(bh % p.nheads);
+            u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+            for (int j = 0; j < kCC; ++j) {
+                const int c = 4 * lane + 128 * j;
+                const u32 lo = pack2<Cfg::kIsBF16>(st.acc[j].x * inv_l, st.acc[j].y * inv_l);
+                const u32 hi = pack2<Cfg::kIsBF16>(st.acc[j].z * inv_l, st.acc[j].w * inv_l);
+                if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
+                if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
+                if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
+                if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
+            }
+            if (lane == 0 && p.lse != nullptr) p.lse[row] = st.l > 0.f ? st.m + __logf(st.l) : -kInf;
+        }
+    }
 }
 
 // End of a split CTA when num_splits > 1: count it in the group (sequence b, kv head hk, row block
 // rb), and if it is the last of the group's num_splits CTAs to finish, merge the group's packed rows
-// [row0, row0 + rows_valid) (one warp per row). The counter returns to 0 for the next launch. The
+// [row0, row0 + rows_valid) (decode_merge_rows). The counter returns to 0 for the next launch. The
 // fence before the count publishes this CTA's partial rows; the last CTA sees every other count, so
 // it reads every partial row after it was written (threadfence reduction, CUDA programming guide).
-// s_w: kNWarps * kDecodeMaxSplits floats, s_flag: one int, both free shared memory by now.
+// smem: the K/V stages, s_flag: one int, both free shared memory by now.
 template <class Cfg>
 CUFLASH_DEVICE void decode_merge_if_last(const DecodeParams& p, int b, int hk, int rb, int row0, int rows_valid,
-                                         float* s_w, int* s_flag, int tid) {
+                                         float* smem, int* s_flag, int tid) {
+    DECODE_TRACE(5);
     __threadfence();  // this thread's partial rows reach device scope before the count
     __syncthreads();  // ... for every thread of the CTA; and everyone is done with the smem reused below
     if (tid == 0) {
@@ -344,15 +486,12 @@ CUFLASH_DEVICE void decode_merge_if_last(const DecodeParams& p, int b, int hk, i
         *s_flag = last;
     }
     __syncthreads();
+    DECODE_TRACE(6);
     if (!*s_flag) return;
     __threadfence();
-    const int warp = tid / 32, lane = tid % 32;
-    for (int r = warp; r < rows_valid; r += Cfg::kNWarps) {
-        int i, h;
-        decode_unpack_row(p, hk, row0 + r, i, h);
-        decode_merge_row<Cfg::kIsBF16>(p, decode_row_index(p, 0, b, h, i), lane, s_w + warp * kDecodeMaxSplits);
-    }
+    decode_merge_rows<Cfg>(p, b, hk, row0, rows_valid, smem, tid);
 }
+
 
 template <class Cfg>
 CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
@@ -361,6 +500,7 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     constexpr int kNB = WCfg::kNBlocksS, kDB = WCfg::kDBlocks, kRed = Cfg::kRedStride;
     constexpr bool kBF16 = Cfg::kIsBF16;
 
+    DECODE_TRACE(1);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
@@ -378,11 +518,6 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     u16* s_k0 = reinterpret_cast<u16*>(s_pipe);     // K stage s at s_k0 + s * kSmemKV
     u16* s_v0 = s_k0 + Cfg::kStages * Cfg::kSmemKV;  // V stage s at s_v0 + s * kSmemKV
     float* s_red = reinterpret_cast<float*>(s_pipe);  // epilogue only: [kWarpsN][kBlockM][kRed], over the stages
-    // The merge of the splits (last CTA of a group) reuses the stages for its weights and m for a flag.
-    auto merge_if_last = [&]() {
-        decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, reinterpret_cast<float*>(s_pipe),
-                                  reinterpret_cast<int*>(s_m), tid);
-    };
 
     // Keys of this sequence after the append, and this split's tiles of them.
     const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);
@@ -408,162 +543,170 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
                 p.o_partial[decode_row_index(p, split, b, h, i) * p.partial_stride + e % width] = 0.f;
             }
         }
-        if (!final_out) merge_if_last();
-        return;
-    }
-
-    const u16* g_k = static_cast<const u16*>(p.k) + hk * p.k_head_stride;
-    const u16* g_v = static_cast<const u16*>(p.v) + hk * p.v_head_stride;
-    const DecodeCacheRows cache = decode_cache_rows(p, b);
-    // Tile `tile` into stage `stage` (nothing past this split's last tile); always one commit group
-    // per call, so the group count stays in step with the tiles.
-    auto issue = [&](int tile, int stage) {
-        if (tile < tile_end) {
-            decode_load_kv<Cfg>(s_k0 + stage * Cfg::kSmemKV, s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache,
-                                tile * kBlockN, L, tid);
-        }
-        cp_async_commit();
-    };
-
-    // Prologue: Q joins the first tile's group; kStages - 1 tiles (1 when single-staged) in flight.
-    decode_load_q<Cfg>(s_q, p, b, hk, row0, rows_valid, tid);
-    constexpr int kAhead = Cfg::kStages > 1 ? Cfg::kStages - 1 : 1;
-#pragma unroll
-    for (int s = 0; s < kAhead; ++s) issue(tile_begin + s, s);
-
-    WarpTile<WCfg> wt;
-    wt.init(16 * wm, lane);
-    const float scale_log2 = p.scale_log2;
-    // Causal: packed row r (token i = r / group) sees keys < L - seqlen_q + 1 + i; padding rows
-    // (r >= rows) get L, they are never written. limit_lo: the smallest limit of the CTA's rows.
-    int limit[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int i = (row0 + 16 * wm + 8 * h + g) / p.group;
-        limit[h] = p.is_causal ? min(L, L - p.seqlen_q + 1 + i) : L;
-    }
-    const int limit_lo = p.is_causal ? L - p.seqlen_q + 1 + row0 / p.group : L;
-    const bool warp_has_rows = 16 * wm < rows_valid;  // else the slab is padding: skip its MMAs
-    float S[1][kNB][4];  // scores, then probabilities, of the warp's keys of the current tile
-
-    int stage = 0;  // stage holding `tile`: tile_begin + k lives in stage k % kStages
-    for (int tile = tile_begin; tile < tile_end; ++tile) {
-        if constexpr (Cfg::kStages > 1) {
-            cp_async_wait<Cfg::kStages - 2>();  // this tile's group (and Q's) landed for this thread
-            // This tile (and Q) visible to every warp; every warp is done with the previous tile, so
-            // its stage, (stage - 1) mod kStages, is free for tile + kStages - 1.
-            __syncthreads();
-            issue(tile + Cfg::kStages - 1, stage == 0 ? Cfg::kStages - 1 : stage - 1);
-        } else {
-            cp_async_wait<0>();
-            __syncthreads();  // this tile (and Q) visible to every warp
-        }
-        const int n0 = tile * kBlockN + wn * Cfg::kKeysPerWarp;  // first key of this warp's share
-        if (warp_has_rows && n0 < L) {  // warp-uniform: a share wholly past the end is all masked
-            const u16* s_k = s_k0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
-            const u16* s_v = s_v0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
-            // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
-            wt.gemm_qk(S, s_q, s_k);
-            if (n0 + Cfg::kKeysPerWarp > limit_lo) decode_mask(S, n0 + 2 * t, limit);
-            wt.softmax(S, scale_log2);
-            // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
-            wt.gemm_pv(S, s_v);
-        }
-        if constexpr (Cfg::kStages == 1) {
-            __syncthreads();  // every warp is done with the only stage before it is refilled
-            issue(tile + 1, 0);
-        }
-        stage = stage + 1 == Cfg::kStages ? 0 : stage + 1;
-    }
-
-    // Epilogue 1: m and l of every warp column. The merge buffer overwrites the K/V stages: wait for
-    // this thread's copies (only empty groups remain) and for every warp to finish its last tile.
-    cp_async_wait<0>();
-    __syncthreads();  // all warps done reading sK / sV; no cp.async into them in flight
-    float l_own[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l_own[h] = quad_sum(wt.row_sum[0][h]);
-        if (t == 0) {
-            s_m[wn * kBlockM + 16 * wm + 8 * h + g] = wt.row_max[0][h];
-            s_l[wn * kBlockM + 16 * wm + 8 * h + g] = l_own[h];
-        }
-    }
-    __syncthreads();  // every warp column's m and l visible
-
-    // Epilogue 2: m* = max_w m_w, l* = sum_w l_w 2^{(m_w - m*) scale_log2}; this warp's O scaled by
-    // 2^{(m_own - m*) scale_log2} / l* into its rows of the merge buffer. Rows that saw no key in any
-    // warp (m* = -inf) get l* = 0, factor 0, O = 0 and lse = -inf.
-    float factor[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = 16 * wm + 8 * h + g;
-        float m_all = -kInf;
-#pragma unroll
-        for (int w = 0; w < Cfg::kWarpsN; ++w) m_all = fmaxf(m_all, s_m[w * kBlockM + r]);
-        const float m_scaled = m_all == -kInf ? 0.f : m_all * scale_log2;  // -inf - (-inf) would be NaN
-        float l_all = 0.f;
-#pragma unroll
-        for (int w = 0; w < Cfg::kWarpsN; ++w) l_all += s_l[w * kBlockM + r] * fast_exp2(fmaf(s_m[w * kBlockM + r], scale_log2, -m_scaled));
-        const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
-        factor[h] = fast_exp2(fmaf(wt.row_max[0][h], scale_log2, -m_scaled)) * inv_l;
-        if (wn == 0 && t == 0 && r < rows_valid) {
-            int i, hq;
-            decode_unpack_row(p, hk, row0 + r, i, hq);
-            const float lse = l_all > 0.f ? m_all * p.softmax_scale + __logf(l_all) : -kInf;
-            if (!final_out) p.lse_partial[decode_row_index(p, split, b, hq, i)] = lse;
-            else if (p.lse != nullptr) p.lse[decode_row_index(p, 0, b, hq, i)] = lse;
-        }
-    }
-    float* s_red_w = s_red + (wn * kBlockM + 16 * wm) * kRed;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int d = 0; d < kDB; ++d)
-            *reinterpret_cast<float2*>(s_red_w + (8 * h + g) * kRed + d * 8 + 2 * t) =
-                make_float2(wt.acc_o[0][d][2 * h] * factor[h], wt.acc_o[0][d][2 * h + 1] * factor[h]);
-    __syncthreads();  // every warp column's scaled O rows in the merge buffer
-
-    // Epilogue 3: O[r][c..c+7] = sum_w merge[w][r][c..c+7], written as the final output (dtype, 16-byte
-    // stores on the aligned path) or as this split's fp32 partial row.
-    constexpr int kC = Cfg::kChunksPerRow;
-    for (int unit = tid; unit < kBlockM * kC; unit += Cfg::kNThreads) {
-        const int r = unit / kC, col = (unit % kC) * 8;
-        if (r >= rows_valid) continue;
-        float o[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = 0.f;
-#pragma unroll
-        for (int w = 0; w < Cfg::kWarpsN; ++w) {
-            const float* src = s_red + (w * kBlockM + r) * kRed + col;
-            const float4 x0 = *reinterpret_cast<const float4*>(src);
-            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
-            o[0] += x0.x; o[1] += x0.y; o[2] += x0.z; o[3] += x0.w;
-            o[4] += x1.x; o[5] += x1.y; o[6] += x1.z; o[7] += x1.w;
-        }
-        int i, h;
-        decode_unpack_row(p, hk, row0 + r, i, h);
-        if (final_out) {
-            u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + col;
-            u32 packed[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) packed[e] = pack2<kBF16>(o[2 * e], o[2 * e + 1]);
-            if constexpr (Cfg::kAligned) {
-                if (col < p.head_dim) *reinterpret_cast<uint4*>(g_o) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    if (col + e < p.head_dim) g_o[e] = static_cast<u16>(packed[e / 2] >> (16 * (e % 2)));
-                }
+    } else {  // this split's tiles
+        const u16* g_k = static_cast<const u16*>(p.k) + hk * p.k_head_stride;
+        const u16* g_v = static_cast<const u16*>(p.v) + hk * p.v_head_stride;
+        const DecodeCacheRows cache = decode_cache_rows(p, b);
+        // Tile `tile` into stage `stage` (nothing past this split's last tile); always one commit group
+        // per call, so the group count stays in step with the tiles.
+        auto issue = [&](int tile, int stage) {
+            if (tile < tile_end) {
+                decode_load_kv<Cfg>(s_k0 + stage * Cfg::kSmemKV, s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache,
+                                    tile * kBlockN, L, tid);
             }
-        } else {
-            // The whole bucket row is written (columns >= head_dim hold 0): combine reads float4s.
-            float* g_op = p.o_partial + decode_row_index(p, split, b, h, i) * p.partial_stride + col;
-            *reinterpret_cast<float4*>(g_op) = make_float4(o[0], o[1], o[2], o[3]);
-            *reinterpret_cast<float4*>(g_op + 4) = make_float4(o[4], o[5], o[6], o[7]);
+            cp_async_commit();
+        };
+
+        // Prologue: Q joins the first tile's group; kStages - 1 tiles (1 when single-staged) in flight.
+        decode_load_q<Cfg>(s_q, p, b, hk, row0, rows_valid, tid);
+        constexpr int kAhead = Cfg::kStages > 1 ? Cfg::kStages - 1 : 1;
+    #pragma unroll
+        for (int s = 0; s < kAhead; ++s) issue(tile_begin + s, s);
+
+        WarpTile<WCfg> wt;
+        wt.init(16 * wm, lane);
+        const float scale_log2 = p.scale_log2;
+        // Causal: packed row r (token i = r / group) sees keys < L - seqlen_q + 1 + i; padding rows
+        // (r >= rows) get L, they are never written. limit_lo: the smallest limit of the CTA's rows.
+        int limit[2];
+    #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = (row0 + 16 * wm + 8 * h + g) / p.group;
+            limit[h] = p.is_causal ? min(L, L - p.seqlen_q + 1 + i) : L;
+        }
+        const int limit_lo = p.is_causal ? L - p.seqlen_q + 1 + row0 / p.group : L;
+        const bool warp_has_rows = 16 * wm < rows_valid;  // else the slab is padding: skip its MMAs
+        float S[1][kNB][4];  // scores, then probabilities, of the warp's keys of the current tile
+
+        int stage = 0;  // stage holding `tile`: tile_begin + k lives in stage k % kStages
+        for (int tile = tile_begin; tile < tile_end; ++tile) {
+            if constexpr (Cfg::kStages > 1) {
+                cp_async_wait<Cfg::kStages - 2>();  // this tile's group (and Q's) landed for this thread
+                // This tile (and Q) visible to every warp; every warp is done with the previous tile, so
+                // its stage, (stage - 1) mod kStages, is free for tile + kStages - 1.
+                __syncthreads();
+    #ifdef CUFLASH_DECODE_TRACE
+                if (tile == tile_begin) DECODE_TRACE(2);
+    #endif
+                issue(tile + Cfg::kStages - 1, stage == 0 ? Cfg::kStages - 1 : stage - 1);
+            } else {
+                cp_async_wait<0>();
+                __syncthreads();  // this tile (and Q) visible to every warp
+            }
+            const int n0 = tile * kBlockN + wn * Cfg::kKeysPerWarp;  // first key of this warp's share
+            if (warp_has_rows && n0 < L) {  // warp-uniform: a share wholly past the end is all masked
+                const u16* s_k = s_k0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
+                const u16* s_v = s_v0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
+                // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
+                wt.gemm_qk(S, s_q, s_k);
+                if (n0 + Cfg::kKeysPerWarp > limit_lo) decode_mask(S, n0 + 2 * t, limit);
+                wt.softmax(S, scale_log2);
+                // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
+                wt.gemm_pv(S, s_v);
+            }
+            if constexpr (Cfg::kStages == 1) {
+                __syncthreads();  // every warp is done with the only stage before it is refilled
+                issue(tile + 1, 0);
+            }
+            stage = stage + 1 == Cfg::kStages ? 0 : stage + 1;
+        }
+
+        // Epilogue 1: m and l of every warp column. The merge buffer overwrites the K/V stages: wait for
+        // this thread's copies (only empty groups remain) and for every warp to finish its last tile.
+        cp_async_wait<0>();
+        __syncthreads();  // all warps done reading sK / sV; no cp.async into them in flight
+        DECODE_TRACE(3);
+        float l_own[2];
+    #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l_own[h] = quad_sum(wt.row_sum[0][h]);
+            if (t == 0) {
+                s_m[wn * kBlockM + 16 * wm + 8 * h + g] = wt.row_max[0][h];
+                s_l[wn * kBlockM + 16 * wm + 8 * h + g] = l_own[h];
+            }
+        }
+        __syncthreads();  // every warp column's m and l visible
+
+        // Epilogue 2: m* = max_w m_w, l* = sum_w l_w 2^{(m_w - m*) scale_log2}; this warp's O scaled by
+        // 2^{(m_own - m*) scale_log2} / l* into its rows of the merge buffer. Rows that saw no key in any
+        // warp (m* = -inf) get l* = 0, factor 0, O = 0 and lse = -inf.
+        float factor[2];
+    #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = 16 * wm + 8 * h + g;
+            float m_all = -kInf;
+    #pragma unroll
+            for (int w = 0; w < Cfg::kWarpsN; ++w) m_all = fmaxf(m_all, s_m[w * kBlockM + r]);
+            const float m_scaled = m_all == -kInf ? 0.f : m_all * scale_log2;  // -inf - (-inf) would be NaN
+            float l_all = 0.f;
+    #pragma unroll
+            for (int w = 0; w < Cfg::kWarpsN; ++w) l_all += s_l[w * kBlockM + r] * fast_exp2(fmaf(s_m[w * kBlockM + r], scale_log2, -m_scaled));
+            const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
+            factor[h] = fast_exp2(fmaf(wt.row_max[0][h], scale_log2, -m_scaled)) * inv_l;
+            if (wn == 0 && t == 0 && r < rows_valid) {
+                int i, hq;
+                decode_unpack_row(p, hk, row0 + r, i, hq);
+                const float lse = l_all > 0.f ? m_all * p.softmax_scale + __logf(l_all) : -kInf;
+                if (!final_out) p.lse_partial[decode_row_index(p, split, b, hq, i)] = lse;
+                else if (p.lse != nullptr) p.lse[decode_row_index(p, 0, b, hq, i)] = lse;
+            }
+        }
+        float* s_red_w = s_red + (wn * kBlockM + 16 * wm) * kRed;
+    #pragma unroll
+        for (int h = 0; h < 2; ++h)
+    #pragma unroll
+            for (int d = 0; d < kDB; ++d)
+                *reinterpret_cast<float2*>(s_red_w + (8 * h + g) * kRed + d * 8 + 2 * t) =
+                    make_float2(wt.acc_o[0][d][2 * h] * factor[h], wt.acc_o[0][d][2 * h + 1] * factor[h]);
+        __syncthreads();  // every warp column's scaled O rows in the merge buffer
+
+        // Epilogue 3: O[r][c..c+7] = sum_w merge[w][r][c..c+7], written as the final output (dtype, 16-byte
+        // stores on the aligned path) or as this split's fp32 partial row.
+        constexpr int kC = Cfg::kChunksPerRow;
+        for (int unit = tid; unit < kBlockM * kC; unit += Cfg::kNThreads) {
+            const int r = unit / kC, col = (unit % kC) * 8;
+            if (r >= rows_valid) continue;
+            float o[8];
+    #pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = 0.f;
+    #pragma unroll
+            for (int w = 0; w < Cfg::kWarpsN; ++w) {
+                const float* src = s_red + (w * kBlockM + r) * kRed + col;
+                const float4 x0 = *reinterpret_cast<const float4*>(src);
+                const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+                o[0] += x0.x; o[1] += x0.y; o[2] += x0.z; o[3] += x0.w;
+                o[4] += x1.x; o[5] += x1.y; o[6] += x1.z; o[7] += x1.w;
+            }
+            int i, h;
+            decode_unpack_row(p, hk, row0 + r, i, h);
+            if (final_out) {
+                u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + col;
+                u32 packed[4];
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) packed[e] = pack2<kBF16>(o[2 * e], o[2 * e + 1]);
+                if constexpr (Cfg::kAligned) {
+                    if (col < p.head_dim) *reinterpret_cast<uint4*>(g_o) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+                } else {
+    #pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        if (col + e < p.head_dim) g_o[e] = static_cast<u16>(packed[e / 2] >> (16 * (e % 2)));
+                    }
+                }
+            } else {
+                // The whole bucket row is written (columns >= head_dim hold 0): combine reads float4s.
+                float* g_op = p.o_partial + decode_row_index(p, split, b, h, i) * p.partial_stride + col;
+                *reinterpret_cast<float4*>(g_op) = make_float4(o[0], o[1], o[2], o[3]);
+                *reinterpret_cast<float4*>(g_op + 4) = make_float4(o[4], o[5], o[6], o[7]);
+            }
         }
     }
-    if (!final_out) merge_if_last();
+    // Several splits: the last CTA of the group merges them, in the stages and with m as its flag
+    // (one call site: the merge is large code).
+    if (!final_out) {
+        decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, reinterpret_cast<float*>(s_pipe),
+                                  reinterpret_cast<int*>(s_m), tid);
+    }
+    DECODE_TRACE(4);
 }
 
 // Append: k_new[b, t] -> cache position clamp(cache_seqlens[b], 0, capacity) + t of sequence b, and

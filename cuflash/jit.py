@@ -289,13 +289,16 @@ def _nv_info_resources(cubin: bytes) -> dict[str, int]:
 
 
 def compile_cubin(
-    spec: plan.KernelSpec, src_dir: Path | None = None, bundle: tuple[str, dict[str, str]] | None = None
+    spec: plan.KernelSpec, src_dir: Path | None = None, bundle: tuple[str, dict[str, str]] | None = None,
+    extra_options: tuple[str, ...] = (),
 ) -> tuple[bytes, dict]:
-    """Compile ``spec`` with NVRTC (no GPU needed). Returns (cubin, header dict)."""
+    """Compile ``spec`` with NVRTC (no GPU needed). Returns (cubin, header dict). ``extra_options``
+    (e.g. a -D for a diagnostic build, tools/trace_decode.py) go after the usual ones; such cubins
+    are never written to the cache."""
     from cupy.cuda import nvrtc
 
     text, headers = bundle or source_bundle(spec, src_dir)
-    options = compile_options(spec.arch)
+    options = compile_options(spec.arch) + tuple(extra_options)
     t0 = time.perf_counter()
     prog = nvrtc.createProgram(
         text, f"{spec.name}.cu", [h.encode() for h in headers.values()], [n.encode() for n in headers]
