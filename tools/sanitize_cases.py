@@ -43,10 +43,16 @@ def main():
         for deterministic in (False, True):
             errors = check_backward(q, k, v, causal=causal, dtype=dt, deterministic=deterministic)
             print(f"ok bwd deterministic={deterministic}: " + ", ".join(f"{n} {e:.2e} <= {bd:.2e}" for n, (e, bd) in errors.items()))
-    # Decode: append + GQA + splits, a paged cache with 48-token pages and an empty sequence, the
+    # Decode: append + GQA + splits, the merge of many splits, a paged cache with 48-token pages and an empty sequence, the
     # element-wise path (head dim 100), causal speculative tokens.
     for kw, call in (
         (dict(batch=2, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=128, capacity=700, seqlen_new=3), dict(num_splits=4)),
+        # The merge with 3 rows per kv head (2 warps per row, two rounds) and 64 splits of up to 4 rows
+        # (more partial rows than one staged chunk holds).
+        (dict(batch=2, seqlen_q=1, nheads=6, nheads_kv=2, head_dim=128, capacity=4200, lengths=[4200, 500]),
+         dict(num_splits=64)),
+        (dict(batch=1, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=128, capacity=4200, lengths=[4200]),
+         dict(num_splits=64)),
         (dict(batch=3, seqlen_q=1, nheads=4, nheads_kv=4, head_dim=64, capacity=300, page_size=48, lengths=[250, 0, 37]), {}),
         (dict(batch=2, seqlen_q=3, nheads=4, nheads_kv=1, head_dim=100, dtype="fp16", capacity=200, seqlen_new=3),
          dict(causal=True)),
