@@ -31,8 +31,9 @@ SHAPES = ["1,4096,32", "1,32768,32", "8,4096,32", "1,4096,8", "1,32768,8", "1,13
           "8,131072,32", "64,4096,8"]
 
 
-def kernel_calls(torch, fn, calls: int = 8):
-    """[(span_us, [(kernel name, us), ...]) per call] of `calls` calls, each followed by a sync."""
+def kernel_events(torch, fn, calls: int) -> list:
+    """The kernel records (chrome-trace events, start order) of `calls` calls of fn under
+    torch.profiler, each call followed by a sync; one warm-up call before."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -45,7 +46,12 @@ def kernel_calls(torch, fn, calls: int = 8):
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         events = json.load(open(path))["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def kernel_calls(torch, fn, calls: int = 8):
+    """[(span_us, [(kernel name, us), ...]) per call] of `calls` calls, each followed by a sync."""
+    kernels = kernel_events(torch, fn, calls)
     # Calls are separated by syncs: split where the gap to the previous kernel exceeds 15 us.
     groups, cur = [], []
     for e in kernels:
@@ -56,6 +62,31 @@ def kernel_calls(torch, fn, calls: int = 8):
     if cur:
         groups.append(cur)
     return [(g[-1]["ts"] + g[-1]["dur"] - g[0]["ts"], [(e["name"], e["dur"]) for e in g]) for g in groups]
+
+
+def decode_problem(torch, shape: str, seed: int):
+    """One problem "batch,cache_len,kv_heads" (32 query heads, head dim 128, bf16, one query token):
+    (batch, cache_len, kv_heads, KV bytes, ours(num_splits=0), {"flash": fn, "cudnn": fn}), the peers
+    torch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION on the same cache. The arrays live in the
+    closures: drop them to free the memory."""
+    import cupy
+    from torch.nn.attention import SDPBackend
+
+    b, L, h_kv = map(int, shape.split(","))
+    rng = cupy.random.default_rng(seed)
+    q = bench_decode._random((b, 1, 32, 128), "bf16", rng)
+    kc = bench_decode._random((b, L, h_kv, 128), "bf16", rng)
+    vc = bench_decode._random((b, L, h_kv, 128), "bf16", rng)
+    out = cupy.empty_like(q)
+    scale = 1 / math.sqrt(128)
+
+    def ours(s=0):
+        return kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=L, softmax_scale=scale, out=out, num_splits=s)
+
+    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, kc, vc))
+    peers = {name: bench_decode._sdpa_peer(torch, backend, tq, tk, tv, scale, h_kv != 32)
+             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))}
+    return b, L, h_kv, bench_decode.kv_bytes(b, L, h_kv, 128), ours, peers
 
 
 def short(name: str) -> str:
@@ -76,27 +107,9 @@ def main():
                          "(run under ncu --profile-from-start off)")
     a = ap.parse_args()
     torch = _torch()
-    from torch.nn.attention import SDPBackend
-
     for si, shape in enumerate(a.shapes):
-        b, L, h_kv = map(int, shape.split(","))
-        rng = cupy.random.default_rng(si)
-        q = bench_decode._random((b, 1, 32, 128), "bf16", rng)
-        kc = bench_decode._random((b, L, h_kv, 128), "bf16", rng)
-        vc = bench_decode._random((b, L, h_kv, 128), "bf16", rng)
-        out = cupy.empty_like(q)
-        scale = 1 / math.sqrt(128)
-
-        def ours(s=0):
-            return kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=L, softmax_scale=scale, out=out, num_splits=s)
-
-        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, kc, vc))
-        impls = {
-            "cuflash": ours,
-            "flash": bench_decode._sdpa_peer(torch, SDPBackend.FLASH_ATTENTION, tq, tk, tv, scale, h_kv != 32),
-            "cudnn": bench_decode._sdpa_peer(torch, SDPBackend.CUDNN_ATTENTION, tq, tk, tv, scale, h_kv != 32),
-        }
-        nbytes = bench_decode.kv_bytes(b, L, h_kv, 128)
+        b, L, h_kv, nbytes, ours, peers = decode_problem(torch, shape, si)
+        impls = {"cuflash": ours, **peers}
         if a.ncu:
             for fn in impls.values():
                 fn()
@@ -134,7 +147,7 @@ def main():
             buf = io.StringIO()
             pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
             Path(a.cprofile).write_text(buf.getvalue())
-        q = kc = vc = tq = tk = tv = impls = None  # free the caches before the next shape
+        impls = ours = peers = None  # free the caches (held by the closures) before the next shape
         bench_decode._release_memory()
 
 

@@ -17,7 +17,6 @@ and cuDNN's kernels with their grid, block, registers and shared memory.
 """
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -101,22 +100,10 @@ def summarize(tr, ctas: int, slots: int) -> dict:
 
 def peer_kernels(torch, fn) -> list:
     """One call of fn under torch.profiler: 'name  us  grid  block  regs  smem' per kernel."""
-    import os
-    import tempfile
+    from profile_decode import kernel_events
 
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "trace.json")
-        prof.export_chrome_trace(path)
-        events = json.load(open(path))["traceEvents"]
     out = []
-    for e in sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"]):
+    for e in kernel_events(torch, fn, 1):
         g = e.get("args", {})
         out.append(f"{e['name'][:60]}  {e['dur']:.1f} us  grid {g.get('grid')}  block {g.get('block')}  "
                    f"regs {g.get('registers per thread')}  smem {g.get('shared memory')}  "
@@ -128,7 +115,7 @@ def main():
     import cupy
 
     from cuflash.bench import _torch
-    from profile_decode import kernel_calls
+    from profile_decode import decode_problem, kernel_calls
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=SHAPES)
@@ -137,28 +124,14 @@ def main():
     ap.add_argument("--carveout", type=int, default=None, help="also trace with this shared-memory carveout (percent)")
     a = ap.parse_args()
     torch = _torch()
-    from torch.nn.attention import SDPBackend
-
     variants = {"default": Traced()}
     if a.carveout is not None:
         variants[f"carveout{a.carveout}"] = Traced(carveout=a.carveout)
     results = []
     num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     for si, shape in enumerate(a.shapes):
-        b, L, h_kv = map(int, shape.split(","))
-        rng = cupy.random.default_rng(si)
-        q = bench_decode._random((b, 1, 32, 128), "bf16", rng)
-        kc = bench_decode._random((b, L, h_kv, 128), "bf16", rng)
-        vc = bench_decode._random((b, L, h_kv, 128), "bf16", rng)
-        out = cupy.empty_like(q)
-        scale = 1 / math.sqrt(128)
-        nbytes = bench_decode.kv_bytes(b, L, h_kv, 128)
-
-        def ours(s=0):
-            return kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=L, softmax_scale=scale, out=out, num_splits=s)
-
-        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, kc, vc))
-        cudnn = bench_decode._sdpa_peer(torch, SDPBackend.CUDNN_ATTENTION, tq, tk, tv, scale, h_kv != 32)
+        b, L, h_kv, nbytes, ours, peers = decode_problem(torch, shape, si)
+        cudnn = peers["cudnn"]
         print(f"=== b={b} L={L} h_kv={h_kv} ({nbytes / 1e9:.3f} GB)", flush=True)
         for k in peer_kernels(torch, cudnn):
             print(f"    cudnn {k}", flush=True)
@@ -195,7 +168,7 @@ def main():
                       f"end {fmt(r['end_q'])} (p10/50/90/max)", flush=True)
                 print("      last CTAs [cta, sm, start, first, loop, written, counted, staged, end]: "
                       + " ".join(str(x) for x in r["last_ctas"][:4]), flush=True)
-        q = kc = vc = tq = tk = tv = None
+        ours = peers = cudnn = None  # free the caches (held by the closures) before the next shape
         bench_decode._release_memory()
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
