@@ -325,7 +325,7 @@ struct DecodeMergeRow {
     float m = -kInf, l = 0.f;  // max lse so far (natural log), sum of e^{lse_s - m}
     float4 acc[kColChunks];
 
-    // Rescale to a new max m_new >= m (nothing to rescale while m is -inf: l and acc are 0).
+    // Rescale to a new max m_new >= m (nothing to rescale while m is -inf: l and acc are still 0).
     CUFLASH_DEVICE float rescale(float m_new) {
         const float c = m == -kInf ? 0.f : fast_exp2((m - m_new) * kLog2e);
         m = m_new;
@@ -334,9 +334,13 @@ struct DecodeMergeRow {
         for (int j = 0; j < kColChunks; ++j) acc[j] = make_float4(acc[j].x * c, acc[j].y * c, acc[j].z * c, acc[j].w * c);
         return c;
     }
-    CUFLASH_DEVICE void add(float w, const float* o, int lane) {  // acc += w * (this lane's columns of o)
+    // acc += w * (this lane's columns of o, a row of kRowFloats); columns past the row stay 0 (the next
+    // slot of staged rows may be another warp's, still being filled).
+    template <int kRowFloats>
+    CUFLASH_DEVICE void add(float w, const float* o, int lane) {
 #pragma unroll
         for (int j = 0; j < kColChunks; ++j) {
+            if (4 * lane + 128 * j >= kRowFloats) continue;
             const float4 v = *reinterpret_cast<const float4*>(o + 4 * lane + 128 * j);
             acc[j] = make_float4(fmaf(w, v.x, acc[j].x), fmaf(w, v.y, acc[j].y), fmaf(w, v.z, acc[j].z),
                                  fmaf(w, v.w, acc[j].w));
@@ -361,9 +365,12 @@ CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int 
     const int sub = warp % team, rows_per_round = kW / team;
     const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
     const i64 split_stride = n_rows * p.partial_stride;  // floats from one split's partial rows to the next
-    for (int r0 = 0; r0 < rows_valid; r0 += rows_per_round) {  // uniform over the CTA: barriers inside
-        const int round_rows = min(rows_per_round, rows_valid - r0);
-        const int per_chunk = min(p.num_splits, Lay::kCap / round_rows);  // splits staged at once
+    // Splits staged at once per row. Row slot k of a round (k = warp / team) owns the same area in
+    // every round and chunk: with a warp per row nothing synchronizes the warps between rounds, so
+    // a warp ahead by a round must not reach into another's area.
+    const int per_chunk = min(p.num_splits, Lay::kCap / rows_per_round);
+    // Rounds are uniform over the CTA (the team meeting below has block barriers).
+    for (int r0 = 0; r0 < rows_valid; r0 += rows_per_round) {
         const int r = r0 + warp / team;  // this warp's row (>= rows_valid: none this round)
         i64 row = 0;
         if (r < rows_valid) {
@@ -381,8 +388,8 @@ CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int 
             const float* g_rows = p.o_partial + row * p.partial_stride;
             for (int s_lo = 0; s_lo < p.num_splits; s_lo += per_chunk) {
                 const int n_s = min(per_chunk, p.num_splits - s_lo);
-                // Row k's area (fixed per row, so warps never overlap whatever chunk each is at): the
-                // staged partial row of split s_lo + s at rows_k[s * kRowF], its weight at w_k[s].
+                // Row slot k's area: the staged partial row of split s_lo + s at rows_k[s * kRowF], its
+                // weight at w_k[s] (the team's warps take disjoint s).
                 float* rows_k = s_rows + k * per_chunk * kRowF;
                 float* w_k = s_w + k * per_chunk;
                 __syncwarp();  // this warp is done with its previous chunk
@@ -420,7 +427,7 @@ CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int 
                 cp_async_wait<0>();
                 __syncwarp();  // the warp's staged rows and weights visible to all its lanes
                 if (s_lo == 0 && r0 == 0 && warp == 0) DECODE_TRACE(7);
-                for (int s = sub; s < n_s; s += team) st.add(w_k[s], rows_k + s * kRowF, lane);
+                for (int s = sub; s < n_s; s += team) st.template add<kRowF>(w_k[s], rows_k + s * kRowF, lane);
             }
         }
         if (team > 1) {  // the team's partial sums meet in shared memory; its first warp finishes the row
@@ -441,7 +448,7 @@ CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int 
                     if (m_w > st.m) st.rescale(m_w);
                     const float c_w = fast_exp2((m_w - st.m) * kLog2e);
                     st.l = fmaf(c_w, l_w, st.l);
-                    st.add(c_w, o, lane);
+                    st.template add<kRowF>(c_w, o, lane);
                 }
             }
             if (r0 + rows_per_round < rows_valid) __syncthreads();  // s_team read before the next round writes it

@@ -685,7 +685,7 @@ DECODE_THREADS = 128
 #: 16-row slabs of packed query rows (group * seqlen_q rows of one kv head) per CTA. A CTA of m slabs
 #: arranges its 4 warps as m slab rows x 4 / m key columns, so every warp holds one 16-row slab.
 DECODE_M_SLABS = (1, 2, 4)
-#: Most key splits per sequence (the merge's weight buffer: kDecodeMaxSplits).
+#: Most key splits per sequence (kDecodeMaxSplits: the merge loads every lse of a chunk in one batch).
 MAX_DECODE_SPLITS = 128
 #: Fewest keys a split gets from the heuristic: below this a CTA's pipeline fill and its partial
 #: row (written, then read by the merge) weigh more than the tiles it streams.

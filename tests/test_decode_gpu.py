@@ -221,13 +221,15 @@ def test_causal_with_several_query_tokens(seqlen_q, num_splits):
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 16])
 @pytest.mark.parametrize("num_splits", [2, 70])
-def test_merge_of_the_splits_every_row_arrangement(group, num_splits):
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_merge_of_the_splits_every_row_arrangement(group, num_splits, head_dim):
     """The last CTA's merge: 1 row (4 warps share it), 2-3 rows (2 warps per row, 3 rows in two
     rounds), >= 4 rows (a warp per row, several rounds); 70 splits of 4 rows overflow one staged chunk
-    of partial rows (hd128: 122 rows), and the second sequence's later splits saw no key (lse -inf)."""
+    of partial rows (hd128: 122 rows), and the second sequence's later splits saw no key (lse -inf).
+    Head dim 64: rows shorter than a warp's 128 columns."""
     rng = np.random.default_rng()
-    c = case(rng, batch=2, nheads=2 * group, nheads_kv=2, head_dim=128, capacity=70 * 64, lengths=[70 * 64, 900])
-    run_and_check(**c, num_splits=num_splits, what=f"group={group} splits={num_splits}")
+    c = case(rng, batch=2, nheads=2 * group, nheads_kv=2, head_dim=head_dim, capacity=70 * 64, lengths=[70 * 64, 900])
+    run_and_check(**c, num_splits=num_splits, what=f"group={group} splits={num_splits} hd{head_dim}")
 
 
 def test_num_splits_agree():

@@ -53,6 +53,12 @@ def main():
          dict(num_splits=64)),
         (dict(batch=1, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=128, capacity=4200, lengths=[4200]),
          dict(num_splits=64)),
+        # 5 rows (a warp per row, a second round of one row) with 70 splits (two staged chunks per row);
+        # head dim 64 with one row (4 warps share it, rows of 64 floats in 128-column lanes).
+        (dict(batch=1, seqlen_q=1, nheads=10, nheads_kv=2, head_dim=128, capacity=4480, lengths=[4480]),
+         dict(num_splits=70)),
+        (dict(batch=2, seqlen_q=1, nheads=2, nheads_kv=2, head_dim=64, capacity=2000, lengths=[2000, 700]),
+         dict(num_splits=16)),
         (dict(batch=3, seqlen_q=1, nheads=4, nheads_kv=4, head_dim=64, capacity=300, page_size=48, lengths=[250, 0, 37]), {}),
         (dict(batch=2, seqlen_q=3, nheads=4, nheads_kv=1, head_dim=100, dtype="fp16", capacity=200, seqlen_new=3),
          dict(causal=True)),
