@@ -157,16 +157,22 @@ def _check_like(name: str, x, like_name: str, like, device_id: int, cupy) -> Non
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.strides}")
 
 
+def _output_like_q(out, q, device_id: int, cupy):
+    """``out`` checked against q (_check_like: shape, dtype, device, contiguous last dim), or a new
+    array like q when None. Call with device_id current."""
+    if out is None:
+        return cupy.empty(q.shape, dtype=q.dtype)
+    _check_like("out", out, "q", q, device_id, cupy)
+    return out
+
+
 def _forward(q, k, v, *, causal, softmax_scale, return_lse, out, tile: plan.Tile | None = None):
     cupy = _cupy()
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = _check_inputs(q, k, v, cupy)
     softmax_scale = _resolve_scale(softmax_scale, head_dim)
 
     with cupy.cuda.Device(device_id):
-        if out is None:
-            out = cupy.empty(q.shape, dtype=q.dtype)
-        else:
-            _check_like("out", out, "q", q, device_id, cupy)
+        out = _output_like_q(out, q, device_id, cupy)
         lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32)
 
         if batch == 0 or seqlen_q == 0 or nheads == 0 or head_dim == 0:

@@ -18,8 +18,8 @@ import numpy as np
 
 from . import jit, plan
 from .attention import (
-    _DTYPE_NAMES, _aligned16, _check_array, _check_head_ratio, _check_like, _check_on_device, _cupy, _elem_strides,
-    _resolve_scale,
+    _DTYPE_NAMES, _aligned16, _check_array, _check_head_ratio, _check_on_device, _cupy, _elem_strides,
+    _output_like_q, _resolve_scale,
 )
 from .params import DECODE_DTYPE
 
@@ -247,10 +247,7 @@ def attention_with_kvcache(
     softmax_scale = _resolve_scale(softmax_scale, head_dim)
 
     with cupy.cuda.Device(device_id):
-        if out is None:
-            out = cupy.empty(q.shape, dtype=q.dtype)
-        else:
-            _check_like("out", out, "q", q, device_id, cupy)
+        out = _output_like_q(out, q, device_id, cupy)
         lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32) if return_lse else None
         attend = seqlen_q > 0 and nheads > 0  # else only the append (if any) runs
         if batch == 0 or not (attend or seqlen_new > 0):

@@ -493,3 +493,34 @@ def test_head_ratio_check(nheads, nheads_kv, forward_ok, decode_ok):
         else:
             with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
                 _check_head_ratio(nheads, nheads_kv, allow_no_heads=allow)
+
+
+def test_output_like_q_allocates_or_checks():
+    """The forward and decode share one rule for ``out``: None gives a new array like q, anything
+    else must match q (a fake CuPy namespace, so the rule runs without a GPU)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cuflash.attention import _output_like_q
+
+    class FakeArray(SimpleNamespace):
+        pass
+
+    def empty(shape, dtype):
+        return FakeArray(shape=shape, dtype=np.dtype(dtype), device=SimpleNamespace(id=0), size=int(np.prod(shape)),
+                         strides=None, itemsize=np.dtype(dtype).itemsize, made=True)  # fmt: skip
+
+    fake_cupy = SimpleNamespace(ndarray=FakeArray, empty=empty)
+    q = FakeArray(shape=(2, 1, 4, 64), dtype=np.dtype(np.float16), device=SimpleNamespace(id=0), size=512,
+                  strides=(512, 512, 128, 2), itemsize=2)  # fmt: skip
+    new = _output_like_q(None, q, 0, fake_cupy)
+    assert new.made and new.shape == q.shape and new.dtype == q.dtype
+    same = FakeArray(**vars(q))
+    assert _output_like_q(same, q, 0, fake_cupy) is same
+    with pytest.raises(TypeError, match="out must be a cupy.ndarray"):
+        _output_like_q(np.zeros(q.shape, np.float16), q, 0, fake_cupy)
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        _output_like_q(FakeArray(**{**vars(q), "shape": (2, 1, 4, 32)}), q, 0, fake_cupy)
+    with pytest.raises(ValueError, match="out is on device 1"):
+        _output_like_q(FakeArray(**{**vars(q), "device": SimpleNamespace(id=1)}), q, 0, fake_cupy)
