@@ -267,8 +267,9 @@ CUFLASH_DEVICE void decode_mask(float (&S)[1][kNB][4], int col0, const int (&lim
 
 // Timeline probe for tools/trace_decode.py, compiled only with -DCUFLASH_DECODE_TRACE=<entries>: thread 0
 // of CTA c (linear block index) writes %globaltimer (ns) to cuflash_decode_trace[8 c + e] at event e:
-// 1 start, 2 first tile landed, 3 main loop done, 4 end, 5 partial rows written (before the count),
-// 6 count done, 7 first chunk of partial rows staged (merging CTA only); entry 0 is the SM id.
+// 1 start, 2 first tile landed (rings of 2 or more stages), 3 main loop done, 4 end, 5 partial rows
+// written (before the count), 6 count done, 7 first chunk of partial rows staged (merging CTA only);
+// entry 0 is the SM id.
 #ifdef CUFLASH_DECODE_TRACE
 extern "C" {  // unmangled, for cuModuleGetGlobal
 __device__ unsigned long long cuflash_decode_trace[CUFLASH_DECODE_TRACE];
