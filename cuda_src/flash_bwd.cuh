@@ -18,8 +18,9 @@
 //
 // Main kernel, one query block per iteration; three phases, each with its own grid of warp tiles
 // (BwdConfig; all warps share the tiles through smem, no warp needs another's registers):
-//   scores  S^T = K Q^T, dP^T = V dO^T for a (keys x queries) warp tile; causal mask on the diagonal
-//           blocks only; P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T - D) -> sP, sdS.
+//   scores  S^T = K Q^T, dP^T = V dO^T for a (keys x queries) warp tile; mask on the causal diagonal
+//           blocks or (not causal) the ragged last key block only;
+//           P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T - D) -> sP, sdS.
 //   dK, dV  dV += P^T dO, dK += dS^T Q over all kBlockM query rows for a (keys x head dim) warp tile
 //           (A from sP / sdS), accumulated in registers over the whole loop.
 //   dQ      dQ_part = dS K over the CTA's kBlockN keys for a (queries x head dim) warp tile, added to
@@ -242,8 +243,12 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                     }
                 }
             }
-            // Causal mask only where some key of the tile is later than what the block's first row sees.
-            if (Cfg::kIsCausal && n0 + kBlockN - 1 > m0 + offset) {
+            // Mask only the blocks that need it. Causal: where some key of the tile is later than what
+            // the block's first row sees (this also hides keys past seqlen_k from every real row).
+            // Otherwise: keys past seqlen_k in the last key block. Their K rows are zero, so S = 0 and
+            // P = exp2(-lse_log2) would be finite but can overflow fp16 (or fp32) to inf; dQ's
+            // dS K then turns inf * 0 into NaN.
+            if (Cfg::kIsCausal ? n0 + kBlockN - 1 > m0 + offset : n0 + kBlockN > p.seqlen_k) {
 #pragma unroll
                 for (int s = 0; s < kSl; ++s)
 #pragma unroll
@@ -252,7 +257,7 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                         for (int e = 0; e < 4; ++e) {
                             const int j = n0 + s_key0 + 16 * s + g + 8 * (e / 2);
                             const int i = m0 + s_col0 + 8 * nb + 2 * t + (e % 2);
-                            if (j > i + offset) S[s][nb][e] = -kInf;
+                            if (Cfg::kIsCausal ? j > i + offset : j >= p.seqlen_k) S[s][nb][e] = -kInf;
                         }
             }
             // P^T = exp2(S^T * scale_log2 - lse_log2[i]);  dS^T = P^T * (dP^T - D[i])

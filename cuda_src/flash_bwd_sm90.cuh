@@ -12,7 +12,7 @@
 //           it owns key rows 64 w + 16 i + (g, g + 8) of every accumulator (g = lane / 4).
 //   Per query block, warpgroup w:
 //     S^T  = K_w Q^T, dP^T = V_w dO^T        wgmma m64n64, A = K_w / V_w, B = Q / dO, all from smem
-//     P^T  = exp2(S^T scale_log2 - lse_log2[q]),  dS^T = P^T (dP^T - D[q])   (registers; causal mask)
+//     P^T  = exp2(S^T scale_log2 - lse_log2[q]),  dS^T = P^T (dP^T - D[q])   (registers; mask: bwd_p_pair)
 //     dV_w += P^T dO,  dK_w += dS^T Q         wgmma m64n{d}, A = P^T / dS^T from registers, B = dO / Q
 //                                             read N-major; dK, dV accumulate in registers all along
 //     dS^T -> smem (every warpgroup's 64 keys), barrier, then
@@ -120,16 +120,27 @@ struct Sm90BwdSmem {
     }
 };
 
-// P^T of key row j for queries i and i + 1: exp2(S^T scale_log2 - lse_log2), 0 where the causal
-// mask hides the key (query i sees keys j <= i + offset; applied only on blocks that need it).
-CUFLASH_DEVICE float2 bwd_p_pair(float s0, float s1, float2 lse2, float scale_log2, bool mask, int j, int i, int offset) {
+// P^T of key row j for queries i and i + 1: exp2(S^T scale_log2 - lse_log2), 0 where the key is
+// hidden, on the blocks that need a mask (bwd_needs_mask): causal, query i sees keys j <= i + offset
+// (which also hides keys past seqlen_k from every real row); otherwise keys j >= seqlen_k.
+template <bool kCausal>
+CUFLASH_DEVICE float2 bwd_p_pair(float s0, float s1, float2 lse2, float scale_log2, bool mask, int j, int i, int offset,
+                                 int seqlen_k) {
     float p0 = fast_exp2(fmaf(s0, scale_log2, -lse2.x));
     float p1 = fast_exp2(fmaf(s1, scale_log2, -lse2.y));
     if (mask) {
-        if (j > i + offset) p0 = 0.f;
-        if (j > i + 1 + offset) p1 = 0.f;
+        if (kCausal ? j > i + offset : j >= seqlen_k) p0 = 0.f;
+        if (kCausal ? j > i + 1 + offset : j >= seqlen_k) p1 = 0.f;
     }
     return make_float2(p0, p1);
+}
+
+// Whether the (query block m0, key block n0) tile needs bwd_p_pair's mask. The keys past seqlen_k
+// have zero K rows, so S = 0 and exp2(-lse_log2) can overflow fp16 (or fp32) to inf: unmasked, dQ's
+// dS K would turn inf * 0 into NaN.
+template <bool kCausal>
+CUFLASH_DEVICE bool bwd_needs_mask(int n0, int block_n, int m0, int offset, int seqlen_k) {
+    return kCausal ? n0 + block_n - 1 > m0 + offset : n0 + block_n > seqlen_k;
 }
 
 // dq_accum += this warp's dQ part (query block at m0 of head h): kCols / 8 float4 groups per thread,
@@ -246,7 +257,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         // ---- P^T = exp2(S^T scale_log2 - lse_log2[i]), dS^T = P^T (dP^T - D[i]), packed as A fragments
         const float* s_lse = sm.lse_log2(stage);
         const float* s_d = sm.dsum(stage);
-        const bool need_mask = Cfg::kIsCausal && n0 + kBlockN - 1 > m0 + offset;
+        const bool need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, p.seqlen_k);
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
 #pragma unroll
         for (int nb = 0; nb < kNB; ++nb) {
@@ -256,8 +267,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
             u32 pk[2], dk[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const float2 pp = bwd_p_pair(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask,
-                                             n0 + key_local + 8 * r, m0 + col, offset);
+                const float2 pp = bwd_p_pair<Cfg::kIsCausal>(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask,
+                                                            n0 + key_local + 8 * r, m0 + col, offset, p.seqlen_k);
                 pk[r] = pack2<kBF16>(pp.x, pp.y);
                 dk[r] = pack2<kBF16>(pp.x * (dP[nb][2 * r] - dd.x), pp.y * (dP[nb][2 * r + 1] - dd.y));
             }
@@ -370,15 +381,15 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
         const float* s_d = sm.dsum(stage);
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
         if (wg == 0) {  // P^T = exp2(S^T scale_log2 - lse_log2[i]) (causal mask), to registers and to warpgroup 1
-            const bool need_mask = Cfg::kIsCausal && n0 + kBlockN - 1 > m0 + offset;
+            const bool need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, p.seqlen_k);
 #pragma unroll
             for (int nb = 0; nb < kNB; ++nb) {
                 const int col = 8 * nb + 2 * t;
                 const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const float2 pp = bwd_p_pair(X[nb][2 * r], X[nb][2 * r + 1], l2, p.scale_log2, need_mask,
-                                                 n0 + key_local + 8 * r, m0 + col, offset);
+                    const float2 pp = bwd_p_pair<Cfg::kIsCausal>(X[nb][2 * r], X[nb][2 * r + 1], l2, p.scale_log2, need_mask,
+                                                                n0 + key_local + 8 * r, m0 + col, offset, p.seqlen_k);
                     *reinterpret_cast<float2*>(pf + (key_local + 8 * r) * kPStride + col) = pp;
                     a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pp.x, pp.y);
                 }
