@@ -7,15 +7,18 @@
 // sequence b. Causal aligns the queries to the end: token i sees keys j <= L_b - seqlen_q + i.
 // A query that sees no key gets O = 0 and lse = -inf.
 //
-// Two kernels, launched in this order on one stream (cuflash/kvcache.py):
+// Up to three kernels, launched in this order on one stream (cuflash/kvcache.py):
 //   1. flash_decode_append_kernel: new k, v tokens -> cache positions cache_seqlens[b] + t (only
 //      when new tokens are given). One thread per 16-byte chunk (or element) of a new row.
 //   2. flash_decode_kernel: split s of the keys of (b, hk) -> partial O (fp32, normalized) and its
-//      lse, or, with one split, the final O and lse directly. With several splits, the last CTA of
-//      each (b, hk, row block) to finish merges them: O = sum_s exp(lse_s - lse) O_s with
-//      lse = log sum_s exp(lse_s), the whole CTA on the group's rows (decode_merge_rows). Doing it in
-//      the same launch saves a kernel launch and the gap between two kernels, which a decode step of
-//      a few tens of microseconds feels.
+//      lse, or, with one split, the final O and lse directly. With several splits, the partial rows
+//      are merged: O = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s), either
+//      - in this kernel, by the last CTA of each (b, hk, row block) to finish, on the group's rows
+//        (decode_merge_rows; p.split_counters set). That saves a launch and the gap between two
+//        kernels, which a decode step of a few tens of microseconds feels; or
+//   3. flash_decode_combine_kernel (p.split_counters null): one CTA per output row, for groups with
+//      many partial rows (cuflash/plan.py decode_separate_combine): one CTA merging them all at the
+//      end of the split kernel, on an SM still streaming other CTAs' tiles, is the longer wait.
 //
 // Grid and tiles of flash_decode_kernel
 //   grid  = (num_splits * num_row_blocks, nheads_kv, batch); CTA (x, hk, b) owns split x / num_row_blocks
@@ -709,12 +712,106 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         }
     }
     // Several splits: the last CTA of the group merges them, in the stages and with m as its flag
-    // (one call site: the merge is large code).
-    if (!final_out) {
+    // (one call site: the merge is large code), unless the combine kernel does (no counters).
+    if (!final_out && p.split_counters != nullptr) {
         decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, reinterpret_cast<float*>(s_pipe),
                                   reinterpret_cast<int*>(s_m), tid);
     }
     DECODE_TRACE(4);
+}
+
+// Combine kernel: one CTA (kDecodeThreads) per output row `row` = (b * nheads + h) * seqlen_q + i merges
+// its num_splits partial rows: lse = m + ln l, O = acc / l with m = max_s lse_s, w_s = e^{lse_s - m},
+// l = sum_s w_s, acc = sum_s w_s O_s. Thread s loads lse_s (num_splits <= kDecodeThreads); warp w adds
+// splits w, w + 4, ...; lane l owns columns [4 l + 128 j, 4 l + 128 j + 4) of the row (j < kCC). The
+// partial rows of a batch of splits are all loaded into registers before the first is used, and the
+// first batch is on its way while the lse values give the weights: about two L2 round trips per CTA
+// (hd <= 128: every split in one batch), on many SMs at once.
+template <int kHeadDim, bool kIsBF16>
+CUFLASH_DEVICE void flash_decode_combine_kernel(const DecodeParams& p) {
+    constexpr int kW = kDecodeThreads / 32;
+    constexpr int kCC = (kHeadDim + 127) / 128;  // float4 columns per lane
+    constexpr int kBatch = 32 / kCC;             // splits per warp in flight (registers: 4 kBatch kCC)
+    static_assert(kDecodeMaxSplits <= kDecodeThreads, "one lse per thread");
+    __shared__ float s_w[kDecodeMaxSplits];          // weight of each split
+    __shared__ float s_max[kW];
+    __shared__ __align__(16) float s_acc[kW - 1][kCC * 128];  // warps 1.. hand their sums to warp 0
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const i64 row = blockIdx.x;
+    const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
+    const int n_splits = p.num_splits;
+    const int n_own = (n_splits - warp + kW - 1) / kW;  // this warp's splits: warp + kW q, q < n_own
+    const float* g_row = p.o_partial + row * p.partial_stride;
+    const i64 split_stride = n_rows * p.partial_stride;
+
+    float4 v[kBatch][kCC];
+    auto load = [&](int q0) {  // own splits [q0, q0 + kBatch) into v (zeros past the last)
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+            for (int j = 0; j < kCC; ++j) {
+                const int c = 4 * lane + 128 * j;
+                const bool ok = q0 + u < n_own && c < kHeadDim;
+                v[u][j] = ok ? __ldcg(reinterpret_cast<const float4*>(g_row + (warp + kW * (q0 + u)) * split_stride + c))
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+    };
+    load(0);
+    const float x = tid < n_splits ? __ldcg(p.lse_partial + row + tid * n_rows) : -kInf;
+    const float m_warp = decode_warp_max(x);
+    if (lane == 0) s_max[warp] = m_warp;
+    __syncthreads();
+    float m = s_max[0];
+#pragma unroll
+    for (int w = 1; w < kW; ++w) m = fmaxf(m, s_max[w]);
+    if (tid < n_splits) s_w[tid] = x == -kInf ? 0.f : fast_exp2((x - m) * kLog2e);  // m finite if x is
+    __syncthreads();
+
+    float4 acc[kCC];
+#pragma unroll
+    for (int j = 0; j < kCC; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q0 = 0; q0 < n_own; q0 += kBatch) {
+        if (q0 > 0) load(q0);
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const float w = q0 + u < n_own ? s_w[warp + kW * (q0 + u)] : 0.f;
+#pragma unroll
+            for (int j = 0; j < kCC; ++j)
+                acc[j] = make_float4(fmaf(w, v[u][j].x, acc[j].x), fmaf(w, v[u][j].y, acc[j].y),
+                                     fmaf(w, v[u][j].z, acc[j].z), fmaf(w, v[u][j].w, acc[j].w));
+        }
+    }
+    if (warp > 0) {
+#pragma unroll
+        for (int j = 0; j < kCC; ++j) *reinterpret_cast<float4*>(&s_acc[warp - 1][4 * lane + 128 * j]) = acc[j];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    float l_lane = 0.f;
+    for (int s = lane; s < n_splits; s += 32) l_lane += s_w[s];
+    const float l = decode_warp_sum(l_lane);
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;  // a row no split saw: O = 0, lse = -inf
+    const int i = static_cast<int>(row % p.seqlen_q);
+    const i64 bh = row / p.seqlen_q;
+    const int h = static_cast<int>(bh % p.nheads), b = static_cast<int>(bh / p.nheads);
+    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+    for (int j = 0; j < kCC; ++j) {
+        float4 a = acc[j];
+#pragma unroll
+        for (int w = 1; w < kW; ++w) {
+            const float4 o = *reinterpret_cast<const float4*>(&s_acc[w - 1][4 * lane + 128 * j]);
+            a = make_float4(a.x + o.x, a.y + o.y, a.z + o.z, a.w + o.w);
+        }
+        const int c = 4 * lane + 128 * j;
+        const u32 lo = pack2<kIsBF16>(a.x * inv_l, a.y * inv_l);
+        const u32 hi = pack2<kIsBF16>(a.z * inv_l, a.w * inv_l);
+        if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
+        if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
+        if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
+        if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
+    }
+    if (lane == 0 && p.lse != nullptr) p.lse[row] = l > 0.f ? m + __logf(l) : -kInf;
 }
 
 // Append: k_new[b, t] -> cache position clamp(cache_seqlens[b], 0, capacity) + t of sequence b, and

@@ -105,7 +105,8 @@ struct DecodeParams {
                                // each split; null when num_splits == 1
     float* lse_partial;        // (num_splits, batch, nheads, seqlen_q) fp32: lse of each split
     int* split_counters;       // (batch, nheads_kv, num_row_blocks) int32, all 0 between launches: splits of
-                               // each group done so far (num_splits > 1; the last one merges and resets it)
+                               // each group done so far (num_splits > 1; the last one merges and resets it);
+                               // null: no merge in the split kernel, the combine kernel runs after it
     const int* seqlens;        // (batch,) int32 tokens already cached, or null: seqlen_const for all
     const int* block_table;    // (batch, >= ceil(capacity / page_size)) int32 pages, or null: contiguous
     long long q_batch_stride, q_row_stride, q_head_stride;

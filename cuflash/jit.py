@@ -97,6 +97,13 @@ ENTRY_TEMPLATES = {
         "    cuflash::flash_decode_kernel<cuflash::DecodeConfig<{template_args}>>(params);\n"
         "}}\n"
     ),
+    "flash_decode_combine": (
+        '#include "flash_decode.cuh"\n'
+        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
+        "{name}(const cuflash::DecodeParams params) {{\n"
+        "    cuflash::flash_decode_combine_kernel<{template_args}>(params);\n"
+        "}}\n"
+    ),
     "flash_decode_append": (
         '#include "flash_decode.cuh"\n'
         'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'

@@ -266,7 +266,7 @@ def attention_with_kvcache(
             max_len = min(seqlen_const + seqlen_new, capacity)
         else:
             max_len = capacity  # lengths on the GPU: plan the splits for the longest possible sequence
-        dplan, (fn_attn, fn_append) = _plan_and_load(
+        dplan, (fn_attn, fn_append, fn_combine) = _plan_and_load(
             batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], aligned,
             -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id,
         )  # fmt: skip
@@ -276,11 +276,12 @@ def attention_with_kvcache(
         o_partial_ptr = lse_partial_ptr = counters_ptr = 0
         if attend and splits > 1:
             # o_partial (splits, batch, nheads, seqlen_q, bucket), then lse_partial; one counter per
-            # (sequence, kv head, row block).
+            # (sequence, kv head, row block) where the split kernel merges (null: the combine kernel does).
             rows_out = splits * batch * nheads * seqlen_q
-            partials, counters = _workspace(cupy, device_id, stream, rows_out * (bucket + 1),
-                                            batch * nheads_kv * dplan.num_row_blocks)  # fmt: skip
-            o_partial_ptr, counters_ptr = partials.data.ptr, counters.data.ptr
+            n_counters = 0 if dplan.combine is not None else batch * nheads_kv * dplan.num_row_blocks
+            partials, counters = _workspace(cupy, device_id, stream, rows_out * (bucket + 1), n_counters)
+            o_partial_ptr = partials.data.ptr
+            counters_ptr = 0 if dplan.combine is not None else counters.data.ptr
             lse_partial_ptr = o_partial_ptr + 4 * rows_out * bucket  # bucket % 32 == 0: 128-byte aligned
         qs, ks, vs, os_ = _elem_strides(q), _elem_strides(k_cache), _elem_strides(v_cache), _elem_strides(out)
         kns, vns = (_elem_strides(k), _elem_strides(v)) if seqlen_new > 0 else ((0, 0, 0), (0, 0, 0))
@@ -308,6 +309,8 @@ def attention_with_kvcache(
             jit.launch(fn_append, dplan.append, args.argv_ptr, stream)
         if attend:
             jit.launch(fn_attn, dplan.attn, args.argv_ptr, stream)
+            if dplan.combine is not None:
+                jit.launch(fn_combine, dplan.combine, args.argv_ptr, stream)
     return (out, lse) if return_lse else out
 
 
@@ -410,5 +413,6 @@ def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned,
         aligned=aligned, max_seqlen=max_seqlen, num_splits=num_splits, num_sms=_num_sms(device_id),
         arch=jit.device_arch(device_id), seqlen_new=seqlen_new, append_aligned=append_aligned,
     )  # fmt: skip
-    fns = tuple(None if launch is None else jit.get_function(launch.spec, device_id) for launch in (p.attn, p.append))
+    fns = tuple(None if launch is None else jit.get_function(launch.spec, device_id)
+                for launch in (p.attn, p.append, p.combine))
     return p, fns

@@ -693,6 +693,17 @@ MIN_DECODE_KEYS_PER_SPLIT = 256
 #: Fixed cost of one CTA in units of one K/V tile's streaming time (pipeline fill, epilogue, the
 #: merge's share); the split heuristic's cost model.
 DECODE_CTA_OVERHEAD_TILES = 1
+#: Partial rows of one group (the packed query rows of a CTA x the splits) above which the splits are
+#: merged by the combine kernel (one CTA per output row, launched after the split kernel) instead of
+#: by the last split CTA of each group to finish. That CTA merges alone, on an SM still streaming
+#: other CTAs' tiles: on the H200 (tools/trace_decode.py) its merge took ~2-3 us for 12 and 24
+#: partial rows (MHA 1 row x 12 splits, GQA 4 rows x 6) but ~7.5 us for 4 rows x 49 splits. The
+#: combine kernel takes ~3.5 us plus ~1 us between the kernels; device span of one call, in-kernel ->
+#: combine kernel (cuDNN): b=1 h_kv=8 L=16k 27.4 -> 25.6 (23.1), 32k 42.7 -> 40.2 (37.9), 64k
+#: 72.3 -> 70.2 (67.4), 128k 132.0 -> 128.9 (127.5) us. The boundary (64) itself is not measured.
+DECODE_IN_KERNEL_MERGE_MAX = 64
+#: gridDim.x limit (CUDA programming guide, technical specifications).
+_MAX_GRID_X = 2**31 - 1
 #: Shared memory per SM in KB (CUDA programming guide, compute capabilities table), for the CTAs
 #: per SM the decode tiles are sized for; the driver reserves 1 KB of it per resident CTA.
 SMEM_PER_SM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 228, 120: 100}
@@ -850,11 +861,39 @@ class DecodeAppendSpec:
 
 
 @dataclass(frozen=True)
+class DecodeCombineSpec:
+    """The merge of the splits' partial rows as a kernel of its own: one CTA per output row."""
+
+    head_dim: int  # bucket (floats per partial row)
+    dtype: str
+    arch: str
+    family: str = "flash_decode_combine"
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}_hd{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}"
+
+    threads = DECODE_THREADS
+    min_blocks = 1
+    smem_bytes = 0
+
+    def template_args(self) -> str:
+        return f"{self.head_dim}, {_cpp_bool(self.dtype == 'bf16')}"
+
+
+@dataclass(frozen=True)
 class DecodePlan:
     attn: Launch  # split-KV attention: grid (num_splits * num_row_blocks, nheads_kv, batch)
     append: Launch | None  # new tokens into the cache; None without new tokens
     num_splits: int
     num_row_blocks: int  # CTAs per (split, kv head, sequence) along the packed query rows
+    combine: Launch | None = None  # merge of the splits after attn; None: one split, or merged inside attn
+
+
+def decode_separate_combine(rows_per_cta: int, num_splits: int) -> bool:
+    """Whether the combine kernel merges the splits (else the last split CTA of each group does):
+    more than DECODE_IN_KERNEL_MERGE_MAX partial rows per group."""
+    return num_splits > 1 and rows_per_cta * num_splits > DECODE_IN_KERNEL_MERGE_MAX
 
 
 def decode_spec(head_dim: int, dtype: str, aligned: bool, m_slabs: int, arch: str) -> DecodeSpec:
@@ -944,7 +983,13 @@ def plan_decode(
         chunks = -(-head_dim // 8) if append_aligned else head_dim
         total = batch * seqlen_new * nheads_kv * chunks
         append = Launch(DecodeAppendSpec(bool(append_aligned), arch), (min(-(-total // DECODE_THREADS), 1 << 20), 1, 1), block, 0)
-    return DecodePlan(attn, append, splits, row_blocks)
+    combine = None
+    if decode_separate_combine(min(rows, 16 * m_slabs), splits):
+        out_rows = batch * nheads * seqlen_q
+        if out_rows > _MAX_GRID_X:
+            raise ValueError(f"batch * nheads * seqlen_q = {out_rows} output rows exceed the grid limit {_MAX_GRID_X}")
+        combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch), (out_rows, 1, 1), block, 0)
+    return DecodePlan(attn, append, splits, row_blocks, combine)
 
 
 def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=None, aligned=(True, False),
@@ -960,5 +1005,6 @@ def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causa
                 for m in m_slabs:
                     if m in fitting:
                         specs.append(DecodeSpec(bucket, dt, al, m, decode_tile(bucket, m, arch), arch))
+    specs += [DecodeCombineSpec(head_dim_bucket(d), dt, arch) for dt in dtypes for d in head_dims]
     specs += [DecodeAppendSpec(al, arch) for al in aligned]
     return list(dict.fromkeys(specs))

@@ -1,6 +1,8 @@
 """Helpers for the GPU tests: random inputs, poisoned outputs, comparison against the reference."""
 from __future__ import annotations
 
+import contextlib
+
 import ml_dtypes
 import numpy as np
 
@@ -115,3 +117,20 @@ def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", 
             )
         errors[name] = (err, bound)
     return errors
+
+
+@contextlib.contextmanager
+def merge_of_the_splits(where: str):
+    """Force who merges the decode splits: "in kernel" (the last split CTA of each group) or "combine"
+    (the combine kernel after the split kernel), whatever plan.DECODE_IN_KERNEL_MERGE_MAX picks."""
+    from cuflash import kvcache, plan
+
+    cap = {"in kernel": 1 << 30, "combine": 0}[where]
+    old = plan.DECODE_IN_KERNEL_MERGE_MAX
+    plan.DECODE_IN_KERNEL_MERGE_MAX = cap
+    kvcache._plan_and_load.cache_clear()
+    try:
+        yield
+    finally:
+        plan.DECODE_IN_KERNEL_MERGE_MAX = old
+        kvcache._plan_and_load.cache_clear()

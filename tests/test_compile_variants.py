@@ -116,7 +116,7 @@ DECODE_MAX_STACK_BYTES_SCALAR = 256
 def _decode_ci_selection(spec) -> bool:
     """The decode variants compiled by default (CI has 2 cores; all 200 take ~100 s there): every bf16
     16-byte variant (each bucket and slab count), fp16 at 64/128/256, the element-wise path with one
-    slab at every bucket (and 2 and 4 at hd128), and every append kernel.
+    slab at every bucket (and 2 and 4 at hd128), and every append and combine kernel.
     CUFLASH_COMPILE_ALL_DECODE=1 compiles them all."""
     if os.environ.get("CUFLASH_COMPILE_ALL_DECODE") == "1" or spec.family != "flash_decode":
         return True
@@ -136,7 +136,7 @@ def test_decode_variants_compile_within_budget(compiled_decode):
     specs, headers = compiled_decode
     assert set(headers) == {s.name for s in specs}
     families = {s.family for s in specs}
-    assert families == {"flash_decode", "flash_decode_append"}
+    assert families == {"flash_decode", "flash_decode_combine", "flash_decode_append"}
     problems = []
     for s in specs:
         p = headers[s.name]["ptxas"]

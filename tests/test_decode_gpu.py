@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cuflash import reference
-from gpu_util import DTYPES, poisoned, randn, to_f64
+from gpu_util import DTYPES, merge_of_the_splits, poisoned, randn, to_f64
 
 pytestmark = pytest.mark.gpu
 
@@ -219,17 +219,32 @@ def test_causal_with_several_query_tokens(seqlen_q, num_splits):
     run_and_check(**c, causal=True, num_splits=num_splits, what=f"sq={seqlen_q} splits={num_splits}")
 
 
+@pytest.mark.parametrize("where", ["in kernel", "combine"])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 16])
 @pytest.mark.parametrize("num_splits", [2, 70])
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_merge_of_the_splits_every_row_arrangement(group, num_splits, head_dim):
-    """The last CTA's merge: 1 row (4 warps share it), 2-3 rows (2 warps per row, 3 rows in two
-    rounds), >= 4 rows (a warp per row, several rounds); 70 splits of 4 rows overflow one staged chunk
-    of partial rows (hd128: 122 rows), and the second sequence's later splits saw no key (lse -inf).
-    Head dim 64: rows shorter than a warp's 128 columns."""
+def test_merge_of_the_splits_every_row_arrangement(where, group, num_splits, head_dim):
+    """Both merges of the splits. The last CTA's: 1 row (4 warps share it), 2-3 rows (2 warps per row,
+    3 rows in two rounds), >= 4 rows (a warp per row, several rounds); 70 splits of 4 rows overflow one
+    staged chunk of partial rows (hd128: 122 rows). The combine kernel's: 70 splits are 18 per warp.
+    The second sequence's later splits saw no key (lse -inf). Head dim 64: rows shorter than a warp's
+    128 columns."""
     rng = np.random.default_rng()
     c = case(rng, batch=2, nheads=2 * group, nheads_kv=2, head_dim=head_dim, capacity=70 * 64, lengths=[70 * 64, 900])
-    run_and_check(**c, num_splits=num_splits, what=f"group={group} splits={num_splits} hd{head_dim}")
+    with merge_of_the_splits(where):
+        run_and_check(**c, num_splits=num_splits, what=f"{where} group={group} splits={num_splits} hd{head_dim}")
+
+
+@pytest.mark.parametrize("head_dim", [256, 96])
+@pytest.mark.parametrize("num_splits", [3, 128])
+def test_combine_kernel_wide_and_ragged_rows(head_dim, num_splits):
+    """The combine kernel at hd256 (two float4 columns per lane, 128 splits in two register batches)
+    and hd96 (lanes past the row idle), GQA with causal speculative tokens and a sequence of 0 keys."""
+    rng = np.random.default_rng()
+    c = case(rng, batch=3, seqlen_q=2, nheads=6, nheads_kv=2, head_dim=head_dim, capacity=128 * 64,
+             lengths=[128 * 64, 0, 1000])  # fmt: skip
+    with merge_of_the_splits("combine"):
+        run_and_check(**c, causal=True, num_splits=num_splits, what=f"hd{head_dim} splits={num_splits}")
 
 
 def test_num_splits_agree():

@@ -84,7 +84,8 @@ def test_all_decode_specs():
     assert len(set(names)) == len(names)
     few = plan.all_decode_specs("sm_80", head_dims=(100, 128), dtypes=("bf16",), causals=(True,), aligned=(True,))
     assert {s.head_dim for s in few if s.family == "flash_decode"} == {128}
-    assert len(few) == 3 + 1  # three slab counts, one append (the merge of the splits is in the split kernel)
+    assert len(few) == 3 + 1 + 1  # three slab counts, one combine kernel (bucket 128), one append
+    assert [s for s in few if s.family == "flash_decode_combine"] == [plan.DecodeCombineSpec(128, "bf16", "sm_80")]
 
 
 def test_decode_names_spell_every_template_argument():
@@ -94,7 +95,9 @@ def test_decode_names_spell_every_template_argument():
     assert s.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false"
     assert plan.DecodeAppendSpec(True, "sm_86").name == "flash_decode_append_vec16_sm86"
     assert plan.DecodeAppendSpec(True, "sm_86").template_args() == "true"
-    for spec in (s, plan.DecodeAppendSpec(False, "sm_90a")):
+    c = plan.DecodeCombineSpec(96, "fp16", "sm_90a")
+    assert c.name == "flash_decode_combine_hd96_fp16_sm90a" and c.template_args() == "96, false"
+    for spec in (s, plan.DecodeAppendSpec(False, "sm_90a"), c):
         assert spec.family in jit.ENTRY_TEMPLATES
         assert spec.name in jit.entry_source(spec)
         assert spec.threads == 128 and spec.min_blocks >= 1 and spec.smem_bytes >= 0
@@ -215,6 +218,23 @@ def test_plan_grids_and_kernels():
     assert _plan(seqlen_new=2, head_dim=100, aligned=False).append.spec.aligned is False
 
 
+def test_who_merges_the_splits():
+    """The last split CTA of a group merges up to DECODE_IN_KERNEL_MERGE_MAX partial rows (its rows x
+    the splits); beyond, the combine kernel runs after the split kernel, one CTA per output row."""
+    cap = plan.DECODE_IN_KERNEL_MERGE_MAX
+    assert not plan.decode_separate_combine(1, 1) and not plan.decode_separate_combine(cap, 1)
+    assert not plan.decode_separate_combine(1, cap) and plan.decode_separate_combine(1, cap + 1)
+    assert not plan.decode_separate_combine(4, cap // 4) and plan.decode_separate_combine(4, cap // 4 + 1)
+    assert _plan(num_splits=1).combine is None
+    assert _plan(nheads=32, nheads_kv=32, num_splits=12).combine is None  # MHA: 1 row x 12 splits
+    p = _plan(batch=3, nheads=32, nheads_kv=8, seqlen_q=2, num_splits=49)  # 8 rows x 49 splits
+    assert p.combine.spec == plan.DecodeCombineSpec(128, "bf16", "sm_90a")
+    assert p.combine.grid == (3 * 32 * 2, 1, 1) and p.combine.block == (128, 1, 1)
+    assert _plan(nheads=16 * 8, nheads_kv=8, num_splits=cap // 16).combine is None  # 16 rows per CTA
+    assert _plan(nheads=16 * 8, nheads_kv=8, num_splits=cap // 16 + 1).combine is not None
+    assert _plan(head_dim=100, dtype="fp16", aligned=False, nheads=8, nheads_kv=8, num_splits=100).combine.spec.head_dim == 128
+
+
 @pytest.mark.parametrize("group, seqlen_q, m_slabs, row_blocks", [
     (1, 1, 1, 1), (4, 1, 1, 1), (16, 1, 1, 1), (8, 2, 1, 1), (4, 5, 2, 1), (32, 1, 2, 1), (8, 4, 2, 1),
     (16, 4, 4, 1), (32, 3, 4, 2), (64, 4, 4, 4),
@@ -300,7 +320,7 @@ def test_precompile_builds_decode_variants(tmp_path, monkeypatch):
                                       "--kernels", "decode"], catch_exceptions=False)  # fmt: skip
     assert r.exit_code == 0, r.output
     assert seen == plan.all_decode_specs("sm_90a", head_dims=(128,), dtypes=("bf16",))
-    assert {s.family for s in seen} == {"flash_decode", "flash_decode_append"}
+    assert {s.family for s in seen} == {"flash_decode", "flash_decode_combine", "flash_decode_append"}
 
 
 @pytest.fixture

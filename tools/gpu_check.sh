@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, GPU + CPU tests, compute-sanitizer, benchmark,
 # optional tile sweep. Full logs go to OUTDIR; a short summary is printed last.
-#   tools/gpu_check.sh OUTDIR [tests] [sanitize] [bench] [bench-fp16] [decode] [tune] [profile] [quick]
+#   tools/gpu_check.sh OUTDIR [tests] [sanitize] [bench] [bench-fp16] [decode] [trace] [tune] [profile] [quick]
 # With no step named, runs tests sanitize bench. Environment: TESTS (pytest paths / -k, default the
 # whole suite), TEST_TIMEOUT, BENCH_ARGS (extra `cuflash bench` options, e.g. "--op all"),
-# BENCH_TIMEOUT, SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_TIMEOUT, TUNE_ARGS.
+# BENCH_TIMEOUT, SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_TIMEOUT, TUNE_ARGS, DECODE_ARGS,
+# TRACE_ARGS (tools/trace_decode.py options, e.g. "--shapes 1,65536,8").
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
 shift
@@ -63,6 +64,10 @@ fi
 if has decode; then  # cuflash bench --decode: KV TB/s next to torch FA2 and cuDNN, prefill vs decode
   timeout ${DECODE_TIMEOUT:-300} $PY -m cuflash bench --decode ${DECODE_ARGS:-} --json "$OUT/decode.json" > "$OUT/decode.txt" 2> "$OUT/decode.err"
   note "bench --decode (rc=$?):"; cat "$OUT/decode.txt" >> "$SUMMARY"
+fi
+if has trace; then  # CTA timeline of the split-KV kernel next to cuDNN (tools/trace_decode.py)
+  timeout ${TRACE_TIMEOUT:-200} $PY tools/trace_decode.py ${TRACE_ARGS:-} > "$OUT/trace.txt" 2> "$OUT/trace.err"
+  note "trace_decode (rc=$?):"; cat "$OUT/trace.txt" >> "$SUMMARY"
 fi
 # The device tool returns at most 8 files: keep the summary, bench.json/png, and one archive of logs.
 (cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|logs.tgz)$'))

@@ -13,7 +13,7 @@ cupy.cuda.set_allocator(None)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
-from gpu_util import check_backward, check_forward, random_qkv  # noqa: E402
+from gpu_util import check_backward, check_forward, merge_of_the_splits, random_qkv  # noqa: E402
 from test_decode_gpu import case, run_and_check  # noqa: E402
 
 from cuflash import jit, plan  # noqa: E402
@@ -64,8 +64,10 @@ def main():
          dict(causal=True)),
     ):
         c = case(rng, **kw)
-        _, _, err, bound = run_and_check(**c, **call)
-        print(f"ok decode {kw} {call}: err {err:.2e} <= {bound:.2e}")
+        for where in ("in kernel", "combine"):  # both merges of the splits (one split: neither runs)
+            with merge_of_the_splits(where):
+                _, _, err, bound = run_and_check(**c, **call)
+            print(f"ok decode {kw} {call} merge {where}: err {err:.2e} <= {bound:.2e}")
     cupy.cuda.runtime.deviceSynchronize()
 
 

@@ -8,6 +8,7 @@ main loop ended and when it exited, and clock64 deltas of the same steps. Per sh
 kv_heads; 32 query heads, head dim 128, bf16, one query token) and split count (0: the heuristic) it
 prints the traced call's span next to the untraced kernel's and cuDNN's device spans (torch.profiler),
 and how the span divides up:
+  ours      our kernels (the middle one of 8 calls) and their times; --merge-max: who merges the splits
   first     launch of the CTA -> its first tile in shared memory (Q and one tile of latency), us
   loop      the CTA's main loop, us;  tail = its epilogue (warp merge, partial rows, merge of splits)
   start     CTA start offsets from the kernel's first start: quantiles show the waves
@@ -55,8 +56,8 @@ class Traced:
         return self.mods[spec]
 
     def plan_and_load(self, *args):
-        p, (fn_attn, fn_append) = self.orig(*args)
-        return p, (self.function(p.attn.spec)[1], fn_append)
+        p, (fn_attn, fn_append, fn_combine) = self.orig(*args)
+        return p, (self.function(p.attn.spec)[1], fn_append, fn_combine)
 
     def buffer(self, spec):
         import cupy
@@ -122,7 +123,13 @@ def main():
     ap.add_argument("--splits", nargs="*", type=int, default=[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--carveout", type=int, default=None, help="also trace with this shared-memory carveout (percent)")
+    ap.add_argument("--merge-max", type=int, default=None,
+                    help="override plan.DECODE_IN_KERNEL_MERGE_MAX (partial rows per group the split kernel merges itself)")
     a = ap.parse_args()
+    if a.merge_max is not None:
+        from cuflash import plan
+
+        plan.DECODE_IN_KERNEL_MERGE_MAX = a.merge_max
     torch = _torch()
     variants = {"default": Traced()}
     if a.carveout is not None:
@@ -140,7 +147,9 @@ def main():
             kvcache._plan_and_load.cache_clear()
             dplan, _ = kvcache._plan_and_load.__wrapped__(
                 b, 1, 32, h_kv, 128, "bf16", True, -(-L // 64) * 64, s, 0, False, cupy.cuda.Device().id)
-            spans[f"s{s}"] = statistics.median(c[0] for c in kernel_calls(torch, lambda s=s: ours(s)))
+            calls = kernel_calls(torch, lambda s=s: ours(s))
+            spans[f"s{s}"] = statistics.median(c[0] for c in calls)
+            print("    ours  " + "  ".join(f"{n[:40]} {us:.1f} us" for n, us in calls[len(calls) // 2][1]), flush=True)
             for vname, traced in variants.items():
                 kvcache._plan_and_load = _swap(kvcache._plan_and_load, traced.plan_and_load)
                 try:
