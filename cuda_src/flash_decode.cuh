@@ -294,6 +294,30 @@ CUFLASH_DEVICE void decode_trace(int e) {
 #define DECODE_TRACE(e)
 #endif
 
+// Output row `row` = (b * nheads + h) * seqlen_q + i of a merge of the splits: this lane's columns
+// [4 lane + 128 j, 4 lane + 128 j + 4) of acc / l in the output's dtype and, by lane 0, lse = m + ln l.
+// A row no split saw (l == 0) gets O = 0 and lse = -inf.
+template <bool kBF16, int kCC>
+CUFLASH_DEVICE void decode_store_merged_row(const DecodeParams& p, i64 row, const float4 (&acc)[kCC], float m, float l,
+                                            int lane) {
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const int i = static_cast<int>(row % p.seqlen_q);
+    const i64 bh = row / p.seqlen_q;
+    const int h = static_cast<int>(bh % p.nheads), b = static_cast<int>(bh / p.nheads);
+    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+#pragma unroll
+    for (int j = 0; j < kCC; ++j) {
+        const int c = 4 * lane + 128 * j;
+        const u32 lo = pack2<kBF16>(acc[j].x * inv_l, acc[j].y * inv_l);
+        const u32 hi = pack2<kBF16>(acc[j].z * inv_l, acc[j].w * inv_l);
+        if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
+        if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
+        if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
+        if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
+    }
+    if (lane == 0 && p.lse != nullptr) p.lse[row] = l > 0.f ? m + __logf(l) : -kInf;
+}
+
 // Merge of the splits, by the CTA that finishes a group last (decode_merge_if_last):
 //   lse = m + ln l,  O = acc / l,  with m = max_s lse_s, l = sum_s e^{lse_s - m}, acc = sum_s e^{lse_s - m} O_s.
 // It runs at the very end of the kernel, where nothing hides its latency, so the partial rows are
@@ -457,24 +481,7 @@ CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int 
             }
             if (r0 + rows_per_round < rows_valid) __syncthreads();  // s_team read before the next round writes it
         }
-        if (sub == 0 && r < rows_valid) {  // a row no split saw: O = 0, lse = -inf
-            const float inv_l = st.l > 0.f ? 1.f / st.l : 0.f;
-            const int i = static_cast<int>(row % p.seqlen_q);
-            const i64 bh = row / p.seqlen_q;
-            const int h = static_cast<int>(bh % p.nheads);
-            u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-#pragma unroll
-            for (int j = 0; j < kCC; ++j) {
-                const int c = 4 * lane + 128 * j;
-                const u32 lo = pack2<Cfg::kIsBF16>(st.acc[j].x * inv_l, st.acc[j].y * inv_l);
-                const u32 hi = pack2<Cfg::kIsBF16>(st.acc[j].z * inv_l, st.acc[j].w * inv_l);
-                if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
-                if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
-                if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
-                if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
-            }
-            if (lane == 0 && p.lse != nullptr) p.lse[row] = st.l > 0.f ? st.m + __logf(st.l) : -kInf;
-        }
+        if (sub == 0 && r < rows_valid) decode_store_merged_row<Cfg::kIsBF16>(p, row, st.acc, st.m, st.l, lane);
     }
 }
 
@@ -790,28 +797,14 @@ CUFLASH_DEVICE void flash_decode_combine_kernel(const DecodeParams& p) {
     float l_lane = 0.f;
     for (int s = lane; s < n_splits; s += 32) l_lane += s_w[s];
     const float l = decode_warp_sum(l_lane);
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;  // a row no split saw: O = 0, lse = -inf
-    const int i = static_cast<int>(row % p.seqlen_q);
-    const i64 bh = row / p.seqlen_q;
-    const int h = static_cast<int>(bh % p.nheads), b = static_cast<int>(bh / p.nheads);
-    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
 #pragma unroll
-    for (int j = 0; j < kCC; ++j) {
-        float4 a = acc[j];
+    for (int j = 0; j < kCC; ++j)
 #pragma unroll
         for (int w = 1; w < kW; ++w) {
             const float4 o = *reinterpret_cast<const float4*>(&s_acc[w - 1][4 * lane + 128 * j]);
-            a = make_float4(a.x + o.x, a.y + o.y, a.z + o.z, a.w + o.w);
+            acc[j] = make_float4(acc[j].x + o.x, acc[j].y + o.y, acc[j].z + o.z, acc[j].w + o.w);
         }
-        const int c = 4 * lane + 128 * j;
-        const u32 lo = pack2<kIsBF16>(a.x * inv_l, a.y * inv_l);
-        const u32 hi = pack2<kIsBF16>(a.z * inv_l, a.w * inv_l);
-        if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
-        if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
-        if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
-        if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
-    }
-    if (lane == 0 && p.lse != nullptr) p.lse[row] = l > 0.f ? m + __logf(l) : -kInf;
+    decode_store_merged_row<kIsBF16>(p, row, acc, m, l, lane);
 }
 
 // Append: k_new[b, t] -> cache position clamp(cache_seqlens[b], 0, capacity) + t of sequence b, and

@@ -840,8 +840,17 @@ class DecodeSpec:
         return f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}"
 
 
+class _DecodeHelperKernel:
+    """Launch shape of the decode helper kernels (append, combine): 4 warps, static shared memory only,
+    no CTAs-per-SM target."""
+
+    threads = DECODE_THREADS
+    min_blocks = 1
+    smem_bytes = 0
+
+
 @dataclass(frozen=True)
-class DecodeAppendSpec:
+class DecodeAppendSpec(_DecodeHelperKernel):
     """The in-place append of new tokens into the cache: dtype-free 2-byte copies, any head dim."""
 
     aligned: bool  # 16-byte copies (else element-wise)
@@ -852,16 +861,12 @@ class DecodeAppendSpec:
     def name(self) -> str:
         return f"{self.family}_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
 
-    threads = DECODE_THREADS
-    min_blocks = 1
-    smem_bytes = 0
-
     def template_args(self) -> str:
         return _cpp_bool(self.aligned)
 
 
 @dataclass(frozen=True)
-class DecodeCombineSpec:
+class DecodeCombineSpec(_DecodeHelperKernel):
     """The merge of the splits' partial rows as a kernel of its own: one CTA per output row."""
 
     head_dim: int  # bucket (floats per partial row)
@@ -872,10 +877,6 @@ class DecodeCombineSpec:
     @property
     def name(self) -> str:
         return f"{self.family}_hd{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}"
-
-    threads = DECODE_THREADS
-    min_blocks = 1
-    smem_bytes = 0
 
     def template_args(self) -> str:
         return f"{self.head_dim}, {_cpp_bool(self.dtype == 'bf16')}"
