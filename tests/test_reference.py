@@ -524,6 +524,58 @@ def test_plain_attention_follows_the_recipe(dtype):
     assert np.mean(plain != direct) < 0.01
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_plain_attention_unnormalized_order_follows_its_recipe(dtype):
+    """p_order="unnormalized": E = exp(S - rowmax) rounded, P @ V divided by the unrounded row sum."""
+    def rnd(x):
+        return x.astype(dtype).astype(np.float32)
+
+    rng = np.random.default_rng(15)
+    q, k, v = randn(rng, 1, 40, 2, 32), randn(rng, 1, 50, 1, 32), randn(rng, 1, 50, 1, 32)
+    plain = R.plain_attention(q, k, v, dtype=dtype, p_order="unnormalized")
+    Q, K, V = (x.astype(dtype).astype(np.float32) for x in (q, k, v))
+    direct = np.zeros(q.shape, dtype=np.float32)
+    for h in range(2):
+        S = (Q[0, :, h] @ K[0, :, 0].T) * np.float32(1 / math.sqrt(32))
+        E = np.exp(S - S.max(axis=1, keepdims=True))
+        direct[0, :, h] = (rnd(E) @ V[0, :, 0]) / E.sum(axis=1, keepdims=True)
+    direct = rnd(direct).astype(np.float64)
+    ulp = np.abs(direct) * float(ml_dtypes.finfo(dtype).eps) + 1e-7
+    assert np.all(np.abs(plain - direct) <= ulp) and np.mean(plain != direct) < 0.01
+    assert not np.array_equal(plain, R.plain_attention(q, k, v, dtype=dtype))  # the two orders differ
+    with pytest.raises(ValueError, match="p_order"):
+        R.plain_attention(q, k, v, dtype=dtype, p_order="rowwise")
+
+
+def test_the_bar_is_the_worse_order_of_rounding_p():
+    """A decode case the H200 drew (bf16, head dim 1, 4 keys, scale 1.15625): exact 0.62373; the
+    kernel (FlashAttention's order) gave 0.621094, 0.68 bf16 ulp away. The normalized order happens
+    to round to 0.625 (0.33 ulp), and 2x its error would fail the kernel; the unnormalized order
+    gives exactly the kernel's value, and the bar is the worse of the two."""
+    bf16 = ml_dtypes.bfloat16
+    q = np.array(-0.05737305).reshape(1, 1, 1, 1)
+    k = np.array([0.96484375, 1.2265625, -1.1015625, 1.78125]).reshape(1, 4, 1, 1)
+    v = np.array([0.9453125, 1.078125, 0.2578125, 0.25585938]).reshape(1, 4, 1, 1)
+    ref, _ = R.attention_forward(q, k, v, softmax_scale=1.15625)
+    assert abs(float(ref.ravel()[0]) - 0.62373) < 1e-5
+    norm = R.plain_attention(q, k, v, softmax_scale=1.15625, dtype=bf16)
+    unnorm = R.plain_attention(q, k, v, softmax_scale=1.15625, dtype=bf16, p_order="unnormalized")
+    assert norm.ravel()[0] == 0.625 and unnorm.ravel()[0] == 0.62109375
+    kernel = np.full((1, 1, 1, 1), 0.62109375)
+    assert not R.within_tolerance(kernel, ref, norm)
+    bar = R.plain_attention_bar(q, k, v, ref, softmax_scale=1.15625, dtype=bf16)
+    assert bar.ravel()[0] == 0.62109375 and R.within_tolerance(kernel, ref, bar)
+    # Off by one more bf16 ulp still fails.
+    assert not R.within_tolerance(np.full((1, 1, 1, 1), 0.6171875), ref, bar)
+
+
+def test_worse_of():
+    ref = np.zeros(3)
+    a, b, c = np.array([0.0, 1.0, 0.0]), np.array([0.0, 0.0, 2.0]), np.array([np.nan, 0.0, 0.0])
+    assert R.worse_of([a, b], ref) is b and R.worse_of([b, a], ref) is b
+    assert R.worse_of([a, c, b], ref) is c
+
+
 def plain_backward_recipe(dout, q, k, v, dtype):
     """Plain non-causal backward written out directly, one (batch, head) at a time."""
     def rnd(x):
