@@ -278,10 +278,11 @@ def attention_with_kvcache(
             # o_partial (splits, batch, nheads, seqlen_q, bucket), then lse_partial; one counter per
             # (sequence, kv head, row block) where the split kernel merges (null: the combine kernel does).
             rows_out = splits * batch * nheads * seqlen_q
-            n_counters = 0 if dplan.combine is not None else batch * nheads_kv * dplan.num_row_blocks
+            merge_in_kernel = dplan.combine is None
+            n_counters = batch * nheads_kv * dplan.num_row_blocks if merge_in_kernel else 0
             partials, counters = _workspace(cupy, device_id, stream, rows_out * (bucket + 1), n_counters)
             o_partial_ptr = partials.data.ptr
-            counters_ptr = 0 if dplan.combine is not None else counters.data.ptr
+            counters_ptr = counters.data.ptr if merge_in_kernel else 0
             lse_partial_ptr = o_partial_ptr + 4 * rows_out * bucket  # bucket % 32 == 0: 128-byte aligned
         qs, ks, vs, os_ = _elem_strides(q), _elem_strides(k_cache), _elem_strides(v_cache), _elem_strides(out)
         kns, vns = (_elem_strides(k), _elem_strides(v)) if seqlen_new > 0 else ((0, 0, 0), (0, 0, 0))
