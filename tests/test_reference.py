@@ -576,6 +576,35 @@ def test_worse_of():
     assert R.worse_of([a, c, b], ref) is c
 
 
+def test_the_backward_bar_is_the_worse_summation_order_of_d():
+    """A backward case the H200 drew (fp16, head dim 128, 30 queries, 1 key, scale 1, Hypothesis seed
+    0): one key makes P = 1, O = V and D = dP, so the exact dQ and dK are 0 and every error is the
+    rounding of dP - D. The kernel's dK error 3.67e-5 failed 3x the pairwise plain error (7.45e-6) +
+    1e-5; D summed left to right, as a loop per row does, leaves ~4x the error, and the bar is the
+    worse of the two orders."""
+    f16 = np.float16
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s, dtype=np.float32).astype(f16) for s in ((1, 30, 1, 128), (1, 1, 1, 128),
+                                                                            (1, 1, 1, 128)))  # fmt: skip
+    out = np.broadcast_to(v, q.shape).astype(f16)  # the forward output with one key: O = V exactly
+    dout = rng.standard_normal(q.shape, dtype=np.float32).astype(f16)
+    refs = R.attention_backward(dout, q, k, v, softmax_scale=1.0)
+    assert np.abs(refs[0]).max() == 0 and np.abs(refs[1]).max() == 0
+    pair = R.plain_attention_backward(dout, q, k, v, softmax_scale=1.0, dtype=f16, out=out)
+    seq = R.plain_attention_backward(dout, q, k, v, softmax_scale=1.0, dtype=f16, out=out, d_order="sequential")
+    assert abs(R.max_abs_error(pair[1], refs[1]) - 7.45e-6) < 1e-7
+    assert R.max_abs_error(seq[1], refs[1]) > 2 * R.max_abs_error(pair[1], refs[1])
+    kernel_dk = np.full(refs[1].shape, 0.0)
+    kernel_dk.ravel()[25] = -3.6716461181640625e-05
+    assert not R.within_tolerance(kernel_dk, refs[1], pair[1], factor=3.0)
+    bar = R.plain_attention_backward_bar(dout, q, k, v, refs, softmax_scale=1.0, dtype=f16, out=out)
+    assert (bar[1] == seq[1]).all() and R.within_tolerance(kernel_dk, refs[1], bar[1], factor=3.0)
+    # dV does not involve D: both orders give the same plain dV.
+    assert (pair[2] == seq[2]).all()
+    with pytest.raises(ValueError, match="d_order"):
+        R.plain_attention_backward(dout, q, k, v, dtype=f16, d_order="tree")
+
+
 def plain_backward_recipe(dout, q, k, v, dtype):
     """Plain non-causal backward written out directly, one (batch, head) at a time."""
     def rnd(x):
