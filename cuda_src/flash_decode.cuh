@@ -216,24 +216,25 @@ CUFLASH_DEVICE int decode_opaque(int x) {
     return x;
 }
 
-// sK, sV <- keys [n0, n0 + kBlockN) of the sequence (rows >= L and columns >= head_dim zero-filled, so
-// masked keys contribute exactly 0 to P V). Chunk c of the tile goes to thread c % kNThreads: 16
-// consecutive threads cover one 256-byte row at head dim 128 (coalesced), and each row's page is
-// looked up once per thread and used for its K and its V chunk. The thread index is made opaque so
-// the per-pass addresses are recomputed for every tile instead of being held in registers across
-// the main loop (they would crowd out the O accumulator at large head dims).
-template <class Cfg>
+// sK, sV <- tile rows [row0, row0 + kRows) = keys [n0 + row0, n0 + row0 + kRows) of the sequence (rows
+// >= L and columns >= head_dim zero-filled, so masked keys contribute exactly 0 to P V), by kThreads
+// threads (tid < kThreads). Chunk c of those rows goes to thread c % kThreads: 16 consecutive threads
+// cover one 256-byte row at head dim 128 (coalesced), and each row's page is looked up once per
+// thread and used for its K and its V chunk. The thread index is made opaque so the per-pass
+// addresses are recomputed for every tile instead of being held in registers across the main loop
+// (they would crowd out the O accumulator at large head dims).
+template <class Cfg, int kRows = Cfg::kBlockN, int kThreads = Cfg::kNThreads>
 CUFLASH_DEVICE void decode_load_kv(u16* s_k, u16* s_v, const u16* g_k, const u16* g_v, const DecodeParams& p,
-                                   const DecodeCacheRows& cache, int n0, int L, int tid_) {
+                                   const DecodeCacheRows& cache, int n0, int L, int tid_, int row0 = 0) {
     const int tid = decode_opaque(tid_);
     constexpr int kC = Cfg::kChunksPerRow;
-    constexpr int kChunks = Cfg::kBlockN * kC;
-    constexpr int kPasses = (kChunks + Cfg::kNThreads - 1) / Cfg::kNThreads;
+    constexpr int kChunks = kRows * kC;
+    constexpr int kPasses = (kChunks + kThreads - 1) / kThreads;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-        const int chunk = tid + pass * Cfg::kNThreads;
-        if (kChunks % Cfg::kNThreads != 0 && chunk >= kChunks) break;
-        const int row = chunk / kC, col = (chunk % kC) * 8;
+        const int chunk = tid + pass * kThreads;
+        if (kChunks % kThreads != 0 && chunk >= kChunks) break;
+        const int row = row0 + chunk / kC, col = (chunk % kC) * 8;
         const int n = n0 + row;
         const bool row_ok = n < L;
         int page = 0, slot = 0;
@@ -567,12 +568,31 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         const DecodeCacheRows cache = decode_cache_rows(p, b);
         // Tile `tile` into stage `stage` (nothing past this split's last tile); always one commit group
         // per call, so the group count stays in step with the tiles.
+        // With a ring of 2+ stages each key column of warps (the kWarpsM warps with the same wn) loads
+        // and syncs on its own rows of every tile, the kKeysPerWarp keys it alone reads: no CTA-wide
+        // barrier in the main loop, so a column whose rows have landed goes on while another waits.
+        constexpr int kColThreads = 32 * Cfg::kWarpsM;
+        const int col_tid = wm * 32 + lane;  // thread index within the key column
         auto issue = [&](int tile, int stage) {
             if (tile < tile_end) {
-                decode_load_kv<Cfg>(s_k0 + stage * Cfg::kSmemKV, s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache,
-                                    tile * kBlockN, L, tid);
+                if constexpr (Cfg::kStages > 1) {
+                    decode_load_kv<Cfg, Cfg::kKeysPerWarp, kColThreads>(
+                        s_k0 + stage * Cfg::kSmemKV, s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache, tile * kBlockN,
+                        L, col_tid, wn * Cfg::kKeysPerWarp);
+                } else {
+                    decode_load_kv<Cfg>(s_k0 + stage * Cfg::kSmemKV, s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache,
+                                        tile * kBlockN, L, tid);
+                }
             }
             cp_async_commit();
+        };
+        // The key column's rows visible to all its threads, and all of them done with the rows before.
+        auto column_sync = [&]() {
+            if constexpr (Cfg::kWarpsM == 1) {
+                __syncwarp();
+            } else {
+                asm volatile("bar.sync %0, %1;" ::"r"(1 + wn), "r"(kColThreads) : "memory");
+            }
         };
 
         // Prologue: Q joins the first tile's group; kStages - 1 tiles (1 when single-staged) in flight.
@@ -600,9 +620,14 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         for (int tile = tile_begin; tile < tile_end; ++tile) {
             if constexpr (Cfg::kStages > 1) {
                 cp_async_wait<Cfg::kStages - 2>();  // this tile's group (and Q's) landed for this thread
-                // This tile (and Q) visible to every warp; every warp is done with the previous tile, so
-                // its stage, (stage - 1) mod kStages, is free for tile + kStages - 1.
-                __syncthreads();
+                // This tile's rows of the key column (and, first, Q: every warp's) visible to the warps
+                // that read them; they are done with the previous tile, so their rows of its stage,
+                // (stage - 1) mod kStages, are free for tile + kStages - 1.
+                if (tile == tile_begin) {
+                    __syncthreads();
+                } else {
+                    column_sync();
+                }
     #ifdef CUFLASH_DECODE_TRACE
                 if (tile == tile_begin) DECODE_TRACE(2);
     #endif

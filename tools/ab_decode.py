@@ -1,0 +1,89 @@
+"""The decode kernels of this tree next to those of another copy of cuda_src, on the GPU, in one run
+(bf16, head dim 128, 32 query heads, one query token, full caches, num_splits=0), with cuDNN alongside.
+
+    python tools/ab_decode.py --old .old/cuda_src [--shapes 8,4096,32 ...] [--repeats 20]
+Per shape: device microseconds per call (CUDA events, round-robin samples, cuflash.bench.time_ms) of
+the old and the new kernels and torch SDPA's CUDNN_ATTENTION, and new / old and new / cuDNN speed
+ratios; last, their medians. Both builds are checked against each other (max abs difference).
+"""
+import argparse
+import functools
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cuflash import bench_decode, jit, kvcache  # noqa: E402
+from cuflash.bench import time_ms  # noqa: E402
+
+SHAPES = ["8,4096,32", "64,4096,32", "64,4096,8", "8,8192,32", "8,8192,8", "8,16384,8", "1,16384,32", "1,32768,32",
+          "1,32768,8", "1,65536,8", "64,16384,8", "8,65536,32"]
+
+
+def main():
+    import cupy
+    import numpy as np
+
+    from cuflash.attention import _BF16
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", required=True, help="folder of the other cuda_src")
+    ap.add_argument("--shapes", nargs="*", default=SHAPES)
+    ap.add_argument("--repeats", type=int, default=20)
+    a = ap.parse_args()
+    new_dir, old_dir = jit.source_dir(), Path(a.old).resolve()
+    # Per build: its source folder, its loaded functions and its own memo of plans and functions, so
+    # switching builds between calls costs three assignments (a cleared memo would put host time into
+    # the short calls' samples).
+    plan_and_load = kvcache._plan_and_load.__wrapped__
+    builds = {name: (src, {}, functools.lru_cache(maxsize=64)(plan_and_load))
+              for name, src in (("old", old_dir), ("new", new_dir))}  # fmt: skip
+
+    def use(name):
+        src, fns, memo = builds[name]
+        jit.source_dir = lambda: src
+        jit._functions = fns
+        kvcache._plan_and_load = memo
+
+    torch = bench_decode._torch()
+    rng = np.random.default_rng(0)
+    vs_old, vs_cudnn = [], []
+    for shape in a.shapes:
+        b, L, hk = map(int, shape.split(","))
+        q = cupy.asarray(rng.standard_normal((b, 1, 32, 128), dtype=np.float32).astype(_BF16))
+        kc = cupy.asarray(rng.standard_normal((b, L, hk, 128), dtype=np.float32).astype(_BF16))
+        vc = cupy.asarray(rng.standard_normal((b, L, hk, 128), dtype=np.float32).astype(_BF16))
+
+        def call(name):
+            def fn():
+                use(name)
+                kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=L, softmax_scale=128**-0.5)
+            return fn
+
+        outs = {}
+        for name in builds:
+            call(name)()
+            outs[name] = kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=L).astype(cupy.float32)
+        diff = float(cupy.abs(outs["old"] - outs["new"]).max())
+        fns = {name: call(name) for name in builds}
+        if torch is not None:
+            from torch.nn.attention import SDPBackend
+
+            tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, kc, vc))
+            fns["cudnn"] = bench_decode._sdpa_peer(torch, SDPBackend.CUDNN_ATTENTION, tq, tk, tv, 128**-0.5, hk != 32)
+            torch.cuda.synchronize()
+        ms = time_ms(fns, repeats=a.repeats)
+        vs_old.append(ms["old"] / ms["new"])
+        line = f"b={b:3d} L={L:6d} h_kv={hk:2d}: old {ms['old'] * 1e3:7.1f} us  new {ms['new'] * 1e3:7.1f} us"
+        if "cudnn" in ms:
+            vs_cudnn.append(ms["cudnn"] / ms["new"])
+            line += f"  cudnn {ms['cudnn'] * 1e3:7.1f} us  new/cudnn x{vs_cudnn[-1]:.3f}"
+        print(f"{line}  new/old x{vs_old[-1]:.3f}  (max diff {diff:.1e})", flush=True)
+        outs = fns = None
+        bench_decode._release_memory()
+    print(f"median new/old x{statistics.median(vs_old):.3f}"
+          + (f", new/cudnn x{statistics.median(vs_cudnn):.3f}" if vs_cudnn else ""))
+
+
+if __name__ == "__main__":
+    main()
