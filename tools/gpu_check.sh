@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, GPU + CPU tests, compute-sanitizer, benchmark,
 # optional tile sweep. Full logs go to OUTDIR; a short summary is printed last.
-#   tools/gpu_check.sh OUTDIR [tests] [sanitize] [bench] [bench-fp16] [decode] [trace] [tune] [profile] [quick]
-# With no step named, runs tests sanitize bench. Environment: TESTS (pytest paths / -k, default the
-# whole suite), TEST_TIMEOUT, BENCH_ARGS (extra `cuflash bench` options, e.g. "--op all"),
-# BENCH_TIMEOUT, SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_TIMEOUT, TUNE_ARGS, DECODE_ARGS,
-# TRACE_ARGS (tools/trace_decode.py options, e.g. "--shapes 1,65536,8").
+#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [bench-fp16] [decode] [trace] [ab]
+#                      [tune] [profile] [quick]
+# With no step named, runs precompile tests sanitize bench. precompile: every variant for this GPU,
+# 16 NVRTC processes at once (the suite then loads instead of compiling: ~2.5 instead of ~5 minutes).
+# ab: this tree's decode kernels next to the cuda_src copy in OLD_SRC (carried along, e.g.
+# .old/cuda_src) and cuDNN, in one run (tools/ab_decode.py). Environment: TESTS (pytest paths / -k,
+# default the whole suite), TEST_TIMEOUT, BENCH_ARGS (extra `cuflash bench` options, e.g. "--op
+# all"), BENCH_TIMEOUT, SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_TIMEOUT, TUNE_ARGS,
+# DECODE_ARGS, TRACE_ARGS (tools/trace_decode.py options, e.g. "--shapes 1,65536,8"), OLD_SRC, AB_ARGS.
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
 shift
-STEPS=${*:-tests sanitize bench}
+STEPS=${*:-precompile tests sanitize bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 PY=${PYTHON:-python3}
@@ -22,6 +26,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 note "GPU: $(head -1 "$OUT/gpu.txt")"
 $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { note "INSTALL FAILED"; tail -20 "$OUT/install.log"; exit 1; }
 $PY -m cuflash info > "$OUT/info.txt" 2>&1; note "info: $(tr '\n' ' ' < "$OUT/info.txt" | cut -c1-300)"
+
+if has precompile; then
+  timeout ${PRECOMPILE_TIMEOUT:-200} $PY -m cuflash precompile --all -j 16 > "$OUT/precompile.log" 2>&1
+  note "precompile (rc=$?): $(tail -1 "$OUT/precompile.log")"
+fi
 
 if has tests; then
   EX=60; has quick && EX=15
@@ -64,6 +73,10 @@ fi
 if has decode; then  # cuflash bench --decode: KV TB/s next to torch FA2 and cuDNN, prefill vs decode
   timeout ${DECODE_TIMEOUT:-300} $PY -m cuflash bench --decode ${DECODE_ARGS:-} --json "$OUT/decode.json" > "$OUT/decode.txt" 2> "$OUT/decode.err"
   note "bench --decode (rc=$?):"; cat "$OUT/decode.txt" >> "$SUMMARY"
+fi
+if has ab; then  # decode kernels of this tree vs OLD_SRC, cuDNN alongside (tools/ab_decode.py)
+  timeout ${AB_TIMEOUT:-250} $PY tools/ab_decode.py --old "${OLD_SRC:?ab needs OLD_SRC}" ${AB_ARGS:-} > "$OUT/ab.txt" 2> "$OUT/ab.err"
+  note "ab_decode (rc=$?):"; cat "$OUT/ab.txt" >> "$SUMMARY"
 fi
 if has trace; then  # CTA timeline of the split-KV kernel next to cuDNN (tools/trace_decode.py)
   timeout ${TRACE_TIMEOUT:-200} $PY tools/trace_decode.py ${TRACE_ARGS:-} > "$OUT/trace.txt" 2> "$OUT/trace.err"
