@@ -39,7 +39,10 @@
 //           K/V rows are unpadded with XOR-swizzled 16-byte chunks for head dims that are multiples
 //           of 64 (kKVStride = kHeadDim), padded otherwise (flash_fwd.cuh kv_chunk_offset).
 //   Pipeline: kStages-deep cp.async ring of 16-byte chunks, kStages - 1 tiles in flight while one is
-//           used; one barrier per tile (kStages == 1, for small-smem GPUs: load, use, barrier, load).
+//           used. Each key column of warps (same wn) loads its own kKeysPerWarp rows of every tile
+//           and syncs only with itself (__syncwarp, or a named barrier over its kWarpsM warps): no
+//           CTA barrier in the main loop (kStages == 1, for small-smem GPUs: the CTA loads the tile,
+//           uses it, barrier, loads the next).
 //   Paged caches: key n of sequence b lives at page block_table[b][n / page_size], slot n % page_size;
 //           contiguous caches at (b, n). Every page index is clamped into [0, num_pages), every
 //           length into [0, capacity): whatever cache_seqlens and block_table hold, no access
