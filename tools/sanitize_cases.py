@@ -62,6 +62,11 @@ def main():
         (dict(batch=3, seqlen_q=1, nheads=4, nheads_kv=4, head_dim=64, capacity=300, page_size=48, lengths=[250, 0, 37]), {}),
         (dict(batch=2, seqlen_q=3, nheads=4, nheads_kv=1, head_dim=100, dtype="fp16", capacity=200, seqlen_new=3),
          dict(causal=True)),
+        # Two and four slabs (the key columns of 2 and 4 warps sync on named barriers), and row blocks.
+        (dict(batch=2, seqlen_q=1, nheads=32, nheads_kv=1, head_dim=128, capacity=900, lengths=[900, 130]),
+         dict(num_splits=3)),
+        (dict(batch=2, seqlen_q=3, nheads=64, nheads_kv=1, head_dim=64, capacity=700, lengths=[700, 0]),
+         dict(causal=True, num_splits=2)),
     ):
         c = case(rng, **kw)
         for where in ("in kernel", "combine"):  # both merges of the splits (one split: neither runs)
