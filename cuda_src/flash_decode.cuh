@@ -569,13 +569,13 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         const u16* g_k = static_cast<const u16*>(p.k) + hk * p.k_head_stride;
         const u16* g_v = static_cast<const u16*>(p.v) + hk * p.v_head_stride;
         const DecodeCacheRows cache = decode_cache_rows(p, b);
-        // Tile `tile` into stage `stage` (nothing past this split's last tile); always one commit group
-        // per call, so the group count stays in step with the tiles.
         // With a ring of 2+ stages each key column of warps (the kWarpsM warps with the same wn) loads
         // and syncs on its own rows of every tile, the kKeysPerWarp keys it alone reads: no CTA-wide
         // barrier in the main loop, so a column whose rows have landed goes on while another waits.
         constexpr int kColThreads = 32 * Cfg::kWarpsM;
         const int col_tid = wm * 32 + lane;  // thread index within the key column
+        // Tile `tile` into stage `stage` (nothing past this split's last tile; with one stage the whole
+        // CTA loads it); always one commit group per call, so the group count stays in step with the tiles.
         auto issue = [&](int tile, int stage) {
             if (tile < tile_end) {
                 if constexpr (Cfg::kStages > 1) {

@@ -168,6 +168,16 @@ def fwd_tile(bucket: int, arch: str) -> Tile:
     raise ValueError(f"no forward tile for head dim {bucket} fits the {limit // 1024} KB of shared memory of {arch}")
 
 
+def _load_tag(aligned: bool) -> str:
+    """The load path in a variant name: 16-byte vector loads or element-wise loads."""
+    return "vec16" if aligned else "scalar"
+
+
+def _arch_tag(arch: str) -> str:
+    """The arch in a variant name (and kernel symbol): sm_90a -> sm90a."""
+    return arch.replace("_", "")
+
+
 def _cpp_bool(x: bool) -> str:
     """A Python bool as a C++ template argument."""
     return "true" if x else "false"
@@ -185,7 +195,7 @@ class _TiledSpec:
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}"
             f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}_st{t.stages}{tile_fields}"
-            f"_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+            f"_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
         )
 
     @property
@@ -511,7 +521,7 @@ class BwdAuxSpec:
 
     @property
     def name(self) -> str:
-        return f"{self.family}_{self.dtype}_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+        return f"{self.family}_{self.dtype}_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
 
     threads = BWD_AUX_THREADS
     min_blocks = 1
@@ -821,7 +831,7 @@ class DecodeSpec:
         t = self.tile
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_ms{self.m_slabs}_bn{t.block_n}_st{t.stages}"
-            f"_mb{t.min_blocks}_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+            f"_mb{t.min_blocks}_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
         )
 
     threads = DECODE_THREADS
@@ -859,7 +869,7 @@ class DecodeAppendSpec(_DecodeHelperKernel):
 
     @property
     def name(self) -> str:
-        return f"{self.family}_{'vec16' if self.aligned else 'scalar'}_{self.arch.replace('_', '')}"
+        return f"{self.family}_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
 
     def template_args(self) -> str:
         return _cpp_bool(self.aligned)
@@ -876,7 +886,7 @@ class DecodeCombineSpec(_DecodeHelperKernel):
 
     @property
     def name(self) -> str:
-        return f"{self.family}_hd{self.head_dim}_{self.dtype}_{self.arch.replace('_', '')}"
+        return f"{self.family}_hd{self.head_dim}_{self.dtype}_{_arch_tag(self.arch)}"
 
     def template_args(self) -> str:
         return f"{self.head_dim}, {_cpp_bool(self.dtype == 'bf16')}"
