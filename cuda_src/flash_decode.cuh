@@ -38,11 +38,13 @@
 //           sV[...]); the fp32 merge buffer [kWarpsN][kBlockM][kHeadDim+8] reuses the K/V stages.
 //           K/V rows are unpadded with XOR-swizzled 16-byte chunks for head dims that are multiples
 //           of 64 (kKVStride = kHeadDim), padded otherwise (flash_fwd.cuh kv_chunk_offset).
-//   Pipeline: kStages-deep cp.async ring of 16-byte chunks, kStages - 1 tiles in flight while one is
-//           used. Each key column of warps (same wn) loads its own kKeysPerWarp rows of every tile
-//           and syncs only with itself (__syncwarp, or a named barrier over its kWarpsM warps): no
-//           CTA barrier in the main loop (kStages == 1, for small-smem GPUs: the CTA loads the tile,
-//           uses it, barrier, loads the next).
+//   Pipeline: kStages-deep cp.async ring of 16-byte chunks. A stage is refilled (with the tile kStages
+//           ahead) as soon as its readers are done with it, before the next tile is waited for: the
+//           whole ring is in flight during the wait, kStages - 1 tiles while one is used. Each key
+//           column of warps (same wn) loads its own kKeysPerWarp rows of every tile and syncs only
+//           with itself (__syncwarp, or a named barrier over its kWarpsM warps): no CTA barrier in
+//           the main loop (kStages == 1, for small-smem GPUs: the CTA loads each tile, barrier, uses
+//           it, barrier, loads the next).
 //   Paged caches: key n of sequence b lives at page block_table[b][n / page_size], slot n % page_size;
 //           contiguous caches at (b, n). Every page index is clamped into [0, num_pages), every
 //           length into [0, capacity): whatever cache_seqlens and block_table hold, no access
@@ -589,20 +591,23 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
             }
             cp_async_commit();
         };
-        // The key column's rows visible to all its threads, and all of them done with the rows before.
-        auto column_sync = [&]() {
-            if constexpr (Cfg::kWarpsM == 1) {
+        // The warps that read the same rows (the key column; with one stage the CTA, which loads each
+        // tile together): after it, a tile's rows are visible to them all, and all are done with the
+        // rows before.
+        auto loader_sync = [&]() {
+            if constexpr (Cfg::kStages == 1) {
+                __syncthreads();
+            } else if constexpr (Cfg::kWarpsM == 1) {
                 __syncwarp();
             } else {
                 asm volatile("bar.sync %0, %1;" ::"r"(1 + wn), "r"(kColThreads) : "memory");
             }
         };
 
-        // Prologue: Q joins the first tile's group; kStages - 1 tiles (1 when single-staged) in flight.
+        // Prologue: Q joins the first tile's group; the first kStages tiles fill the ring.
         decode_load_q<Cfg>(s_q, p, b, hk, row0, rows_valid, tid);
-        constexpr int kAhead = Cfg::kStages > 1 ? Cfg::kStages - 1 : 1;
     #pragma unroll
-        for (int s = 0; s < kAhead; ++s) issue(tile_begin + s, s);
+        for (int s = 0; s < Cfg::kStages; ++s) issue(tile_begin + s, s);
 
         WarpTile<WCfg> wt;
         wt.init(16 * wm, lane);
@@ -621,24 +626,23 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
 
         int stage = 0;  // stage holding `tile`: tile_begin + k lives in stage k % kStages
         for (int tile = tile_begin; tile < tile_end; ++tile) {
-            if constexpr (Cfg::kStages > 1) {
-                cp_async_wait<Cfg::kStages - 2>();  // this tile's group (and Q's) landed for this thread
-                // This tile's rows of the key column (and, first, Q: every warp's) visible to the warps
-                // that read them; they are done with the previous tile, so their rows of its stage,
-                // (stage - 1) mod kStages, are free for tile + kStages - 1.
-                if (tile == tile_begin) {
-                    __syncthreads();
-                } else {
-                    column_sync();
-                }
-    #ifdef CUFLASH_DECODE_TRACE
-                if (tile == tile_begin) DECODE_TRACE(2);
-    #endif
+            if (tile > tile_begin) {
+                // The warps reading the previous tile's rows are done with them: its stage, (stage - 1)
+                // mod kStages, takes tile + kStages - 1 before this tile is waited for, so the whole
+                // ring (kStages tiles) is in flight during the wait, not kStages - 1.
+                loader_sync();
                 issue(tile + Cfg::kStages - 1, stage == 0 ? Cfg::kStages - 1 : stage - 1);
-            } else {
-                cp_async_wait<0>();
-                __syncthreads();  // this tile (and Q) visible to every warp
             }
+            cp_async_wait<Cfg::kStages - 1>();  // this tile's group (and, first, Q's) landed for this thread
+            // ... and for the warps that read it (Q: every warp).
+            if (tile == tile_begin) {
+                __syncthreads();
+            } else {
+                loader_sync();
+            }
+    #ifdef CUFLASH_DECODE_TRACE
+            if (tile == tile_begin) DECODE_TRACE(2);
+    #endif
             const int n0 = tile * kBlockN + wn * Cfg::kKeysPerWarp;  // first key of this warp's share
             if (warp_has_rows && n0 < L) {  // warp-uniform: a share wholly past the end is all masked
                 const u16* s_k = s_k0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
@@ -649,10 +653,6 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
                 wt.softmax(S, scale_log2);
                 // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
                 wt.gemm_pv(S, s_v);
-            }
-            if constexpr (Cfg::kStages == 1) {
-                __syncthreads();  // every warp is done with the only stage before it is refilled
-                issue(tile + 1, 0);
             }
             stage = stage + 1 == Cfg::kStages ? 0 : stage + 1;
         }
