@@ -10,8 +10,13 @@ keys at a time, into shared memory (or registers). Probe names:
     flat            grid-stride 16-byte ld.global.nc over both buffers (the read ceiling)
     flatcp_oO       cp.async 16-byte chunks of contiguous 16 KB blocks of K and V, 2-stage ring
     ring_tT_sS_oO   cp.async by all 128 threads into an S-stage ring of T-key (K, V) tiles, one
-                    barrier per tile (cuda_src/flash_decode.cuh's scheme); _hk: kv head fastest in
-                    the grid; _ns: no key split (one CTA per head and sequence)
+                    barrier per tile (the split kernel's first scheme, padded rows); _hk: kv head
+                    fastest in the grid; _ns: no key split (one CTA per head and sequence)
+    ringw_sS_oO     the split kernel's current memory side: each warp loads its 16 keys of every
+                    64-key tile (swizzled unpadded rows), its own S-stage ring, refilled before waiting
+    tmaw_sS_oO      as ringw, with TMA: each warp's lane 0 loads its 16 keys as four 2 KB boxes
+                    (cp.async.bulk.tensor, 128-byte swizzle) on a full mbarrier per stage (sm_90)
+    tma_sS_oO       thread 0 loads whole 64-key tiles by TMA (four 8 KB boxes), full / empty mbarriers
     alt_tT_oO       one T-key K buffer and one V buffer, loaded alternately (FlashAttention-2's scheme:
                     the V load flies while S would be computed, the next K load during P V)
     ldg_tT_oO       16-byte ld.global.nc into registers, all of a thread's loads of a tile in flight
@@ -222,6 +227,138 @@ __device__ void bulk_probe(const u16* K, const u16* V, int L, int H, int kps, fl
     }
 }
 
+// The current split kernel's memory side: each warp loads and reads its own 16 keys of every 64-key
+// tile (unpadded 256-byte rows, chunk c of row r at c ^ (r % 8)), a kStages ring refilled before
+// the next tile is waited for, __syncwarp only.
+template <int kStages>
+__device__ void ringw_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u16* sk = (u16*)smem + warp * 16 * 128;  // stage s at + s * 64 * 128 (K), V after the K stages
+    u16* sv = sk + kStages * 64 * 128;
+    const Walk w(K, V, L, H, kps, false);
+    const int tiles = (w.n1 - w.n0 + 63) / 64;
+    auto issue = [&](int t, int s) {
+        if (t < tiles)
+            for (int c = lane; c < 16 * 16; c += 32) {
+                const int r = c / 16, ch = c % 16, n = w.n0 + t * 64 + warp * 16 + r;
+                const bool ok = n < w.n1;
+                const int off = (s * 64 + r) * 128 + ((ch & 8) | ((ch ^ r) & 7)) * 8;
+                cp16(smem_u32(sk + off), ok ? w.gk + n * w.row + ch * 8 : w.gk, ok);
+                cp16(smem_u32(sv + off), ok ? w.gv + n * w.row + ch * 8 : w.gv, ok);
+            }
+        commit();
+    };
+    for (int s = 0; s < kStages; ++s) issue(s, s);
+    float acc = 0.f;
+    for (int t = 0; t < tiles; ++t) {
+        if (t > 0) {
+            __syncwarp();
+            issue(t - 1 + kStages, (t - 1) % kStages);
+        }
+        wait_group<kStages - 1>();
+        __syncwarp();
+        const int s = t % kStages;
+        acc += (float)sk[(s * 64 + lane % 16) * 128] + (float)sv[(s * 64 + lane % 16) * 128];
+    }
+    if (acc == 1234.5f) sink[0] = acc;
+}
+
+// TMA (cp.async.bulk.tensor) with 128-byte swizzle. Tensor maps (in global memory) over K or V as
+// (d = 128, kv head, b * L rows), boxes of 64 elements (128 bytes) x 1 head x R rows.
+__device__ __forceinline__ void tma3(u32 dst, const void* map, int c0, int c1, int c2, u32 mbar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(mbar) : "memory");
+}
+
+// Each warp a private ring of its 16 keys (4 boxes of 16 rows per tile), one full barrier per
+// stage, refilled after __syncwarp: no cross-warp sync at all.
+template <int kStages>
+__device__ void tmaw_probe(const void* mk, const void* mv, int L, int H, int kps, float* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 base = (smem_u32(smem) + 1024 + 1023) & ~1023u;  // barriers below, data 1024-aligned
+    const u32 bars = smem_u32(smem) + warp * kStages * 8;
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = split * kps, n1 = min(L, n0 + kps), tiles = (n1 - n0 + 63) / 64;
+    if (lane == 0)
+        for (int s = 0; s < kStages; ++s) mbar_init(bars + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncwarp();
+    auto slot = [&](int s) { return base + (u32)((s * 4 + warp) * 8192); };  // K lo, K hi, V lo, V hi: 2 KB each
+    auto issue = [&](int t, int s) {
+        if (lane == 0 && t < tiles) {
+            const u32 bar = bars + 8 * s, dst = slot(s);
+            const int row = b * L + n0 + t * 64 + warp * 16;
+            mbar_expect_arrive(bar, 8192);
+            tma3(dst, mk, 0, hk, row, bar);
+            tma3(dst + 2048, mk, 64, hk, row, bar);
+            tma3(dst + 4096, mv, 0, hk, row, bar);
+            tma3(dst + 6144, mv, 64, hk, row, bar);
+        }
+    };
+    for (int s = 0; s < kStages; ++s) issue(s, s);
+    float acc = 0.f;
+    for (int t = 0; t < tiles; ++t) {
+        if (t > 0) {
+            __syncwarp();
+            issue(t - 1 + kStages, (t - 1) % kStages);
+        }
+        const int s = t % kStages;
+        mbar_wait(bars + 8 * s, (t / kStages) & 1);
+        u16 x;
+        asm volatile("ld.shared.u16 %0, [%1];" : "=h"(x) : "r"(slot(s) + lane * 256));
+        acc += (float)x;
+    }
+    if (acc == 1234.5f) sink[0] = acc;
+}
+
+// Thread 0 loads whole 64-key tiles (4 boxes of 64 rows) into a kStages ring; full barriers (1
+// arrival + bytes) and empty barriers (one arrival per warp).
+template <int kStages>
+__device__ void tma_probe(const void* mk, const void* mv, int L, int H, int kps, float* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 base = (smem_u32(smem) + 1024 + 1023) & ~1023u;
+    const u32 full = smem_u32(smem), empty = full + 8 * kStages;
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int n0 = split * kps, n1 = min(L, n0 + kps), tiles = (n1 - n0 + 63) / 64;
+    if (threadIdx.x == 0)
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, 4);
+        }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+    auto issue = [&](int t, int s) {
+        const u32 bar = full + 8 * s, dst = base + (u32)(s * 32768);
+        const int row = b * L + n0 + t * 64;
+        mbar_expect_arrive(bar, 32768);
+        tma3(dst, mk, 0, hk, row, bar);
+        tma3(dst + 8192, mk, 64, hk, row, bar);
+        tma3(dst + 16384, mv, 0, hk, row, bar);
+        tma3(dst + 24576, mv, 64, hk, row, bar);
+    };
+    if (threadIdx.x == 0)
+        for (int s = 0; s < kStages && s < tiles; ++s) issue(s, s);
+    float acc = 0.f;
+    for (int t = 0; t < tiles; ++t) {
+        if (threadIdx.x == 0 && t > 0 && t - 1 + kStages < tiles) {
+            const int s = (t - 1) % kStages;
+            mbar_wait(empty + 8 * s, ((t - 1) / kStages) & 1);
+            issue(t - 1 + kStages, s);
+        }
+        const int s = t % kStages;
+        mbar_wait(full + 8 * s, (t / kStages) & 1);
+        u16 x;
+        asm volatile("ld.shared.u16 %0, [%1];" : "=h"(x) : "r"(base + (u32)(s * 32768) + threadIdx.x * 256));
+        acc += (float)x;
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + 8 * s);
+    }
+    if (acc == 1234.5f) sink[0] = acc;
+}
+
 #define PROBE(name, call) \
     extern "C" __global__ void __launch_bounds__(128) name(const u16* K, const u16* V, int L, int H, int kps, float* sink) { call; }
 PROBE(ring_t64_s2, (ring_probe<64, 2, false>(K, V, L, H, kps, sink)))
@@ -234,6 +371,14 @@ PROBE(alt_t128, (alt_probe<128>(K, V, L, H, kps, sink)))
 PROBE(ldg_t64, (ldg_probe<64>(K, V, L, H, kps, sink)))
 PROBE(ldg_t32, (ldg_probe<32>(K, V, L, H, kps, sink)))
 PROBE(bulk_s2, (bulk_probe<2>(K, V, L, H, kps, sink)))
+PROBE(ringw_s2, (ringw_probe<2>(K, V, L, H, kps, sink)))
+PROBE(ringw_s3, (ringw_probe<3>(K, V, L, H, kps, sink)))
+PROBE(tmaw_s2, (tmaw_probe<2>(K, V, L, H, kps, sink)))
+PROBE(tmaw_s3, (tmaw_probe<3>(K, V, L, H, kps, sink)))
+PROBE(tmaw_s4, (tmaw_probe<4>(K, V, L, H, kps, sink)))
+PROBE(tma_s2, (tma_probe<2>(K, V, L, H, kps, sink)))
+PROBE(tma_s3, (tma_probe<3>(K, V, L, H, kps, sink)))
+PROBE(tma_s4, (tma_probe<4>(K, V, L, H, kps, sink)))
 """
 
 # name -> (kernel, shared memory the kernel needs, CTAs per SM to pad to (0: as many as fit), grid)
@@ -255,10 +400,45 @@ PROBES = {
     "ldg_t64_o3": ("ldg_t64", 0, 3, "split"),
     "ldg_t32_o6": ("ldg_t32", 0, 6, "split"),
     "bulk_s2": ("bulk_s2", 69888, 3, "split"),
+    "ringw_s2_o3": ("ringw_s2", 65536, 3, "split"),
+    "ringw_s3_o2": ("ringw_s3", 98304, 2, "split"),
+    "ringw_s2_o3_ns": ("ringw_s2", 65536, 3, "nosplit"),
+    "ringw_s3_o2_ns": ("ringw_s3", 98304, 2, "nosplit"),
+    # tma*: K and V are passed as tensor maps (kernel name prefix); shared memory + 2 KB for the
+    # barriers and the 1024-byte alignment of the swizzled boxes.
+    "tmaw_s2_o3": ("tmaw_s2", 67584, 3, "split"),
+    "tmaw_s3_o2": ("tmaw_s3", 100352, 2, "split"),
+    "tmaw_s4_o1": ("tmaw_s4", 133120, 1, "split"),
+    "tmaw_s3_o2_ns": ("tmaw_s3", 100352, 2, "nosplit"),
+    "tma_s2_o3": ("tma_s2", 67584, 3, "split"),
+    "tma_s3_o2": ("tma_s3", 100352, 2, "split"),
+    "tma_s3_o2_ns": ("tma_s3", 100352, 2, "nosplit"),
+    "tma_s4_o1": ("tma_s4", 133120, 1, "split"),
 }
 SHAPES = ["1,32768,32,12", "1,131072,32,12", "8,4096,32,3", "8,32768,32,3", "64,4096,32,2", "64,32768,32,3",
           "8,32768,8,6", "8,131072,8,6", "64,4096,8,3", "64,32768,8,3"]
 SMEM_PER_SM = 233472  # 228 KB on sm_90; the driver reserves 1 KB per CTA
+
+
+def tensor_map(buf, box_rows: int):
+    """A CUtensorMap (driver cuTensorMapEncodeTiled through ctypes) over the (b, L, H, 128) cache
+    ``buf`` seen as (d = 128, kv head, b * L rows), 64 x 1 x box_rows boxes, 128-byte swizzle; copied
+    to the GPU (128 bytes, 64-byte aligned) for the kernel to read."""
+    import ctypes
+
+    import cupy
+    import numpy as np
+
+    b, L, H, d = buf.shape
+    raw = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(raw) + 63) // 64 * 64
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    rc = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled(
+        ctypes.c_void_p(addr), 1, 3, ctypes.c_void_p(buf.data.ptr), (u64 * 3)(d, H, b * L), (u64 * 2)(2 * d, 2 * d * H),
+        (u32 * 3)(64, 1, box_rows), (u32 * 3)(1, 1, 1), 0, 3, 3, 0)  # uint16, no interleave, 128B swizzle, L2 256B
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed: CUresult {rc}")
+    return cupy.asarray(np.frombuffer(ctypes.string_at(addr, 128), dtype=np.uint8))
 
 
 def padded_smem(need: int, per_sm: int) -> int:
@@ -298,6 +478,9 @@ def main():
                 grid = {"split": (s, H, b), "nosplit": (1, H, b), "hk": (H, s, b)}[grid_kind]
                 kps = -(-L // (s * 64)) * 64
                 args = (K, V, cupy.int32(L), cupy.int32(H), cupy.int32(kps), sink)
+                if kernel.startswith("tma"):
+                    rows = 16 if kernel.startswith("tmaw") else 64
+                    args = (tensor_map(K, rows), tensor_map(V, rows)) + args[2:]
             block = (256,) if kernel == "flat" else (128,)
             for _ in range(3):
                 fn(grid, block, args, shared_mem=sm)
