@@ -1,6 +1,7 @@
 """Where does a decode step's time go? cuflash next to torch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION.
 
     python tools/profile_decode.py [--shapes 1,4096,8 ...] [--splits 1 2 4 8 16 32 64] [--cprofile FILE]
+                                   [--back-to-back N]
 
 Per shape (batch,cache_len,kv_heads; 32 query heads, head dim 128, bf16, one query token):
   event ms   cuflash.bench.time_ms (5 back-to-back calls per sample, what `cuflash bench --decode` reports)
@@ -8,7 +9,8 @@ Per shape (batch,cache_len,kv_heads; 32 query heads, head dim 128, bf16, one que
   kernels    the device kernels of one call from torch.profiler (CUPTI sees CuPy's launches too): name,
              microseconds, and the call's span from its first kernel's start to its last kernel's end
 Then, for cuflash, the span of one call per num_splits, so the split heuristic can be checked against
-the device alone. --cprofile writes the top Python functions of 2000 cuflash calls (first shape).
+the device alone. --back-to-back N: N calls of each implementation without a sync between them (as
+the bench times them), each kernel's start, duration and the gap after the one before. --cprofile writes the top Python functions of 2000 cuflash calls (first shape).
 --ncu runs one call of each implementation per shape inside cudaProfilerStart/Stop and nothing else.
 """
 import argparse
@@ -31,9 +33,9 @@ SHAPES = ["1,4096,32", "1,32768,32", "8,4096,32", "1,4096,8", "1,32768,8", "1,13
           "8,131072,32", "64,4096,8"]
 
 
-def kernel_events(torch, fn, calls: int) -> list:
+def kernel_events(torch, fn, calls: int, sync: bool = True) -> list:
     """The kernel records (chrome-trace events, start order) of `calls` calls of fn under
-    torch.profiler, each call followed by a sync; one warm-up call before."""
+    torch.profiler, each call followed by a sync (or, sync=False, back to back); one warm-up call before."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -41,7 +43,9 @@ def kernel_events(torch, fn, calls: int) -> list:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
-            torch.cuda.synchronize()
+            if sync:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
@@ -102,6 +106,9 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=SHAPES)
     ap.add_argument("--splits", nargs="*", type=int, default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
     ap.add_argument("--cprofile", default=None)
+    ap.add_argument("--back-to-back", type=int, default=0, metavar="N",
+                    help="also N calls of each implementation with no sync between (as cuflash bench times them): "
+                         "every kernel's start, duration and gap after the previous kernel")
     ap.add_argument("--ncu", action="store_true",
                     help="one call of each implementation per shape between cudaProfilerStart/Stop, nothing else "
                          "(run under ncu --profile-from-start off)")
@@ -137,6 +144,15 @@ def main():
             spans[s] = statistics.median(c[0] for c in calls)
         best = min(spans, key=spans.get)
         print("  cuflash span by num_splits: " + "  ".join(f"{s}:{v:.1f}" for s, v in spans.items()) + f"  (best {best})")
+        for name, fn in impls.items() if a.back_to_back else ():
+            ks = kernel_events(torch, fn, a.back_to_back, sync=False)
+            t0, prev_end, cells = ks[0]["ts"], None, []
+            for e in ks:
+                gap = "" if prev_end is None else f" +{e['ts'] - prev_end:.1f}"
+                cells.append(f"{e['ts'] - t0:.1f}({e['dur']:.1f}{gap})")
+                prev_end = e["ts"] + e["dur"]
+            print(f"  {name} back to back, start(duration +gap) us: {' '.join(cells)}; "
+                  f"per call {(prev_end - t0) / a.back_to_back:.1f}")
         if si == 0 and a.cprofile:
             pr = cProfile.Profile()
             pr.enable()
