@@ -34,6 +34,22 @@ CUFLASH_DEVICE void cp_async_wait() {  // wait until at most kPending committed 
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// ---- Programmatic dependent launch (sm_90+; both are no-ops before, and without a PDL launch) ----
+// grid_dependency_wait: until the grid launched before this one on the stream has finished and its
+// writes are visible (call it before the first global memory access). grid_launch_dependents: the
+// grid launched after this one may start its CTAs once every CTA of this grid has called it (or
+// exited); they then wait in their own grid_dependency_wait.
+CUFLASH_DEVICE void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+CUFLASH_DEVICE void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---- ldmatrix: four 8x8 b16 matrices from shared memory into the MMA fragment layout ----
 // Lanes 8i..8i+7 give the row addresses of matrix i; thread t receives row t/4, columns
 // 2*(t%4)..2*(t%4)+1 of each matrix (of the transposed matrix with .trans) in r[i].

@@ -19,6 +19,9 @@
 //   3. flash_decode_combine_kernel (p.split_counters null): one CTA per output row, for groups with
 //      many partial rows (cuflash/plan.py decode_separate_combine): one CTA merging them all at the
 //      end of the split kernel, on an SM still streaming other CTAs' tiles, is the longer wait.
+// On sm_90+ every one is launched with programmatic dependent launch: each waits (griddepcontrol)
+// for the kernel before it on the stream to finish before touching global memory, and lets the
+// kernel after it start its CTAs early, so the launch gap between them overlaps the tail of a grid.
 //
 // Grid and tiles of flash_decode_kernel
 //   grid  = (num_splits * num_row_blocks, nheads_kv, batch); CTA (x, hk, b) owns split x / num_row_blocks
@@ -525,6 +528,11 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     constexpr bool kBF16 = Cfg::kIsBF16;
 
     DECODE_TRACE(1);
+    // Launched with programmatic dependent launch (sm_90+): the kernel before (the append, or the
+    // previous call's kernels) has finished before anything here touches global memory; the kernel
+    // after (the combine, or the next call's) may start its CTAs as slots free up.
+    grid_dependency_wait();
+    grid_launch_dependents();
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
@@ -771,6 +779,8 @@ CUFLASH_DEVICE void flash_decode_combine_kernel(const DecodeParams& p) {
     __shared__ float s_w[kDecodeMaxSplits];          // weight of each split
     __shared__ float s_max[kW];
     __shared__ __align__(16) float s_acc[kW - 1][kCC * 128];  // warps 1.. hand their sums to warp 0
+    grid_dependency_wait();  // the split kernel's partial rows are complete and visible
+    grid_launch_dependents();
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const i64 row = blockIdx.x;
     const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
@@ -840,6 +850,8 @@ CUFLASH_DEVICE void flash_decode_combine_kernel(const DecodeParams& p) {
 // the lengths). One thread per 16-byte chunk (kAligned) or element of a new row, grid-stride.
 template <bool kAligned>
 CUFLASH_DEVICE void flash_decode_append_kernel(const DecodeParams& p) {
+    grid_dependency_wait();  // the kernel before on the stream (e.g. the previous call's) has finished
+    grid_launch_dependents();
     constexpr int kElems = kAligned ? 8 : 1;
     const int chunks = (p.head_dim + kElems - 1) / kElems;
     const i64 total = (i64)p.batch * p.seqlen_new * p.nheads_kv * chunks;

@@ -5,6 +5,8 @@ The one place for compile flags, cache paths, environment variables and compile 
 Environment
     CUFLASH_CACHE_DIR   cache folder (default: $XDG_CACHE_HOME/cuflash or ~/.cache/cuflash)
     CUFLASH_LOG_LEVEL   level of the "cuflash" logger (default INFO: one line per compile)
+    CUFLASH_PDL         0 turns off programmatic dependent launch of the decode kernels (default on
+                        from sm_90; see launch)
 
 Cache entries are single files ``<variant name>-<key>.cubin`` holding a checksum, a JSON header
 (variant, arch, NVRTC version, ptxas register/spill report, compile seconds) and the cubin. The
@@ -17,6 +19,7 @@ go stale. An entry whose checksum does not match is deleted and rebuilt.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import functools
 import hashlib
 import json
@@ -541,15 +544,72 @@ def device_arch(device_id: int) -> str:
 
 _driver = None
 
+#: Programmatic dependent launch of the launches that allow it (plan.Launch.pdl); CUFLASH_PDL=0: never.
+PDL_ENABLED = os.environ.get("CUFLASH_PDL", "1").strip() != "0"
+
+
+class CULaunchAttribute(ctypes.Structure):
+    """cuda.h CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value union (8-aligned)."""
+
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_int32),
+                ("value_pad", ctypes.c_uint32), ("value_rest", ctypes.c_uint64 * 7)]  # fmt: skip
+
+
+class CULaunchConfig(ctypes.Structure):
+    """cuda.h CUlaunchConfig, the first argument of cuLaunchKernelEx."""
+
+    _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3), ("shared_mem_bytes", ctypes.c_uint32),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(CULaunchAttribute)),
+                ("num_attrs", ctypes.c_uint32)]  # fmt: skip
+
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h CUlaunchAttributeID
+_PDL_ATTRIBUTE = CULaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+
+
+@functools.lru_cache(maxsize=256)
+def pdl_config(launch: plan.Launch, stream_ptr: int) -> CULaunchConfig:
+    """The launch configuration cuLaunchKernelEx reads for ``launch`` on a stream, with the attribute
+    that allows programmatic dependent launch (built once per launch shape and stream)."""
+    g, b = launch.grid, launch.block
+    return CULaunchConfig((ctypes.c_uint32 * 3)(*g), (ctypes.c_uint32 * 3)(*b), launch.smem_bytes, stream_ptr,
+                          ctypes.pointer(_PDL_ATTRIBUTE), 1)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def _cu_launch_kernel_ex():
+    """The driver's cuLaunchKernelEx through ctypes (CuPy does not wrap it), or None without one."""
+    for lib in ("libcuda.so.1", "nvcuda.dll"):
+        try:
+            f = ctypes.CDLL(lib).cuLaunchKernelEx
+        except (OSError, AttributeError):
+            continue
+        f.argtypes = [ctypes.POINTER(CULaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        f.restype = ctypes.c_int
+        return f
+    return None
+
 
 def launch(fn, launch: plan.Launch, argv_ptr: int, stream_ptr: int) -> None:
-    """cuLaunchKernel of a loaded function on the current device: ``argv_ptr`` is the address of the
-    kernel's argument array (void*[1] pointing at the parameter struct's bytes, which the driver
-    copies), ``stream_ptr`` the stream handle. Straight to the driver: CuPy's generic argument
-    packing costs microseconds per launch, and a decode step is only a few microseconds of GPU time."""
+    """Launch a loaded function on the current device: ``argv_ptr`` is the address of the kernel's
+    argument array (void*[1] pointing at the parameter struct's bytes, which the driver copies),
+    ``stream_ptr`` the stream handle. Straight to the driver: CuPy's generic argument packing costs
+    microseconds per launch, and a decode step is only a few microseconds of GPU time.
+
+    Launches with ``launch.pdl`` go through cuLaunchKernelEx with programmatic stream serialization:
+    the kernel may start while the one before it on the stream finishes, and waits for it in
+    griddepcontrol.wait before touching global memory (the decode kernels do; the launch gap then
+    overlaps the tail of the grid before)."""
     global _driver
     if _driver is None:
         from cupy.cuda import driver as _driver
+    if launch.pdl and PDL_ENABLED:
+        launch_ex = _cu_launch_kernel_ex()
+        if launch_ex is not None:
+            rc = launch_ex(pdl_config(launch, stream_ptr), fn.ptr, argv_ptr, None)
+            if rc != 0:
+                raise _driver.CUDADriverError(rc)
+            return
     g, b = launch.grid, launch.block
     _driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], launch.smem_bytes, stream_ptr, argv_ptr, 0)
 

@@ -304,6 +304,14 @@ class Launch:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem_bytes: int
+    # Programmatic dependent launch (cuflash/jit.py launch): the kernel waits (griddepcontrol) for the
+    # one before it on the stream, which may then let it start early. Only kernels written for it.
+    pdl: bool = False
+
+
+def supports_pdl(arch: str) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
+    return int(_ARCH_RE.match(arch).group(1)) >= 90
 
 
 def fwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: Tile | None = None) -> KernelSpec:
@@ -988,18 +996,20 @@ def plan_decode(
     else:
         splits = max(1, min(num_splits, MAX_DECODE_SPLITS, n_tiles))
     block = (DECODE_THREADS, 1, 1)
-    attn = Launch(spec, (splits * row_blocks, nheads_kv, batch), block, spec.smem_bytes)
+    pdl = supports_pdl(arch)  # every decode kernel waits for the one before it (flash_decode.cuh)
+    attn = Launch(spec, (splits * row_blocks, nheads_kv, batch), block, spec.smem_bytes, pdl)
     append = None
     if seqlen_new > 0:
         chunks = -(-head_dim // 8) if append_aligned else head_dim
         total = batch * seqlen_new * nheads_kv * chunks
-        append = Launch(DecodeAppendSpec(bool(append_aligned), arch), (min(-(-total // DECODE_THREADS), 1 << 20), 1, 1), block, 0)
+        append = Launch(DecodeAppendSpec(bool(append_aligned), arch), (min(-(-total // DECODE_THREADS), 1 << 20), 1, 1), block,
+                        0, pdl)  # fmt: skip
     combine = None
     if decode_separate_combine(min(rows, 16 * m_slabs), splits):
         out_rows = batch * nheads * seqlen_q
         if out_rows > _MAX_GRID_X:
             raise ValueError(f"batch * nheads * seqlen_q = {out_rows} output rows exceed the grid limit {_MAX_GRID_X}")
-        combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch), (out_rows, 1, 1), block, 0)
+        combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch), (out_rows, 1, 1), block, 0, pdl)
     return DecodePlan(attn, append, splits, row_blocks, combine)
 
 

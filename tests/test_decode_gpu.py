@@ -312,6 +312,70 @@ def test_streams_get_their_own_workspace():
     run_and_check(**c, num_splits=6, what="after free_workspaces")
 
 
+def _decode_loop(q_steps, kc, vc, k_steps, v_steps, length0, splits):
+    """Step s appends token s at length0 + s and attends to the first length0 + s + 1 tokens; all steps
+    are queued on the stream without a sync, each into its own (NaN) output."""
+    import cuflash
+
+    outs = [poisoned(q.shape, "bf16") for q in q_steps]
+    poison_pool()
+    for s, (q, k, v) in enumerate(zip(q_steps, k_steps, v_steps)):
+        cuflash.attention_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=length0 + s, num_splits=splits[s],
+                                       out=outs[s])  # fmt: skip
+    return [to_f64(o) for o in outs]
+
+
+def test_a_decode_loop_without_syncs():
+    """A decode loop as a model runs it: append one token, attend, next step, with nothing between the
+    launches (on sm_90 each kernel starts while the one before it ends: programmatic dependent launch).
+    Every step must see the tokens appended before it and none after, whichever path merges its splits
+    (one split, the in-kernel merge, the combine kernel, all sharing one workspace); the same loop with
+    PDL off gives the same bits."""
+    import cupy
+
+    from cuflash import jit
+
+    rng = np.random.default_rng()
+    batch, nheads, nheads_kv, hd, length0, steps = 2, 32, 2, 128, 2500, 9
+    # 16 packed rows per kv head: 16 splits merge in the combine kernel, 4 and 3 in the split kernel.
+    splits = [0, 1, 16, 4, 0, 1, 16, 4, 3]
+    q_steps = [randn(rng, (batch, 1, nheads, hd), "bf16") for _ in range(steps)]
+    k_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
+    v_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
+    kc0, vc0, _ = make_caches(rng, batch=batch, capacity=length0 + steps + 7, nheads_kv=nheads_kv, head_dim=hd,
+                              dtype="bf16")  # fmt: skip
+    kc, vc = kc0.copy(), vc0.copy()
+    got = _decode_loop(q_steps, kc, vc, k_steps, v_steps, length0, splits)
+
+    kf, vf = to_f64(kc), to_f64(vc)
+    for s in range(steps):
+        assert (kf[:, length0 + s] == to_f64(k_steps[s])[:, 0]).all(), f"token {s} was not appended to k_cache"
+        assert (vf[:, length0 + s] == to_f64(v_steps[s])[:, 0]).all(), f"token {s} was not appended to v_cache"
+    for s in range(steps):
+        L = length0 + s + 1
+        q64 = to_f64(q_steps[s])
+        ref = reference.attention_with_kvcache(q64, kf, vf, cache_seqlens=L)[0]
+        plains = [reference.plain_attention(q64, kf[:, :L], vf[:, :L], dtype=DTYPES["bf16"], p_order=o)
+                  for o in ("normalized", "unnormalized")]  # fmt: skip
+        plain = reference.worse_of(plains, ref)
+        assert not np.isnan(got[s]).any(), f"step {s} (num_splits={splits[s]}): NaN in out"
+        err, bound = reference.max_abs_error(got[s], ref), 2 * reference.max_abs_error(plain, ref) + 1e-5
+        assert err <= bound, f"step {s} (num_splits={splits[s]}, {L} tokens): max abs error {err:.3g} > {bound:.3g}"
+    assert _all_counters_zero()
+
+    saved = jit.PDL_ENABLED
+    jit.PDL_ENABLED = False
+    try:
+        kc2, vc2 = kc0.copy(), vc0.copy()
+        again = _decode_loop(q_steps, kc2, vc2, k_steps, v_steps, length0, splits)
+    finally:
+        jit.PDL_ENABLED = saved
+    assert bool((kc2 == kc).all()) and bool((vc2 == vc).all())
+    for s in range(steps):
+        assert (again[s] == got[s]).all(), f"step {s}: the loop with PDL off differs from the loop with PDL on"
+    cupy.cuda.get_current_stream().synchronize()
+
+
 # ---------------------------------------------------------------------------------------------
 # Paged caches
 # ---------------------------------------------------------------------------------------------

@@ -218,6 +218,17 @@ def test_plan_grids_and_kernels():
     assert _plan(seqlen_new=2, head_dim=100, aligned=False).append.spec.aligned is False
 
 
+def test_programmatic_dependent_launch_from_sm90():
+    """Every decode launch (append, split kernel, combine) asks for programmatic dependent launch where
+    griddepcontrol exists (sm_90+), and none before; the forward kernels never do."""
+    for arch, want in (("sm_80", False), ("sm_86", False), ("sm_89", False), ("sm_90a", True), ("sm_100", True)):
+        p = _plan(arch=arch, num_splits=128, nheads=32, nheads_kv=1, max_seqlen=65536, seqlen_new=2,
+                  append_aligned=True)  # fmt: skip
+        assert p.combine is not None, "this plan should merge in the combine kernel"
+        assert (p.append.pdl, p.attn.pdl, p.combine.pdl) == (want, want, want), arch
+    assert plan.Launch(plan.fwd_spec(128, "bf16", False, True, "sm_90a"), (1, 1, 1), (128, 1, 1), 0).pdl is False
+
+
 def test_who_merges_the_splits():
     """The last split CTA of a group merges up to DECODE_IN_KERNEL_MERGE_MAX partial rows (its rows x
     the splits); beyond, the combine kernel runs after the split kernel, one CTA per output row."""

@@ -4,6 +4,7 @@ offset and size and the struct's size. A field out of order or of the wrong widt
 kernel read garbage, so this is checked for every struct in cuflash.params.STRUCTS."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -37,3 +38,41 @@ def test_struct_layout_matches_numpy(struct, tmp_path):
         assert c_layout[name] == (offset, field_dtype.itemsize), (
             f"{struct}.{name}: C (offset, size) {c_layout[name]} vs NumPy {(offset, field_dtype.itemsize)}"
         )
+
+
+#: cuda.h's CUlaunchConfig / CUlaunchAttribute (CUDA 12 and 13): (size, {field: offset}).
+LAUNCH_STRUCTS = {
+    "CULaunchConfig": ("CUlaunchConfig", 56, {"grid": ("gridDimX", 0), "shared_mem_bytes": ("sharedMemBytes", 24),
+                                              "stream": ("hStream", 32), "attrs": ("attrs", 40),
+                                              "num_attrs": ("numAttrs", 48)}),
+    "CULaunchAttribute": ("CUlaunchAttribute", 72, {"id": ("id", 0), "value": ("value", 8)}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("struct", sorted(LAUNCH_STRUCTS))
+def test_launch_ex_structs_match_cuda_h(struct, tmp_path):
+    """The ctypes structs jit.launch hands to cuLaunchKernelEx have cuda.h's layout: checked against the
+    header itself where a CUDA toolkit is installed, and always against its documented offsets."""
+    import ctypes
+
+    c_name, size, fields = LAUNCH_STRUCTS[struct]
+    py = getattr(jit, struct)
+    assert ctypes.sizeof(py) == size and ctypes.alignment(py) == 8
+    for py_field, (_, offset) in fields.items():
+        assert getattr(py, py_field).offset == offset, f"{struct}.{py_field}"
+    assert jit.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    include = next((d for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda") if d and
+                    os.path.exists(os.path.join(d, "include", "cuda.h"))), None)  # fmt: skip
+    if CC is None or include is None:
+        pytest.skip("no CUDA toolkit header (cuda.h) or host C compiler to compare with")
+    lines = ["#include <stddef.h>", "#include <stdio.h>", "#include <cuda.h>", "int main(void) {",
+             f'    printf("size %zu\\n", sizeof({c_name}));']  # fmt: skip
+    lines += [f'    printf("{c} %zu\\n", offsetof({c_name}, {c}));' for c, _ in fields.values()]
+    lines += ['    printf("pss %d\\n", (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);', "    return 0;", "}"]
+    src, exe = tmp_path / "launch.c", tmp_path / "launch"
+    src.write_text("\n".join(lines) + "\n")
+    subprocess.run([CC, "-std=c11", "-I", os.path.join(include, "include"), str(src), "-o", str(exe)], check=True)
+    out = dict(line.split() for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True)
+               .stdout.splitlines())  # fmt: skip
+    assert int(out.pop("size")) == size and int(out.pop("pss")) == 6
+    assert {c: int(v) for c, v in out.items()} == {c: off for c, off in fields.values()}
