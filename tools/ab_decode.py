@@ -2,7 +2,9 @@
 (bf16, head dim 128, 32 query heads, one query token, full caches, num_splits=0), with cuDNN alongside.
 
     python tools/ab_decode.py --old .old/cuda_src [--shapes 8,4096,32 ...] [--repeats 20]
-Per shape: device microseconds per call (CUDA events, round-robin samples, cuflash.bench.time_ms) of
+The old build is always launched without programmatic dependent launch (its kernels may not wait
+for the kernel before them), the new one as cuflash launches it (CUFLASH_PDL). Per shape: device
+microseconds per call (CUDA events, round-robin samples, cuflash.bench.time_ms) of
 the old and the new kernels and torch SDPA's CUDNN_ATTENTION, and new / old and new / cuDNN speed
 ratios; last, their medians. Both builds are checked against each other (max abs difference).
 """
@@ -39,11 +41,15 @@ def main():
     builds = {name: (src, {}, functools.lru_cache(maxsize=64)(plan_and_load))
               for name, src in (("old", old_dir), ("new", new_dir))}  # fmt: skip
 
+    pdl = jit.PDL_ENABLED
+
     def use(name):
         src, fns, memo = builds[name]
         jit.source_dir = lambda: src
         jit._functions = fns
         kvcache._plan_and_load = memo
+        # The old kernels may predate griddepcontrol.wait, which a PDL launch needs: never launch them so.
+        jit.PDL_ENABLED = pdl and name == "new"
 
     torch = bench_decode._torch()
     rng = np.random.default_rng(0)
