@@ -4,7 +4,7 @@ split count the heuristic (num_splits=0) picks: the data behind cuflash/plan.py 
     python tools/sweep_splits.py [--shapes 8,4096,32 ...] [--splits 1 2 3 4 6 8 12 16 24 32 48 64]
                                  [--repeats 8] [--json FILE]
 A shape is batch,cache_len,kv_heads (32 query heads, head dim 128, bf16, one query token, full
-caches; cache_len a multiple of 1024 or below it); the default is every shape of `cuflash bench --decode`. Per shape: microseconds per call
+caches); the default is every shape of `cuflash bench --decode`. Per shape: microseconds per call
 (CUDA events, cuflash.bench.time_ms, round-robin samples) of each split count (those above the
 heuristic's cap of one split per 256 keys are left out) and of cuDNN, the best count, and the
 heuristic's count with its time / the best time. Last: how many shapes the heuristic is within 2%
@@ -25,9 +25,6 @@ SPLITS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 
 def main():
     import cupy
-    import numpy as np
-
-    from cuflash.attention import _BF16
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[f"{b},{n},{h}" for h in bench_decode.DEFAULT_KV_HEADS
@@ -38,17 +35,12 @@ def main():
     ap.add_argument("--json", help="write every time here")
     a = ap.parse_args()
     torch = bench_decode._torch()
-    rng = np.random.default_rng(0)
+    rng = cupy.random.default_rng(0)
     rows, ratios = [], []
     for shape in a.shapes:
         b, L, hk = map(int, shape.split(","))
-        q = cupy.asarray(rng.standard_normal((b, 1, 32, 128), dtype=np.float32).astype(_BF16))
-        kc = cupy.empty((b, L, hk, 128), dtype=_BF16)
-        vc = cupy.empty_like(kc)
-        blk = min(L, 1024)  # 100+ GB of random numbers would take long to draw: one random block, tiled
-        for x in (kc, vc):
-            tile = rng.standard_normal((1, 1, blk, hk, 128), dtype=np.float32).astype(_BF16).view(np.uint16)
-            x.view(cupy.uint16).reshape(b, L // blk, blk, hk, 128)[...] = cupy.asarray(tile)
+        q = bench_decode._random((b, 1, 32, 128), "bf16", rng)
+        kc, vc = (bench_decode._random((b, L, hk, 128), "bf16", rng) for _ in "kv")
         heuristic = bench_decode._splits_used(q, kc, L)
         s_max = min(plan.MAX_DECODE_SPLITS, max(1, -(-L // plan.MIN_DECODE_KEYS_PER_SPLIT)))
         counts = sorted({s for s in a.splits if s <= s_max} | {heuristic})
