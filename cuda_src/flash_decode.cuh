@@ -279,7 +279,7 @@ CUFLASH_DEVICE void decode_mask(float (&S)[1][kNB][4], int col0, const int (&lim
 
 // Timeline probe for tools/trace_decode.py, compiled only with -DCUFLASH_DECODE_TRACE=<entries>: thread 0
 // of CTA c (linear block index) writes %globaltimer (ns) to cuflash_decode_trace[8 c + e] at event e:
-// 1 start, 2 first tile landed (rings of 2 or more stages), 3 main loop done, 4 end, 5 partial rows
+// 1 start (after the wait for the kernel before), 2 first tile landed, 3 main loop done, 4 end, 5 partial rows
 // written (before the count), 6 count done, 7 first chunk of partial rows staged (merging CTA only);
 // entry 0 is the SM id.
 #ifdef CUFLASH_DECODE_TRACE
@@ -527,12 +527,12 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     constexpr int kNB = WCfg::kNBlocksS, kDB = WCfg::kDBlocks, kRed = Cfg::kRedStride;
     constexpr bool kBF16 = Cfg::kIsBF16;
 
-    DECODE_TRACE(1);
     // Launched with programmatic dependent launch (sm_90+): the kernel before (the append, or the
     // previous call's kernels) has finished before anything here touches global memory; the kernel
     // after (the combine, or the next call's) may start its CTAs as slots free up.
     grid_dependency_wait();
     grid_launch_dependents();
+    DECODE_TRACE(1);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;

@@ -3,8 +3,9 @@
     python tools/trace_decode.py [--shapes 1,16384,32 ...] [--splits 0 1 ...] [--json FILE]
 
 Builds the split-KV kernel with -DCUFLASH_DECODE_TRACE (cuda_src/flash_decode.cuh), which makes
-thread 0 of every CTA record its SM, %globaltimer at start, when its first K/V tile landed, when its
-main loop ended and when it exited, and clock64 deltas of the same steps. Per shape (batch,cache_len,
+thread 0 of every CTA record its SM, %globaltimer at start (after its wait for the kernel before
+it), when its first K/V tile landed, when its main loop ended and when it exited, and clock64
+deltas of the same steps. Per shape (batch,cache_len,
 kv_heads; 32 query heads, head dim 128, bf16, one query token) and split count (0: the heuristic) it
 prints the traced call's span next to the untraced kernel's and cuDNN's device spans (torch.profiler),
 and how the span divides up:
