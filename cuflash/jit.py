@@ -599,17 +599,29 @@ def launch(fn, launch: plan.Launch, argv_ptr: int, stream_ptr: int) -> None:
     Launches with ``launch.pdl`` go through cuLaunchKernelEx with programmatic stream serialization:
     the kernel may start while the one before it on the stream finishes, and waits for it in
     griddepcontrol.wait before touching global memory (the decode kernels do; the launch gap then
-    overlaps the tail of the grid before)."""
+    overlaps the tail of the grid before). Where the driver refuses such a launch, the kernel is
+    launched plainly and PDL stays off for the rest of the process (one warning)."""
     global _driver
     if _driver is None:
         from cupy.cuda import driver as _driver
+    global PDL_ENABLED
     if launch.pdl and PDL_ENABLED:
         launch_ex = _cu_launch_kernel_ex()
         if launch_ex is not None:
             rc = launch_ex(pdl_config(launch, stream_ptr), fn.ptr, argv_ptr, None)
-            if rc != 0:
-                raise _driver.CUDADriverError(rc)
+            if rc == 0:
+                return
+            # Refused (a driver, a stream capture or a virtualized GPU without programmatic launches):
+            # launch it plainly below; if that works, stop asking for the rest of the process (the
+            # kernels' griddepcontrol.wait is a no-op without it). If it fails too, its error is raised.
+            _plain_launch(fn, launch, argv_ptr, stream_ptr)
+            PDL_ENABLED = False
+            logger.warning("programmatic dependent launch refused (CUresult %d): decode kernels launch without it", rc)
             return
+    _plain_launch(fn, launch, argv_ptr, stream_ptr)
+
+
+def _plain_launch(fn, launch: plan.Launch, argv_ptr: int, stream_ptr: int) -> None:
     g, b = launch.grid, launch.block
     _driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], launch.smem_bytes, stream_ptr, argv_ptr, 0)
 

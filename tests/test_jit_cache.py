@@ -668,3 +668,86 @@ def test_kernel_rejects_other_stage_counts(stages):
     spec = plan.with_tile(spec, dataclasses.replace(spec.tile, stages=stages))
     with pytest.raises(jit.CompileError, match="single or double buffered"):
         _nvrtc_compile(f'#include "flash_fwd.cuh"\nconstexpr int n = cuflash::FwdConfig<{spec.template_args()}>::kSmemBytes;\n')
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch path: programmatic dependent launch and its fallback (driver calls faked, no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+
+class _FakeDriver:
+    class CUDADriverError(RuntimeError):
+        pass
+
+    def __init__(self, fail=False):
+        self.plain, self.fail = [], fail
+
+    def launchKernel(self, fptr, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):  # noqa: N802 - CuPy's name
+        if self.fail:
+            raise self.CUDADriverError("plain launch failed")
+        self.plain.append(((gx, gy, gz), (bx, by, bz), smem, stream))
+
+
+def _decode_launch(pdl: bool) -> plan.Launch:
+    p = plan.plan_decode(batch=2, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=128, dtype="bf16", aligned=True,
+                         max_seqlen=4096, num_splits=3, num_sms=132, arch="sm_90a")  # fmt: skip
+    return dataclasses.replace(p.attn, pdl=pdl)
+
+
+class _Fn:
+    ptr = 0x1234
+
+
+@pytest.mark.parametrize("rc, plain_ok", [(0, True), (801, True), (801, False)])
+def test_pdl_launch_and_its_fallback(monkeypatch, caplog, rc, plain_ok):
+    """A PDL launch goes to cuLaunchKernelEx with the launch's grid, block, shared memory and stream;
+    a refused one (CUresult != 0) is launched plainly and turns PDL off for the process with one
+    warning; if the plain launch fails too, its error is raised and PDL stays as it was."""
+    ex_calls = []
+
+    def fake_ex(cfg, fptr, argv, extra):
+        ex_calls.append((tuple(cfg.grid), tuple(cfg.block), cfg.shared_mem_bytes, cfg.stream, cfg.num_attrs,
+                         cfg.attrs.contents.id, cfg.attrs.contents.value, fptr, argv))  # fmt: skip
+        return rc
+
+    drv = _FakeDriver(fail=not plain_ok)
+    monkeypatch.setattr(jit, "_driver", drv)
+    monkeypatch.setattr(jit, "_cu_launch_kernel_ex", lambda: fake_ex)
+    monkeypatch.setattr(jit, "PDL_ENABLED", True)
+    launch = _decode_launch(pdl=True)
+    caplog.set_level(logging.WARNING, logger="cuflash")
+    if not plain_ok:
+        with pytest.raises(_FakeDriver.CUDADriverError):
+            jit.launch(_Fn(), launch, 0xABC, 77)
+        assert jit.PDL_ENABLED and not drv.plain
+        return
+    jit.launch(_Fn(), launch, 0xABC, 77)
+    assert ex_calls == [(launch.grid, launch.block, launch.smem_bytes, 77, 1,
+                         jit.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1, _Fn.ptr, 0xABC)]  # fmt: skip
+    if rc == 0:
+        assert not drv.plain and jit.PDL_ENABLED and not caplog.records
+        return
+    assert drv.plain == [(launch.grid, launch.block, launch.smem_bytes, 77)]
+    assert not jit.PDL_ENABLED
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "801" in caplog.records[0].getMessage()
+    jit.launch(_Fn(), launch, 0xABC, 78)  # from now on plain, without asking the driver again
+    assert len(ex_calls) == 1 and drv.plain[-1][3] == 78
+
+
+def test_launches_without_pdl_never_ask_for_it(monkeypatch):
+    """Launches that do not allow PDL (every non-decode kernel, and decode before sm_90), CUFLASH_PDL=0
+    and a driver without cuLaunchKernelEx all take the plain cuLaunchKernel path."""
+    def fail_ex(*a):
+        raise AssertionError("cuLaunchKernelEx must not be called")
+
+    drv = _FakeDriver()
+    monkeypatch.setattr(jit, "_driver", drv)
+    monkeypatch.setattr(jit, "_cu_launch_kernel_ex", lambda: fail_ex)
+    monkeypatch.setattr(jit, "PDL_ENABLED", True)
+    jit.launch(_Fn(), _decode_launch(pdl=False), 0, 1)
+    monkeypatch.setattr(jit, "PDL_ENABLED", False)
+    jit.launch(_Fn(), _decode_launch(pdl=True), 0, 2)
+    monkeypatch.setattr(jit, "PDL_ENABLED", True)
+    monkeypatch.setattr(jit, "_cu_launch_kernel_ex", lambda: None)
+    jit.launch(_Fn(), _decode_launch(pdl=True), 0, 3)
+    assert [c[3] for c in drv.plain] == [1, 2, 3]
