@@ -312,13 +312,31 @@ def test_streams_get_their_own_workspace():
     run_and_check(**c, num_splits=6, what="after free_workspaces")
 
 
+_SPIN_SOURCE = r"""
+extern "C" __global__ void cuflash_test_spin(long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}
+"""
+
+
+def _hold_the_stream(cycles: int = 40_000_000) -> None:
+    """Keep the current stream busy (one thread spinning, ~20 ms at 2 GHz) so that the launches queued
+    behind it run back to back on the GPU, not one at a time as the host issues them."""
+    import cupy
+
+    cupy.RawKernel(_SPIN_SOURCE, "cuflash_test_spin")((1,), (1,), (cupy.int64(cycles),))
+
+
 def _decode_loop(q_steps, kc, vc, k_steps, v_steps, length0, splits):
     """Step s appends token s at length0 + s and attends to the first length0 + s + 1 tokens; all steps
-    are queued on the stream without a sync, each into its own (NaN) output."""
+    are queued behind a spinning kernel without a sync, each into its own (NaN) output."""
     import cuflash
 
     outs = [poisoned(q.shape, "bf16") for q in q_steps]
     poison_pool()
+    _hold_the_stream()
     for s, (q, k, v) in enumerate(zip(q_steps, k_steps, v_steps)):
         cuflash.attention_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=length0 + s, num_splits=splits[s],
                                        out=outs[s])  # fmt: skip
@@ -327,10 +345,13 @@ def _decode_loop(q_steps, kc, vc, k_steps, v_steps, length0, splits):
 
 def test_a_decode_loop_without_syncs():
     """A decode loop as a model runs it: append one token, attend, next step, with nothing between the
-    launches (on sm_90 each kernel starts while the one before it ends: programmatic dependent launch).
-    Every step must see the tokens appended before it and none after, whichever path merges its splits
-    (one split, the in-kernel merge, the combine kernel, all sharing one workspace); the same loop with
-    PDL off gives the same bits."""
+    launches, queued behind a spinning kernel so that they run back to back (on sm_90 each kernel
+    starts while the one before it ends: programmatic dependent launch). Every step must see the
+    tokens appended before it and none after, whichever path merges its splits (one split, the
+    in-kernel merge, the combine kernel, all sharing one workspace): the cache slots not yet appended
+    hold NaN, which a step reading its own token before the append wrote it would put into its
+    output (slots past a step's length are never read). The same loop with PDL off gives the same
+    bits."""
     import cupy
 
     from cuflash import jit
@@ -344,6 +365,8 @@ def test_a_decode_loop_without_syncs():
     v_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
     kc0, vc0, _ = make_caches(rng, batch=batch, capacity=length0 + steps + 7, nheads_kv=nheads_kv, head_dim=hd,
                               dtype="bf16")  # fmt: skip
+    for x in (kc0, vc0):
+        x.view(cupy.uint16)[:, length0:] = 0x7FFF  # NaN in bf16: the slots the loop appends to
     kc, vc = kc0.copy(), vc0.copy()
     got = _decode_loop(q_steps, kc, vc, k_steps, v_steps, length0, splits)
 
@@ -370,7 +393,8 @@ def test_a_decode_loop_without_syncs():
         again = _decode_loop(q_steps, kc2, vc2, k_steps, v_steps, length0, splits)
     finally:
         jit.PDL_ENABLED = saved
-    assert bool((kc2 == kc).all()) and bool((vc2 == vc).all())
+    for a, b in ((kc2, kc), (vc2, vc)):  # bits: the slots never appended to are still NaN
+        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
     for s in range(steps):
         assert (again[s] == got[s]).all(), f"step {s}: the loop with PDL off differs from the loop with PDL on"
     cupy.cuda.get_current_stream().synchronize()
