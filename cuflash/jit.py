@@ -601,10 +601,9 @@ def launch(fn, launch: plan.Launch, argv_ptr: int, stream_ptr: int) -> None:
     griddepcontrol.wait before touching global memory (the decode kernels do; the launch gap then
     overlaps the tail of the grid before). Where the driver refuses such a launch, the kernel is
     launched plainly and PDL stays off for the rest of the process (one warning)."""
-    global _driver
+    global _driver, PDL_ENABLED
     if _driver is None:
         from cupy.cuda import driver as _driver
-    global PDL_ENABLED
     if launch.pdl and PDL_ENABLED:
         launch_ex = _cu_launch_kernel_ex()
         if launch_ex is not None:
