@@ -271,7 +271,7 @@ def _all_counters_zero() -> bool:
     from cuflash import kvcache
 
     cupy.cuda.runtime.deviceSynchronize()
-    return all(int(abs(counters).max()) == 0 for _, counters in kvcache._WORKSPACES.values())
+    return all(counters.size == 0 or int(abs(counters).max()) == 0 for _, counters in kvcache._WORKSPACES.values())
 
 
 def test_split_counters_return_to_zero():
@@ -343,6 +343,26 @@ def _decode_loop(q_steps, kc, vc, k_steps, v_steps, length0, splits):
     return [to_f64(o) for o in outs]
 
 
+def _check_decode_loop(got, q_steps, k_steps, v_steps, kc, vc, length0, splits):
+    """Token s is in the caches at length0 + s, and step s's output (float64) is within the bound of
+    attention over the first length0 + s + 1 tokens; the split counters are back to 0."""
+    kf, vf = to_f64(kc), to_f64(vc)
+    for s in range(len(q_steps)):
+        assert (kf[:, length0 + s] == to_f64(k_steps[s])[:, 0]).all(), f"token {s} was not appended to k_cache"
+        assert (vf[:, length0 + s] == to_f64(v_steps[s])[:, 0]).all(), f"token {s} was not appended to v_cache"
+    for s in range(len(q_steps)):
+        L = length0 + s + 1
+        q64 = to_f64(q_steps[s])
+        ref = reference.attention_with_kvcache(q64, kf, vf, cache_seqlens=L)[0]
+        plains = [reference.plain_attention(q64, kf[:, :L], vf[:, :L], dtype=DTYPES["bf16"], p_order=o)
+                  for o in ("normalized", "unnormalized")]  # fmt: skip
+        plain = reference.worse_of(plains, ref)
+        assert not np.isnan(got[s]).any(), f"step {s} (num_splits={splits[s]}): NaN in out"
+        err, bound = reference.max_abs_error(got[s], ref), 2 * reference.max_abs_error(plain, ref) + 1e-5
+        assert err <= bound, f"step {s} (num_splits={splits[s]}, {L} tokens): max abs error {err:.3g} > {bound:.3g}"
+    assert _all_counters_zero()
+
+
 def test_a_decode_loop_without_syncs():
     """A decode loop as a model runs it: append one token, attend, next step, with nothing between the
     launches, queued behind a spinning kernel so that they run back to back (on sm_90 each kernel
@@ -370,21 +390,7 @@ def test_a_decode_loop_without_syncs():
     kc, vc = kc0.copy(), vc0.copy()
     got = _decode_loop(q_steps, kc, vc, k_steps, v_steps, length0, splits)
 
-    kf, vf = to_f64(kc), to_f64(vc)
-    for s in range(steps):
-        assert (kf[:, length0 + s] == to_f64(k_steps[s])[:, 0]).all(), f"token {s} was not appended to k_cache"
-        assert (vf[:, length0 + s] == to_f64(v_steps[s])[:, 0]).all(), f"token {s} was not appended to v_cache"
-    for s in range(steps):
-        L = length0 + s + 1
-        q64 = to_f64(q_steps[s])
-        ref = reference.attention_with_kvcache(q64, kf, vf, cache_seqlens=L)[0]
-        plains = [reference.plain_attention(q64, kf[:, :L], vf[:, :L], dtype=DTYPES["bf16"], p_order=o)
-                  for o in ("normalized", "unnormalized")]  # fmt: skip
-        plain = reference.worse_of(plains, ref)
-        assert not np.isnan(got[s]).any(), f"step {s} (num_splits={splits[s]}): NaN in out"
-        err, bound = reference.max_abs_error(got[s], ref), 2 * reference.max_abs_error(plain, ref) + 1e-5
-        assert err <= bound, f"step {s} (num_splits={splits[s]}, {L} tokens): max abs error {err:.3g} > {bound:.3g}"
-    assert _all_counters_zero()
+    _check_decode_loop(got, q_steps, k_steps, v_steps, kc, vc, length0, splits)
 
     saved = jit.PDL_ENABLED
     jit.PDL_ENABLED = False
@@ -398,6 +404,59 @@ def test_a_decode_loop_without_syncs():
     for s in range(steps):
         assert (again[s] == got[s]).all(), f"step {s}: the loop with PDL off differs from the loop with PDL on"
     cupy.cuda.get_current_stream().synchronize()
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+def test_a_decode_step_captured_in_a_cuda_graph(num_splits):
+    """A decode step (append one token, attend) captured once in a CUDA graph on a side stream and
+    replayed step after step, as serving loops run it: the lengths are a CuPy array bumped on the
+    stream between replays, and the inputs are copied into the captured buffers. The three merge
+    paths (one split, the in-kernel merge, the combine kernel) with PDL as the driver allows it
+    under capture (a refused PDL launch falls back to a plain one: either way every replay must see
+    the tokens appended before it). All replays are queued behind a spinning kernel, no sync between."""
+    import cupy
+
+    import cuflash
+    from cuflash import jit
+
+    rng = np.random.default_rng()
+    batch, nheads, nheads_kv, hd, length0, steps = 2, 32, 2, 128, 2500, 5
+    q_steps = [randn(rng, (batch, 1, nheads, hd), "bf16") for _ in range(steps)]
+    k_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
+    v_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
+    kc, vc, _ = make_caches(rng, batch=batch, capacity=length0 + steps + 7, nheads_kv=nheads_kv, head_dim=hd,
+                            dtype="bf16")  # fmt: skip
+    for x in (kc, vc):
+        x.view(cupy.uint16)[:, length0:] = 0x7FFF  # NaN in bf16: the slots the replays append to
+    q_buf, k_buf, v_buf = (x.copy() for x in (q_steps[0], k_steps[0], v_steps[0]))
+    out = poisoned(q_buf.shape, "bf16")
+    cupy.cuda.Device().synchronize()  # the inputs were made on the null stream, which a non-blocking one ignores
+    saved = jit.PDL_ENABLED
+    stream = cupy.cuda.Stream(non_blocking=True)
+    try:
+        with stream:
+            seqlens = cupy.full((batch,), length0, dtype=cupy.int32)
+
+            def step(k_cache, v_cache):
+                cuflash.attention_with_kvcache(q_buf, k_cache, v_cache, k=k_buf, v=v_buf, cache_seqlens=seqlens,
+                                               num_splits=num_splits, out=out)  # fmt: skip
+
+            step(kc.copy(), vc.copy())  # loads the kernels and this stream's workspace: nothing to allocate in capture
+            stream.synchronize()
+            stream.begin_capture()
+            step(kc, vc)
+            graph = stream.end_capture()
+            outs = [poisoned(q_buf.shape, "bf16") for _ in range(steps)]
+            _hold_the_stream()
+            for s in range(steps):
+                q_buf[...], k_buf[...], v_buf[...] = q_steps[s], k_steps[s], v_steps[s]
+                graph.launch(stream)
+                outs[s][...] = out
+                seqlens += 1
+            stream.synchronize()
+    finally:
+        jit.PDL_ENABLED = saved
+    _check_decode_loop([to_f64(o) for o in outs], q_steps, k_steps, v_steps, kc, vc, length0, [num_splits] * steps)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, GPU + CPU tests, compute-sanitizer, benchmark,
 # optional tile sweep. Full logs go to OUTDIR; a short summary is printed last.
-#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [bench-fp16] [decode] [trace] [ab]
+#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [bench-fp16] [decode] [ncu-decode] [trace] [ab]
 #                      [tune] [profile] [quick]
 # With no step named, runs precompile tests sanitize bench. precompile: every variant for this GPU,
 # 16 NVRTC processes at once (the suite then loads instead of compiling: ~2.5 instead of ~5 minutes).
@@ -9,7 +9,7 @@
 # .old/cuda_src) and cuDNN, in one run (tools/ab_decode.py). Environment: TESTS (pytest paths / -k,
 # default the whole suite), TEST_TIMEOUT, BENCH_ARGS (extra `cuflash bench` options, e.g. "--op
 # all"), BENCH_TIMEOUT, SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_TIMEOUT, TUNE_ARGS,
-# DECODE_ARGS, TRACE_ARGS (tools/trace_decode.py options, e.g. "--shapes 1,65536,8"), OLD_SRC, AB_ARGS.
+# DECODE_ARGS, NCU_SHAPES (ncu-decode: batch,cache_len,kv_heads ...), TRACE_ARGS (tools/trace_decode.py options, e.g. "--shapes 1,65536,8"), OLD_SRC, AB_ARGS.
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
 shift
@@ -77,6 +77,18 @@ fi
 if has ab; then  # decode kernels of this tree vs OLD_SRC, cuDNN alongside (tools/ab_decode.py)
   timeout ${AB_TIMEOUT:-250} $PY tools/ab_decode.py --old "${OLD_SRC:?ab needs OLD_SRC}" ${AB_ARGS:-} > "$OUT/ab.txt" 2> "$OUT/ab.err"
   note "ab_decode (rc=$?):"; cat "$OUT/ab.txt" >> "$SUMMARY"
+fi
+if has ncu-decode; then  # ncu (full set) of one decode call of cuflash, FA2 and cuDNN per shape; SASS with counters
+  NS=${NCU_SHAPES:-8,4096,32 1,32768,32}
+  timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --profile-from-start off --set full --import-source no \
+    -o "$OUT/ncu_decode" $PY tools/profile_decode.py --ncu --shapes $NS > "$OUT/ncu_decode.log" 2>&1
+  note "ncu-decode (rc=$?) shapes $NS"
+  ncu -i "$OUT/ncu_decode.ncu-rep" --page details > "$OUT/ncu_decode_details.txt" 2>&1
+  ncu -i "$OUT/ncu_decode.ncu-rep" --page raw --csv > "$OUT/ncu_decode_raw.csv" 2>&1
+  ncu -i "$OUT/ncu_decode.ncu-rep" --page source --print-source sass --csv > "$OUT/ncu_decode_sass.csv" 2>&1
+  rm -f "$OUT/ncu_decode.ncu-rep"
+  grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|L2 Hit Rate|L1/TEX Hit|Achieved Occupancy|Registers Per|Mem Busy|Max Bandwidth" \
+    "$OUT/ncu_decode_details.txt" | tr -s ' ' | cut -c1-150 | tee -a "$SUMMARY"
 fi
 if has trace; then  # CTA timeline of the split-KV kernel next to cuDNN (tools/trace_decode.py)
   timeout ${TRACE_TIMEOUT:-200} $PY tools/trace_decode.py ${TRACE_ARGS:-} > "$OUT/trace.txt" 2> "$OUT/trace.err"
