@@ -105,6 +105,7 @@ def attention_with_kvcache(
     return_lse: bool = False,
     out=None,
     check: bool = False,
+    _ctas_per_sm: int = 0,
 ):
     """Attention of a few new query tokens against a KV cache (decode), with flash-attn's semantics.
 
@@ -131,6 +132,7 @@ def attention_with_kvcache(
     return_lse: also return lse, float32 (batch, nheads, seqlen_q), natural log of the softmax sum.
     out: optional output array (shape and dtype of q, last dim contiguous) written in place.
     check: also validate cache_seqlens / block_table given as CuPy arrays (see below).
+    _ctas_per_sm: tuning only (tools/sweep_splits.py): split-KV CTAs resident per SM, 0 = the plan's.
 
     Returns out (shape and dtype of q), or (out, lse).
 
@@ -268,7 +270,7 @@ def attention_with_kvcache(
             max_len = capacity  # lengths on the GPU: plan the splits for the longest possible sequence
         dplan, (fn_attn, fn_append, fn_combine) = _plan_and_load(
             batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], aligned,
-            -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id,
+            -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id, _ctas_per_sm,
         )  # fmt: skip
         splits = dplan.num_splits
         bucket = dplan.attn.spec.head_dim
@@ -405,7 +407,7 @@ def _num_sms(device_id: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned, max_seqlen, num_splits, seqlen_new,
-                   append_aligned, device_id):  # fmt: skip
+                   append_aligned, device_id, ctas_per_sm=0):  # fmt: skip
     """Launch plan and loaded kernels for one call signature (memoized: the host side of a repeated
     decode step is a dictionary lookup; max_seqlen arrives rounded up to 64 tokens, so consecutive
     steps share an entry)."""
@@ -413,6 +415,7 @@ def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned,
         batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype,
         aligned=aligned, max_seqlen=max_seqlen, num_splits=num_splits, num_sms=_num_sms(device_id),
         arch=jit.device_arch(device_id), seqlen_new=seqlen_new, append_aligned=append_aligned,
+        ctas_per_sm=ctas_per_sm,
     )  # fmt: skip
     fns = tuple(None if launch is None else jit.get_function(launch.spec, device_id)
                 for launch in (p.attn, p.append, p.combine))

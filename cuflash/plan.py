@@ -795,6 +795,17 @@ def _decode_fits(bucket: int, m_slabs: int, tile: DecodeTile, arch: str) -> bool
     return smem <= max_smem_bytes(arch) and tile.min_blocks * (smem + 1024) <= smem_per_sm_bytes(arch)
 
 
+def decode_launch_smem(spec_smem: int, ctas_per_sm: int, arch: str) -> int:
+    """Dynamic shared memory to launch the split kernel with so that at most ``ctas_per_sm`` of its
+    CTAs are resident per SM: the kernel's own ``spec_smem``, padded up to a whole ``ctas_per_sm``-th
+    of the SM's shared memory (less the 1 KB the driver reserves per CTA) when that holds fewer CTAs
+    than the kernel's size would. The padding is never touched; it only spaces the CTAs out."""
+    if ctas_per_sm < 1:
+        raise ValueError(f"ctas_per_sm must be >= 1, got {ctas_per_sm}")
+    share = min(smem_per_sm_bytes(arch) // ctas_per_sm - 1024, max_smem_bytes(arch))
+    return max(spec_smem, share)
+
+
 def decode_tile(bucket: int, m_slabs: int, arch: str) -> DecodeTile:
     """The split-KV tile for ``bucket`` and ``m_slabs`` on ``arch``: the DECODE_TILES row, or where its
     CTAs do not fit min_blocks per SM, fewer stages (down to 2), then fewer CTAs per SM with the
@@ -907,6 +918,7 @@ class DecodePlan:
     num_splits: int
     num_row_blocks: int  # CTAs per (split, kv head, sequence) along the packed query rows
     combine: Launch | None = None  # merge of the splits after attn; None: one split, or merged inside attn
+    ctas_per_sm: int = 0  # split CTAs resident per SM (attn's shared memory padded where below the tile's)
 
 
 def decode_separate_combine(rows_per_cta: int, num_splits: int) -> bool:
@@ -967,12 +979,15 @@ def plan_decode(
     arch: str,
     seqlen_new: int = 0,
     append_aligned: bool = False,
+    ctas_per_sm: int = 0,
 ) -> DecodePlan:
     """Kernels, grids and split count of one decode call (batch, seqlen_q, heads >= 1).
 
     max_seqlen: the most keys any sequence attends to (after the append), or an upper bound (the
     capacity) where the lengths live on the GPU. num_splits: 0 = heuristic (decode_num_splits),
     else that many, at most MAX_DECODE_SPLITS and at most one per K/V tile. num_sms: the GPU's SMs.
+    ctas_per_sm: split CTAs resident per SM, 1 to the tile's min_blocks (fewer by padding their shared
+    memory, decode_launch_smem); 0 = the tile's min_blocks.
     """
     if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
         raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")
@@ -988,16 +1003,20 @@ def plan_decode(
     spec = decode_spec(head_dim, dtype, aligned, m_slabs, arch)
     row_blocks = -(-rows // (16 * m_slabs))
     n_tiles = -(-max_seqlen // spec.tile.block_n)
+    if isinstance(ctas_per_sm, bool) or not 0 <= ctas_per_sm <= spec.tile.min_blocks:
+        raise ValueError(f"ctas_per_sm must be 0 (the tile's) or 1..{spec.tile.min_blocks}, got {ctas_per_sm!r}")
+    per_sm = ctas_per_sm or spec.tile.min_blocks
+    smem = spec.smem_bytes if per_sm == spec.tile.min_blocks else decode_launch_smem(spec.smem_bytes, per_sm, arch)
     if num_splits == 0:
         min_tiles = -(-MIN_DECODE_KEYS_PER_SPLIT // spec.tile.block_n)
-        slots = num_sms * spec.tile.min_blocks
+        slots = num_sms * per_sm
         splits = decode_num_splits(ctas=batch * nheads_kv * row_blocks, n_tiles=max(1, n_tiles), slots=slots,
                                    min_tiles=min_tiles)  # fmt: skip
     else:
         splits = max(1, min(num_splits, MAX_DECODE_SPLITS, n_tiles))
     block = (DECODE_THREADS, 1, 1)
     pdl = supports_pdl(arch)  # every decode kernel waits for the one before it (flash_decode.cuh)
-    attn = Launch(spec, (splits * row_blocks, nheads_kv, batch), block, spec.smem_bytes, pdl)
+    attn = Launch(spec, (splits * row_blocks, nheads_kv, batch), block, smem, pdl)
     append = None
     if seqlen_new > 0:
         chunks = -(-head_dim // 8) if append_aligned else head_dim
@@ -1010,7 +1029,7 @@ def plan_decode(
         if out_rows > _MAX_GRID_X:
             raise ValueError(f"batch * nheads * seqlen_q = {out_rows} output rows exceed the grid limit {_MAX_GRID_X}")
         combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch), (out_rows, 1, 1), block, 0, pdl)
-    return DecodePlan(attn, append, splits, row_blocks, combine)
+    return DecodePlan(attn, append, splits, row_blocks, combine, per_sm)
 
 
 def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=None, aligned=(True, False),

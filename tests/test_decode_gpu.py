@@ -74,7 +74,7 @@ def gather(cache64: np.ndarray, b: int, L: int, block_table, page_size: int) -> 
 
 
 def run_and_check(q, k_cache, v_cache, *, dtype, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
-                  softmax_scale=None, num_splits=0, check=False, ref_lengths=None, what=""):  # fmt: skip
+                  softmax_scale=None, num_splits=0, check=False, ref_lengths=None, what="", ctas_per_sm=0):  # fmt: skip
     """Call attention_with_kvcache (NaN-poisoned out and pool) and check out, lse and the caches after
     the append against the reference. ref_lengths: the lengths the reference should use (the clamped
     ones when the call passes out-of-range values unchecked). Returns (out, lse, err, bound)."""
@@ -88,6 +88,7 @@ def run_and_check(q, k_cache, v_cache, *, dtype, k=None, v=None, cache_seqlens=N
     ret, lse = cuflash.attention_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal,
         softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True, out=out, check=check,
+        _ctas_per_sm=ctas_per_sm,
     )  # fmt: skip
     assert ret is out
     bt = host(block_table)
@@ -263,6 +264,24 @@ def test_num_splits_agree():
         assert err <= 2 * reference.max_abs_error(outs[1], ref) + 1e-5, f"splits={s} vs 1: {err:.3g}"
     again = cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=c["cache_seqlens"])
     assert (to_f64(again) == outs[0]).all(), "the heuristic's split count changed between two identical calls"
+
+
+@pytest.mark.parametrize("ctas_per_sm", [1, 2])
+def test_fewer_ctas_per_sm_same_bits(ctas_per_sm):
+    """Split CTAs spaced out to fewer per SM (padded shared memory) compute the same bits: only where
+    the CTAs run changes, for every merge path."""
+    import cuflash
+    import cupy
+
+    rng = np.random.default_rng()
+    c = case(rng, batch=3, nheads=32, nheads_kv=2, head_dim=128, capacity=3000, lengths=[3000, 1700, 0])
+    args = (c["q"], c["k_cache"], c["v_cache"])
+    for splits in (1, 4, 16, 0):
+        want = cuflash.attention_with_kvcache(*args, cache_seqlens=c["cache_seqlens"], num_splits=splits or 6)
+        got = cuflash.attention_with_kvcache(*args, cache_seqlens=c["cache_seqlens"], num_splits=splits or 6,
+                                             _ctas_per_sm=ctas_per_sm)  # fmt: skip
+        assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all()), f"num_splits={splits}"
+    run_and_check(**c, what=f"heuristic splits at {ctas_per_sm} CTAs per SM", ctas_per_sm=ctas_per_sm)
 
 
 def _all_counters_zero() -> bool:

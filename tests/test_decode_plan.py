@@ -187,6 +187,29 @@ def test_auto_splits_examples():
     assert _plan(max_seqlen=0).num_splits == 1
 
 
+def test_ctas_per_sm_pads_the_split_kernels_shared_memory():
+    """Fewer split CTAs per SM than the tile holds: the launch asks for just enough shared memory that
+    exactly that many fit (the driver's 1 KB per CTA included), never more than a CTA may have."""
+    arch = "sm_90a"
+    p3 = _plan(num_splits=4)
+    assert p3.ctas_per_sm == 3 == p3.attn.spec.min_blocks and p3.attn.smem_bytes == p3.attn.spec.smem_bytes
+    assert _plan(num_splits=4, ctas_per_sm=3) == p3
+    for c in (1, 2):
+        p = _plan(num_splits=4, ctas_per_sm=c)
+        smem = p.attn.smem_bytes
+        assert p.ctas_per_sm == c and p.attn.spec == p3.attn.spec and p.attn.grid == p3.attn.grid
+        assert p.attn.spec.smem_bytes <= smem <= plan.max_smem_bytes(arch)
+        assert c * (smem + 1024) <= plan.smem_per_sm_bytes(arch) < (c + 1) * (smem + 1024)
+    # the split heuristic fills the slots there are: 32 (sequence, kv head) CTAs at 2 per SM -> 8 splits
+    assert _plan(ctas_per_sm=2).num_splits == 8 and _plan().num_splits == 12
+    for bad in (4, -1, True):
+        with pytest.raises(ValueError, match="ctas_per_sm"):
+            _plan(ctas_per_sm=bad)
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        plan.decode_launch_smem(1000, 0, arch)
+    assert plan.decode_launch_smem(200_000, 2, arch) == 200_000  # already fewer per SM: unchanged
+
+
 def test_explicit_splits():
     assert _plan(num_splits=1).num_splits == 1
     assert _plan(num_splits=7).num_splits == 7
@@ -305,7 +328,9 @@ def test_host_seqlens():
 def test_api_signature_is_flash_attn_compatible():
     params = inspect.signature(kvcache.attention_with_kvcache).parameters
     assert list(params)[:3] == ["q", "k_cache", "v_cache"]
-    defaults = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    # flash-attn's keywords and cuflash's out / check; tuning-only ones are private (_ctas_per_sm)
+    defaults = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+                and not n.startswith("_")}  # fmt: skip
     assert defaults == dict(k=None, v=None, cache_seqlens=None, block_table=None, causal=False, softmax_scale=None,
                             num_splits=0, return_lse=False, out=None, check=False)  # fmt: skip
     import cuflash

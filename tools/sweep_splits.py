@@ -2,12 +2,14 @@
 split count the heuristic (num_splits=0) picks: the data behind cuflash/plan.py decode_num_splits.
 
     python tools/sweep_splits.py [--shapes 8,4096,32 ...] [--splits 1 2 3 4 6 8 12 16 24 32 48 64]
-                                 [--repeats 8] [--json FILE]
+                                 [--ctas-per-sm 2 3] [--max-gb 5] [--repeats 8] [--json FILE]
 A shape is batch,cache_len,kv_heads (32 query heads, head dim 128, bf16, one query token, full
 caches); the default is every shape of `cuflash bench --decode`. Per shape: microseconds per call
 (CUDA events, cuflash.bench.time_ms, round-robin samples) of each split count (those above the
 heuristic's cap of one split per 256 keys are left out) and of cuDNN, the best count, and the
-heuristic's count with its time / the best time. Last: how many shapes the heuristic is within 2%
+heuristic's count with its time / the best time. --ctas-per-sm: also each split count with the split
+CTAs spaced out to that many per SM (cells "splits@ctas"; plain cells use the plan's CTAs per SM).
+--max-gb: skip shapes whose cache is larger (their calls are milliseconds long). Last: how many shapes the heuristic is within 2%
 of the best on, and the median of its time / best.
 """
 import argparse
@@ -31,6 +33,8 @@ def main():
                                                      for b in bench_decode.DEFAULT_BATCHES
                                                      for n in bench_decode.DEFAULT_CACHE_LENS])
     ap.add_argument("--splits", nargs="*", type=int, default=SPLITS)
+    ap.add_argument("--ctas-per-sm", nargs="*", type=int, default=[])
+    ap.add_argument("--max-gb", type=float, default=float("inf"))
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--json", help="write every time here")
     a = ap.parse_args()
@@ -39,17 +43,20 @@ def main():
     rows, ratios = [], []
     for shape in a.shapes:
         b, L, hk = map(int, shape.split(","))
+        if bench_decode.kv_bytes(b, L, hk, 128) > a.max_gb * 1e9:
+            continue
         q = bench_decode._random((b, 1, 32, 128), "bf16", rng)
         kc, vc = (bench_decode._random((b, L, hk, 128), "bf16", rng) for _ in "kv")
         heuristic = bench_decode._splits_used(q, kc, L)
         s_max = min(plan.MAX_DECODE_SPLITS, max(1, -(-L // plan.MIN_DECODE_KEYS_PER_SPLIT)))
         counts = sorted({s for s in a.splits if s <= s_max} | {heuristic})
 
-        def call(s):
+        def call(s, c=0):
             return lambda: kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=L, softmax_scale=128**-0.5,
-                                                          num_splits=s)  # fmt: skip
+                                                          num_splits=s, _ctas_per_sm=c)  # fmt: skip
 
         fns = {s: call(s) for s in counts}
+        fns.update({f"{s}@{c}": call(s, c) for c in a.ctas_per_sm for s in counts})
         tq = tk = tv = None
         if torch is not None:
             from torch.nn.attention import SDPBackend
@@ -60,12 +67,17 @@ def main():
         us = {k: v * 1e3 for k, v in time_ms(fns, repeats=a.repeats).items()}
         best = min(counts, key=lambda s: us[s])
         ratios.append(us[heuristic] / us[best])
+        spaced = {k: v for k, v in us.items() if isinstance(k, str) and "@" in k}
         rows.append({"batch": b, "cache_len": L, "nheads_kv": hk, "us": {str(k): v for k, v in us.items()},
                      "best": best, "heuristic": heuristic})  # fmt: skip
         cells = "  ".join(f"{s}:{us[s]:.1f}" for s in counts)
         peer = f"  cudnn {us['cudnn']:.1f}" if "cudnn" in us else ""
         print(f"b={b:3d} L={L:6d} h_kv={hk:2d}  {cells}{peer}  | best {best}, heuristic {heuristic} "
               f"x{ratios[-1]:.3f}", flush=True)  # fmt: skip
+        if spaced:
+            top = min(spaced, key=spaced.get)
+            print(f"    spaced: {'  '.join(f'{k}:{v:.1f}' for k, v in spaced.items())}  | best {top} "
+                  f"{spaced[top]:.1f} (x{spaced[top] / us[best]:.3f} of the best plain)", flush=True)  # fmt: skip
         q = kc = vc = fns = tq = tk = tv = None  # the torch views hold the caches too
         bench_decode._release_memory()
     print(f"heuristic within 2% of the best on {sum(r <= 1.02 for r in ratios)} of {len(ratios)} shapes; "
