@@ -51,6 +51,7 @@ class DecodeRow:
     nheads_kv: int
     kv_gb: float  # KV bytes read per call, GB (10^9)
     num_splits: int = 0  # cuflash's split count (num_splits=0 heuristic)
+    ctas_per_sm: int = 0  # cuflash's split CTAs resident per SM (the plan's choice)
     ms: dict = field(default_factory=dict)  # impl -> median ms per call
     tbps: dict = field(default_factory=dict)  # impl -> KV TB/s
     mem_mb: dict = field(default_factory=dict)  # impl -> peak extra device memory of one call (MB)
@@ -167,15 +168,16 @@ def run_decode_point(dtype: str, head_dim: int, batch: int, cache_len: int, nhea
     if "cuflash" in runnable:
         row.host_us = round(host_us(ours, calls=50), 1)
         row.mem_mb["cuflash"] = round(_peak_extra_mb(ours), 1)
-        row.num_splits = _splits_used(q, k_cache, cache_len)
+        p = _plan_used(q, k_cache, cache_len)
+        row.num_splits, row.ctas_per_sm = p.num_splits, p.ctas_per_sm
     for name in runnable:
         if name != "cuflash":
             row.mem_mb[name] = round(_torch_peak_mb(torch, runnable[name]), 1)
     return row
 
 
-def _splits_used(q, k_cache, cache_len: int) -> int:
-    """The split count cuflash's heuristic picks for this call (the same plan the call used)."""
+def _plan_used(q, k_cache, cache_len: int):
+    """The decode plan cuflash picks for this call (the same plan the call used): split count, CTAs per SM."""
     from . import jit, plan
     from .attention import _DTYPE_NAMES
     from .kvcache import _num_sms
@@ -187,7 +189,7 @@ def _splits_used(q, k_cache, cache_len: int) -> int:
         dtype=_DTYPE_NAMES[q.dtype], aligned=head_dim % 8 == 0, max_seqlen=-(-cache_len // 64) * 64, num_splits=0,
         num_sms=_num_sms(dev), arch=jit.device_arch(dev),
     )  # fmt: skip
-    return p.num_splits
+    return p
 
 
 def run_prefill_vs_decode(dtype: str, head_dim: int, cache_len: int, nheads: int, nheads_kv: int, *,
@@ -238,6 +240,7 @@ def format_decode_table(rows: list[DecodeRow], env: dict) -> str:
         "ms = cuflash device time; mem = extra MB of one call; host us = cuflash host time per call",
         f"{'dtype':5} {'hd':>3} {'b':>3} {'kv len':>7} {'h':>3} {'h_kv':>4} {'KV GB':>7} | {'cuflash':>7} {'flash':>7} "
         f"{'cudnn':>7} | {'vs flash':>8} {'vs cudnn':>8} | {'ms':>8} {'splits':>6} {'mem':>7} {'host us':>7}",
+        "splits: cuflash's key splits per sequence x split CTAs per SM",
     ]
 
     def f(x):
@@ -249,7 +252,8 @@ def format_decode_table(rows: list[DecodeRow], env: dict) -> str:
             f"{r.dtype:5} {r.head_dim:>3} {r.batch:>3} {r.cache_len:>7} {r.nheads:>3} {r.nheads_kv:>4} {r.kv_gb:7.2f} | "
             f"{f(t.get('cuflash'))} {f(t.get('flash'))} {f(t.get('cudnn'))} | "
             f"{_ratio(t.get('cuflash'), t.get('flash'))} {_ratio(t.get('cuflash'), t.get('cudnn'))} | "
-            f"{r.ms.get('cuflash', float('nan')):8.3f} {r.num_splits:>6} {r.mem_mb.get('cuflash', float('nan')):7.1f} "
+            f"{r.ms.get('cuflash', float('nan')):8.3f} {f'{r.num_splits}x{r.ctas_per_sm}':>6} "
+            f"{r.mem_mb.get('cuflash', float('nan')):7.1f} "
             f"{r.host_us:7.1f}"
         )
     for peer in ("flash", "cudnn"):

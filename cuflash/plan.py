@@ -708,6 +708,20 @@ MAX_DECODE_SPLITS = 128
 #: Fewest keys a split gets from the heuristic: below this a CTA's pipeline fill and its partial
 #: row (written, then read by the merge) weigh more than the tiles it streams.
 MIN_DECODE_KEYS_PER_SPLIT = 256
+#: Most keys a split gets from the heuristic: a CTA streaming more ends further from its neighbours
+#: (b=8 L=32k h_kv=32: one split of 32k keys per CTA 2% slower than four of 8k on the H200).
+MAX_DECODE_KEYS_PER_SPLIT = 16384
+#: Split CTAs that stream at least this many keys run at most DECODE_LONG_CTAS_PER_SM per SM (their
+#: shared memory padded, decode_launch_smem), shorter ones as many as the tile holds. Measured on the
+#: H200 (tools/sweep_splits.py --ctas-per-sm 2, hd128, 26 shapes up to 4.3 GB of cache, CUDA-event
+#: us per call): where CTAs are long, about 2 per SM in whole waves (cuDNN's grids) stream faster than
+#: 3 per SM: b=8 L=4k h_kv=32 1 split at 2/SM 135.5 vs the best at 3/SM 139.7 (3 splits); b=64 L=4k
+#: h_kv=8 255.2 vs 263.6; b=64 L=8k h_kv=8 494.8 vs 509.4; b=8 L=16k h_kv=8 137.1 vs 139.6. Where
+#: they are short (b=8 L=4k h_kv=8: 11 tiles a CTA; b=1 up to 16k keys), 3 per SM hide each CTA's
+#: pipeline fill and epilogue better: 46.3 us at 3/SM vs 50.6 at 2/SM. Over the 26 shapes the
+#: heuristic's time / the best (s, CTAs per SM) measured went from mean 1.020 to 1.014.
+DECODE_LONG_CTA_KEYS = 3072
+DECODE_LONG_CTAS_PER_SM = 2
 #: Fixed cost of one CTA in units of one K/V tile's streaming time (pipeline fill, epilogue, the
 #: merge's share); the split heuristic's cost model.
 DECODE_CTA_OVERHEAD_TILES = 1
@@ -947,19 +961,21 @@ def decode_m_slabs(rows: int, bucket: int, arch: str) -> int:
     return next((m for m in options if 16 * m >= rows), options[-1])
 
 
-def decode_num_splits(*, ctas: int, n_tiles: int, slots: int, min_tiles: int) -> int:
-    """Key splits per sequence that fill the GPU: the s in [1, s_max] minimizing the modeled time
+def decode_num_splits(*, ctas: int, n_tiles: int, slots: int, min_tiles: int, max_tiles: int = 0) -> int:
+    """Key splits per sequence that fill the GPU: the s in [s_min, s_max] minimizing the modeled time
     ceil(ctas * s / slots) * (ceil(n_tiles / s) + DECODE_CTA_OVERHEAD_TILES) (waves of resident CTAs,
     times the tiles one CTA streams plus its fixed cost), taking the smallest s within 2% of the best.
 
     ctas: CTAs without splitting (batch * nheads_kv * row blocks); n_tiles: K/V tiles of the longest
     sequence; slots: CTAs resident at once (SMs x CTAs per SM); s_max: min(MAX_DECODE_SPLITS,
-    n_tiles // min_tiles), so a split gets at least min_tiles tiles.
+    n_tiles // min_tiles), so a split gets at least min_tiles tiles; s_min: ceil(n_tiles / max_tiles)
+    (at most s_max), so a split gets at most max_tiles tiles (0: no limit).
     """
-    if min(ctas, n_tiles, slots, min_tiles) < 1:
-        raise ValueError("decode_num_splits needs positive ctas, n_tiles, slots and min_tiles")
+    if min(ctas, n_tiles, slots, min_tiles) < 1 or max_tiles < 0:
+        raise ValueError("decode_num_splits needs positive ctas, n_tiles, slots and min_tiles, and max_tiles >= 0")
     s_max = max(1, min(MAX_DECODE_SPLITS, n_tiles // min_tiles))
-    cost = {s: -(-ctas * s // slots) * (-(-n_tiles // s) + DECODE_CTA_OVERHEAD_TILES) for s in range(1, s_max + 1)}
+    s_min = min(s_max, -(-n_tiles // max_tiles)) if max_tiles else 1
+    cost = {s: -(-ctas * s // slots) * (-(-n_tiles // s) + DECODE_CTA_OVERHEAD_TILES) for s in range(s_min, s_max + 1)}
     best = min(cost.values())
     return min(s for s, c in cost.items() if c <= best * 1.02)
 
@@ -987,7 +1003,9 @@ def plan_decode(
     capacity) where the lengths live on the GPU. num_splits: 0 = heuristic (decode_num_splits),
     else that many, at most MAX_DECODE_SPLITS and at most one per K/V tile. num_sms: the GPU's SMs.
     ctas_per_sm: split CTAs resident per SM, 1 to the tile's min_blocks (fewer by padding their shared
-    memory, decode_launch_smem); 0 = the tile's min_blocks.
+    memory, decode_launch_smem); 0 = DECODE_LONG_CTAS_PER_SM where a split streams at least
+    DECODE_LONG_CTA_KEYS keys, else the tile's min_blocks. The heuristic split count (num_splits=0) is
+    decode_num_splits for those slots, trying the spaced-out grid first.
     """
     if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
         raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")
@@ -1005,15 +1023,25 @@ def plan_decode(
     n_tiles = -(-max_seqlen // spec.tile.block_n)
     if isinstance(ctas_per_sm, bool) or not 0 <= ctas_per_sm <= spec.tile.min_blocks:
         raise ValueError(f"ctas_per_sm must be 0 (the tile's) or 1..{spec.tile.min_blocks}, got {ctas_per_sm!r}")
-    per_sm = ctas_per_sm or spec.tile.min_blocks
-    smem = spec.smem_bytes if per_sm == spec.tile.min_blocks else decode_launch_smem(spec.smem_bytes, per_sm, arch)
+    bn = spec.tile.block_n
+    spaced = min(DECODE_LONG_CTAS_PER_SM, spec.tile.min_blocks)
+
+    def long_ctas(s: int) -> bool:
+        return -(-n_tiles // s) * bn >= DECODE_LONG_CTA_KEYS
+
     if num_splits == 0:
-        min_tiles = -(-MIN_DECODE_KEYS_PER_SPLIT // spec.tile.block_n)
-        slots = num_sms * per_sm
-        splits = decode_num_splits(ctas=batch * nheads_kv * row_blocks, n_tiles=max(1, n_tiles), slots=slots,
-                                   min_tiles=min_tiles)  # fmt: skip
+        def auto(per_sm: int) -> int:
+            return decode_num_splits(ctas=batch * nheads_kv * row_blocks, n_tiles=max(1, n_tiles),
+                                     slots=num_sms * per_sm, min_tiles=-(-MIN_DECODE_KEYS_PER_SPLIT // bn),
+                                     max_tiles=MAX_DECODE_KEYS_PER_SPLIT // bn)  # fmt: skip
+
+        splits = auto(ctas_per_sm or spaced)
+        if not ctas_per_sm and not long_ctas(splits):
+            splits = auto(spec.tile.min_blocks)  # short CTAs: as many per SM as fit
     else:
         splits = max(1, min(num_splits, MAX_DECODE_SPLITS, n_tiles))
+    per_sm = ctas_per_sm or (spaced if long_ctas(splits) else spec.tile.min_blocks)
+    smem = spec.smem_bytes if per_sm == spec.tile.min_blocks else decode_launch_smem(spec.smem_bytes, per_sm, arch)
     block = (DECODE_THREADS, 1, 1)
     pdl = supports_pdl(arch)  # every decode kernel waits for the one before it (flash_decode.cuh)
     attn = Launch(spec, (splits * row_blocks, nheads_kv, batch), block, smem, pdl)

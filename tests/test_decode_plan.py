@@ -165,10 +165,14 @@ def _plan(**kw):
 def test_auto_splits_fill_the_h200(batch, nheads_kv, seqlen):
     p = _plan(batch=batch, nheads_kv=nheads_kv, max_seqlen=seqlen)
     ctas = p.attn.grid[0] * p.attn.grid[1] * p.attn.grid[2]
-    slots = H200_SMS * p.attn.spec.min_blocks
+    slots = H200_SMS * p.ctas_per_sm
     keys_per_split = -(-seqlen // p.num_splits)
     assert 1 <= p.num_splits <= plan.MAX_DECODE_SPLITS
     assert keys_per_split >= plan.MIN_DECODE_KEYS_PER_SPLIT or p.num_splits == 1
+    assert keys_per_split <= plan.MAX_DECODE_KEYS_PER_SPLIT
+    # Long splits run spaced out (2 CTAs per SM at hd128), short ones as many per SM as fit (3).
+    long = keys_per_split >= plan.DECODE_LONG_CTA_KEYS
+    assert p.ctas_per_sm == (plan.DECODE_LONG_CTAS_PER_SM if long else p.attn.spec.min_blocks) == (2 if long else 3)
     # Nearly every resident CTA slot gets work (the wave model may trade the last few slots for one tile
     # less per split), unless the minimum keys per split forbid more splits ...
     assert ctas >= 0.85 * slots or p.num_splits >= seqlen // plan.MIN_DECODE_KEYS_PER_SPLIT
@@ -178,30 +182,42 @@ def test_auto_splits_fill_the_h200(batch, nheads_kv, seqlen):
 
 
 def test_auto_splits_examples():
-    # hd128 runs 3 CTAs per SM: 396 slots on the H200
-    assert _plan(batch=1, nheads_kv=32, max_seqlen=32768).num_splits == 12  # 32 CTAs -> 384 of 396 slots
-    assert _plan(batch=64, nheads_kv=32, max_seqlen=4096).num_splits == 2  # 2048 CTAs (5.2 waves) -> 4096 (10.3): a fuller last wave
-    assert _plan(batch=8, nheads_kv=32, max_seqlen=131072).num_splits == 3  # 256 long CTAs fill 65% of the slots; 768 make 1.94 waves
+    # hd128: 3 CTAs per SM (396 slots on the H200) where a split streams < 3072 keys, else 2 (264 slots)
+    assert _plan(batch=1, nheads_kv=32, max_seqlen=8192).num_splits == 12  # 32 CTAs -> 384 of 396 slots
+    p = _plan(batch=1, nheads_kv=32, max_seqlen=32768)
+    assert (p.num_splits, p.ctas_per_sm) == (8, 2)  # 32 CTAs -> 256 of 264 slots, 4096 keys each
+    p = _plan(batch=8, nheads_kv=32, max_seqlen=4096)
+    assert (p.num_splits, p.ctas_per_sm) == (1, 2)  # 256 CTAs of 4096 keys: one wave at 2 per SM (cuDNN's grid)
+    p = _plan(batch=8, nheads_kv=8, max_seqlen=4096)
+    assert (p.num_splits, p.ctas_per_sm) == (6, 3)  # at 2 per SM 4 splits of 1024 keys: short, so 3 per SM
+    p = _plan(batch=8, nheads_kv=32, max_seqlen=131072)
+    assert (p.num_splits, p.ctas_per_sm) == (8, 2)  # at most 16k keys a split
     assert _plan(batch=1, nheads_kv=8, max_seqlen=4096).num_splits == 16  # capped by 256 keys per split
     assert _plan(max_seqlen=100).num_splits == 1  # two tiles: nothing to split
     assert _plan(max_seqlen=0).num_splits == 1
+    # explicit split counts get the same spacing rule
+    assert _plan(num_splits=1, max_seqlen=4096).ctas_per_sm == 2 and _plan(num_splits=2, max_seqlen=4096).ctas_per_sm == 3
+    # head dims whose tile holds 2 CTAs per SM (hd64) are never padded
+    p = _plan(head_dim=64, batch=8, max_seqlen=4096)
+    assert p.ctas_per_sm == p.attn.spec.min_blocks == 2 and p.attn.smem_bytes == p.attn.spec.smem_bytes
 
 
 def test_ctas_per_sm_pads_the_split_kernels_shared_memory():
     """Fewer split CTAs per SM than the tile holds: the launch asks for just enough shared memory that
     exactly that many fit (the driver's 1 KB per CTA included), never more than a CTA may have."""
     arch = "sm_90a"
-    p3 = _plan(num_splits=4)
+    p3 = _plan(num_splits=4, max_seqlen=8192)  # splits of 2048 keys: short, as many per SM as fit
     assert p3.ctas_per_sm == 3 == p3.attn.spec.min_blocks and p3.attn.smem_bytes == p3.attn.spec.smem_bytes
-    assert _plan(num_splits=4, ctas_per_sm=3) == p3
+    assert _plan(num_splits=4, max_seqlen=8192, ctas_per_sm=3) == p3
     for c in (1, 2):
-        p = _plan(num_splits=4, ctas_per_sm=c)
+        p = _plan(num_splits=4, max_seqlen=8192, ctas_per_sm=c)
         smem = p.attn.smem_bytes
         assert p.ctas_per_sm == c and p.attn.spec == p3.attn.spec and p.attn.grid == p3.attn.grid
         assert p.attn.spec.smem_bytes <= smem <= plan.max_smem_bytes(arch)
         assert c * (smem + 1024) <= plan.smem_per_sm_bytes(arch) < (c + 1) * (smem + 1024)
     # the split heuristic fills the slots there are: 32 (sequence, kv head) CTAs at 2 per SM -> 8 splits
-    assert _plan(ctas_per_sm=2).num_splits == 8 and _plan().num_splits == 12
+    assert _plan(ctas_per_sm=2, max_seqlen=8192).num_splits == 8 and _plan(max_seqlen=8192).num_splits == 12
+    assert _plan(ctas_per_sm=3).ctas_per_sm == 3 and _plan(ctas_per_sm=3).num_splits == 12
     for bad in (4, -1, True):
         with pytest.raises(ValueError, match="ctas_per_sm"):
             _plan(ctas_per_sm=bad)
@@ -218,15 +234,20 @@ def test_explicit_splits():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 5000), st.integers(1, 4096), st.integers(1, 600), st.integers(1, 8))
-def test_heuristic_bounds(ctas, n_tiles, slots, min_tiles):
-    s = plan.decode_num_splits(ctas=ctas, n_tiles=n_tiles, slots=slots, min_tiles=min_tiles)
+@given(st.integers(1, 5000), st.integers(1, 4096), st.integers(1, 600), st.integers(1, 8),
+       st.sampled_from([0, 1, 7, 256]))  # fmt: skip
+def test_heuristic_bounds(ctas, n_tiles, slots, min_tiles, max_tiles):
+    s = plan.decode_num_splits(ctas=ctas, n_tiles=n_tiles, slots=slots, min_tiles=min_tiles, max_tiles=max_tiles)
     s_max = max(1, min(plan.MAX_DECODE_SPLITS, n_tiles // min_tiles))
-    assert 1 <= s <= s_max
+    s_min = min(s_max, -(-n_tiles // max_tiles)) if max_tiles else 1
+    assert s_min <= s <= s_max
+    assert max_tiles == 0 or s == s_max or -(-n_tiles // s) <= max_tiles
     cost = lambda x: -(-ctas * x // slots) * (-(-n_tiles // x) + plan.DECODE_CTA_OVERHEAD_TILES)  # noqa: E731
-    assert cost(s) <= 1.02 * min(cost(x) for x in range(1, s_max + 1))
-    if ctas % slots == 0:  # whole waves already: a split only adds per-CTA cost
+    assert cost(s) <= 1.02 * min(cost(x) for x in range(s_min, s_max + 1))
+    if ctas % slots == 0 and s_min == 1:  # whole waves already: a split only adds per-CTA cost
         assert s == 1
+    with pytest.raises(ValueError):
+        plan.decode_num_splits(ctas=ctas, n_tiles=n_tiles, slots=slots, min_tiles=min_tiles, max_tiles=-1)
 
 
 def test_plan_grids_and_kernels():
