@@ -643,10 +643,8 @@ def get_function(spec: plan.KernelSpec, device_id: int):
             module = function.Module()
             module.load(cubin)
             fn = module.get_function(spec.name)
-            # Above 48 KB the dynamic limit must be raised first; split-KV decode CTAs may be launched
-            # with more than they use (plan.decode_launch_smem: fewer CTAs per SM), up to the limit.
-            limit = plan.max_smem_bytes(spec.arch) if isinstance(spec, plan.DecodeSpec) else spec.smem_bytes
-            if limit > 48 * 1024:
+            limit = plan.max_launch_smem(spec)
+            if limit > 48 * 1024:  # above 48 KB the dynamic limit must be raised first
                 driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, limit)
         _count("module_loads")
         _functions[key] = fn

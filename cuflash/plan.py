@@ -820,6 +820,13 @@ def decode_launch_smem(spec_smem: int, ctas_per_sm: int, arch: str) -> int:
     return max(spec_smem, share)
 
 
+def max_launch_smem(spec) -> int:
+    """The most dynamic shared memory a launch of ``spec`` may ask for (the limit a loaded function is
+    given): split-KV decode launches may be padded (decode_launch_smem) up to the GPU's per-CTA
+    maximum; every other kernel asks for exactly its own."""
+    return max_smem_bytes(spec.arch) if isinstance(spec, DecodeSpec) else spec.smem_bytes
+
+
 def decode_tile(bucket: int, m_slabs: int, arch: str) -> DecodeTile:
     """The split-KV tile for ``bucket`` and ``m_slabs`` on ``arch``: the DECODE_TILES row, or where its
     CTAs do not fit min_blocks per SM, fewer stages (down to 2), then fewer CTAs per SM with the

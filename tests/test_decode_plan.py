@@ -224,6 +224,10 @@ def test_ctas_per_sm_pads_the_split_kernels_shared_memory():
     with pytest.raises(ValueError, match="ctas_per_sm"):
         plan.decode_launch_smem(1000, 0, arch)
     assert plan.decode_launch_smem(200_000, 2, arch) == 200_000  # already fewer per SM: unchanged
+    # a loaded split kernel may be launched with up to the per-CTA maximum; other kernels their own
+    assert plan.max_launch_smem(p3.attn.spec) == plan.max_smem_bytes(arch) >= _plan(num_splits=4, ctas_per_sm=1).attn.smem_bytes
+    fwd = plan.fwd_spec(128, "bf16", False, True, "sm_80")
+    assert plan.max_launch_smem(fwd) == fwd.smem_bytes
 
 
 def test_explicit_splits():

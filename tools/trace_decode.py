@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuflash import bench_decode, jit, kvcache  # noqa: E402
+from cuflash import bench_decode, jit, kvcache, plan  # noqa: E402
 
 SHAPES = ["1,16384,32", "1,65536,8", "8,8192,8", "8,4096,32", "64,4096,8", "8,131072,32"]
 TRACE_ENTRIES = 8 * 16384  # 8 u64 per CTA
@@ -48,8 +48,9 @@ class Traced:
             mod = function.Module()
             mod.load(cubin)
             fn = mod.get_function(spec.name)
-            if spec.smem_bytes > 48 * 1024:
-                driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
+            if plan.max_launch_smem(spec) > 48 * 1024:  # padded launches too (fewer CTAs per SM)
+                driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        plan.max_launch_smem(spec))  # fmt: skip
             if self.carveout is not None:
                 driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, self.carveout)
             print(f"    traced build {spec.name}: {header['ptxas']}", flush=True)
@@ -128,8 +129,6 @@ def main():
                     help="override plan.DECODE_IN_KERNEL_MERGE_MAX (partial rows per group the split kernel merges itself)")
     a = ap.parse_args()
     if a.merge_max is not None:
-        from cuflash import plan
-
         plan.DECODE_IN_KERNEL_MERGE_MAX = a.merge_max
     torch = _torch()
     variants = {"default": Traced()}
