@@ -60,7 +60,8 @@ def _check_array(name: str, x, cupy) -> None:
 
 def _elem_strides(x) -> tuple[int, int, int]:
     """(batch, row, head) strides in elements."""
-    return x.strides[0] // x.itemsize, x.strides[1] // x.itemsize, x.strides[2] // x.itemsize
+    s, n = x.strides, x.itemsize  # each read builds a new tuple / int: once each
+    return s[0] // n, s[1] // n, s[2] // n
 
 
 def _aligned16(x, ptr: int | None = None) -> bool:

@@ -567,13 +567,25 @@ CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h CUlaunchAttr
 _PDL_ATTRIBUTE = CULaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
 
 
-@functools.lru_cache(maxsize=256)
+#: (id(launch), stream handle) -> (launch, its CULaunchConfig). Keyed by identity: the plans are
+#: memoized, so a decode loop hands the same Launch every step, and hashing the dataclass (its spec,
+#: grid, ...) cost more than the rest of the lookup. The entry holds the Launch, so its id stays its own.
+_PDL_CONFIGS: dict = {}
+
+
 def pdl_config(launch: plan.Launch, stream_ptr: int) -> CULaunchConfig:
     """The launch configuration cuLaunchKernelEx reads for ``launch`` on a stream, with the attribute
-    that allows programmatic dependent launch (built once per launch shape and stream)."""
+    that allows programmatic dependent launch (built once per launch and stream)."""
+    hit = _PDL_CONFIGS.get((id(launch), stream_ptr))
+    if hit is not None and hit[0] is launch:
+        return hit[1]
     g, b = launch.grid, launch.block
-    return CULaunchConfig((ctypes.c_uint32 * 3)(*g), (ctypes.c_uint32 * 3)(*b), launch.smem_bytes, stream_ptr,
-                          ctypes.pointer(_PDL_ATTRIBUTE), 1)  # fmt: skip
+    cfg = CULaunchConfig((ctypes.c_uint32 * 3)(*g), (ctypes.c_uint32 * 3)(*b), launch.smem_bytes, stream_ptr,
+                         ctypes.pointer(_PDL_ATTRIBUTE), 1)  # fmt: skip
+    if len(_PDL_CONFIGS) >= 256:
+        _PDL_CONFIGS.clear()
+    _PDL_CONFIGS[(id(launch), stream_ptr)] = (launch, cfg)
+    return cfg
 
 
 @functools.lru_cache(maxsize=1)

@@ -531,8 +531,10 @@ def test_packed_record_matches_make_record():
         values[name] = float(rng.uniform(0.1, 2)) if kind.kind == "f" else int(rng.integers(0, 2**31 - 1))
     assert kvcache._record(**values).tobytes() == make_record(DECODE_DTYPE, **values).tobytes()
     assert kvcache._record(**values).dtype == DECODE_DTYPE
-    with pytest.raises(KeyError, match="missing"):
+    with pytest.raises(TypeError, match="missing .*seqlens"):
         kvcache._record(**{k: v for k, v in values.items() if k != "seqlens"})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seqlen'"):
+        kvcache._record(**values, seqlen=3)
 
 
 # ---------------------------------------------------------------------------------------------
