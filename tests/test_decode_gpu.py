@@ -362,6 +362,28 @@ def _decode_loop(q_steps, kc, vc, k_steps, v_steps, length0, splits):
     return [to_f64(o) for o in outs]
 
 
+_LOOP_BATCH, _LOOP_LENGTH0 = 2, 2500  # the decode-loop tests: sequences, tokens cached before the first step
+
+
+def _decode_loop_inputs(steps: int):
+    """(q, k, v per step, k_cache, v_cache) of a decode loop over _LOOP_BATCH sequences of _LOOP_LENGTH0
+    cached tokens, 32 query heads on 2 kv heads, head dim 128, bf16. The cache slots the steps append
+    to hold NaN, which a step that read its own token before the append wrote it would put into its
+    output (slots past a step's length are never read)."""
+    import cupy
+
+    rng = np.random.default_rng()
+    batch, nheads, nheads_kv, hd = _LOOP_BATCH, 32, 2, 128
+    q_steps = [randn(rng, (batch, 1, nheads, hd), "bf16") for _ in range(steps)]
+    k_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
+    v_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
+    kc, vc, _ = make_caches(rng, batch=batch, capacity=_LOOP_LENGTH0 + steps + 7, nheads_kv=nheads_kv, head_dim=hd,
+                            dtype="bf16")  # fmt: skip
+    for x in (kc, vc):
+        x.view(cupy.uint16)[:, _LOOP_LENGTH0:] = 0x7FFF  # NaN in bf16
+    return q_steps, k_steps, v_steps, kc, vc
+
+
 def _check_decode_loop(got, q_steps, k_steps, v_steps, kc, vc, length0, splits):
     """Token s is in the caches at length0 + s, and step s's output (float64) is within the bound of
     attention over the first length0 + s + 1 tokens; the split counters are back to 0."""
@@ -395,17 +417,9 @@ def test_a_decode_loop_without_syncs():
 
     from cuflash import jit
 
-    rng = np.random.default_rng()
-    batch, nheads, nheads_kv, hd, length0, steps = 2, 32, 2, 128, 2500, 9
     # 16 packed rows per kv head: 16 splits merge in the combine kernel, 4 and 3 in the split kernel.
-    splits = [0, 1, 16, 4, 0, 1, 16, 4, 3]
-    q_steps = [randn(rng, (batch, 1, nheads, hd), "bf16") for _ in range(steps)]
-    k_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
-    v_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
-    kc0, vc0, _ = make_caches(rng, batch=batch, capacity=length0 + steps + 7, nheads_kv=nheads_kv, head_dim=hd,
-                              dtype="bf16")  # fmt: skip
-    for x in (kc0, vc0):
-        x.view(cupy.uint16)[:, length0:] = 0x7FFF  # NaN in bf16: the slots the loop appends to
+    splits, length0 = [0, 1, 16, 4, 0, 1, 16, 4, 3], _LOOP_LENGTH0
+    q_steps, k_steps, v_steps, kc0, vc0 = _decode_loop_inputs(len(splits))
     kc, vc = kc0.copy(), vc0.copy()
     got = _decode_loop(q_steps, kc, vc, k_steps, v_steps, length0, splits)
 
@@ -420,7 +434,7 @@ def test_a_decode_loop_without_syncs():
         jit.PDL_ENABLED = saved
     for a, b in ((kc2, kc), (vc2, vc)):  # bits: the slots never appended to are still NaN
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
-    for s in range(steps):
+    for s in range(len(splits)):
         assert (again[s] == got[s]).all(), f"step {s}: the loop with PDL off differs from the loop with PDL on"
     cupy.cuda.get_current_stream().synchronize()
 
@@ -438,15 +452,8 @@ def test_a_decode_step_captured_in_a_cuda_graph(num_splits):
     import cuflash
     from cuflash import jit
 
-    rng = np.random.default_rng()
-    batch, nheads, nheads_kv, hd, length0, steps = 2, 32, 2, 128, 2500, 5
-    q_steps = [randn(rng, (batch, 1, nheads, hd), "bf16") for _ in range(steps)]
-    k_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
-    v_steps = [randn(rng, (batch, 1, nheads_kv, hd), "bf16") for _ in range(steps)]
-    kc, vc, _ = make_caches(rng, batch=batch, capacity=length0 + steps + 7, nheads_kv=nheads_kv, head_dim=hd,
-                            dtype="bf16")  # fmt: skip
-    for x in (kc, vc):
-        x.view(cupy.uint16)[:, length0:] = 0x7FFF  # NaN in bf16: the slots the replays append to
+    steps, batch, length0 = 5, _LOOP_BATCH, _LOOP_LENGTH0
+    q_steps, k_steps, v_steps, kc, vc = _decode_loop_inputs(steps)
     q_buf, k_buf, v_buf = (x.copy() for x in (q_steps[0], k_steps[0], v_steps[0]))
     out = poisoned(q_buf.shape, "bf16")
     cupy.cuda.Device().synchronize()  # the inputs were made on the null stream, which a non-blocking one ignores
