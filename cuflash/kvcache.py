@@ -160,6 +160,8 @@ def attention_with_kvcache(
     kept for the next call; cuflash.kvcache.free_workspaces() releases them.
     """
     cupy = _cupy()
+    if type(_ctas_per_sm) is not int:  # the plan memo would take True for 1
+        raise TypeError(f"_ctas_per_sm must be an int, got {_ctas_per_sm!r}")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_array(name, x, cupy)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):

@@ -1010,9 +1010,11 @@ def plan_decode(
     capacity) where the lengths live on the GPU. num_splits: 0 = heuristic (decode_num_splits),
     else that many, at most MAX_DECODE_SPLITS and at most one per K/V tile. num_sms: the GPU's SMs.
     ctas_per_sm: split CTAs resident per SM, 1 to the tile's min_blocks (fewer by padding their shared
-    memory, decode_launch_smem); 0 = DECODE_LONG_CTAS_PER_SM where a split streams at least
-    DECODE_LONG_CTA_KEYS keys, else the tile's min_blocks. The heuristic split count (num_splits=0) is
-    decode_num_splits for those slots, trying the spaced-out grid first.
+    memory, decode_launch_smem); 0 = the plan's: with num_splits=0, decode_num_splits for
+    DECODE_LONG_CTAS_PER_SM per SM if its splits stream at least DECODE_LONG_CTA_KEYS keys, else
+    decode_num_splits for the tile's min_blocks per SM (the count and the CTAs per SM it was chosen
+    for stay together); with a given num_splits, DECODE_LONG_CTAS_PER_SM where its splits are that
+    long, else min_blocks.
     """
     if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
         raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")
@@ -1042,12 +1044,16 @@ def plan_decode(
                                      slots=num_sms * per_sm, min_tiles=-(-MIN_DECODE_KEYS_PER_SPLIT // bn),
                                      max_tiles=MAX_DECODE_KEYS_PER_SPLIT // bn)  # fmt: skip
 
-        splits = auto(ctas_per_sm or spaced)
+        # The split count and the CTAs per SM it was chosen for go together: a count picked for the
+        # tile's slots is launched with them even where its splits come out long.
+        per_sm = ctas_per_sm or spaced
+        splits = auto(per_sm)
         if not ctas_per_sm and not long_ctas(splits):
-            splits = auto(spec.tile.min_blocks)  # short CTAs: as many per SM as fit
+            per_sm = spec.tile.min_blocks  # short CTAs: as many per SM as fit
+            splits = auto(per_sm)
     else:
         splits = max(1, min(num_splits, MAX_DECODE_SPLITS, n_tiles))
-    per_sm = ctas_per_sm or (spaced if long_ctas(splits) else spec.tile.min_blocks)
+        per_sm = ctas_per_sm or (spaced if long_ctas(splits) else spec.tile.min_blocks)
     smem = spec.smem_bytes if per_sm == spec.tile.min_blocks else decode_launch_smem(spec.smem_bytes, per_sm, arch)
     block = (DECODE_THREADS, 1, 1)
     pdl = supports_pdl(arch)  # every decode kernel waits for the one before it (flash_decode.cuh)

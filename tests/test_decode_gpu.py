@@ -269,18 +269,33 @@ def test_num_splits_agree():
 @pytest.mark.parametrize("ctas_per_sm", [1, 2])
 def test_fewer_ctas_per_sm_same_bits(ctas_per_sm):
     """Split CTAs spaced out to fewer per SM (padded shared memory) compute the same bits: only where
-    the CTAs run changes, for every merge path."""
+    the CTAs run changes, for every merge path. Checks that the padded launch really holds that many
+    CTAs per SM (the driver's occupancy for the padded shared memory), so dropped padding fails."""
     import cuflash
     import cupy
+    from cupy.cuda import driver
+
+    from cuflash import jit, kvcache, plan
 
     rng = np.random.default_rng()
     c = case(rng, batch=3, nheads=32, nheads_kv=2, head_dim=128, capacity=3000, lengths=[3000, 1700, 0])
     args = (c["q"], c["k_cache"], c["v_cache"])
-    for splits in (1, 4, 16, 0):
-        want = cuflash.attention_with_kvcache(*args, cache_seqlens=c["cache_seqlens"], num_splits=splits or 6)
-        got = cuflash.attention_with_kvcache(*args, cache_seqlens=c["cache_seqlens"], num_splits=splits or 6,
+    dev = c["q"].device.id
+    spec = plan.plan_decode(batch=3, seqlen_q=1, nheads=32, nheads_kv=2, head_dim=128, dtype="bf16", aligned=True,
+                            max_seqlen=3008, num_splits=4, num_sms=kvcache._num_sms(dev),
+                            arch=jit.device_arch(dev)).attn.spec  # fmt: skip
+    if ctas_per_sm >= spec.min_blocks:
+        pytest.skip(f"the {spec.name} tile holds {spec.min_blocks} CTAs per SM on this GPU: nothing to space out")
+    for splits in (1, 4, 16, 6):
+        want = cuflash.attention_with_kvcache(*args, cache_seqlens=c["cache_seqlens"], num_splits=splits)
+        got = cuflash.attention_with_kvcache(*args, cache_seqlens=c["cache_seqlens"], num_splits=splits,
                                              _ctas_per_sm=ctas_per_sm)  # fmt: skip
         assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all()), f"num_splits={splits}"
+        dplan, (fn, _, _) = kvcache._plan_and_load(3, 1, 32, 2, 128, "bf16", True, 3008, splits, 0, False, dev,
+                                                   ctas_per_sm)  # fmt: skip
+        assert dplan.ctas_per_sm == ctas_per_sm and dplan.attn.spec == spec
+        resident = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, 128, dplan.attn.smem_bytes)
+        assert resident == ctas_per_sm, f"{resident} CTAs per SM with {dplan.attn.smem_bytes} B of shared memory"
     run_and_check(**c, what=f"heuristic splits at {ctas_per_sm} CTAs per SM", ctas_per_sm=ctas_per_sm)
 
 

@@ -161,7 +161,7 @@ def main():
                     cupy.cuda.get_current_stream().synchronize()
                     g = dplan.attn.grid
                     ctas = g[0] * g[1] * g[2]
-                    r = summarize(buf.get(), ctas, num_sms * dplan.attn.spec.min_blocks)
+                    r = summarize(buf.get(), ctas, num_sms * dplan.ctas_per_sm)  # the CTAs per SM it ran at
                     traced_span = statistics.median(c[0] for c in kernel_calls(torch, lambda s=s: ours(s)))
                 finally:
                     kvcache._plan_and_load = kvcache._plan_and_load.orig
