@@ -359,27 +359,35 @@ __device__ void tma_probe(const void* mk, const void* mv, int L, int H, int kps,
     if (acc == 1234.5f) sink[0] = acc;
 }
 
-#define PROBE(name, call) \
-    extern "C" __global__ void __launch_bounds__(128) name(const u16* K, const u16* V, int L, int H, int kps, float* sink) { call; }
-PROBE(ring_t64_s2, (ring_probe<64, 2, false>(K, V, L, H, kps, sink)))
-PROBE(ring_t64_s3, (ring_probe<64, 3, false>(K, V, L, H, kps, sink)))
-PROBE(ring_t64_s2_hk, (ring_probe<64, 2, true>(K, V, L, H, kps, sink)))
-PROBE(ring_t128_s2, (ring_probe<128, 2, false>(K, V, L, H, kps, sink)))
-PROBE(ring_t32_s4, (ring_probe<32, 4, false>(K, V, L, H, kps, sink)))
-PROBE(alt_t64, (alt_probe<64>(K, V, L, H, kps, sink)))
-PROBE(alt_t128, (alt_probe<128>(K, V, L, H, kps, sink)))
-PROBE(ldg_t64, (ldg_probe<64>(K, V, L, H, kps, sink)))
-PROBE(ldg_t32, (ldg_probe<32>(K, V, L, H, kps, sink)))
-PROBE(bulk_s2, (bulk_probe<2>(K, V, L, H, kps, sink)))
-PROBE(ringw_s2, (ringw_probe<2>(K, V, L, H, kps, sink)))
-PROBE(ringw_s3, (ringw_probe<3>(K, V, L, H, kps, sink)))
-PROBE(tmaw_s2, (tmaw_probe<2>(K, V, L, H, kps, sink)))
-PROBE(tmaw_s3, (tmaw_probe<3>(K, V, L, H, kps, sink)))
-PROBE(tmaw_s4, (tmaw_probe<4>(K, V, L, H, kps, sink)))
-PROBE(tma_s2, (tma_probe<2>(K, V, L, H, kps, sink)))
-PROBE(tma_s3, (tma_probe<3>(K, V, L, H, kps, sink)))
-PROBE(tma_s4, (tma_probe<4>(K, V, L, H, kps, sink)))
+#define PROBE(name, fn) \
+    extern "C" __global__ void __launch_bounds__(128) name(const u16* K, const u16* V, int L, int H, int kps, float* sink) { \
+        (fn)(K, V, L, H, kps, sink); \
+    }
 """
+
+#: The probe kernels SOURCE instantiates (extern "C" name -> the templated body it calls).
+KERNELS = {
+    "ring_t64_s2": "ring_probe<64, 2, false>",
+    "ring_t64_s3": "ring_probe<64, 3, false>",
+    "ring_t64_s2_hk": "ring_probe<64, 2, true>",
+    "ring_t128_s2": "ring_probe<128, 2, false>",
+    "ring_t32_s4": "ring_probe<32, 4, false>",
+    "alt_t64": "alt_probe<64>",
+    "alt_t128": "alt_probe<128>",
+    "ldg_t64": "ldg_probe<64>",
+    "ldg_t32": "ldg_probe<32>",
+    "bulk_s2": "bulk_probe<2>",
+    "ringw_s2": "ringw_probe<2>",
+    "ringw_s3": "ringw_probe<3>",
+    "tmaw_s2": "tmaw_probe<2>",
+    "tmaw_s3": "tmaw_probe<3>",
+    "tmaw_s4": "tmaw_probe<4>",
+    "tma_s2": "tma_probe<2>",
+    "tma_s3": "tma_probe<3>",
+    "tma_s4": "tma_probe<4>",
+}
+SOURCE += "".join(f"PROBE({name}, ({body}))\n" for name, body in KERNELS.items())
+
 
 # name -> (kernel, shared memory the kernel needs, CTAs per SM to pad to (0: as many as fit), grid)
 # grid: "split" (splits, h, b), "hk" (h, splits, b), "nosplit" (1, h, b), "flat"
