@@ -12,14 +12,20 @@ keys at a time, into shared memory (or registers). Probe names:
     ring_tT_sS_oO   cp.async by all 128 threads into an S-stage ring of T-key (K, V) tiles, one
                     barrier per tile (the split kernel's first scheme, padded rows); _hk: kv head
                     fastest in the grid; _ns: no key split (one CTA per head and sequence)
-    ringw_sS_oO     the split kernel's current memory side: each warp loads its 16 keys of every
-                    64-key tile (swizzled unpadded rows), its own S-stage ring, refilled before waiting
+    ringw[_kK]_sS_oO the split kernel's current memory side: each warp loads its 16 (K) keys of every
+                    64-key (4 K) tile (swizzled unpadded rows), its own S-stage ring, refilled before waiting
+    altw_kK_oO      FA2's order on swizzled rows, per warp: a K and a V buffer of K keys, each its own
+                    commit group, K(t + 1) issued when K(t) is used and V(t + 1) when V(t) is
     tmaw_sS_oO      as ringw, with TMA: each warp's lane 0 loads its 16 keys as four 2 KB boxes
                     (cp.async.bulk.tensor, 128-byte swizzle) on a full mbarrier per stage (sm_90)
     tma_sS_oO       thread 0 loads whole 64-key tiles by TMA (four 8 KB boxes), full / empty mbarriers
     alt_tT_oO       one T-key K buffer and one V buffer, loaded alternately (FlashAttention-2's scheme:
                     the V load flies while S would be computed, the next K load during P V)
     ldg_tT_oO       16-byte ld.global.nc into registers, all of a thread's loads of a tile in flight
+    ringd_sS_oO     ringw with dynamic work: every warp claims 16-key units of its head from a counter
+                    shared by the head's CTAs, so a slow warp takes fewer (balancing within a head)
+    ringw2_sS_oO    ringw with two adjacent kv heads per CTA (512 contiguous bytes per key), 32-key
+                    tiles; grid (2 splits, kv heads / 2, b)
     bulk_sS         one producer warp, cp.async.bulk per 256-byte row, full / empty mbarriers (sm_90)
 O is the CTAs per SM the probe's shared memory allows (set by padding its dynamic shared memory).
 Prints KV TB/s (2 * b * L * h * 128 * 2 bytes / time) per probe and shape, medians of CUDA-event times.
@@ -227,23 +233,24 @@ __device__ void bulk_probe(const u16* K, const u16* V, int L, int H, int kps, fl
     }
 }
 
-// The current split kernel's memory side: each warp loads and reads its own 16 keys of every 64-key
-// tile (unpadded 256-byte rows, chunk c of row r at c ^ (r % 8)), a kStages ring refilled before
-// the next tile is waited for, __syncwarp only.
-template <int kStages>
+// The current split kernel's memory side: each warp loads and reads its own kKW keys of every
+// 4 kKW-key tile (unpadded 256-byte rows, chunk c of row r at c ^ (r % 8)), a kStages ring refilled
+// before the next tile is waited for, __syncwarp only (kKW = 16: the split kernel's 64-key tiles).
+template <int kStages, int kKW = 16>
 __device__ void ringw_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    constexpr int kT = 4 * kKW;  // keys per tile
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    u16* sk = (u16*)smem + warp * 16 * 128;  // stage s at + s * 64 * 128 (K), V after the K stages
-    u16* sv = sk + kStages * 64 * 128;
+    u16* sk = (u16*)smem + warp * kKW * 128;  // stage s at + s * kT * 128 (K), V after the K stages
+    u16* sv = sk + kStages * kT * 128;
     const Walk w(K, V, L, H, kps, false);
-    const int tiles = (w.n1 - w.n0 + 63) / 64;
+    const int tiles = (w.n1 - w.n0 + kT - 1) / kT;
     auto issue = [&](int t, int s) {
         if (t < tiles)
-            for (int c = lane; c < 16 * 16; c += 32) {
-                const int r = c / 16, ch = c % 16, n = w.n0 + t * 64 + warp * 16 + r;
+            for (int c = lane; c < kKW * 16; c += 32) {
+                const int r = c / 16, ch = c % 16, n = w.n0 + t * kT + warp * kKW + r;
                 const bool ok = n < w.n1;
-                const int off = (s * 64 + r) * 128 + ((ch & 8) | ((ch ^ r) & 7)) * 8;
+                const int off = (s * kT + r) * 128 + ((ch & 8) | ((ch ^ r) & 7)) * 8;
                 cp16(smem_u32(sk + off), ok ? w.gk + n * w.row + ch * 8 : w.gk, ok);
                 cp16(smem_u32(sv + off), ok ? w.gv + n * w.row + ch * 8 : w.gv, ok);
             }
@@ -259,7 +266,143 @@ __device__ void ringw_probe(const u16* K, const u16* V, int L, int H, int kps, f
         wait_group<kStages - 1>();
         __syncwarp();
         const int s = t % kStages;
+        acc += (float)sk[(s * kT + lane % 16) * 128] + (float)sv[(s * kT + lane % 16) * 128];
+    }
+    if (acc == 1234.5f) sink[0] = acc;
+}
+
+// FlashAttention-2's order per warp, on swizzled rows: one K buffer and one V buffer of the warp's
+// kKW keys of each 4 kKW-key tile, each its own commit group: K(t + 1) is issued once K(t) is used
+// (while V(t) is still on its way), V(t + 1) once V(t) is used. 1-2 buffers in flight per warp.
+template <int kKW>
+__device__ void altw_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    constexpr int kT = 4 * kKW;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u16* sk = (u16*)smem + warp * kKW * 128;
+    u16* sv = sk + kT * 128;
+    const Walk w(K, V, L, H, kps, false);
+    const int tiles = (w.n1 - w.n0 + kT - 1) / kT;
+    auto issue = [&](const u16* g, u16* s_dst, int t) {
+        if (t < tiles)
+            for (int c = lane; c < kKW * 16; c += 32) {
+                const int r = c / 16, ch = c % 16, n = w.n0 + t * kT + warp * kKW + r;
+                const bool ok = n < w.n1;
+                cp16(smem_u32(s_dst + r * 128 + ((ch & 8) | ((ch ^ r) & 7)) * 8), ok ? g + n * w.row + ch * 8 : g, ok);
+            }
+        commit();
+    };
+    issue(w.gk, sk, 0);
+    issue(w.gv, sv, 0);
+    float acc = 0.f;
+    for (int t = 0; t < tiles; ++t) {
+        wait_group<1>();  // K(t)
+        __syncwarp();
+        acc += (float)sk[(lane % 16) * 128];
+        __syncwarp();
+        issue(w.gk, sk, t + 1);
+        wait_group<1>();  // V(t)
+        __syncwarp();
+        acc += (float)sv[(lane % 16) * 128];
+        __syncwarp();
+        issue(w.gv, sv, t + 1);
+    }
+    if (acc == 1234.5f) sink[0] = acc;
+}
+
+// As ringw_probe, but every warp is a worker that takes 16-key units of its (kv head, sequence)
+// dynamically: the gridDim.x CTAs of a head share its units through a counter (sink + 32 as ints, one
+// 128-byte line per head, zeroed before the launch). Worker w = 4 split + warp starts with the static
+// units w + j W (j < kStages, W = 4 gridDim.x), then claims kStages W + atomicAdd(counter, 1), one
+// claim ahead of its use (lane 0; the other lanes get it by shuffle). A slow warp takes fewer units.
+template <int kStages>
+__device__ void ringd_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u16* sk = (u16*)smem + warp * 16 * 128;
+    u16* sv = sk + kStages * 64 * 128;
+    const long long row = (long long)H * 128;
+    const u16* gk = K + (long long)blockIdx.z * L * row + blockIdx.y * 128;
+    const u16* gv = V + (long long)blockIdx.z * L * row + blockIdx.y * 128;
+    int* counter = (int*)(sink + 32) + 32 * (blockIdx.z * H + blockIdx.y);
+    const int units = (L + 15) / 16, W = 4 * gridDim.x, w = 4 * blockIdx.x + warp;
+    auto issue = [&](int u, int s) {
+        if (u < units)
+            for (int c = lane; c < 16 * 16; c += 32) {
+                const int r = c / 16, ch = c % 16, n = u * 16 + r;
+                const bool ok = n < L;
+                const int off = (s * 64 + r) * 128 + ((ch & 8) | ((ch ^ r) & 7)) * 8;
+                cp16(smem_u32(sk + off), ok ? gk + n * row + ch * 8 : gk, ok);
+                cp16(smem_u32(sv + off), ok ? gv + n * row + ch * 8 : gv, ok);
+            }
+        commit();
+    };
+    int q[kStages];  // q[j]: the unit of step k + j
+#pragma unroll
+    for (int j = 0; j < kStages; ++j) q[j] = w + j * W;
+    int pending = 0;
+    if (lane == 0 && q[kStages - 1] < units) pending = atomicAdd(counter, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) issue(q[s], s);
+    float acc = 0.f;
+    int s = 0, done = 0;
+    for (int k = 0; q[0] < units; ++k) {
+        if (k > 0) {
+            __syncwarp();
+            const int u_new = q[kStages - 1] < units ? kStages * W + __shfl_sync(0xffffffffu, pending, 0) : units;
+            if (lane == 0 && u_new < units) pending = atomicAdd(counter, 1);
+#pragma unroll
+            for (int j = 0; j + 1 < kStages; ++j) q[j] = q[j + 1];
+            q[kStages - 1] = u_new;
+            issue(u_new, s == 0 ? kStages - 1 : s - 1);
+            if (q[0] >= units) break;
+        }
+        wait_group<kStages - 1>();
+        __syncwarp();
         acc += (float)sk[(s * 64 + lane % 16) * 128] + (float)sv[(s * 64 + lane % 16) * 128];
+        s = s + 1 == kStages ? 0 : s + 1;
+        done += 1;
+    }
+    if (lane == 0) atomicAdd(counter + 1, done);  // units read, summed per head: checked on the host
+    if (acc == 1234.5f) sink[0] = acc;
+}
+
+// As ringw_probe with two kv heads per CTA (heads 2 blockIdx.y and 2 blockIdx.y + 1, adjacent in
+// memory): each key's row is 512 contiguous bytes; tiles of 32 keys keep ringw's 16 KB per K stage
+// (each warp loads 8 keys of both heads).
+template <int kStages>
+__device__ void ringw2_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u16* sk = (u16*)smem + warp * 8 * 256;  // stage s at + s * 32 * 256 (K), V after the K stages
+    u16* sv = sk + kStages * 32 * 256;
+    const long long row = (long long)H * 128;
+    const u16* gk = K + (long long)blockIdx.z * L * row + 2 * blockIdx.y * 128;
+    const u16* gv = V + (long long)blockIdx.z * L * row + 2 * blockIdx.y * 128;
+    const int n0 = blockIdx.x * kps, n1 = min(L, n0 + kps);
+    const int tiles = (n1 - n0 + 31) / 32;
+    auto issue = [&](int t, int s) {
+        if (t < tiles)
+            for (int c = lane; c < 8 * 32; c += 32) {
+                const int r = c / 32, ch = c % 32, n = n0 + t * 32 + warp * 8 + r;
+                const bool ok = n < n1;
+                const int off = (s * 32 + r) * 256 + ch * 8;
+                cp16(smem_u32(sk + off), ok ? gk + n * row + ch * 8 : gk, ok);
+                cp16(smem_u32(sv + off), ok ? gv + n * row + ch * 8 : gv, ok);
+            }
+        commit();
+    };
+    for (int s = 0; s < kStages; ++s) issue(s, s);
+    float acc = 0.f;
+    for (int t = 0; t < tiles; ++t) {
+        if (t > 0) {
+            __syncwarp();
+            issue(t - 1 + kStages, (t - 1) % kStages);
+        }
+        wait_group<kStages - 1>();
+        __syncwarp();
+        const int s = t % kStages;
+        acc += (float)sk[(s * 32 + lane % 8) * 256] + (float)sv[(s * 32 + lane % 8) * 256];
     }
     if (acc == 1234.5f) sink[0] = acc;
 }
@@ -379,6 +522,14 @@ KERNELS = {
     "bulk_s2": "bulk_probe<2>",
     "ringw_s2": "ringw_probe<2>",
     "ringw_s3": "ringw_probe<3>",
+    "ringw_s1": "ringw_probe<1>",
+    "ringw_k32_s1": "ringw_probe<1, 32>",
+    "ringw_k32_s2": "ringw_probe<2, 32>",
+    "altw_k32": "altw_probe<32>",
+    "altw_k16": "altw_probe<16>",
+    "ringd_s2": "ringd_probe<2>",
+    "ringd_s3": "ringd_probe<3>",
+    "ringw2_s2": "ringw2_probe<2>",
     "tmaw_s2": "tmaw_probe<2>",
     "tmaw_s3": "tmaw_probe<3>",
     "tmaw_s4": "tmaw_probe<4>",
@@ -412,6 +563,20 @@ PROBES = {
     "ringw_s3_o2": ("ringw_s3", 98304, 2, "split"),
     "ringw_s2_o3_ns": ("ringw_s2", 65536, 3, "nosplit"),
     "ringw_s3_o2_ns": ("ringw_s3", 98304, 2, "nosplit"),
+    "ringw_s2_o2": ("ringw_s2", 65536, 2, "split"),
+    "ringw_s1_o2": ("ringw_s1", 32768, 2, "split"),
+    "ringw_s1_o3": ("ringw_s1", 32768, 3, "split"),
+    "ringw_s1_o4": ("ringw_s1", 32768, 4, "split"),
+    "ringw_k32_s1_o2": ("ringw_k32_s1", 65536, 2, "split"),
+    "ringw_k32_s2_o1": ("ringw_k32_s2", 131072, 1, "split"),
+    "altw_k32_o2": ("altw_k32", 65536, 2, "split"),
+    "altw_k32_o3": ("altw_k32", 65536, 3, "split"),
+    "altw_k16_o3": ("altw_k16", 32768, 3, "split"),
+    "altw_k16_o4": ("altw_k16", 32768, 4, "split"),
+    "ringd_s2_o3": ("ringd_s2", 65536, 3, "split"),
+    "ringd_s2_o2": ("ringd_s2", 65536, 2, "split"),
+    "ringd_s3_o2": ("ringd_s3", 98304, 2, "split"),
+    "ringw2_s2_o3": ("ringw2_s2", 65536, 3, "pair"),
     # tma*: K and V are passed as tensor maps (kernel name prefix); shared memory + 2 KB for the
     # barriers and the 1024-byte alignment of the swizzled boxes.
     "tmaw_s2_o3": ("tmaw_s2", 67584, 3, "split"),
@@ -462,7 +627,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     a = ap.parse_args()
     mod = cupy.RawModule(code=SOURCE, options=("-std=c++17", "-arch=sm_90a"))
-    sink = cupy.zeros(1, dtype=cupy.float32)
+    sink = cupy.zeros(1, dtype=cupy.float32)  # ringd* probes: then 32 floats on, a counter line per head
     print(f"{'shape (b,L,h,splits)':24} {'probe':20} {'TB/s':>6}", flush=True)
     for shape in a.shapes:
         b, L, H, splits = map(int, shape.split(","))
@@ -471,6 +636,8 @@ def main():
         K.view(cupy.float16)[...] = 0.5
         V.view(cupy.float16)[...] = 0.25
         nbytes = 2 * K.nbytes
+        if any(name.startswith("ringd") for name in a.probes):
+            sink = cupy.zeros(32 + 32 * b * H, dtype=cupy.float32)
         for name in a.probes:
             kernel, need, per_sm, grid_kind = PROBES[name]
             fn = mod.get_function(kernel)
@@ -483,23 +650,32 @@ def main():
                 args = (K, V, cupy.int64(n16), sink)
             else:
                 s = 1 if grid_kind == "nosplit" else splits
-                grid = {"split": (s, H, b), "nosplit": (1, H, b), "hk": (H, s, b)}[grid_kind]
-                kps = -(-L // (s * 64)) * 64
+                grid = {"split": (s, H, b), "nosplit": (1, H, b), "hk": (H, s, b), "pair": (2 * s, H // 2, b)}[grid_kind]
+                kps = -(-L // (s * 64)) * 64 if grid_kind != "pair" else -(-L // (2 * s * 32)) * 32
                 args = (K, V, cupy.int32(L), cupy.int32(H), cupy.int32(kps), sink)
                 if kernel.startswith("tma"):
                     rows = 16 if kernel.startswith("tmaw") else 64
                     args = (tensor_map(K, rows), tensor_map(V, rows)) + args[2:]
             block = (256,) if kernel == "flat" else (128,)
+            reset = kernel.startswith("ringd")  # the claim counters start at 0 in every launch
             for _ in range(3):
+                if reset:
+                    sink.fill(0)
                 fn(grid, block, args, shared_mem=sm)
             ts = []
             for _ in range(a.repeats):
+                if reset:
+                    sink.fill(0)
                 e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
                 e0.record()
                 fn(grid, block, args, shared_mem=sm)
                 e1.record()
                 e1.synchronize()
                 ts.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e-3)
+            if reset:  # every unit of every head read exactly once
+                done = sink[32:].view(cupy.int32).reshape(b * H, 32)[:, 1]
+                if not bool((done == -(-L // 16)).all()):
+                    raise RuntimeError(f"{name} at {shape}: units read per head {done.get()} != {-(-L // 16)}")
             print(f"{shape:24} {name:20} {nbytes / statistics.median(ts) / 1e12:6.2f}", flush=True)
         del K, V
         cupy.get_default_memory_pool().free_all_blocks()
