@@ -7,7 +7,7 @@ A shape is batch,cache_len,kv_heads (32 query heads, head dim 128, bf16, one que
 caches); the default is every shape of `cuflash bench --decode`. Per shape: microseconds per call
 (CUDA events, cuflash.bench.time_ms, round-robin samples) of each split count (those above the
 heuristic's cap of one split per 256 keys are left out) and of cuDNN, the best count, and the
-heuristic's count with its time / the best time. --ctas-per-sm: also each split count with the split
+plan's own choice (num_splits=0: its count @ CTAs per SM) with its time / the best plain time. --ctas-per-sm: also each split count with the split
 CTAs spaced out to that many per SM (cells "splits@ctas"; plain cells use the plan's CTAs per SM).
 --max-gb: skip shapes whose cache is larger (their calls are milliseconds long). Last: how many shapes the heuristic is within 2%
 of the best on, and the median of its time / best.
@@ -47,7 +47,8 @@ def main():
             continue
         q = bench_decode._random((b, 1, 32, 128), "bf16", rng)
         kc, vc = (bench_decode._random((b, L, hk, 128), "bf16", rng) for _ in "kv")
-        heuristic = bench_decode._plan_used(q, kc, L).num_splits
+        used = bench_decode._plan_used(q, kc, L)
+        heuristic, per_sm = used.num_splits, used.ctas_per_sm
         s_max = min(plan.MAX_DECODE_SPLITS, max(1, -(-L // plan.MIN_DECODE_KEYS_PER_SPLIT)))
         counts = sorted({s for s in a.splits if s <= s_max} | {heuristic})
 
@@ -55,7 +56,8 @@ def main():
             return lambda: kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=L, softmax_scale=128**-0.5,
                                                           num_splits=s, _ctas_per_sm=c)  # fmt: skip
 
-        fns = {s: call(s) for s in counts}
+        fns = {"auto": call(0)}  # the plan's own choice (its split count and CTAs per SM)
+        fns.update({s: call(s) for s in counts})
         fns.update({f"{s}@{c}": call(s, c) for c in a.ctas_per_sm for s in counts})
         tq = tk = tv = None
         if torch is not None:
@@ -66,14 +68,14 @@ def main():
             torch.cuda.synchronize()
         us = {k: v * 1e3 for k, v in time_ms(fns, repeats=a.repeats).items()}
         best = min(counts, key=lambda s: us[s])
-        ratios.append(us[heuristic] / us[best])
+        ratios.append(us["auto"] / us[best])
         spaced = {k: v for k, v in us.items() if isinstance(k, str) and "@" in k}
         rows.append({"batch": b, "cache_len": L, "nheads_kv": hk, "us": {str(k): v for k, v in us.items()},
-                     "best": best, "heuristic": heuristic})  # fmt: skip
+                     "best": best, "heuristic": heuristic, "heuristic_ctas_per_sm": per_sm})  # fmt: skip
         cells = "  ".join(f"{s}:{us[s]:.1f}" for s in counts)
         peer = f"  cudnn {us['cudnn']:.1f}" if "cudnn" in us else ""
-        print(f"b={b:3d} L={L:6d} h_kv={hk:2d}  {cells}{peer}  | best {best}, heuristic {heuristic} "
-              f"x{ratios[-1]:.3f}", flush=True)  # fmt: skip
+        print(f"b={b:3d} L={L:6d} h_kv={hk:2d}  {cells}{peer}  | best {best}, heuristic {heuristic}@{per_sm} "
+              f"{us['auto']:.1f} x{ratios[-1]:.3f}", flush=True)  # fmt: skip
         if spaced:
             top = min(spaced, key=spaced.get)
             print(f"    spaced: {'  '.join(f'{k}:{v:.1f}' for k, v in spaced.items())}  | best {top} "
