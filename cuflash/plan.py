@@ -708,9 +708,8 @@ MAX_DECODE_SPLITS = 128
 #: Fewest keys a split gets from the heuristic: below this a CTA's pipeline fill and its partial
 #: row (written, then read by the merge) weigh more than the tiles it streams.
 MIN_DECODE_KEYS_PER_SPLIT = 256
-#: Most keys a split gets from the wave model (decode_num_splits) and in grids of many waves: a CTA
-#: streaming more ends further from its neighbours (b=8 L=32k h_kv=32: one split of 32k keys per CTA
-#: 2% slower than four of 8k on the H200). Two-wave grids (decode_long_grid) balance that out instead.
+#: Most keys a split gets from the heuristic: a CTA streaming more ends further from its neighbours
+#: (b=8 L=32k h_kv=32: one split of 32k keys per CTA 2% slower than four of 8k on the H200).
 MAX_DECODE_KEYS_PER_SPLIT = 16384
 #: Split CTAs that stream at least this many keys run at most DECODE_LONG_CTAS_PER_SM per SM (their
 #: shared memory padded, decode_launch_smem), shorter ones as many as the tile holds. Measured on the
@@ -723,19 +722,6 @@ MAX_DECODE_KEYS_PER_SPLIT = 16384
 #: heuristic's time / the best (s, CTAs per SM) measured went from mean 1.020 to 1.014.
 DECODE_LONG_CTA_KEYS = 3072
 DECODE_LONG_CTAS_PER_SM = 2
-#: How the long-CTA grid is shaped (decode_long_grid). Measured on the H200 (tools/sweep_splits.py
-#: --ctas-per-sm 2 3, hd128, 19 shapes of 1-34 GB of cache, us per call, one run):
-#: - about two whole waves at 2 CTAs per SM beat one: the block scheduler hands the second wave's
-#:   CTAs to the SMs whose first CTAs finished early, which evens out the stragglers. b=8 h_kv=32:
-#:   L=8k 2 splits 254.3 vs 1 split 259.0, L=16k 492.7 vs 495.6, L=128k 3855.6 vs 8 splits 3900.1;
-#:   b=64 h_kv=8 (512 CTAs unsplit): L=32k 1 split 1930.2 vs 2 splits 1973.2, L=64k 3825.8 vs 4
-#:   splits 3861.4. Not past DECODE_TWO_WAVE_MAX_SPLITS splits: the merge of more partial rows costs
-#:   more than the balance gains (b=1 L=64k h_kv=32: 16 splits 256.4 vs 8 splits 253.4).
-#: - a grid already DECODE_MANY_WAVES waves deep unsplit at 2 per SM streams faster at the tile's 3
-#:   per SM (the block scheduler keeps every slot busy until the last wave): b=64 h_kv=32 L=4k
-#:   967.4 vs 989.4, L=8k 1923.5 vs 1950.8, L=32k 2 splits 7714.3 vs 7770.5.
-DECODE_TWO_WAVE_MAX_SPLITS = 8
-DECODE_MANY_WAVES = 4
 #: Fixed cost of one CTA in units of one K/V tile's streaming time (pipeline fill, epilogue, the
 #: merge's share); the split heuristic's cost model.
 DECODE_CTA_OVERHEAD_TILES = 1
@@ -1001,34 +987,6 @@ def decode_num_splits(*, ctas: int, n_tiles: int, slots: int, min_tiles: int, ma
     return min(s for s, c in cost.items() if c <= best * 1.02)
 
 
-def decode_long_grid(*, groups: int, n_tiles: int, block_n: int, num_sms: int, min_blocks: int) -> tuple[int, int] | None:
-    """(splits, CTAs per SM) of a split grid whose CTAs each stream at least DECODE_LONG_CTA_KEYS keys,
-    or None where the rule below has none (the wave model then picks, decode_num_splits).
-
-    groups: CTAs without splitting (batch * nheads_kv * row blocks); n_tiles: K/V tiles of block_n keys
-    of the longest sequence; min_blocks: the CTAs per SM the tile is sized for. With spaced =
-    min(DECODE_LONG_CTAS_PER_SM, min_blocks) CTAs per SM (slots = num_sms * spaced):
-      - groups >= DECODE_MANY_WAVES * slots: min_blocks per SM, splits only where a sequence has more
-        than MAX_DECODE_KEYS_PER_SPLIT keys;
-      - else spaced per SM and the most splits that fill at most 2 waves (<= 2 slots CTAs, at most
-        DECODE_TWO_WAVE_MAX_SPLITS splits), or failing that at most 1 wave, if the last wave is at
-        least 3/4 full and the splits are long.
-    """
-    if min(groups, num_sms, min_blocks, block_n) < 1 or n_tiles < 0:
-        raise ValueError("decode_long_grid needs positive groups, num_sms, min_blocks and block_n")
-    n_tiles = max(1, n_tiles)
-    spaced = min(DECODE_LONG_CTAS_PER_SM, min_blocks)
-    slots = num_sms * spaced
-    if groups >= DECODE_MANY_WAVES * slots:
-        return min(MAX_DECODE_SPLITS, n_tiles, -(-n_tiles * block_n // MAX_DECODE_KEYS_PER_SPLIT)), min_blocks
-    for waves, most in ((2, DECODE_TWO_WAVE_MAX_SPLITS), (1, MAX_DECODE_SPLITS)):
-        s = min(MAX_DECODE_SPLITS, n_tiles, waves * slots // groups)
-        whole = 4 * groups * s >= (4 * waves - 1) * slots  # the last wave at least 3/4 full
-        if 1 <= s <= most and whole and -(-n_tiles // s) * block_n >= DECODE_LONG_CTA_KEYS:
-            return s, spaced
-    return None
-
-
 def plan_decode(
     *,
     batch: int,
@@ -1052,12 +1010,11 @@ def plan_decode(
     capacity) where the lengths live on the GPU. num_splits: 0 = heuristic (decode_num_splits),
     else that many, at most MAX_DECODE_SPLITS and at most one per K/V tile. num_sms: the GPU's SMs.
     ctas_per_sm: split CTAs resident per SM, 1 to the tile's min_blocks (fewer by padding their shared
-    memory, decode_launch_smem); 0 = the plan's: with num_splits=0, the long-CTA grid of
-    decode_long_grid where it has one, else decode_num_splits for DECODE_LONG_CTAS_PER_SM per SM if
-    its splits stream at least DECODE_LONG_CTA_KEYS keys, else decode_num_splits for the tile's
-    min_blocks per SM (the count and the CTAs per SM it was chosen for stay together); with a given
-    num_splits, DECODE_LONG_CTAS_PER_SM where its splits are that long, else min_blocks. A given
-    ctas_per_sm with num_splits=0: decode_num_splits for that many per SM.
+    memory, decode_launch_smem); 0 = the plan's: with num_splits=0, decode_num_splits for
+    DECODE_LONG_CTAS_PER_SM per SM if its splits stream at least DECODE_LONG_CTA_KEYS keys, else
+    decode_num_splits for the tile's min_blocks per SM (the count and the CTAs per SM it was chosen
+    for stay together); with a given num_splits, DECODE_LONG_CTAS_PER_SM where its splits are that
+    long, else min_blocks.
     """
     if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
         raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")
@@ -1089,16 +1046,11 @@ def plan_decode(
 
         # The split count and the CTAs per SM it was chosen for go together: a count picked for the
         # tile's slots is launched with them even where its splits come out long.
-        grid = None if ctas_per_sm else decode_long_grid(groups=batch * nheads_kv * row_blocks, n_tiles=n_tiles,
-                                                         block_n=bn, num_sms=num_sms, min_blocks=spec.tile.min_blocks)
-        if grid is not None:
-            splits, per_sm = grid
-        else:
-            per_sm = ctas_per_sm or spaced
+        per_sm = ctas_per_sm or spaced
+        splits = auto(per_sm)
+        if not ctas_per_sm and not long_ctas(splits):
+            per_sm = spec.tile.min_blocks  # short CTAs: as many per SM as fit
             splits = auto(per_sm)
-            if not ctas_per_sm and not long_ctas(splits):
-                per_sm = spec.tile.min_blocks  # short CTAs: as many per SM as fit
-                splits = auto(per_sm)
     else:
         splits = max(1, min(num_splits, MAX_DECODE_SPLITS, n_tiles))
         per_sm = ctas_per_sm or (spaced if long_ctas(splits) else spec.tile.min_blocks)

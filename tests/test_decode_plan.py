@@ -170,8 +170,7 @@ def test_auto_splits_fill_the_h200(batch, nheads_kv, seqlen):
     keys_per_split = -(-seqlen // p.num_splits)
     assert 1 <= p.num_splits <= plan.MAX_DECODE_SPLITS
     assert keys_per_split >= plan.MIN_DECODE_KEYS_PER_SPLIT or p.num_splits == 1
-    # Longer splits only in grids of at most two waves (decode_long_grid: the second wave evens them out)
-    assert keys_per_split <= plan.MAX_DECODE_KEYS_PER_SPLIT or ctas <= 2 * H200_SMS * p.ctas_per_sm
+    assert keys_per_split <= plan.MAX_DECODE_KEYS_PER_SPLIT
     # Spaced out (2 CTAs per SM at hd128) only with long splits; short ones run as many per SM as fit
     # (3). The count is chosen for the CTAs per SM it runs at (the wave checks below use those slots).
     assert (plan.DECODE_LONG_CTAS_PER_SM, p.attn.spec.min_blocks) == (2, 3) and p.ctas_per_sm in (2, 3)
@@ -197,17 +196,7 @@ def test_auto_splits_examples():
     p = _plan(batch=8, nheads_kv=8, max_seqlen=4096)
     assert (p.num_splits, p.ctas_per_sm) == (6, 3)  # at 2 per SM 4 splits of 1024 keys: short, so 3 per SM
     p = _plan(batch=8, nheads_kv=32, max_seqlen=131072)
-    assert (p.num_splits, p.ctas_per_sm) == (2, 2)  # two waves at 2 per SM (512 of 528 slots), 64k keys a split
-    p = _plan(batch=8, nheads_kv=32, max_seqlen=8192)
-    assert (p.num_splits, p.ctas_per_sm) == (2, 2)  # two waves of 4096-key splits
-    p = _plan(batch=64, nheads_kv=8, max_seqlen=65536)
-    assert (p.num_splits, p.ctas_per_sm) == (1, 2)  # 512 groups are two waves already
-    p = _plan(batch=64, nheads_kv=32, max_seqlen=4096)
-    assert (p.num_splits, p.ctas_per_sm) == (1, 3)  # 2048 groups: many waves, 3 per SM
-    p = _plan(batch=64, nheads_kv=32, max_seqlen=65536)
-    assert (p.num_splits, p.ctas_per_sm) == (4, 3)  # ... and at most 16k keys a split there
-    p = _plan(batch=1, nheads_kv=32, max_seqlen=131072)
-    assert (p.num_splits, p.ctas_per_sm) == (8, 2)  # two waves would take 16 splits: one wave of 8
+    assert (p.num_splits, p.ctas_per_sm) == (8, 2)  # at most 16k keys a split
     assert _plan(batch=1, nheads_kv=8, max_seqlen=4096).num_splits == 16  # capped by 256 keys per split
     assert _plan(max_seqlen=100).num_splits == 1  # two tiles: nothing to split
     assert _plan(max_seqlen=0).num_splits == 1
@@ -216,49 +205,6 @@ def test_auto_splits_examples():
     # head dims whose tile holds 2 CTAs per SM (hd64) are never padded
     p = _plan(head_dim=64, batch=8, max_seqlen=4096)
     assert p.ctas_per_sm == p.attn.spec.min_blocks == 2 and p.attn.smem_bytes == p.attn.spec.smem_bytes
-
-
-@pytest.mark.parametrize("groups", [1, 3, 8, 32, 40, 64, 100, 256, 264, 300, 512, 528, 600, 1055, 1056, 2048, 70000])
-@pytest.mark.parametrize("keys", [0, 64, 3072, 8192, 32768, 131072, 1 << 20])
-@pytest.mark.parametrize("min_blocks", [1, 2, 3])
-def test_long_grid(groups, keys, min_blocks):
-    n_tiles = -(-keys // 64)
-    grid = plan.decode_long_grid(groups=groups, n_tiles=n_tiles, block_n=64, num_sms=H200_SMS, min_blocks=min_blocks)
-    spaced = min(plan.DECODE_LONG_CTAS_PER_SM, min_blocks)
-    slots = H200_SMS * spaced
-    if groups >= plan.DECODE_MANY_WAVES * slots:  # many waves: the tile's CTAs per SM, splits only for the cap
-        s, per_sm = grid
-        assert per_sm == min_blocks and 1 <= s <= plan.MAX_DECODE_SPLITS
-        assert -(-max(1, n_tiles) // s) * 64 <= plan.MAX_DECODE_KEYS_PER_SPLIT or s == plan.MAX_DECODE_SPLITS
-        assert s == 1 or -(-max(1, n_tiles) // (s - 1)) * 64 > plan.MAX_DECODE_KEYS_PER_SPLIT
-        return
-    def fits(s, waves):  # long splits, at most `waves` waves, the last at least 3/4 full
-        return (-(-max(1, n_tiles) // s) * 64 >= plan.DECODE_LONG_CTA_KEYS
-                and (waves - 0.25) * slots <= groups * s <= waves * slots)  # fmt: skip
-
-    s_cap = min(plan.MAX_DECODE_SPLITS, max(1, n_tiles))
-    if grid is None:  # the rule has no split count: nothing long in one or two whole waves
-        best2 = min(s_cap, 2 * slots // groups)
-        best1 = min(s_cap, slots // groups)
-        assert not (1 <= best2 <= plan.DECODE_TWO_WAVE_MAX_SPLITS and fits(best2, 2))
-        assert not (best1 >= 1 and fits(best1, 1))
-        return
-    s, per_sm = grid
-    assert per_sm == spaced and 1 <= s <= s_cap
-    # the most splits in two waves (if few enough splits), else the most in one
-    two = min(s_cap, 2 * slots // groups)
-    if 1 <= two <= plan.DECODE_TWO_WAVE_MAX_SPLITS and fits(two, 2):
-        assert s == two
-    else:
-        assert s == min(s_cap, slots // groups) and fits(s, 1)
-
-
-def test_long_grid_rejects():
-    for bad in (dict(groups=0), dict(num_sms=0), dict(min_blocks=0), dict(block_n=0), dict(n_tiles=-1)):
-        args = dict(groups=1, n_tiles=1, block_n=64, num_sms=132, min_blocks=3)
-        args.update(bad)
-        with pytest.raises(ValueError, match="decode_long_grid"):
-            plan.decode_long_grid(**args)
 
 
 def test_ctas_per_sm_pads_the_split_kernels_shared_memory():
