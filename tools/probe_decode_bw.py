@@ -12,8 +12,9 @@ keys at a time, into shared memory (or registers). Probe names:
     ring_tT_sS_oO   cp.async by all 128 threads into an S-stage ring of T-key (K, V) tiles, one
                     barrier per tile (the split kernel's first scheme, padded rows); _hk: kv head
                     fastest in the grid; _ns: no key split (one CTA per head and sequence)
-    ringw[_kK]_sS_oO the split kernel's current memory side: each warp loads its 16 (K) keys of every
-                    64-key (4 K) tile (swizzled unpadded rows), its own S-stage ring, refilled before waiting
+    ringw[_kK]_sS[_cC]_oO the split kernel's current memory side: each warp loads its 16 (K) keys of every
+                    64-key (4 K) tile (swizzled unpadded rows), its own S-stage ring, refilled before
+                    waiting; _cC: C cycles of busy work per tile before the refill (the math's place)
     altw_kK_oO      FA2's order on swizzled rows, per warp: a K and a V buffer of K keys, each its own
                     commit group, K(t + 1) issued when K(t) is used and V(t + 1) when V(t) is
     tmaw_sS_oO      as ringw, with TMA: each warp's lane 0 loads its 16 keys as four 2 KB boxes
@@ -236,7 +237,7 @@ __device__ void bulk_probe(const u16* K, const u16* V, int L, int H, int kps, fl
 // The current split kernel's memory side: each warp loads and reads its own kKW keys of every
 // 4 kKW-key tile (unpadded 256-byte rows, chunk c of row r at c ^ (r % 8)), a kStages ring refilled
 // before the next tile is waited for, __syncwarp only (kKW = 16: the split kernel's 64-key tiles).
-template <int kStages, int kKW = 16>
+template <int kStages, int kKW = 16, int kSpin = 0>
 __device__ void ringw_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
     constexpr int kT = 4 * kKW;  // keys per tile
     extern __shared__ __align__(128) unsigned char smem[];
@@ -267,6 +268,11 @@ __device__ void ringw_probe(const u16* K, const u16* V, int L, int H, int kps, f
         __syncwarp();
         const int s = t % kStages;
         acc += (float)sk[(s * kT + lane % 16) * 128] + (float)sv[(s * kT + lane % 16) * 128];
+        if (kSpin > 0) {  // stands in for the attention math on the tile: kSpin cycles before the refill
+            const long long t0 = clock64();
+            while (clock64() - t0 < kSpin) {
+            }
+        }
     }
     if (acc == 1234.5f) sink[0] = acc;
 }
@@ -523,6 +529,11 @@ KERNELS = {
     "ringw_s2": "ringw_probe<2>",
     "ringw_s3": "ringw_probe<3>",
     "ringw_s1": "ringw_probe<1>",
+    "ringw_s2_c300": "ringw_probe<2, 16, 300>",
+    "ringw_s2_c600": "ringw_probe<2, 16, 600>",
+    "ringw_s2_c1200": "ringw_probe<2, 16, 1200>",
+    "ringw_s3_c600": "ringw_probe<3, 16, 600>",
+    "ringw_s3_c1200": "ringw_probe<3, 16, 1200>",
     "ringw_k32_s1": "ringw_probe<1, 32>",
     "ringw_k32_s2": "ringw_probe<2, 32>",
     "altw_k32": "altw_probe<32>",
@@ -565,6 +576,12 @@ PROBES = {
     "ringw_s3_o2_ns": ("ringw_s3", 98304, 2, "nosplit"),
     "ringw_s2_o2": ("ringw_s2", 65536, 2, "split"),
     "ringw_s1_o2": ("ringw_s1", 32768, 2, "split"),
+    "ringw_s2_c300_o2": ("ringw_s2_c300", 65536, 2, "split"),
+    "ringw_s2_c600_o2": ("ringw_s2_c600", 65536, 2, "split"),
+    "ringw_s2_c1200_o2": ("ringw_s2_c1200", 65536, 2, "split"),
+    "ringw_s3_c600_o2": ("ringw_s3_c600", 98304, 2, "split"),
+    "ringw_s3_c1200_o2": ("ringw_s3_c1200", 98304, 2, "split"),
+    "ringw_s2_c600_o3": ("ringw_s2_c600", 65536, 3, "split"),
     "ringw_s1_o3": ("ringw_s1", 32768, 3, "split"),
     "ringw_s1_o4": ("ringw_s1", 32768, 4, "split"),
     "ringw_k32_s1_o2": ("ringw_k32_s1", 65536, 2, "split"),
