@@ -234,6 +234,23 @@ __device__ void bulk_probe(const u16* K, const u16* V, int L, int H, int kps, fl
     }
 }
 
+// A warp's own cp.async ring of kStages tiles: fill every stage, then per tile refill the stage of the
+// tile before (once the warp is done with it, __syncwarp), wait for this tile and hand its stage to
+// use(t, stage). issue(t, stage) commits one group per call, past the last tile too.
+template <int kStages, class Issue, class Use>
+__device__ __forceinline__ void warp_ring(int tiles, Issue&& issue, Use&& use) {
+    for (int s = 0; s < kStages; ++s) issue(s, s);
+    for (int t = 0; t < tiles; ++t) {
+        if (t > 0) {
+            __syncwarp();
+            issue(t - 1 + kStages, (t - 1) % kStages);
+        }
+        wait_group<kStages - 1>();
+        __syncwarp();
+        use(t, t % kStages);
+    }
+}
+
 // The current split kernel's memory side: each warp loads and reads its own kKW keys of every
 // 4 kKW-key tile (unpadded 256-byte rows, chunk c of row r at c ^ (r % 8)), a kStages ring refilled
 // before the next tile is waited for, __syncwarp only (kKW = 16: the split kernel's 64-key tiles).
@@ -257,23 +274,15 @@ __device__ void ringw_probe(const u16* K, const u16* V, int L, int H, int kps, f
             }
         commit();
     };
-    for (int s = 0; s < kStages; ++s) issue(s, s);
     float acc = 0.f;
-    for (int t = 0; t < tiles; ++t) {
-        if (t > 0) {
-            __syncwarp();
-            issue(t - 1 + kStages, (t - 1) % kStages);
-        }
-        wait_group<kStages - 1>();
-        __syncwarp();
-        const int s = t % kStages;
+    warp_ring<kStages>(tiles, issue, [&](int, int s) {
         acc += (float)sk[(s * kT + lane % 16) * 128] + (float)sv[(s * kT + lane % 16) * 128];
         if (kSpin > 0) {  // stands in for the attention math on the tile: kSpin cycles before the refill
             const long long t0 = clock64();
             while (clock64() - t0 < kSpin) {
             }
         }
-    }
+    });
     if (acc == 1234.5f) sink[0] = acc;
 }
 
@@ -398,18 +407,10 @@ __device__ void ringw2_probe(const u16* K, const u16* V, int L, int H, int kps, 
             }
         commit();
     };
-    for (int s = 0; s < kStages; ++s) issue(s, s);
     float acc = 0.f;
-    for (int t = 0; t < tiles; ++t) {
-        if (t > 0) {
-            __syncwarp();
-            issue(t - 1 + kStages, (t - 1) % kStages);
-        }
-        wait_group<kStages - 1>();
-        __syncwarp();
-        const int s = t % kStages;
+    warp_ring<kStages>(tiles, issue, [&](int, int s) {
         acc += (float)sk[(s * 32 + lane % 8) * 256] + (float)sv[(s * 32 + lane % 8) * 256];
-    }
+    });
     if (acc == 1234.5f) sink[0] = acc;
 }
 
