@@ -25,6 +25,8 @@ keys at a time, into shared memory (or registers). Probe names:
     ldg_tT_oO       16-byte ld.global.nc into registers, all of a thread's loads of a tile in flight
     ringd_sS_oO     ringw with dynamic work: every warp claims 16-key units of its head from a counter
                     shared by the head's CTAs, so a slow warp takes fewer (balancing within a head)
+    ringsteal_sS_oO ringw whose warps, once their split is used up, take their shares of the other
+                    splits' tiles of the head from the back (claims on counters, one tile ahead)
     ringw2_sS_oO    ringw with two adjacent kv heads per CTA (512 contiguous bytes per key), 32-key
                     tiles; grid (2 splits, kv heads / 2, b)
     bulk_sS         one producer warp, cp.async.bulk per 256-byte row, full / empty mbarriers (sm_90)
@@ -382,6 +384,85 @@ __device__ void ringd_probe(const u16* K, const u16* V, int L, int H, int kps, f
     if (acc == 1234.5f) sink[0] = acc;
 }
 
+// As ringw_probe, plus stealing at the end: warp w of split s takes its 16-key shares of the split's
+// tiles front to back by claims on a counter of (sequence, head, split, w) -- one 64-bit word: the
+// front claims in the high half, the back claims in the low half; a claim is valid while front +
+// back < the split's tiles -- and once its own split is used up, takes shares w of the other splits
+// of its head from their back ends. Same loads and order as ringw while no one steals. Counters at
+// sink + 32 (zeroed before each launch), 4 words per (split, w); the shares each warp read are summed
+// in the word after, checked on the host.
+template <int kStages>
+__device__ void ringsteal_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u16* sk = (u16*)smem + warp * 16 * 128;
+    u16* sv = sk + kStages * 64 * 128;
+    const long long row = (long long)H * 128;
+    const u16* gk = K + (long long)blockIdx.z * L * row + blockIdx.y * 128;
+    const u16* gv = V + (long long)blockIdx.z * L * row + blockIdx.y * 128;
+    const int S = gridDim.x, n_tiles = (L + 63) / 64, T = kps / 64;
+    unsigned long long* ctr = (unsigned long long*)(sink + 32) + 4 * ((long long)(blockIdx.z * H + blockIdx.y) * S * 4);
+    auto word = [&](int split) { return ctr + 4 * (split * 4 + warp); };
+    auto split_tiles = [&](int split) { return max(0, min(T, n_tiles - split * T)); };
+    int victim = 0;  // 0: own split, then blockIdx.x + victim (mod S) from the back; S: nothing left
+    unsigned long long pending = 0;  // lane 0: the claim in flight on the current victim
+    auto request = [&]() {
+        if (victim < S && lane == 0) pending = atomicAdd(word((blockIdx.x + victim) % S), victim == 0 ? (1ull << 32) : 1ull);
+    };
+    // The next tile of this warp: the claim in flight (one tile ahead), or claims on the next victims
+    // while the current one is used up; then the next claim goes out.
+    auto claim = [&]() -> int {
+        while (victim < S) {
+            const int sp = (blockIdx.x + victim) % S;
+            const unsigned long long old = __shfl_sync(0xffffffffu, pending, 0);
+            const int f = (int)(old >> 32), bk = (int)(old & 0xffffffffu), cnt = split_tiles(sp);
+            if (f + bk < cnt) {
+                const int tile = sp * T + (victim == 0 ? f : cnt - 1 - bk);
+                request();
+                return tile;
+            }
+            ++victim;
+            request();
+        }
+        return -1;
+    };
+    request();
+    auto issue = [&](int tile, int st) {
+        if (tile >= 0)
+            for (int c = lane; c < 16 * 16; c += 32) {
+                const int r = c / 16, ch = c % 16, n = tile * 64 + warp * 16 + r;
+                const bool ok = n < L;
+                const int off = (st * 64 + r) * 128 + ((ch & 8) | ((ch ^ r) & 7)) * 8;
+                cp16(smem_u32(sk + off), ok ? gk + n * row + ch * 8 : gk, ok);
+                cp16(smem_u32(sv + off), ok ? gv + n * row + ch * 8 : gv, ok);
+            }
+        commit();
+    };
+    int q[kStages];  // tiles of the ring's stages, in use order (-1: none)
+#pragma unroll
+    for (int j = 0; j < kStages; ++j) {
+        q[j] = claim();
+        issue(q[j], j);
+    }
+    float acc = 0.f;
+    int st = 0, done = 0;
+    while (q[0] >= 0) {
+        wait_group<kStages - 1>();
+        __syncwarp();
+        acc += (float)sk[(st * 64 + lane % 16) * 128] + (float)sv[(st * 64 + lane % 16) * 128];
+        done += 1;
+        __syncwarp();
+        const int next = claim();
+#pragma unroll
+        for (int j = 0; j + 1 < kStages; ++j) q[j] = q[j + 1];
+        q[kStages - 1] = next;
+        issue(next, st);  // the stage just used takes the tile kStages on
+        st = st + 1 == kStages ? 0 : st + 1;
+    }
+    if (lane == 0) atomicAdd(word(blockIdx.x) + 1, (unsigned long long)done);
+    if (acc == 1234.5f) sink[0] = acc;
+}
+
 // As ringw_probe with two kv heads per CTA (heads 2 blockIdx.y and 2 blockIdx.y + 1, adjacent in
 // memory): each key's row is 512 contiguous bytes; tiles of 32 keys keep ringw's 16 KB per K stage
 // (each warp loads 8 keys of both heads).
@@ -542,6 +623,8 @@ KERNELS = {
     "ringd_s2": "ringd_probe<2>",
     "ringd_s3": "ringd_probe<3>",
     "ringw2_s2": "ringw2_probe<2>",
+    "ringsteal_s2": "ringsteal_probe<2>",
+    "ringsteal_s3": "ringsteal_probe<3>",
     "tmaw_s2": "tmaw_probe<2>",
     "tmaw_s3": "tmaw_probe<3>",
     "tmaw_s4": "tmaw_probe<4>",
@@ -595,6 +678,9 @@ PROBES = {
     "ringd_s2_o2": ("ringd_s2", 65536, 2, "split"),
     "ringd_s3_o2": ("ringd_s3", 98304, 2, "split"),
     "ringw2_s2_o3": ("ringw2_s2", 65536, 3, "pair"),
+    "ringsteal_s2_o2": ("ringsteal_s2", 65536, 2, "split"),
+    "ringsteal_s2_o3": ("ringsteal_s2", 65536, 3, "split"),
+    "ringsteal_s3_o2": ("ringsteal_s3", 98304, 2, "split"),
     # tma*: K and V are passed as tensor maps (kernel name prefix); shared memory + 2 KB for the
     # barriers and the 1024-byte alignment of the swizzled boxes.
     "tmaw_s2_o3": ("tmaw_s2", 67584, 3, "split"),
@@ -654,8 +740,8 @@ def main():
         K.view(cupy.float16)[...] = 0.5
         V.view(cupy.float16)[...] = 0.25
         nbytes = 2 * K.nbytes
-        if any(name.startswith("ringd") for name in a.probes):
-            sink = cupy.zeros(32 + 32 * b * H, dtype=cupy.float32)
+        if any(name.startswith(("ringd", "ringsteal")) for name in a.probes):  # counters: ringd 32 ints per
+            sink = cupy.zeros(32 + max(32, 32 * splits) * b * H, dtype=cupy.float32)  # head, ringsteal 32 per split
         for name in a.probes:
             kernel, need, per_sm, grid_kind = PROBES[name]
             fn = mod.get_function(kernel)
@@ -675,7 +761,7 @@ def main():
                     rows = 16 if kernel.startswith("tmaw") else 64
                     args = (tensor_map(K, rows), tensor_map(V, rows)) + args[2:]
             block = (256,) if kernel == "flat" else (128,)
-            reset = kernel.startswith("ringd")  # the claim counters start at 0 in every launch
+            reset = kernel.startswith(("ringd", "ringsteal"))  # the claim counters start at 0 in every launch
             for _ in range(3):
                 if reset:
                     sink.fill(0)
@@ -690,10 +776,14 @@ def main():
                 e1.record()
                 e1.synchronize()
                 ts.append(cupy.cuda.get_elapsed_time(e0, e1) * 1e-3)
-            if reset:  # every unit of every head read exactly once
-                done = sink[32:].view(cupy.int32).reshape(b * H, 32)[:, 1]
+            if reset and kernel.startswith("ringd"):  # every unit of every head read exactly once
+                done = sink[32:32 + 32 * b * H].view(cupy.int32).reshape(b * H, 32)[:, 1]
                 if not bool((done == -(-L // 16)).all()):
                     raise RuntimeError(f"{name} at {shape}: units read per head {done.get()} != {-(-L // 16)}")
+            if reset and kernel.startswith("ringsteal"):  # every warp share of every tile read exactly once
+                done = sink[32:32 + 32 * splits * b * H].view(cupy.uint64).reshape(b * H, splits, 4, 4)[:, :, :, 1]
+                if not bool((done.sum(axis=1) == -(-L // 64)).all()):
+                    raise RuntimeError(f"{name} at {shape}: tile shares read per head and warp {done.sum(axis=1).get()}")
             print(f"{shape:24} {name:20} {nbytes / statistics.median(ts) / 1e12:6.2f}", flush=True)
         del K, V
         cupy.get_default_memory_pool().free_all_blocks()
