@@ -327,6 +327,30 @@ __device__ void altw_probe(const u16* K, const u16* V, int L, int H, int kps, fl
     if (acc == 1234.5f) sink[0] = acc;
 }
 
+// K and V of kv head blockIdx.y of sequence blockIdx.z, and a warp's loads of 16 of its keys into its
+// 16 rows of a 64-key stage (swizzled as ringw's): keys [n0, n0 + 16), those >= L zero-filled.
+struct HeadRows {
+    const u16 *gk, *gv;
+    long long row;  // elements from one key to the next
+    // ... and this warp's K and V rows of stage 0 (16 rows of 64 per stage; the V stages after the K ones).
+    __device__ HeadRows(const u16* K, const u16* V, int L, int H, unsigned char* smem, int stages, u16*& sk, u16*& sv)
+        : row((long long)H * 128) {
+        gk = K + (long long)blockIdx.z * L * row + blockIdx.y * 128;
+        gv = V + (long long)blockIdx.z * L * row + blockIdx.y * 128;
+        sk = (u16*)smem + threadIdx.x / 32 * 16 * 128;
+        sv = sk + stages * 64 * 128;
+    }
+    __device__ void load16(u16* sk, u16* sv, int st, int n0, int L, int lane) const {
+        for (int c = lane; c < 16 * 16; c += 32) {
+            const int r = c / 16, ch = c % 16, n = n0 + r;
+            const bool ok = n < L;
+            const int off = (st * 64 + r) * 128 + ((ch & 8) | ((ch ^ r) & 7)) * 8;
+            cp16(smem_u32(sk + off), ok ? gk + n * row + ch * 8 : gk, ok);
+            cp16(smem_u32(sv + off), ok ? gv + n * row + ch * 8 : gv, ok);
+        }
+    }
+};
+
 // As ringw_probe, but every warp is a worker that takes 16-key units of its (kv head, sequence)
 // dynamically: the gridDim.x CTAs of a head share its units through a counter (sink + 32 as ints, one
 // 128-byte line per head, zeroed before the launch). Worker w = 4 split + warp starts with the static
@@ -336,22 +360,12 @@ template <int kStages>
 __device__ void ringd_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    u16* sk = (u16*)smem + warp * 16 * 128;
-    u16* sv = sk + kStages * 64 * 128;
-    const long long row = (long long)H * 128;
-    const u16* gk = K + (long long)blockIdx.z * L * row + blockIdx.y * 128;
-    const u16* gv = V + (long long)blockIdx.z * L * row + blockIdx.y * 128;
+    u16 *sk, *sv;
+    const HeadRows head(K, V, L, H, smem, kStages, sk, sv);
     int* counter = (int*)(sink + 32) + 32 * (blockIdx.z * H + blockIdx.y);
     const int units = (L + 15) / 16, W = 4 * gridDim.x, w = 4 * blockIdx.x + warp;
     auto issue = [&](int u, int s) {
-        if (u < units)
-            for (int c = lane; c < 16 * 16; c += 32) {
-                const int r = c / 16, ch = c % 16, n = u * 16 + r;
-                const bool ok = n < L;
-                const int off = (s * 64 + r) * 128 + ((ch & 8) | ((ch ^ r) & 7)) * 8;
-                cp16(smem_u32(sk + off), ok ? gk + n * row + ch * 8 : gk, ok);
-                cp16(smem_u32(sv + off), ok ? gv + n * row + ch * 8 : gv, ok);
-            }
+        if (u < units) head.load16(sk, sv, s, u * 16, L, lane);
         commit();
     };
     int q[kStages];  // q[j]: the unit of step k + j
@@ -395,11 +409,8 @@ template <int kStages>
 __device__ void ringsteal_probe(const u16* K, const u16* V, int L, int H, int kps, float* sink) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    u16* sk = (u16*)smem + warp * 16 * 128;
-    u16* sv = sk + kStages * 64 * 128;
-    const long long row = (long long)H * 128;
-    const u16* gk = K + (long long)blockIdx.z * L * row + blockIdx.y * 128;
-    const u16* gv = V + (long long)blockIdx.z * L * row + blockIdx.y * 128;
+    u16 *sk, *sv;
+    const HeadRows head(K, V, L, H, smem, kStages, sk, sv);
     const int S = gridDim.x, n_tiles = (L + 63) / 64, T = kps / 64;
     unsigned long long* ctr = (unsigned long long*)(sink + 32) + 4 * ((long long)(blockIdx.z * H + blockIdx.y) * S * 4);
     auto word = [&](int split) { return ctr + 4 * (split * 4 + warp); };
@@ -428,14 +439,7 @@ __device__ void ringsteal_probe(const u16* K, const u16* V, int L, int H, int kp
     };
     request();
     auto issue = [&](int tile, int st) {
-        if (tile >= 0)
-            for (int c = lane; c < 16 * 16; c += 32) {
-                const int r = c / 16, ch = c % 16, n = tile * 64 + warp * 16 + r;
-                const bool ok = n < L;
-                const int off = (st * 64 + r) * 128 + ((ch & 8) | ((ch ^ r) & 7)) * 8;
-                cp16(smem_u32(sk + off), ok ? gk + n * row + ch * 8 : gk, ok);
-                cp16(smem_u32(sv + off), ok ? gv + n * row + ch * 8 : gv, ok);
-            }
+        if (tile >= 0) head.load16(sk, sv, st, tile * 64 + warp * 16, L, lane);
         commit();
     };
     int q[kStages];  // tiles of the ring's stages, in use order (-1: none)
