@@ -2,8 +2,8 @@
 (bf16, head dim 128, 32 query heads, one query token, full caches, num_splits=0), with cuDNN alongside.
 
     python tools/ab_decode.py --old .old/cuda_src [--shapes 8,4096,32 ...] [--repeats 20]
-The old build is always launched without programmatic dependent launch (its kernels may not wait
-for the kernel before them), the new one as cuflash launches it (CUFLASH_PDL). Per shape: device
+The old build is launched without programmatic dependent launch (its kernels may not wait for the
+kernel before them) unless --old-pdl, the new one as cuflash launches it (CUFLASH_PDL). Per shape: device
 microseconds per call (CUDA events, round-robin samples, cuflash.bench.time_ms) of
 the old and the new kernels and torch SDPA's CUDNN_ATTENTION, and new / old and new / cuDNN speed
 ratios; last, their medians. Both builds are checked against each other (max abs difference).
@@ -32,6 +32,9 @@ def main():
     ap.add_argument("--old", required=True, help="folder of the other cuda_src")
     ap.add_argument("--shapes", nargs="*", default=SHAPES)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--old-pdl", action="store_true",
+                    help="launch the old build with programmatic dependent launch too (its kernels must wait for "
+                         "the kernel before them, as every decode kernel since 91b1f50 does)")
     a = ap.parse_args()
     new_dir, old_dir = jit.source_dir(), Path(a.old).resolve()
     # Per build: its source folder, its loaded functions and its own memo of plans and functions, so
@@ -49,7 +52,7 @@ def main():
         jit._functions = fns
         kvcache._plan_and_load = memo
         # The old kernels may predate griddepcontrol.wait, which a PDL launch needs: never launch them so.
-        jit.PDL_ENABLED = pdl and name == "new"
+        jit.PDL_ENABLED = pdl and (name == "new" or a.old_pdl)
 
     torch = bench_decode._torch()
     rng = np.random.default_rng(0)
