@@ -127,14 +127,7 @@ struct DecodeWarpConfig {
     static constexpr bool kKVSwizzled = Cfg::kKVSwizzled;
     static constexpr int kKVStride = Cfg::kKVStride;
     static constexpr bool kIsBF16 = Cfg::kIsBF16;
-    // Q's fragments stay in registers (loaded once, after the first tile's barrier) where they fit
-    // beside O and S without spilling: one 16-key share per warp (kMSlabs == 1), head dims up to 128,
-    // the 16-byte path. Re-reading Q from shared memory for every tile put eight ldmatrix into each
-    // tile's S = Q K^T chain: on the H200 (tools/ab_decode.py, hd128 bf16, same plan, both with PDL)
-    // keeping them cut the device time 0.1-4.7% on 10 shapes that are not host-bound (b=8 L=4k h_kv=32
-    // 142.9 -> 136.5 us, b=1 L=16k h_kv=32 76.7 -> 73.8, b=8 L=16k h_kv=8 135.4 -> 132.4), same bits.
-    // Elsewhere (more keys per warp, element-wise loads, larger head dims) they spilled at hd128.
-    static constexpr bool kQInRegs = Cfg::kMSlabs == 1 && Cfg::kAligned && Cfg::kHeadDim <= 128;
+    static constexpr bool kQInRegs = false;  // Q is re-read from smem per tile (memory bound: free)
 };
 
 CUFLASH_DEVICE float decode_warp_max(float x) {
@@ -652,7 +645,6 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
             // ... and for the warps that read it (Q: every warp).
             if (tile == tile_begin) {
                 __syncthreads();
-                if constexpr (WCfg::kQInRegs) wt.load_q_frags(s_q);
             } else {
                 loader_sync();
             }
