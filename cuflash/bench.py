@@ -59,14 +59,16 @@ class Row:
     host_us: float = float("nan")  # cuflash host time per call (checks, planning, launch)
 
 
-def time_ms(fns: dict, repeats: int = 30, warmup_s: float = 0.3, calls: int = 5) -> dict:
+def time_ms(fns: dict, repeats: int = 30, warmup_s: float = 0.3, calls: int = 5, primer: bool = False) -> dict:
     """Median device milliseconds per call of each fn(), by CUDA events on the current stream.
 
     Each sample is ``calls`` back-to-back calls between two events, divided by ``calls``: the host
     work of one call (argument checks, launch) overlaps the kernel of the previous one, as in a
     model's forward pass, and only the first call's launch latency remains in the sample. The
     functions are timed round-robin (one sample of each per round) after a warm-up of at least
-    ``warmup_s`` seconds, so clock ramp-up and drift hit every implementation alike.
+    ``warmup_s`` seconds, so clock ramp-up and drift hit every implementation alike. primer: one
+    untimed call of the same function (and a synchronization) before each sample, so no sample
+    starts right after another function's calls (tools/aa_decode.py measures whether that matters).
     """
     import cupy
 
@@ -81,6 +83,9 @@ def time_ms(fns: dict, repeats: int = 30, warmup_s: float = 0.3, calls: int = 5)
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            if primer:
+                fn()
+                stream.synchronize()
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             start.record(stream)
             for _ in range(calls):
