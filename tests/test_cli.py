@@ -453,3 +453,58 @@ def test_python_dash_m(cache):
     assert r.returncode == 0
     for cmd in ("info", "precompile", "cache", "bench"):
         assert cmd in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark's timer (cuflash.bench.time_ms) with CUDA events faked: what it calls, in what order
+# ---------------------------------------------------------------------------------------------
+
+
+class _FakeClock:
+    """Stands in for CuPy's stream and events: an event records how many calls had been made, and the
+    elapsed "time" between two events is the number of calls between them."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def stream(self):
+        log = self.log
+
+        class Stream:
+            def synchronize(self):
+                log.append("sync")
+
+        return Stream()
+
+    def event(self):
+        log = self.log
+
+        class Event:
+            def record(self, stream=None):
+                self.at = sum(1 for x in log if x not in ("sync",))
+
+            def synchronize(self):
+                pass
+
+        return Event()
+
+
+@pytest.mark.parametrize("primer", [False, True])
+def test_time_ms_rounds_and_primer(monkeypatch, primer):
+    from cuflash import bench
+
+    log = []
+    clock = _FakeClock(log)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", clock.stream)
+    monkeypatch.setattr(cupy.cuda, "Event", clock.event)
+    monkeypatch.setattr(cupy.cuda, "get_elapsed_time", lambda a, b: float(b.at - a.at))
+    fns = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
+    ms = bench.time_ms(fns, repeats=4, warmup_s=0.0, calls=5, primer=primer)
+    # each sample spans exactly its 5 calls: the primer call and its sync fall outside the events
+    assert ms == {"a": 1.0, "b": 1.0, "c": 1.0}
+    timed = [x for x in log if x != "sync"][3:]  # after the one warm-up round
+    per_sample = 5 + (1 if primer else 0)
+    assert len(timed) == 4 * 3 * per_sample
+    samples = [timed[i:i + per_sample] for i in range(0, len(timed), per_sample)]
+    assert [s[0] for s in samples] == ["a", "b", "c"] * 4  # round-robin in the dict's order
+    assert all(len(set(s)) == 1 for s in samples)  # a primer call is the same function's
