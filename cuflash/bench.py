@@ -15,7 +15,8 @@ CUDNN_ATTENTION (cuDNN's fused attention), plus a naive CuPy attention (material
 its score matrix fits in a few GB.
 
 Timing: CUDA events around batches of back-to-back calls on the default stream (host overhead of a
-call overlaps the previous kernel), the implementations interleaved round-robin after a warm-up,
+call overlaps the previous kernel), the implementations interleaved after a warm-up (in the listed
+order, reversed every other round; each batch after one untimed call of the same implementation),
 median over `repeats` batches. The host time per call is reported separately.
 """
 from __future__ import annotations
@@ -59,16 +60,20 @@ class Row:
     host_us: float = float("nan")  # cuflash host time per call (checks, planning, launch)
 
 
-def time_ms(fns: dict, repeats: int = 30, warmup_s: float = 0.3, calls: int = 5, primer: bool = False) -> dict:
+def time_ms(fns: dict, repeats: int = 30, warmup_s: float = 0.3, calls: int = 5, primer: bool = True) -> dict:
     """Median device milliseconds per call of each fn(), by CUDA events on the current stream.
 
     Each sample is ``calls`` back-to-back calls between two events, divided by ``calls``: the host
     work of one call (argument checks, launch) overlaps the kernel of the previous one, as in a
     model's forward pass, and only the first call's launch latency remains in the sample. The
-    functions are timed round-robin (one sample of each per round) after a warm-up of at least
-    ``warmup_s`` seconds, so clock ramp-up and drift hit every implementation alike. primer: one
-    untimed call of the same function (and a synchronization) before each sample, so no sample
-    starts right after another function's calls (tools/aa_decode.py measures whether that matters).
+    functions are timed in rounds (one sample of each per round) after a warm-up of at least
+    ``warmup_s`` seconds, so clock ramp-up and drift hit every implementation alike.
+
+    What runs just before a sample changes it: on the H200 a decode kernel timed right after another
+    library's calls measured 1.7% slower than the same kernel timed after its own
+    (tools/aa_decode.py). So no function keeps a fixed place: every other round runs in reverse
+    order, and with ``primer`` (the default; it only matters for more than one function) each sample
+    follows one untimed, synchronized call of the same function.
     """
     import cupy
 
@@ -80,9 +85,10 @@ def time_ms(fns: dict, repeats: int = 30, warmup_s: float = 0.3, calls: int = 5,
         stream.synchronize()
         if time.perf_counter() >= t_end:
             break
+    primer = primer and len(fns) > 1
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for r in range(repeats):
+        for name, fn in (fns.items() if r % 2 == 0 else reversed(fns.items())):
             if primer:
                 fn()
                 stream.synchronize()

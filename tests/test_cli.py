@@ -506,5 +506,20 @@ def test_time_ms_rounds_and_primer(monkeypatch, primer):
     per_sample = 5 + (1 if primer else 0)
     assert len(timed) == 4 * 3 * per_sample
     samples = [timed[i:i + per_sample] for i in range(0, len(timed), per_sample)]
-    assert [s[0] for s in samples] == ["a", "b", "c"] * 4  # round-robin in the dict's order
+    # the dict's order, reversed every other round, so no function always comes after the same one
+    assert [s[0] for s in samples] == ["a", "b", "c", "c", "b", "a"] * 2
     assert all(len(set(s)) == 1 for s in samples)  # a primer call is the same function's
+
+
+def test_time_ms_one_function_has_no_primer(monkeypatch):
+    """The primer only separates different functions; one function timed alone runs no extra calls
+    (the bench times the slow naive reference and one-off prefills alone)."""
+    from cuflash import bench
+
+    log = []
+    clock = _FakeClock(log)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", clock.stream)
+    monkeypatch.setattr(cupy.cuda, "Event", clock.event)
+    monkeypatch.setattr(cupy.cuda, "get_elapsed_time", lambda a, b: float(b.at - a.at))
+    assert bench.time_ms({"only": lambda: log.append("only")}, repeats=3, warmup_s=0.0, calls=2) == {"only": 1.0}
+    assert [x for x in log if x != "sync"] == ["only"] * (1 + 3 * 2)

@@ -4,7 +4,7 @@
     python tools/ab_decode.py --old .old/cuda_src [--shapes 8,4096,32 ...] [--repeats 20]
 The old build is launched without programmatic dependent launch (its kernels may not wait for the
 kernel before them) unless --old-pdl, the new one as cuflash launches it (CUFLASH_PDL). Per shape: device
-microseconds per call (CUDA events, round-robin samples, cuflash.bench.time_ms) of
+microseconds per call (CUDA events, interleaved samples, cuflash.bench.time_ms) of
 the old and the new kernels and torch SDPA's CUDNN_ATTENTION, and new / old and new / cuDNN speed
 ratios; last, their medians. Both builds are checked against each other (max abs difference).
 

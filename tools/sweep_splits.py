@@ -5,7 +5,7 @@ split count the heuristic (num_splits=0) picks: the data behind cuflash/plan.py 
                                  [--ctas-per-sm 2 3] [--max-gb 5] [--repeats 8] [--json FILE]
 A shape is batch,cache_len,kv_heads (32 query heads, head dim 128, bf16, one query token, full
 caches); the default is every shape of `cuflash bench --decode`. Per shape: microseconds per call
-(CUDA events, cuflash.bench.time_ms, round-robin samples) of each split count (those above the
+(CUDA events, cuflash.bench.time_ms, interleaved samples) of each split count (those above the
 heuristic's cap of one split per 256 keys are left out) and of cuDNN, the best count, and the
 plan's own choice (num_splits=0: its count @ CTAs per SM) with its time / the best plain time. --ctas-per-sm: also each split count with the split
 CTAs spaced out to that many per SM (cells "splits@ctas"; plain cells use the plan's CTAs per SM).
