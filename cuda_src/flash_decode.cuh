@@ -33,6 +33,11 @@
 //           tensor-core cycles that would idle anyway.
 //   Keys: L_b is cut into kBlockN-key tiles; split s takes tiles [s * T, (s + 1) * T), T = ceil(tiles
 //           / num_splits), so every split of a sequence has the same work (an empty split writes lse = -inf).
+//   Lean grid (DecodeConfig kLean; every sequence of the same length, one row block): grid = (C, 1, 1),
+//           C = the GPU's CTA slots. The W tiles of all (b, hk) groups in a row, CTA c takes [c W / C,
+//           (c + 1) W / C): equal work for every CTA, every slot busy (a split grid of 256 CTAs leaves 8
+//           of the H200's 264 idle). A CTA crossing a group boundary does one piece per group; the
+//           pieces of a group are merged like splits (decode_piece, cuflash/plan.py lean_pieces).
 //   block = 4 warps as kWarpsM x kWarpsN = kMSlabs x (4 / kMSlabs). Warp (wm, wn) owns the 16 rows of
 //           slab wm and keys [wn * kKeysPerWarp, (wn + 1) * kKeysPerWarp) of every tile: its own
 //           online softmax (m, l, O) over its keys, FA2's per-warp steps (flash_fwd.cuh WarpTile).
@@ -75,7 +80,7 @@ constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cufla
 constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS
 
 // Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
-template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_>
+template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kLean_ = false>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockN = kBlockN_;     // keys per K/V tile
@@ -83,6 +88,7 @@ struct DecodeConfig {
     static constexpr int kStages = kStages_;     // K/V tiles in the cp.async ring
     static constexpr bool kIsBF16 = kIsBF16_;
     static constexpr bool kAligned = kAligned_;  // 16-byte cp.async loads; else element-wise loads
+    static constexpr bool kLean = kLean_;        // lean grid (equal work per CTA across groups) instead of splits
 
     static constexpr int kNWarps = kDecodeThreads / 32;
     static constexpr int kNThreads = kDecodeThreads;
@@ -389,8 +395,8 @@ struct DecodeMergeRow {
 // it (it has block barriers); smem: the K/V stages (kSmemPipeBytes), free by now. The partial rows
 // were written by other CTAs: they are read through L2 (cp.async.cg, ld.global.cg), never from L1.
 template <class Cfg>
-CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int row0, int rows_valid, float* smem,
-                                      int tid) {
+CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int row0, int rows_valid, int n_splits,
+                                      float* smem, int tid) {
     using Lay = DecodeMergeLayout<Cfg>;
     constexpr int kW = Cfg::kNWarps, kCC = Lay::kColChunks, kRowF = Lay::kRowFloats;
     constexpr int kChunks16 = kRowF / 4;  // 16-byte pieces of a partial row
@@ -405,7 +411,7 @@ CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int 
     // Splits staged at once per row. Row slot k of a round (k = warp / team) owns the same area in
     // every round and chunk: with a warp per row nothing synchronizes the warps between rounds, so
     // a warp ahead by a round must not reach into another's area.
-    const int per_chunk = min(p.num_splits, Lay::kCap / rows_per_round);
+    const int per_chunk = min(n_splits, Lay::kCap / rows_per_round);
     // Rounds are uniform over the CTA (the team meeting below has block barriers).
     for (int r0 = 0; r0 < rows_valid; r0 += rows_per_round) {
         const int r = r0 + warp / team;  // this warp's row (>= rows_valid: none this round)
@@ -423,8 +429,8 @@ CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int 
         if (r < rows_valid) {
             const int k = warp / team;
             const float* g_rows = p.o_partial + row * p.partial_stride;
-            for (int s_lo = 0; s_lo < p.num_splits; s_lo += per_chunk) {
-                const int n_s = min(per_chunk, p.num_splits - s_lo);
+            for (int s_lo = 0; s_lo < n_splits; s_lo += per_chunk) {
+                const int n_s = min(per_chunk, n_splits - s_lo);
                 // Row slot k's area: the staged partial row of split s_lo + s at rows_k[s * kRowF], its
                 // weight at w_k[s] (the team's warps take disjoint s).
                 float* rows_k = s_rows + k * per_chunk * kRowF;
@@ -502,13 +508,13 @@ CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int 
 // smem: the K/V stages, s_flag: one int, both free shared memory by now.
 template <class Cfg>
 CUFLASH_DEVICE void decode_merge_if_last(const DecodeParams& p, int b, int hk, int rb, int row0, int rows_valid,
-                                         float* smem, int* s_flag, int tid) {
+                                         int n_splits, float* smem, int* s_flag, int tid) {
     DECODE_TRACE(5);
     __threadfence();  // this thread's partial rows reach device scope before the count
     __syncthreads();  // ... for every thread of the CTA; and everyone is done with the smem reused below
     if (tid == 0) {
         int* counter = p.split_counters + ((i64)b * p.nheads_kv + hk) * p.num_row_blocks + rb;
-        const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
+        const bool last = atomicAdd(counter, 1) == n_splits - 1;
         if (last) *counter = 0;  // every split of the group has counted: reset for the next launch
         *s_flag = last;
     }
@@ -516,31 +522,29 @@ CUFLASH_DEVICE void decode_merge_if_last(const DecodeParams& p, int b, int hk, i
     DECODE_TRACE(6);
     if (!*s_flag) return;
     __threadfence();
-    decode_merge_rows<Cfg>(p, b, hk, row0, rows_valid, smem, tid);
+    decode_merge_rows<Cfg>(p, b, hk, row0, rows_valid, n_splits, smem, tid);
 }
 
 
+// One piece of work of a split CTA: tiles [tile_begin, tile_end) of the L keys of (sequence b, kv head
+// hk), packed query rows of row block rb, as piece `split` of the n_pieces pieces of that group. One
+// piece: O and lse written directly; several: this piece's partial rows, then the merge by the last
+// piece of the group to finish (or, without counters, the combine kernel). tile_begin >= tile_end
+// (an empty split) writes lse = -inf and O = 0.
 template <class Cfg>
-CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
+CUFLASH_DEVICE void decode_piece(const DecodeParams& p, int b, int hk, int rb, int split, int L, int tile_begin,
+                                 int tile_end, int n_pieces) {
     using WCfg = DecodeWarpConfig<Cfg>;
     constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM;
     constexpr int kNB = WCfg::kNBlocksS, kDB = WCfg::kDBlocks, kRed = Cfg::kRedStride;
     constexpr bool kBF16 = Cfg::kIsBF16;
 
-    // Launched with programmatic dependent launch (sm_90+): the kernel before (the append, or the
-    // previous call's kernels) has finished before anything here touches global memory; the kernel
-    // after (the combine, or the next call's) may start its CTAs as slots free up.
-    grid_dependency_wait();
-    grid_launch_dependents();
-    DECODE_TRACE(1);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
-    const int split = blockIdx.x / p.num_row_blocks, rb = blockIdx.x % p.num_row_blocks;
     const int row0 = rb * kBlockM;  // first packed row of this CTA
-    const int hk = blockIdx.y, b = blockIdx.z;
     const int rows_valid = min(kBlockM, p.rows - row0);
-    const bool final_out = p.num_splits == 1;  // write O and lse directly, no merge of splits
+    const bool final_out = n_pieces == 1;  // write O and lse directly, no merge of pieces
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     u16* s_q = reinterpret_cast<u16*>(smem_raw);
@@ -550,13 +554,6 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     u16* s_k0 = reinterpret_cast<u16*>(s_pipe);     // K stage s at s_k0 + s * kSmemKV
     u16* s_v0 = s_k0 + Cfg::kStages * Cfg::kSmemKV;  // V stage s at s_v0 + s * kSmemKV
     float* s_red = reinterpret_cast<float*>(s_pipe);  // epilogue only: [kWarpsN][kBlockM][kRed], over the stages
-
-    // Keys of this sequence after the append, and this split's tiles of them.
-    const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);
-    const int n_tiles = ceil_div_nonneg(L, kBlockN);
-    const int tiles_per_split = ceil_div_nonneg(n_tiles, p.num_splits);
-    const int tile_begin = split * tiles_per_split;
-    const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
 
     if (tile_begin >= tile_end) {  // no key in this split: O = 0, lse = -inf (final or partial rows)
         for (int r = tid; r < rows_valid; r += Cfg::kNThreads) {
@@ -754,11 +751,60 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
             }
         }
     }
-    // Several splits: the last CTA of the group merges them, in the stages and with m as its flag
-    // (one call site: the merge is large code), unless the combine kernel does (no counters).
+    // Several pieces: the last CTA of the group merges them, in the stages and with m as its flag
+    // (one call site per kernel variant: the merge is large code), unless the combine kernel does (no
+    // counters).
     if (!final_out && p.split_counters != nullptr) {
-        decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, reinterpret_cast<float*>(s_pipe),
+        decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, n_pieces, reinterpret_cast<float*>(s_pipe),
                                   reinterpret_cast<int*>(s_m), tid);
+    }
+}
+
+// The CTA of one tile x of the lean grid's W tiles: CTA c holds tiles [c W / C, (c + 1) W / C), so x's
+// CTA is the largest c with c W / C <= x, i.e. c W < (x + 1) C (cuflash/plan.py lean_pieces mirrors it).
+CUFLASH_DEVICE i64 decode_lean_cta(i64 x, i64 W, i64 C) { return ((x + 1) * C - 1) / W; }
+
+template <class Cfg>
+CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
+    // Launched with programmatic dependent launch (sm_90+): the kernel before (the append, or the
+    // previous call's kernels) has finished before anything here touches global memory; the kernel
+    // after (the combine, or the next call's) may start its CTAs as slots free up.
+    grid_dependency_wait();
+    grid_launch_dependents();
+    DECODE_TRACE(1);
+    if constexpr (!Cfg::kLean) {
+        // Split grid: CTA (x, hk, b) takes split x / num_row_blocks of the keys of (b, hk), row block
+        // x % num_row_blocks; every split of a sequence has ceil(tiles / num_splits) tiles.
+        const int split = blockIdx.x / p.num_row_blocks, rb = blockIdx.x % p.num_row_blocks;
+        const int hk = blockIdx.y, b = blockIdx.z;
+        const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
+        const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
+        const int tiles_per_split = ceil_div_nonneg(n_tiles, p.num_splits);
+        const int tile_begin = split * tiles_per_split;
+        const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
+        decode_piece<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
+    } else {
+        // Lean grid (stream-K; every sequence has the same L, p.seqlens is null; one row block):
+        // the W = batch * nheads_kv * n tiles of all (b, hk) groups in a row, group g = b * nheads_kv
+        // + hk owning tiles [g n, (g + 1) n); CTA c of the C = gridDim.x takes [c W / C, (c + 1) W / C),
+        // so every CTA has the same work within a tile whatever the grid. A CTA whose range crosses a
+        // group boundary does one piece per group; the pieces of group g are numbered from the CTA
+        // holding its first tile, and p.num_splits >= the most pieces of any group (the partial rows'
+        // leading dimension).
+        const int L = min(decode_cached_len(p, 0) + p.seqlen_new, p.capacity);
+        const i64 n = ceil_div_nonneg(L, Cfg::kBlockN);
+        const i64 W = (i64)p.batch * p.nheads_kv * n, C = gridDim.x, c = blockIdx.x;
+        const i64 hi = (c + 1) * W / C;
+        for (i64 x = c * W / C; x < hi;) {
+            const i64 grp = x / n;
+            const i64 end = min(hi, (grp + 1) * n);
+            const i64 first = decode_lean_cta(grp * n, W, C), last = decode_lean_cta((grp + 1) * n - 1, W, C);
+            if (x > c * W / C) __syncthreads();  // the previous piece is done with the shared memory
+            decode_piece<Cfg>(p, static_cast<int>(grp / p.nheads_kv), static_cast<int>(grp % p.nheads_kv), 0,
+                              static_cast<int>(c - first), L, static_cast<int>(x - grp * n),
+                              static_cast<int>(end - grp * n), static_cast<int>(last - first + 1));
+            x = end;
+        }
     }
     DECODE_TRACE(4);
 }

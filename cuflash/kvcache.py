@@ -277,9 +277,11 @@ def attention_with_kvcache(
             max_len = min(seqlen_const + seqlen_new, capacity)
         else:
             max_len = capacity  # lengths on the GPU: plan the splits for the longest possible sequence
+        # One length for every sequence (no lengths on the GPU): the plan may take the lean grid.
         dplan, (fn_attn, fn_append, fn_combine) = _plan_and_load(
             batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], aligned,
             -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id, _ctas_per_sm,
+            seqlens_dev is None,
         )  # fmt: skip
         splits = dplan.num_splits
         bucket = dplan.attn.spec.head_dim
@@ -421,7 +423,7 @@ def _num_sms(device_id: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned, max_seqlen, num_splits, seqlen_new,
-                   append_aligned, device_id, ctas_per_sm=0):  # fmt: skip
+                   append_aligned, device_id, ctas_per_sm=0, uniform_lengths=False):  # fmt: skip
     """Launch plan and loaded kernels for one call signature (memoized: the host side of a repeated
     decode step is a dictionary lookup; max_seqlen arrives rounded up to 64 tokens, so consecutive
     steps share an entry)."""
@@ -429,7 +431,7 @@ def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned,
         batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype,
         aligned=aligned, max_seqlen=max_seqlen, num_splits=num_splits, num_sms=_num_sms(device_id),
         arch=jit.device_arch(device_id), seqlen_new=seqlen_new, append_aligned=append_aligned,
-        ctas_per_sm=ctas_per_sm,
+        ctas_per_sm=ctas_per_sm, uniform_lengths=uniform_lengths,
     )  # fmt: skip
     fns = tuple(None if launch is None else jit.get_function(launch.spec, device_id)
                 for launch in (p.attn, p.append, p.combine))
