@@ -33,11 +33,10 @@
 //           tensor-core cycles that would idle anyway.
 //   Keys: L_b is cut into kBlockN-key tiles; split s takes tiles [s * T, (s + 1) * T), T = ceil(tiles
 //           / num_splits), so every split of a sequence has the same work (an empty split writes lse = -inf).
-//   Lean grid (DecodeConfig kLean; every sequence of the same length, one row block): grid = (C, 1, 1),
-//           C = the GPU's CTA slots. The W tiles of all (b, hk) groups in a row, CTA c takes [c W / C,
-//           (c + 1) W / C): equal work for every CTA, every slot busy (a split grid of 256 CTAs leaves 8
-//           of the H200's 264 idle). A CTA crossing a group boundary does one piece per group; the
-//           pieces of a group are merged like splits (decode_piece, cuflash/plan.py lean_pieces).
+//   Filled grid (p.split_tiles > 0, p.split_major; cuflash/plan.py _filled_grid): T = split_tiles, so
+//           the last split is a short tail, and the grid is (nheads_kv, batch, num_splits): the long
+//           splits fill all but a few CTA slots at once and the tails stream through the rest meanwhile
+//           (a grid of 256 equal CTAs leaves 8 of the H200's 264 slots idle for the whole call).
 //   block = 4 warps as kWarpsM x kWarpsN = kMSlabs x (4 / kMSlabs). Warp (wm, wn) owns the 16 rows of
 //           slab wm and keys [wn * kKeysPerWarp, (wn + 1) * kKeysPerWarp) of every tile: its own
 //           online softmax (m, l, O) over its keys, FA2's per-warp steps (flash_fwd.cuh WarpTile).
@@ -80,7 +79,7 @@ constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cufla
 constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS
 
 // Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
-template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kLean_ = false>
+template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockN = kBlockN_;     // keys per K/V tile
@@ -88,7 +87,6 @@ struct DecodeConfig {
     static constexpr int kStages = kStages_;     // K/V tiles in the cp.async ring
     static constexpr bool kIsBF16 = kIsBF16_;
     static constexpr bool kAligned = kAligned_;  // 16-byte cp.async loads; else element-wise loads
-    static constexpr bool kLean = kLean_;        // lean grid (equal work per CTA across groups) instead of splits
 
     static constexpr int kNWarps = kDecodeThreads / 32;
     static constexpr int kNThreads = kDecodeThreads;
@@ -760,10 +758,6 @@ CUFLASH_DEVICE void decode_piece(const DecodeParams& p, int b, int hk, int rb, i
     }
 }
 
-// The CTA of one tile x of the lean grid's W tiles: CTA c holds tiles [c W / C, (c + 1) W / C), so x's
-// CTA is the largest c with c W / C <= x, i.e. c W < (x + 1) C (cuflash/plan.py lean_pieces mirrors it).
-CUFLASH_DEVICE i64 decode_lean_cta(i64 x, i64 W, i64 C) { return ((x + 1) * C - 1) / W; }
-
 template <class Cfg>
 CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     // Launched with programmatic dependent launch (sm_90+): the kernel before (the append, or the
@@ -772,40 +766,18 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     grid_dependency_wait();
     grid_launch_dependents();
     DECODE_TRACE(1);
-    if constexpr (!Cfg::kLean) {
-        // Split grid: CTA (x, hk, b) takes split x / num_row_blocks of the keys of (b, hk), row block
-        // x % num_row_blocks; every split of a sequence has ceil(tiles / num_splits) tiles.
-        const int split = blockIdx.x / p.num_row_blocks, rb = blockIdx.x % p.num_row_blocks;
-        const int hk = blockIdx.y, b = blockIdx.z;
-        const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
-        const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
-        const int tiles_per_split = ceil_div_nonneg(n_tiles, p.num_splits);
-        const int tile_begin = split * tiles_per_split;
-        const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
-        decode_piece<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
-    } else {
-        // Lean grid (stream-K; every sequence has the same L, p.seqlens is null; one row block):
-        // the W = batch * nheads_kv * n tiles of all (b, hk) groups in a row, group g = b * nheads_kv
-        // + hk owning tiles [g n, (g + 1) n); CTA c of the C = gridDim.x takes [c W / C, (c + 1) W / C),
-        // so every CTA has the same work within a tile whatever the grid. A CTA whose range crosses a
-        // group boundary does one piece per group; the pieces of group g are numbered from the CTA
-        // holding its first tile, and p.num_splits >= the most pieces of any group (the partial rows'
-        // leading dimension).
-        const int L = min(decode_cached_len(p, 0) + p.seqlen_new, p.capacity);
-        const i64 n = ceil_div_nonneg(L, Cfg::kBlockN);
-        const i64 W = (i64)p.batch * p.nheads_kv * n, C = gridDim.x, c = blockIdx.x;
-        const i64 hi = (c + 1) * W / C;
-        for (i64 x = c * W / C; x < hi;) {
-            const i64 grp = x / n;
-            const i64 end = min(hi, (grp + 1) * n);
-            const i64 first = decode_lean_cta(grp * n, W, C), last = decode_lean_cta((grp + 1) * n - 1, W, C);
-            if (x > c * W / C) __syncthreads();  // the previous piece is done with the shared memory
-            decode_piece<Cfg>(p, static_cast<int>(grp / p.nheads_kv), static_cast<int>(grp % p.nheads_kv), 0,
-                              static_cast<int>(c - first), L, static_cast<int>(x - grp * n),
-                              static_cast<int>(end - grp * n), static_cast<int>(last - first + 1));
-            x = end;
-        }
-    }
+    // CTA (x, hk, b) takes split x / num_row_blocks of the keys of (b, hk), row block x %
+    // num_row_blocks; split_major grids are (hk, b, x), so the block scheduler starts the CTAs of
+    // the last split (a short tail, see split_tiles) last.
+    const int x = p.split_major ? blockIdx.z : blockIdx.x;
+    const int split = x / p.num_row_blocks, rb = x % p.num_row_blocks;
+    const int hk = p.split_major ? blockIdx.x : blockIdx.y, b = p.split_major ? blockIdx.y : blockIdx.z;
+    const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
+    const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
+    const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles : ceil_div_nonneg(n_tiles, p.num_splits);
+    const int tile_begin = split * tiles_per_split;
+    const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
+    decode_piece<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
     DECODE_TRACE(4);
 }
 

@@ -130,10 +130,12 @@ struct DecodeParams {
     int capacity;              // tokens a sequence can hold: seqlen of the cache, or max_blocks * page_size
     int page_size;             // tokens per page (paged); capacity (contiguous)
     int num_pages;             // pages of the paged cache (page indices are clamped into [0, num_pages))
-    int num_splits;            // key splits per sequence == gridDim.x / num_row_blocks (1..128)
+    int num_splits;            // key splits per sequence == the grid's split dim / num_row_blocks (1..128)
     int num_row_blocks;        // ceil(rows / kBlockM)
     int partial_stride;        // floats per row of o_partial (the head-dim bucket)
     int is_causal;             // 1: token i sees keys j <= L_b - seqlen_q + i
+    int split_tiles;           // K/V tiles per split (the last one: the rest); 0: ceil(tiles / num_splits)
+    int split_major;           // 1: grid (nheads_kv, batch, num_splits * num_row_blocks); 0: (that, nheads_kv, batch)
     float softmax_scale;       // multiplies q.k before the softmax (> 0)
     float scale_log2;          // softmax_scale * log2(e)
 };

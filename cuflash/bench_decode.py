@@ -52,7 +52,7 @@ class DecodeRow:
     kv_gb: float  # KV bytes read per call, GB (10^9)
     num_splits: int = 0  # cuflash's split count (num_splits=0 heuristic)
     ctas_per_sm: int = 0  # cuflash's split CTAs resident per SM (the plan's choice)
-    lean: bool = False  # cuflash ran the lean grid (one CTA per slot, equal work; num_splits: most pieces)
+    filled: bool = False  # cuflash's last split is a short tail filling the free CTA slots (plan._filled_grid)
     ms: dict = field(default_factory=dict)  # impl -> median ms per call
     tbps: dict = field(default_factory=dict)  # impl -> KV TB/s
     mem_mb: dict = field(default_factory=dict)  # impl -> peak extra device memory of one call (MB)
@@ -170,7 +170,7 @@ def run_decode_point(dtype: str, head_dim: int, batch: int, cache_len: int, nhea
         row.host_us = round(host_us(ours, calls=50), 1)
         row.mem_mb["cuflash"] = round(_peak_extra_mb(ours), 1)
         p = _plan_used(q, k_cache, cache_len)
-        row.num_splits, row.ctas_per_sm, row.lean = p.num_splits, p.ctas_per_sm, p.lean
+        row.num_splits, row.ctas_per_sm, row.filled = p.num_splits, p.ctas_per_sm, p.split_major
     for name in runnable:
         if name != "cuflash":
             row.mem_mb[name] = round(_torch_peak_mb(torch, runnable[name]), 1)
@@ -233,6 +233,10 @@ def _ratio(a, b) -> str:
     return f"{a / b:8.3f}" if a is not None and b else f"{'-':>8}"
 
 
+def _splits_cell(r: DecodeRow) -> str:
+    return f"{r.num_splits - 1}+1x{r.ctas_per_sm}" if r.filled else f"{r.num_splits}x{r.ctas_per_sm}"
+
+
 def format_decode_table(rows: list[DecodeRow], env: dict) -> str:
     lines = [
         f"GPU {env['gpu']} (sm {env['compute_capability']}, {env['sm_count']} SMs) | cuflash {env['cuflash']} "
@@ -241,7 +245,7 @@ def format_decode_table(rows: list[DecodeRow], env: dict) -> str:
         "ms = cuflash device time; mem = extra MB of one call; host us = cuflash host time per call",
         f"{'dtype':5} {'hd':>3} {'b':>3} {'kv len':>7} {'h':>3} {'h_kv':>4} {'KV GB':>7} | {'cuflash':>7} {'flash':>7} "
         f"{'cudnn':>7} | {'vs flash':>8} {'vs cudnn':>8} | {'ms':>8} {'splits':>6} {'mem':>7} {'host us':>7}",
-        "splits: cuflash's key splits per sequence x split CTAs per SM; lean: one CTA per slot at 2 per SM, equal work",
+        "splits: cuflash's key splits per sequence x split CTAs per SM; s+1: s long splits and a short tail in the free slots",
     ]
 
     def f(x):
@@ -253,7 +257,7 @@ def format_decode_table(rows: list[DecodeRow], env: dict) -> str:
             f"{r.dtype:5} {r.head_dim:>3} {r.batch:>3} {r.cache_len:>7} {r.nheads:>3} {r.nheads_kv:>4} {r.kv_gb:7.2f} | "
             f"{f(t.get('cuflash'))} {f(t.get('flash'))} {f(t.get('cudnn'))} | "
             f"{_ratio(t.get('cuflash'), t.get('flash'))} {_ratio(t.get('cuflash'), t.get('cudnn'))} | "
-            f"{r.ms.get('cuflash', float('nan')):8.3f} {'lean' if r.lean else f'{r.num_splits}x{r.ctas_per_sm}':>6} "
+            f"{r.ms.get('cuflash', float('nan')):8.3f} {_splits_cell(r):>6} "
             f"{r.mem_mb.get('cuflash', float('nan')):7.1f} "
             f"{r.host_us:7.1f}"
         )

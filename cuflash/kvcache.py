@@ -277,7 +277,7 @@ def attention_with_kvcache(
             max_len = min(seqlen_const + seqlen_new, capacity)
         else:
             max_len = capacity  # lengths on the GPU: plan the splits for the longest possible sequence
-        # One length for every sequence (no lengths on the GPU): the plan may take the lean grid.
+        # One length for every sequence (no lengths on the GPU): the plan may fill the GPU's slots with tails.
         dplan, (fn_attn, fn_append, fn_combine) = _plan_and_load(
             batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], aligned,
             -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id, _ctas_per_sm,
@@ -317,6 +317,7 @@ def attention_with_kvcache(
             rows=group * seqlen_q, head_dim=head_dim, seqlen_const=seqlen_const, seqlen_new=seqlen_new,
             capacity=capacity, page_size=page_size, num_pages=cache_rows, num_splits=splits,
             num_row_blocks=dplan.num_row_blocks, partial_stride=bucket, is_causal=int(bool(causal)),
+            split_tiles=dplan.split_tiles, split_major=int(dplan.split_major),
             softmax_scale=softmax_scale, scale_log2=softmax_scale * _LOG2_E,
         )  # fmt: skip
         if dplan.append is not None:  # the attention below reads the new tokens (same stream)

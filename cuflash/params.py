@@ -86,6 +86,7 @@ DECODE_FIELDS = (
         for name in (
             "batch", "nheads", "nheads_kv", "group", "seqlen_q", "rows", "head_dim", "seqlen_const", "seqlen_new",
             "capacity", "page_size", "num_pages", "num_splits", "num_row_blocks", "partial_stride", "is_causal",
+            "split_tiles", "split_major",
         )
     ]
     + [("softmax_scale", _F32), ("scale_log2", _F32)]

@@ -734,17 +734,18 @@ DECODE_CTA_OVERHEAD_TILES = 1
 #: combine kernel (cuDNN): b=1 h_kv=8 L=16k 27.4 -> 25.6 (23.1), 32k 42.7 -> 40.2 (37.9), 64k
 #: 72.3 -> 70.2 (67.4), 128k 132.0 -> 128.9 (127.5) us. The boundary (64) itself is not measured.
 DECODE_IN_KERNEL_MERGE_MAX = 64
-#: The lean grid (lean_pieces): where the split plan's grid is one wave short of the GPU's CTA slots
-#: at DECODE_LONG_CTAS_PER_SM per SM, one CTA per slot with equal work instead. Each split CTA streams
+#: The filled grid (_filled_grid): where the split plan's grid is one wave a few CTAs short of the
+#: GPU's slots at DECODE_LONG_CTAS_PER_SM per SM, the splits are made a little longer and each
+#: sequence's remaining keys go to one more, short, split, started last: the long splits take the
+#: slots they took before, the tails stream through the free slots meanwhile. Each split CTA streams
 #: at about the same rate however many run, so a grid of 256 CTAs on the H200's 264 slots reads ~3%
-#: slower than it could: with 33 heads instead of 32 (264 CTAs) cuflash was level with or ahead of
-#: cuDNN on six MHA shapes (1.000-1.009) where 32 heads gave 0.982-0.998 (tools/wave_fill_decode.py,
-#: docs/perf-notes.md tenth decode pass). Its cost: most groups end in a merge of their pieces at the
-#: end of the kernel (~4.5 us more in the merging CTA's epilogue), so where the split plan has no
-#: merge at all (one split) the lean grid is taken only from DECODE_LEAN_MIN_UNSPLIT_TILES tiles per
-#: CTA (calls of ~200 us and more), and never below DECODE_LONG_CTA_KEYS keys per CTA. sm_90+ only (measured on
-#: the H200), aligned rows and one row block (the in-kernel merge).
-DECODE_LEAN_MIN_UNSPLIT_TILES = 96
+#: slower than it could (with 33 heads instead of 32, 264 CTAs, cuflash was level with or ahead of
+#: cuDNN on six MHA shapes where 32 heads gave 0.982-0.998: tools/wave_fill_decode.py, perf-notes
+#: tenth decode pass). Where the split plan has no merge (one split), the tail adds one at the end
+#: of the call, so the grid is filled there only from DECODE_FILL_MIN_UNSPLIT_TILES tiles per split.
+#: (A lean grid, 264 CTAs of equal work cutting across the (sequence, kv head) groups, was slower:
+#: its CTAs no longer read the same keys of neighbouring heads at the same time; 9634e60.)
+DECODE_FILL_MIN_UNSPLIT_TILES = 96
 #: gridDim.x limit (CUDA programming guide, technical specifications).
 _MAX_GRID_X = 2**31 - 1
 #: Shared memory per SM in KB (CUDA programming guide, compute capabilities table), for the CTAs
@@ -876,14 +877,13 @@ class DecodeSpec:
     tile: DecodeTile
     arch: str
     family: str = "flash_decode"
-    lean: bool = False  # lean grid (lean_pieces) instead of equal splits per sequence
 
     @property
     def name(self) -> str:
         t = self.tile
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_ms{self.m_slabs}_bn{t.block_n}_st{t.stages}"
-            f"_mb{t.min_blocks}_{_load_tag(self.aligned)}{'_lean' if self.lean else ''}_{_arch_tag(self.arch)}"
+            f"_mb{t.min_blocks}_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
         )
 
     threads = DECODE_THREADS
@@ -899,8 +899,7 @@ class DecodeSpec:
     def template_args(self) -> str:
         """C++ template argument list of cuflash::DecodeConfig for this variant."""
         t, b = self.tile, _cpp_bool
-        lean = ", true" if self.lean else ""
-        return f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}{lean}"
+        return f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}"
 
 
 class _DecodeHelperKernel:
@@ -947,13 +946,14 @@ class DecodeCombineSpec(_DecodeHelperKernel):
 
 @dataclass(frozen=True)
 class DecodePlan:
-    attn: Launch  # split-KV attention: grid (num_splits * num_row_blocks, nheads_kv, batch), or lean: (CTAs, 1, 1)
+    attn: Launch  # split-KV attention: grid (num_splits * num_row_blocks, nheads_kv, batch), or split_major (nheads_kv, batch, that)
     append: Launch | None  # new tokens into the cache; None without new tokens
-    num_splits: int  # splits per sequence; lean: the most pieces of any (sequence, kv head) group
+    num_splits: int
     num_row_blocks: int  # CTAs per (split, kv head, sequence) along the packed query rows
     combine: Launch | None = None  # merge of the splits after attn; None: one split, or merged inside attn
     ctas_per_sm: int = 0  # split CTAs resident per SM (attn's shared memory padded where below the tile's)
-    lean: bool = False  # attn runs the lean grid (lean_pieces)
+    split_tiles: int = 0  # K/V tiles per split, the last one taking the rest; 0: equal splits (the kernel's ceil)
+    split_major: bool = False  # attn's grid is (nheads_kv, batch, splits): the last split's CTAs start last
 
 
 def decode_separate_combine(rows_per_cta: int, num_splits: int) -> bool:
@@ -1001,37 +1001,6 @@ def decode_num_splits(*, ctas: int, n_tiles: int, slots: int, min_tiles: int, ma
     return min(s for s, c in cost.items() if c <= best * 1.02)
 
 
-def lean_pieces(groups: int, n_tiles: int, ctas: int) -> list[tuple[int, int, int, int, int]]:
-    """The lean grid's work (cuda_src/flash_decode.cuh flash_decode_kernel, kLean): the W = groups *
-    n_tiles tiles of all (sequence, kv head) groups in a row, CTA c taking [c W / ctas, (c + 1) W /
-    ctas). Returns (cta, group, first tile, end tile, piece index) per piece, a piece being one CTA's
-    tiles of one group, numbered within the group from the CTA that holds its first tile. Mirrors the
-    kernel's arithmetic (tested on the CPU: every tile once, pieces 0.. in order)."""
-    W = groups * n_tiles
-    if min(groups, n_tiles, ctas) < 1 or W < ctas:
-        raise ValueError(f"the lean grid needs at least one tile per CTA, got {groups} x {n_tiles} tiles for {ctas} CTAs")
-    out = []
-    for c in range(ctas):
-        x, hi = c * W // ctas, (c + 1) * W // ctas
-        while x < hi:
-            g = x // n_tiles
-            end = min(hi, (g + 1) * n_tiles)
-            out.append((c, g, x - g * n_tiles, end - g * n_tiles, c - _lean_cta(g * n_tiles, W, ctas)))
-            x = end
-    return out
-
-
-def _lean_cta(x: int, W: int, ctas: int) -> int:
-    """The lean CTA holding tile x (decode_lean_cta): the largest c with c * W // ctas <= x."""
-    return ((x + 1) * ctas - 1) // W
-
-
-def lean_max_pieces(groups: int, n_tiles: int, ctas: int) -> int:
-    """The most pieces any group has on the lean grid (the partial rows' leading dimension)."""
-    W = groups * n_tiles
-    return max(_lean_cta((g + 1) * n_tiles - 1, W, ctas) - _lean_cta(g * n_tiles, W, ctas) + 1 for g in range(groups))
-
-
 def plan_decode(
     *,
     batch: int,
@@ -1061,8 +1030,8 @@ def plan_decode(
     decode_num_splits for the tile's min_blocks per SM (the count and the CTAs per SM it was chosen
     for stay together); with a given num_splits, DECODE_LONG_CTAS_PER_SM where its splits are that
     long, else min_blocks. uniform_lengths: every sequence attends to the same number of keys, within
-    the last 64-key step below max_seqlen (one length for all, known on the host), which the lean grid
-    needs; with num_splits=0 and ctas_per_sm=0 it may then replace the splits (_lean_grid).
+    the last 64-key step below max_seqlen (one length for all, known on the host), which the filled
+    grid needs; with num_splits=0 and ctas_per_sm=0 the plan may then take it (_filled_grid).
     """
     if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
         raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")
@@ -1104,12 +1073,13 @@ def plan_decode(
         per_sm = ctas_per_sm or (spaced if long_ctas(splits) else spec.tile.min_blocks)
     block = (DECODE_THREADS, 1, 1)
     pdl = supports_pdl(arch)  # every decode kernel waits for the one before it (flash_decode.cuh)
-    lean = None
+    filled = None
     if uniform_lengths and num_splits == 0 and ctas_per_sm == 0:
-        lean = _lean_grid(batch * nheads_kv, n_tiles, splits, per_sm, row_blocks, rows, spec, num_sms)
-    if lean is not None:
-        spec, per_sm, splits = dataclasses.replace(spec, lean=True), DECODE_LONG_CTAS_PER_SM, lean[1]
-        grid = (lean[0], 1, 1)
+        filled = _filled_grid(batch * nheads_kv, n_tiles, splits, per_sm, row_blocks, rows, spec, num_sms)
+    split_tiles = 0
+    if filled is not None:
+        splits, split_tiles = filled
+        grid = (nheads_kv, batch, splits)
     else:
         grid = (splits * row_blocks, nheads_kv, batch)
     smem = spec.smem_bytes if per_sm == spec.tile.min_blocks else decode_launch_smem(spec.smem_bytes, per_sm, arch)
@@ -1126,32 +1096,31 @@ def plan_decode(
         if out_rows > _MAX_GRID_X:
             raise ValueError(f"batch * nheads * seqlen_q = {out_rows} output rows exceed the grid limit {_MAX_GRID_X}")
         combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch), (out_rows, 1, 1), block, 0, pdl)
-    return DecodePlan(attn, append, splits, row_blocks, combine, per_sm, lean is not None)
+    return DecodePlan(attn, append, splits, row_blocks, combine, per_sm, split_tiles, filled is not None)
 
 
-def _lean_variant(spec: DecodeSpec) -> bool:
-    """Whether the split variant ``spec`` has a lean twin: sm_90+ (measured on the H200), 16-byte rows,
-    one slab, a tile that holds DECODE_LONG_CTAS_PER_SM CTAs per SM."""
-    return (supports_pdl(spec.arch) and spec.aligned and spec.m_slabs == 1
-            and spec.tile.min_blocks >= DECODE_LONG_CTAS_PER_SM)  # fmt: skip
+def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks: int, rows: int, spec: DecodeSpec,
+                 num_sms: int) -> tuple[int, int] | None:  # fmt: skip
+    """(splits, tiles per split) of the filled grid where it replaces the split plan's (splits, per_sm)
+    grid of equal splits, else None (see DECODE_FILL_MIN_UNSPLIT_TILES).
 
-
-def _lean_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks: int, rows: int, spec: DecodeSpec,
-               num_sms: int) -> tuple[int, int] | None:  # fmt: skip
-    """(CTAs, most pieces per group) of the lean grid where it replaces the split plan's (splits,
-    per_sm) grid, else None (see DECODE_LEAN_MIN_UNSPLIT_TILES)."""
+    ``splits`` long splits of every group take splits * groups of the slots; the groups' tails go
+    through the ``free`` others in rounds = ceil(groups / free) one after another, so a tail gets
+    about 1 / rounds of a long split: the long splits get B = ceil(n_tiles * rounds / (splits *
+    rounds + 1)) tiles, the tail the rest, and the rounds of tails end before the long splits do."""
     slots = num_sms * DECODE_LONG_CTAS_PER_SM
-    ctas = splits * groups * row_blocks
-    if not (_lean_variant(spec) and row_blocks == 1 and per_sm == DECODE_LONG_CTAS_PER_SM and ctas < slots):
+    free = slots - splits * groups
+    if not (supports_pdl(spec.arch) and row_blocks == 1 and per_sm == DECODE_LONG_CTAS_PER_SM and free > 0):
         return None
-    per_cta = groups * n_tiles // slots  # whole tiles of every lean CTA
-    need = DECODE_LEAN_MIN_UNSPLIT_TILES if splits == 1 else -(-DECODE_LONG_CTA_KEYS // spec.tile.block_n)
-    if per_cta < need or groups * n_tiles * slots >= 2**62:
+    rounds = -(-groups // free)
+    long_tiles = -(-n_tiles * rounds // (splits * rounds + 1))
+    tail = n_tiles - splits * long_tiles
+    need = DECODE_FILL_MIN_UNSPLIT_TILES if splits == 1 else -(-DECODE_LONG_CTA_KEYS // spec.tile.block_n)
+    if tail < 1 or long_tiles < need or rounds * tail > long_tiles:
         return None
-    pieces = lean_max_pieces(groups, n_tiles, slots)
-    if pieces > MAX_DECODE_SPLITS or decode_separate_combine(rows, pieces):
+    if splits + 1 > MAX_DECODE_SPLITS or decode_separate_combine(rows, splits + 1):
         return None
-    return slots, pieces
+    return splits + 1, long_tiles
 
 
 def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=None, aligned=(True, False),
@@ -1167,8 +1136,6 @@ def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causa
                 for m in m_slabs:
                     if m in fitting:
                         specs.append(DecodeSpec(bucket, dt, al, m, decode_tile(bucket, m, arch), arch))
-                        if _lean_variant(specs[-1]):  # the lean grid's variant of it (_lean_grid)
-                            specs.append(dataclasses.replace(specs[-1], lean=True))
     specs += [DecodeCombineSpec(head_dim_bucket(d), dt, arch) for dt in dtypes for d in head_dims]
     specs += [DecodeAppendSpec(al, arch) for al in aligned]
     return list(dict.fromkeys(specs))

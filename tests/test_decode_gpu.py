@@ -634,26 +634,26 @@ def test_16_byte_path_and_strided_layouts():
 
 
 # ---------------------------------------------------------------------------------------------
-# The lean grid: one CTA per slot, equal work across (sequence, kv head) groups (plan._lean_grid)
+# The filled grid: long splits plus a short tail per sequence in the free CTA slots (plan._filled_grid)
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def lean_on_small_caches(monkeypatch):
-    """Lets the plan take the lean grid on small caches (no minimum of tiles per CTA), so the tests
-    see many groups split into many pieces. The plan memo is cleared before and after."""
+def filled_on_small_caches(monkeypatch):
+    """Lets the plan fill the free slots on small caches (no minimum of keys per split), so the tests
+    reach the filled grid with many groups and short splits. The plan memo is cleared before and after."""
     from cuflash import kvcache, plan
 
-    monkeypatch.setattr(plan, "DECODE_LEAN_MIN_UNSPLIT_TILES", 1)
+    monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES", 1)
     monkeypatch.setattr(plan, "DECODE_LONG_CTA_KEYS", 1)
     kvcache._plan_and_load.cache_clear()
     yield
     kvcache._plan_and_load.cache_clear()
 
 
-def _require_lean(q, k_cache, L: int, seqlen_new: int = 0):
-    """The plan of this call (uniform length L after the append) on this GPU; skips where the lean grid
-    is not planned for it (another SM count or architecture), so a pass means the lean kernel ran."""
+def _require_filled(q, k_cache, L: int, seqlen_new: int = 0):
+    """The plan of this call (uniform length L after the append) on this GPU; skips where it does not
+    take the filled grid (another SM count or architecture), so a pass means the filled grid ran."""
     from cuflash import jit, kvcache, plan
     from cuflash.attention import _DTYPE_NAMES
 
@@ -663,67 +663,76 @@ def _require_lean(q, k_cache, L: int, seqlen_new: int = 0):
                          dtype=_DTYPE_NAMES[q.dtype], aligned=True, max_seqlen=-(-L // 64) * 64, num_splits=0,
                          num_sms=kvcache._num_sms(dev), arch=jit.device_arch(dev), seqlen_new=seqlen_new,
                          uniform_lengths=True)  # fmt: skip
-    if not p.lean:
-        pytest.skip(f"the plan does not take the lean grid for this call on this GPU (grid {p.attn.grid}, "
-                    f"{p.num_splits} splits)")
+    if not p.split_major:
+        pytest.skip(f"the plan does not fill the slots for this call on this GPU (grid {p.attn.grid})")
     return p
 
 
-@pytest.mark.parametrize("nheads, nheads_kv, seqlen_q, causal", [
-    (8, 8, 1, False), (8, 8, 3, True), (32, 8, 1, False), (16, 8, 2, True)])  # fmt: skip
-@pytest.mark.parametrize("L", [600, 2047, 4113])
-def test_lean_grid_against_the_reference(lean_on_small_caches, nheads, nheads_kv, seqlen_q, causal, L):
-    """Every (sequence, kv head) group cut into pieces at arbitrary tiles, the pieces merged by the last
-    to finish: out and lse within the error bar, for MHA and GQA, causal with several query tokens."""
+#: (batch, nheads, nheads_kv, seqlen_q, causal, L) that take the filled grid on the H200 (132 SMs) with
+#: the fixture's thresholds (tests/test_decode_plan.py checks that on the CPU).
+FILLED_CASES = [
+    (1, 8, 8, 1, False, 919), (1, 8, 8, 3, True, 919), (4, 32, 8, 1, False, 7686), (4, 16, 8, 2, True, 3601),
+    (1, 32, 32, 1, False, 3603), (2, 8, 4, 1, True, 901)]  # fmt: skip
+#: (batch, nheads, nheads_kv, cached tokens, capacity) of the layout / dtype / append cases, likewise.
+FILLED_LAYOUT_CASE = (1, 8, 8, 1200, 1300)
+FILLED_REPEAT_CASE = (1, 32, 8, 901)
+
+
+@pytest.mark.parametrize("batch, nheads, nheads_kv, seqlen_q, causal, L", FILLED_CASES)
+def test_filled_grid_against_the_reference(filled_on_small_caches, batch, nheads, nheads_kv, seqlen_q, causal, L):
+    """Long splits and a tail per (sequence, kv head), split-major grid: out and lse within the error
+    bar, for MHA and GQA, causal with several query tokens; the group counters back to 0."""
     rng = np.random.default_rng(L + 7 * nheads)
-    c = case(rng, batch=4, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=L + 5)
-    c["cache_seqlens"] = L  # one length for all: the lean grid's condition
-    _require_lean(c["q"], c["k_cache"], L)
-    run_and_check(**c, causal=causal, what=f"lean, L={L}")
-    assert _all_counters_zero(), "a group counter was left non-zero by the lean grid"
+    c = case(rng, batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=L + 5)
+    c["cache_seqlens"] = L  # one length for all: the filled grid's condition
+    _require_filled(c["q"], c["k_cache"], L)
+    run_and_check(**c, causal=causal, what=f"filled grid, L={L}")
+    assert _all_counters_zero(), "a group counter was left non-zero by the filled grid"
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("fp16", 64), ("bf16", 96), ("bf16", 128)])
 @pytest.mark.parametrize("layout", ["contiguous", "paged 48", "append 3", "full caches"])
-def test_lean_grid_paged_append_and_dtypes(lean_on_small_caches, dtype, head_dim, layout):
+def test_filled_grid_paged_append_and_dtypes(filled_on_small_caches, dtype, head_dim, layout):
     rng = np.random.default_rng(head_dim)
     new = 3 if layout == "append 3" else 0
-    c = case(rng, batch=3, nheads=8, nheads_kv=8, head_dim=head_dim, dtype=dtype, capacity=2000, seqlen_new=new,
-             page_size=48 if layout == "paged 48" else None)  # fmt: skip
+    batch, nheads, nheads_kv, cached, capacity = FILLED_LAYOUT_CASE
+    c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype, capacity=capacity,
+             seqlen_new=new, page_size=48 if layout == "paged 48" else None)  # fmt: skip
     cap = c["k_cache"].shape[1] if c["block_table"] is None else c["block_table"].shape[1] * 48
-    cached = cap - new if layout == "full caches" else 1500
+    cached = cap - new if layout == "full caches" else cached
     c["cache_seqlens"] = None if layout == "full caches" else cached
-    _require_lean(c["q"], c["k_cache"], cached + new, new)
-    run_and_check(**c, what=f"lean, {layout}")
+    _require_filled(c["q"], c["k_cache"], cached + new, new)
+    run_and_check(**c, what=f"filled grid, {layout}")
 
 
-def test_lean_grid_repeats_and_matches_the_split_grid(lean_on_small_caches):
-    """Two identical calls give the same bits (the counters reset); the split grid agrees within the bar."""
+def test_filled_grid_repeats_and_matches_the_split_grid(filled_on_small_caches):
+    """Two identical calls give the same bits (the counters reset); the equal splits agree within the bar."""
     import cuflash
 
     rng = np.random.default_rng(5)
-    c = case(rng, batch=2, nheads=32, nheads_kv=16, head_dim=128, capacity=3000)
+    batch, nheads, nheads_kv, L = FILLED_REPEAT_CASE
+    c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=L)
     args = (c["q"], c["k_cache"], c["v_cache"])
-    _require_lean(c["q"], c["k_cache"], 3000)
-    lean = [to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=3000)) for _ in range(2)]
-    assert (lean[0] == lean[1]).all(), "two identical lean calls differ"
+    _require_filled(c["q"], c["k_cache"], L)
+    filled = [to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L)) for _ in range(2)]
+    assert (filled[0] == filled[1]).all(), "two identical filled-grid calls differ"
     assert _all_counters_zero()
-    split = to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=3000, num_splits=4))
-    ref = reference.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=3000)[0]
-    assert reference.max_abs_error(lean[0], split) <= 2 * reference.max_abs_error(split, ref) + 1e-5
+    split = to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L, num_splits=4))
+    ref = reference.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=L)[0]
+    assert reference.max_abs_error(filled[0], split) <= 2 * reference.max_abs_error(split, ref) + 1e-5
 
 
-def test_lean_grid_at_a_bench_shape():
-    """The plan's own choice (no thresholds changed) at b=1, 32 kv heads, 32k tokens: the lean grid on
+def test_filled_grid_at_a_bench_shape():
+    """The plan's own choice (no thresholds changed) at b=1, 32 kv heads, 32k tokens: the filled grid on
     the H200; checked against the reference like any call."""
+    from cuflash import kvcache
+
     rng = np.random.default_rng(11)
     c = case(rng, batch=1, nheads=32, nheads_kv=32, head_dim=128, capacity=32768)
     c["cache_seqlens"] = 32768
-    from cuflash import kvcache
-
     kvcache._plan_and_load.cache_clear()
-    _require_lean(c["q"], c["k_cache"], 32768)
-    run_and_check(**c, what="lean at b=1 L=32k h_kv=32")
+    _require_filled(c["q"], c["k_cache"], 32768)
+    run_and_check(**c, what="filled grid at b=1 L=32k h_kv=32")
 
 
 def test_device_lengths_and_int_lengths():

@@ -5,10 +5,10 @@ No GPU: plan.py is pure; one test compiles a static_assert snippet with NVRTC on
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import sys
+from pathlib import Path
 import types
 
 import numpy as np
@@ -79,14 +79,7 @@ def test_all_decode_specs():
     specs = plan.all_decode_specs("sm_90a")
     assert len(specs) == len(set(specs))
     fam = lambda f: [s for s in specs if s.family == f]  # noqa: E731
-    split = [s for s in fam("flash_decode") if not s.lean]
-    assert len(split) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 3
-    # a lean twin for every 16-byte one-slab variant whose tile holds 2 CTAs per SM (not hd224 / hd256)
-    lean = [s for s in fam("flash_decode") if s.lean]
-    assert sorted(dataclasses.replace(s, lean=False).name for s in lean) == sorted(
-        s.name for s in split if s.aligned and s.m_slabs == 1 and s.tile.min_blocks >= 2)
-    assert {s.head_dim for s in lean} == {b for b in plan.HEAD_DIM_BUCKETS if b < 224}
-    assert not any(getattr(s, "lean", False) for s in plan.all_decode_specs("sm_80"))  # lean: sm_90+ only
+    assert len(fam("flash_decode")) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 3
     assert {s.aligned for s in fam("flash_decode_append")} == {True, False}
     names = [s.name for s in specs]
     assert len(set(names)) == len(names)
@@ -96,82 +89,85 @@ def test_all_decode_specs():
     assert [s for s in few if s.family == "flash_decode_combine"] == [plan.DecodeCombineSpec(128, "bf16", "sm_80")]
 
 
-def test_lean_pieces_cover_every_tile_once_in_numbered_pieces():
-    """The lean grid's work split (mirrored by flash_decode_kernel's kLean branch): every tile of every
-    group exactly once, each CTA within one tile of W / C, a group's pieces numbered 0.. in CTA order
-    and at most lean_max_pieces of them."""
-    rng = np.random.default_rng(0)
-    cases = [(32, 2048, 264), (256, 256, 264), (64, 512, 264), (7, 5, 35), (1, 300, 264), (264, 1, 264),
-             (3, 100, 7)] + [tuple(int(x) for x in rng.integers(1, 60, 3)) for _ in range(200)]
-    for groups, n, ctas in cases:
-        if groups * n < ctas:
-            with pytest.raises(ValueError, match="at least one tile per CTA"):
-                plan.lean_pieces(groups, n, ctas)
-            continue
-        pieces = plan.lean_pieces(groups, n, ctas)
-        seen = np.zeros((groups, n), dtype=int)
-        per_cta = np.zeros(ctas, dtype=int)
-        by_group: dict = {}
-        for c, g, lo, hi, k in pieces:
-            assert 0 <= lo < hi <= n
-            seen[g, lo:hi] += 1
-            per_cta[c] += hi - lo
-            by_group.setdefault(g, []).append((c, k, lo))
-        assert (seen == 1).all(), (groups, n, ctas)
-        W = groups * n
-        assert per_cta.min() >= W // ctas and per_cta.max() <= -(-W // ctas)
-        most = 0
-        for g, ps in by_group.items():
-            ps.sort()
-            assert [k for _, k, _ in ps] == list(range(len(ps)))  # consecutive CTAs, pieces 0, 1, ...
-            assert ps[0][2] == 0  # piece 0 holds the group's first tile
-            most = max(most, len(ps))
-        assert most == plan.lean_max_pieces(groups, n, ctas)
-
-
 def _uniform_plan(b, L, h_kv, arch="sm_90a", num_sms=132, **kw):
     return plan.plan_decode(batch=b, seqlen_q=1, nheads=32, nheads_kv=h_kv, head_dim=128, dtype="bf16", aligned=True,
                             max_seqlen=-(-L // 64) * 64, num_splits=kw.pop("num_splits", 0), num_sms=num_sms,
                             arch=arch, uniform_lengths=kw.pop("uniform_lengths", True), **kw)  # fmt: skip
 
 
-def test_lean_grid_where_the_split_grid_leaves_slots_empty():
-    # b=1 L=128k h_kv=32: 8 splits x 32 heads = 256 CTAs on 264 slots -> 264 lean CTAs of equal work
+def test_filled_grid_where_the_split_grid_leaves_slots_empty():
+    # b=1 L=128k h_kv=32: 8 splits x 32 heads = 256 CTAs on 264 slots -> 8 long splits of 249 tiles and a
+    # tail of 56 per head, split-major (the tails start last), 4 rounds of 8 tails in the 8 free slots
     p = _uniform_plan(1, 131072, 32)
-    assert p.lean and p.attn.spec.lean and p.attn.grid == (264, 1, 1) and p.ctas_per_sm == 2
-    assert p.num_splits == plan.lean_max_pieces(32, 2048, 264) and p.combine is None and p.num_row_blocks == 1
+    assert p.split_major and p.num_splits == 9 and p.split_tiles == 249 and p.attn.grid == (32, 1, 9)
+    assert p.ctas_per_sm == 2 and p.combine is None and p.num_row_blocks == 1
     assert p.attn.smem_bytes == plan.decode_launch_smem(p.attn.spec.smem_bytes, 2, "sm_90a")  # 2 per SM
     classic = _uniform_plan(1, 131072, 32, uniform_lengths=False)
-    assert not classic.lean and classic.attn.grid == (8, 32, 1) and not classic.attn.spec.lean
-    assert dataclasses.replace(p.attn.spec, lean=False) == classic.attn.spec
-    # unsplit grids only from DECODE_LEAN_MIN_UNSPLIT_TILES tiles per CTA (the merges it adds at the end)
-    assert _uniform_plan(8, 16384, 32).lean and _uniform_plan(8, 8192, 32).lean
-    assert not _uniform_plan(8, 4096, 32).lean
-    # GQA one wave short (b=8 h_kv=8: 4 splits x 64 groups = 256): lean; where the pieces would need the
-    # combine kernel (b=1 h_kv=8 L=128k: 4 rows x 34 pieces), not
-    assert _uniform_plan(8, 32768, 8).lean and not _uniform_plan(1, 131072, 8).lean
-    # full or multi-wave grids, short CTAs, a given split count or CTAs per SM, sm_80: the split grid
+    assert not classic.split_major and classic.split_tiles == 0 and classic.attn.grid == (8, 32, 1)
+    assert classic.attn.spec == p.attn.spec  # the same kernel, another grid and split length
+    # one split per sequence: only from DECODE_FILL_MIN_UNSPLIT_TILES tiles (the tail adds a merge)
+    p = _uniform_plan(8, 16384, 32)
+    assert p.split_major and p.num_splits == 2 and p.attn.grid == (32, 8, 2) and p.split_tiles == 249
+    assert _uniform_plan(8, 8192, 32).split_major and not _uniform_plan(8, 4096, 32).split_major
+    assert _uniform_plan(8, 32768, 8).split_major  # GQA: 4 splits x 64 groups = 256
+    # full or multi-wave grids, short CTAs, a given split count or CTAs per SM, ragged lengths, sm_80
     for p in (_uniform_plan(64, 16384, 32), _uniform_plan(8, 131072, 32), _uniform_plan(1, 16384, 32),
               _uniform_plan(1, 131072, 32, num_splits=8), _uniform_plan(1, 131072, 32, ctas_per_sm=2),
+              _uniform_plan(1, 131072, 32, uniform_lengths=False), _uniform_plan(1, 0, 32),
               _uniform_plan(1, 131072, 32, arch="sm_80", num_sms=108)):  # fmt: skip
-        assert not p.lean and not p.attn.spec.lean
+        assert not p.split_major and p.split_tiles == 0
+
+
+@pytest.mark.parametrize("groups, n_tiles, splits, num_sms", [
+    (32, 2048, 8, 132), (256, 256, 1, 132), (64, 512, 4, 132), (32, 512, 8, 132), (100, 1000, 1, 60),
+    (100, 1000, 1, 51), (3, 4000, 20, 31)])  # fmt: skip
+def test_filled_grid_tails_end_before_the_long_splits(groups, n_tiles, splits, num_sms):
+    """Every tile in one split (the long ones, then the tail with the rest), and the tails, started in
+    rounds in the free slots, need no more tiles than one long split."""
+    spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
+    got = plan._filled_grid(groups, n_tiles, splits, 2, 1, 1, spec, num_sms)
+    assert got is not None
+    total, long_tiles = got
+    assert total == splits + 1
+    tail = n_tiles - splits * long_tiles
+    assert 1 <= tail <= long_tiles  # the kernel's last split: [splits * long_tiles, n_tiles)
+    free = num_sms * 2 - splits * groups
+    assert -(-groups // free) * tail <= long_tiles
+
+
+def test_the_gpu_tests_shapes_take_the_filled_grid_on_the_h200(monkeypatch):
+    """tests/test_decode_gpu.py's filled-grid cases skip where the plan does not fill the slots: on the
+    H200 (132 SMs, sm_90a) with the fixture's lowered thresholds, every one of them does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import test_decode_gpu as g
+
+    monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES", 1)
+    monkeypatch.setattr(plan, "DECODE_LONG_CTA_KEYS", 1)
+
+    def filled(batch, seqlen_q, nheads, nheads_kv, head_dim, L, new=0, dtype="bf16"):
+        return plan.plan_decode(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
+                                dtype=dtype, aligned=True, max_seqlen=-(-L // 64) * 64, num_splits=0, num_sms=132,
+                                arch="sm_90a", seqlen_new=new, uniform_lengths=True).split_major  # fmt: skip
+
+    for batch, nheads, nheads_kv, seqlen_q, _, L in g.FILLED_CASES:
+        assert filled(batch, seqlen_q, nheads, nheads_kv, 128, L), (batch, nheads, nheads_kv, seqlen_q, L)
+    batch, nheads, nheads_kv, cached, capacity = g.FILLED_LAYOUT_CASE
+    for dtype, hd in (("fp16", 64), ("bf16", 96), ("bf16", 128)):
+        for L, new in ((cached, 0), (cached + 3, 3), (capacity, 0), (-(-capacity // 48) * 48, 0)):
+            assert filled(batch, 1, nheads, nheads_kv, hd, L, new, dtype), (dtype, hd, L, new)
+    batch, nheads, nheads_kv, L = g.FILLED_REPEAT_CASE
+    assert filled(batch, 1, nheads, nheads_kv, 128, L)
+    monkeypatch.undo()
+    assert filled(1, 1, 32, 32, 128, 32768)  # test_filled_grid_at_a_bench_shape, default thresholds
 
 
 @pytest.mark.parametrize("bucket", sorted(plan.DECODE_TILES))
-def test_lean_tile_count_matches_the_kernel(bucket):
-    """The plan counts tiles from max_seqlen rounded up to 64 keys; the lean kernel from L itself:
-    the same count for every tile width in DECODE_TILES (the pieces' bound depends on it)."""
+def test_filled_tile_count_matches_the_kernel(bucket):
+    """The plan counts tiles from max_seqlen rounded up to 64 keys, the kernel from L itself: the same
+    count for every tile width in DECODE_TILES (split_tiles assumes it)."""
     bn = plan.DECODE_TILES[bucket].block_n
     for L in list(range(1, 600)) + [4095, 4096, 4097, 131071, 131072]:
         assert -(-(-(-L // 64) * 64) // bn) == -(-L // bn)
-
-
-def test_lean_spec_name_and_template_arguments():
-    s = dataclasses.replace(plan.decode_spec(128, "bf16", True, 1, "sm_90a"), lean=True)
-    t = s.tile
-    assert s.name == f"flash_decode_hd128_bf16_ms1_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_vec16_lean_sm90a"
-    assert s.template_args() == f"128, {t.block_n}, 1, {t.stages}, true, true, true"
-    assert s.name in jit.entry_source(s) and "true, true, true>" in jit.entry_source(s)
 
 
 def test_decode_names_spell_every_template_argument():

@@ -2,8 +2,8 @@
 
 CuPy's memory pool hides out-of-bounds accesses inside its big blocks, so the pool is disabled
 and every array is its own cudaMalloc. Exits non-zero if a result is wrong.
-    compute-sanitizer --tool memcheck python tools/sanitize_cases.py [--only lean]
---only lean: just the decode cases on the lean grid (a short run for that kernel alone).
+    compute-sanitizer --tool memcheck python tools/sanitize_cases.py [--only filled]
+--only filled: just the decode cases on the filled grid (a short run).
 """
 import sys
 from pathlib import Path
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
 from gpu_util import check_backward, check_forward, merge_of_the_splits, random_qkv  # noqa: E402
-from test_decode_gpu import case, run_and_check  # noqa: E402
+from test_decode_gpu import FILLED_LAYOUT_CASE, case, run_and_check  # noqa: E402
 
 from cuflash import jit, plan  # noqa: E402
 
@@ -34,10 +34,10 @@ CASES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, causal, dt
 def main():
     rng = np.random.default_rng(0)
     arch = jit.device_arch(0)
-    lean_only = sys.argv[1:] == ["--only", "lean"]
-    if sys.argv[1:] and not lean_only:
-        sys.exit("usage: sanitize_cases.py [--only lean]")
-    for b, sq, sk, h, hk, d, causal, dt, layout in [] if lean_only else CASES:
+    filled_only = sys.argv[1:] == ["--only", "filled"]
+    if sys.argv[1:] and not filled_only:
+        sys.exit("usage: sanitize_cases.py [--only filled]")
+    for b, sq, sk, h, hk, d, causal, dt, layout in [] if filled_only else CASES:
         q, k, v = random_qkv(rng, b, sq, sk, h, hk, d, dt, layout_q=layout, layout_kv=layout)
         err, bound = check_forward(q, k, v, causal=causal, dtype=dt)
         print(f"ok fwd b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} {dt} {layout}: err {err:.2e} <= {bound:.2e}")
@@ -49,7 +49,7 @@ def main():
             print(f"ok bwd deterministic={deterministic}: " + ", ".join(f"{n} {e:.2e} <= {bd:.2e}" for n, (e, bd) in errors.items()))
     # Decode: append + GQA + splits, the merge of many splits, a paged cache with 48-token pages and an empty sequence, the
     # element-wise path (head dim 100), causal speculative tokens.
-    for kw, call in () if lean_only else (
+    for kw, call in () if filled_only else (
         (dict(batch=2, seqlen_q=1, nheads=8, nheads_kv=2, head_dim=128, capacity=700, seqlen_new=3), dict(num_splits=4)),
         # The merge with 3 rows per kv head (2 warps per row, two rounds) and 64 splits of up to 4 rows
         # (more partial rows than one staged chunk holds).
@@ -77,22 +77,23 @@ def main():
             with merge_of_the_splits(where):
                 _, _, err, bound = run_and_check(**c, **call)
             print(f"ok decode {kw} {call} merge {where}: err {err:.2e} <= {bound:.2e}")
-    # The lean grid (one length for all; thresholds lowered so small caches take it, as in
-    # tests/test_decode_gpu.py): groups cut into pieces at arbitrary tiles, causal GQA rows, a paged
+    # The filled grid (one length for all; thresholds lowered so small caches take it, as in
+    # tests/test_decode_gpu.py): long splits and a tail per group, split-major; causal GQA rows, a paged
     # cache with an append.
     from cuflash import kvcache
 
-    plan.DECODE_LEAN_MIN_UNSPLIT_TILES, plan.DECODE_LONG_CTA_KEYS = 1, 1
+    plan.DECODE_FILL_MIN_UNSPLIT_TILES, plan.DECODE_LONG_CTA_KEYS = 1, 1
     kvcache._plan_and_load.cache_clear()
+    batch, nheads, nheads_kv, cached, capacity = FILLED_LAYOUT_CASE
     for kw, L, call in (
-        (dict(batch=4, seqlen_q=1, nheads=8, nheads_kv=8, head_dim=128, capacity=605), 600, {}),
-        (dict(batch=4, seqlen_q=2, nheads=16, nheads_kv=8, head_dim=128, capacity=2100), 2047, dict(causal=True)),
-        (dict(batch=3, seqlen_q=1, nheads=8, nheads_kv=8, head_dim=64, capacity=2000, page_size=48, seqlen_new=3),
-         1500, {}),
+        (dict(batch=1, seqlen_q=1, nheads=8, nheads_kv=8, head_dim=128, capacity=920), 919, {}),
+        (dict(batch=4, seqlen_q=2, nheads=16, nheads_kv=8, head_dim=128, capacity=3601), 3601, dict(causal=True)),
+        (dict(batch=batch, seqlen_q=1, nheads=nheads, nheads_kv=nheads_kv, head_dim=64, capacity=capacity, page_size=48,
+              seqlen_new=3), cached, {}),
     ):
         c = dict(case(rng, **kw), cache_seqlens=L)
         _, _, err, bound = run_and_check(**c, **call)
-        print(f"ok decode lean {kw} L={L} {call}: err {err:.2e} <= {bound:.2e}")
+        print(f"ok decode filled grid {kw} L={L} {call}: err {err:.2e} <= {bound:.2e}")
     cupy.cuda.runtime.deviceSynchronize()
 
 
