@@ -11,7 +11,10 @@ ratios; last, their medians. Both builds are checked against each other (max abs
 Bias: the samples go old, new, cuDNN in every round, and on the H200 an A/A run (--old pointing at a
 copy of this tree's cuda_src, --old-pdl) put "new" 1.5% ahead of the same kernel timed as "old"
 (median over 4 shapes, 12 samples; the first of a round follows torch's calls). Run the A/A next to
-any A/B and compare the two medians, not the A/B's alone.
+any A/B and compare the two medians, not the A/B's alone. (Since then cuflash.bench.time_ms
+alternates the order and primes each sample, and an A/A run measured 0.997-1.004.) Both builds are
+launched with this tree's DecodeParams: a cuda_src from before 4a84b6c (no split_tiles, split_major)
+does not match it.
 """
 import argparse
 import functools
