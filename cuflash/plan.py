@@ -734,10 +734,11 @@ DECODE_CTA_OVERHEAD_TILES = 1
 #: combine kernel (cuDNN): b=1 h_kv=8 L=16k 27.4 -> 25.6 (23.1), 32k 42.7 -> 40.2 (37.9), 64k
 #: 72.3 -> 70.2 (67.4), 128k 132.0 -> 128.9 (127.5) us. The boundary (64) itself is not measured.
 DECODE_IN_KERNEL_MERGE_MAX = 64
-#: The filled grid (_filled_grid): where the split plan's grid is one wave a few CTAs short of the
-#: GPU's slots at DECODE_LONG_CTAS_PER_SM per SM, the splits are made a little longer and each
-#: sequence's remaining keys go to one more, short, split, started last: the long splits take the
-#: slots they took before, the tails stream through the free slots meanwhile. Each split CTA streams
+#: The filled grid (_filled_grid): where the split plan's grid is a single wave short of the GPU's
+#: slots at DECODE_LONG_CTAS_PER_SM per SM, the splits are made a little longer and each sequence's
+#: remaining keys go to one more, short, split, started last (a split-major grid: the block
+#: scheduler's usual order, not a CUDA guarantee; only the speed depends on it): the long splits take
+#: the slots they took before, the tails stream through the free slots meanwhile. Each split CTA streams
 #: at about the same rate however many run, so a grid of 256 CTAs on the H200's 264 slots reads ~3%
 #: slower than it could (with 33 heads instead of 32, 264 CTAs, cuflash was level with or ahead of
 #: cuDNN on six MHA shapes where 32 heads gave 0.982-0.998: tools/wave_fill_decode.py, perf-notes

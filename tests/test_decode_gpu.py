@@ -639,16 +639,33 @@ def test_16_byte_path_and_strided_layouts():
 
 
 @pytest.fixture
-def filled_on_small_caches(monkeypatch):
-    """Lets the plan fill the free slots on small caches (no minimum of keys per split), so the tests
-    reach the filled grid with many groups and short splits. The plan memo is cleared before and after."""
+def plans_made(monkeypatch):
+    """The decode plans attention_with_kvcache makes (plan.plan_decode's results, in order), with the
+    plan memo cleared before and after, so every call signature plans afresh."""
     from cuflash import kvcache, plan
+
+    made = []
+    real = plan.plan_decode
+
+    def recording(**kw):
+        made.append(real(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(plan, "plan_decode", recording)
+    kvcache._plan_and_load.cache_clear()
+    yield made
+    kvcache._plan_and_load.cache_clear()
+
+
+@pytest.fixture
+def filled_on_small_caches(monkeypatch, plans_made):
+    """Lets the plan fill the free slots on small caches (no minimum of keys per split), so the tests
+    reach the filled grid with many groups and short splits. Yields the plans the calls make."""
+    from cuflash import plan
 
     monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES", 1)
     monkeypatch.setattr(plan, "DECODE_LONG_CTA_KEYS", 1)
-    kvcache._plan_and_load.cache_clear()
-    yield
-    kvcache._plan_and_load.cache_clear()
+    yield plans_made
 
 
 def _require_filled(q, k_cache, L: int, seqlen_new: int = 0):
@@ -668,11 +685,17 @@ def _require_filled(q, k_cache, L: int, seqlen_new: int = 0):
     return p
 
 
+def _assert_launched_filled(plans):
+    """The call itself planned (and so launched) the filled grid: kvcache passed uniform lengths."""
+    assert plans and plans[-1].split_major, f"the call did not take the filled grid: {plans[-1:]}"
+
+
 #: (batch, nheads, nheads_kv, seqlen_q, causal, L) that take the filled grid on the H200 (132 SMs) with
 #: the fixture's thresholds (tests/test_decode_plan.py checks that on the CPU).
 FILLED_CASES = [
     (1, 8, 8, 1, False, 919), (1, 8, 8, 3, True, 919), (4, 32, 8, 1, False, 7686), (4, 16, 8, 2, True, 3601),
-    (1, 32, 32, 1, False, 3603), (2, 8, 4, 1, True, 901)]  # fmt: skip
+    (1, 32, 32, 1, False, 3603), (2, 8, 4, 1, True, 901),
+    (8, 32, 32, 1, False, 2200)]  # one split per sequence before: a second (the tail) and a merge now  # fmt: skip
 #: (batch, nheads, nheads_kv, cached tokens, capacity) of the layout / dtype / append cases, likewise.
 FILLED_LAYOUT_CASE = (1, 8, 8, 1200, 1300)
 FILLED_REPEAT_CASE = (1, 32, 8, 901)
@@ -687,6 +710,7 @@ def test_filled_grid_against_the_reference(filled_on_small_caches, batch, nheads
     c["cache_seqlens"] = L  # one length for all: the filled grid's condition
     _require_filled(c["q"], c["k_cache"], L)
     run_and_check(**c, causal=causal, what=f"filled grid, L={L}")
+    _assert_launched_filled(filled_on_small_caches)
     assert _all_counters_zero(), "a group counter was left non-zero by the filled grid"
 
 
@@ -703,6 +727,7 @@ def test_filled_grid_paged_append_and_dtypes(filled_on_small_caches, dtype, head
     c["cache_seqlens"] = None if layout == "full caches" else cached
     _require_filled(c["q"], c["k_cache"], cached + new, new)
     run_and_check(**c, what=f"filled grid, {layout}")
+    _assert_launched_filled(filled_on_small_caches)
 
 
 def test_filled_grid_repeats_and_matches_the_split_grid(filled_on_small_caches):
@@ -715,6 +740,7 @@ def test_filled_grid_repeats_and_matches_the_split_grid(filled_on_small_caches):
     args = (c["q"], c["k_cache"], c["v_cache"])
     _require_filled(c["q"], c["k_cache"], L)
     filled = [to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L)) for _ in range(2)]
+    _assert_launched_filled(filled_on_small_caches)
     assert (filled[0] == filled[1]).all(), "two identical filled-grid calls differ"
     assert _all_counters_zero()
     split = to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L, num_splits=4))
@@ -722,17 +748,28 @@ def test_filled_grid_repeats_and_matches_the_split_grid(filled_on_small_caches):
     assert reference.max_abs_error(filled[0], split) <= 2 * reference.max_abs_error(split, ref) + 1e-5
 
 
-def test_filled_grid_at_a_bench_shape():
+def test_filled_grid_at_a_bench_shape(plans_made):
     """The plan's own choice (no thresholds changed) at b=1, 32 kv heads, 32k tokens: the filled grid on
     the H200; checked against the reference like any call."""
-    from cuflash import kvcache
-
     rng = np.random.default_rng(11)
     c = case(rng, batch=1, nheads=32, nheads_kv=32, head_dim=128, capacity=32768)
     c["cache_seqlens"] = 32768
-    kvcache._plan_and_load.cache_clear()
     _require_filled(c["q"], c["k_cache"], 32768)
     run_and_check(**c, what="filled grid at b=1 L=32k h_kv=32")
+    _assert_launched_filled(plans_made)
+
+
+def test_ragged_or_device_lengths_keep_equal_splits(plans_made):
+    """The filled grid needs one length for all: the same shape with host list or device lengths plans
+    equal splits (and is right)."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    c = case(rng, batch=1, nheads=32, nheads_kv=32, head_dim=128, capacity=32768)
+    _require_filled(c["q"], c["k_cache"], 32768)
+    for lengths in ([32768], cupy.asarray(np.array([32768], dtype=np.int32))):
+        run_and_check(**dict(c, cache_seqlens=lengths), what=f"lengths {type(lengths).__name__}")
+        assert plans_made and not plans_made[-1].split_major and plans_made[-1].split_tiles == 0
 
 
 def test_device_lengths_and_int_lengths():

@@ -84,6 +84,8 @@ def main():
 
     plan.DECODE_FILL_MIN_UNSPLIT_TILES, plan.DECODE_LONG_CTA_KEYS = 1, 1
     kvcache._plan_and_load.cache_clear()
+    made, real = [], plan.plan_decode
+    plan.plan_decode = lambda **kw: made.append(real(**kw)) or made[-1]  # the plans the calls make
     batch, nheads, nheads_kv, cached, capacity = FILLED_LAYOUT_CASE
     for kw, L, call in (
         (dict(batch=1, seqlen_q=1, nheads=8, nheads_kv=8, head_dim=128, capacity=920), 919, {}),
@@ -93,6 +95,8 @@ def main():
     ):
         c = dict(case(rng, **kw), cache_seqlens=L)
         _, _, err, bound = run_and_check(**c, **call)
+        if not made[-1].split_major:
+            sys.exit(f"decode {kw} L={L} did not take the filled grid on this GPU (grid {made[-1].attn.grid})")
         print(f"ok decode filled grid {kw} L={L} {call}: err {err:.2e} <= {bound:.2e}")
     cupy.cuda.runtime.deviceSynchronize()
 

@@ -145,8 +145,8 @@ def main():
         spans = {"cudnn": statistics.median(c[0] for c in kernel_calls(torch, cudnn))}
         for s in a.splits:
             kvcache._plan_and_load.cache_clear()
-            dplan, _ = kvcache._plan_and_load.__wrapped__(
-                b, 1, 32, h_kv, 128, "bf16", True, -(-L // 64) * 64, s, 0, False, cupy.cuda.Device().id)
+            dplan, _ = kvcache._plan_and_load.__wrapped__(  # the calls pass an int length: uniform
+                b, 1, 32, h_kv, 128, "bf16", True, -(-L // 64) * 64, s, 0, False, cupy.cuda.Device().id, 0, True)
             calls = kernel_calls(torch, lambda s=s: ours(s))
             spans[f"s{s}"] = statistics.median(c[0] for c in calls)
             print("    ours  " + "  ".join(f"{n[:40]} {us:.1f} us" for n, us in calls[len(calls) // 2][1]), flush=True)
