@@ -524,14 +524,14 @@ CUFLASH_DEVICE void decode_merge_if_last(const DecodeParams& p, int b, int hk, i
 }
 
 
-// The work of one split CTA: tiles [tile_begin, tile_end) of the L keys of (sequence b, kv head hk),
-// packed query rows of row block rb, as split `split` of the group's n_splits. One split: O and lse
-// written directly; several: this split's partial rows, then the merge by the last split of the
-// group to finish (or, without counters, the combine kernel). tile_begin >= tile_end (an empty
-// split) writes lse = -inf and O = 0.
+// One piece of work of a split CTA: tiles [tile_begin, tile_end) of the L keys of (sequence b, kv head
+// hk), packed query rows of row block rb, as piece `split` of the n_pieces pieces of that group. One
+// piece: O and lse written directly; several: this piece's partial rows, then the merge by the last
+// piece of the group to finish (or, without counters, the combine kernel). tile_begin >= tile_end
+// (an empty split) writes lse = -inf and O = 0.
 template <class Cfg>
-CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, int split, int L, int tile_begin,
-                                 int tile_end, int n_splits) {
+CUFLASH_DEVICE void decode_piece(const DecodeParams& p, int b, int hk, int rb, int split, int L, int tile_begin,
+                                 int tile_end, int n_pieces) {
     using WCfg = DecodeWarpConfig<Cfg>;
     constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM;
     constexpr int kNB = WCfg::kNBlocksS, kDB = WCfg::kDBlocks, kRed = Cfg::kRedStride;
@@ -542,7 +542,7 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
     const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
     const int row0 = rb * kBlockM;  // first packed row of this CTA
     const int rows_valid = min(kBlockM, p.rows - row0);
-    const bool final_out = n_splits == 1;  // write O and lse directly, no merge of splits
+    const bool final_out = n_pieces == 1;  // write O and lse directly, no merge of pieces
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
     u16* s_q = reinterpret_cast<u16*>(smem_raw);
@@ -749,10 +749,11 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
             }
         }
     }
-    // Several splits: the last CTA of the group merges them, in the stages and with m as its flag
-    // (one call site: the merge is large code), unless the combine kernel does (no counters).
+    // Several pieces: the last CTA of the group merges them, in the stages and with m as its flag
+    // (one call site per kernel variant: the merge is large code), unless the combine kernel does (no
+    // counters).
     if (!final_out && p.split_counters != nullptr) {
-        decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, n_splits, reinterpret_cast<float*>(s_pipe),
+        decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, n_pieces, reinterpret_cast<float*>(s_pipe),
                                   reinterpret_cast<int*>(s_m), tid);
     }
 }
@@ -776,7 +777,7 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles : ceil_div_nonneg(n_tiles, p.num_splits);
     const int tile_begin = split * tiles_per_split;
     const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
-    decode_split<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
+    decode_piece<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
     DECODE_TRACE(4);
 }
 
