@@ -89,10 +89,12 @@ def test_all_decode_specs():
     assert [s for s in few if s.family == "flash_decode_combine"] == [plan.DecodeCombineSpec(128, "bf16", "sm_80")]
 
 
-def _uniform_plan(b, L, h_kv, arch="sm_90a", num_sms=132, **kw):
-    return plan.plan_decode(batch=b, seqlen_q=1, nheads=32, nheads_kv=h_kv, head_dim=128, dtype="bf16", aligned=True,
-                            max_seqlen=-(-L // 64) * 64, num_splits=kw.pop("num_splits", 0), num_sms=num_sms,
-                            arch=arch, uniform_lengths=kw.pop("uniform_lengths", True), **kw)  # fmt: skip
+def _uniform_plan(b, L, h_kv, arch="sm_90a", num_sms=132, *, nheads=32, seqlen_q=1, head_dim=128, dtype="bf16",
+                  **kw):  # fmt: skip
+    """plan_decode for one length L (after any append) in every sequence, 16-byte rows."""
+    return plan.plan_decode(batch=b, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=h_kv, head_dim=head_dim, dtype=dtype,
+                            aligned=True, max_seqlen=-(-L // 64) * 64, num_splits=kw.pop("num_splits", 0),
+                            num_sms=num_sms, arch=arch, uniform_lengths=kw.pop("uniform_lengths", True), **kw)  # fmt: skip
 
 
 def test_filled_grid_where_the_split_grid_leaves_slots_empty():
@@ -145,9 +147,8 @@ def test_the_gpu_tests_shapes_take_the_filled_grid_on_the_h200(monkeypatch):
     monkeypatch.setattr(plan, "DECODE_LONG_CTA_KEYS", 1)
 
     def filled(batch, seqlen_q, nheads, nheads_kv, head_dim, L, new=0, dtype="bf16"):
-        return plan.plan_decode(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
-                                dtype=dtype, aligned=True, max_seqlen=-(-L // 64) * 64, num_splits=0, num_sms=132,
-                                arch="sm_90a", seqlen_new=new, uniform_lengths=True).split_major  # fmt: skip
+        return _uniform_plan(batch, L, nheads_kv, nheads=nheads, seqlen_q=seqlen_q, head_dim=head_dim, dtype=dtype,
+                             seqlen_new=new).split_major  # fmt: skip
 
     for batch, nheads, nheads_kv, seqlen_q, _, L in g.FILLED_CASES:
         assert filled(batch, seqlen_q, nheads, nheads_kv, 128, L), (batch, nheads, nheads_kv, seqlen_q, L)
