@@ -734,16 +734,22 @@ DECODE_CTA_OVERHEAD_TILES = 1
 #: combine kernel (cuDNN): b=1 h_kv=8 L=16k 27.4 -> 25.6 (23.1), 32k 42.7 -> 40.2 (37.9), 64k
 #: 72.3 -> 70.2 (67.4), 128k 132.0 -> 128.9 (127.5) us. The boundary (64) itself is not measured.
 DECODE_IN_KERNEL_MERGE_MAX = 64
-#: The filled grid (_filled_grid): where the split plan's grid is a single wave short of the GPU's
-#: slots at DECODE_LONG_CTAS_PER_SM per SM, the splits are made a little longer and each sequence's
-#: remaining keys go to one more, short, split, started last (a split-major grid: the block
-#: scheduler's usual order, not a CUDA guarantee; only the speed depends on it): the long splits take
-#: the slots they took before, the tails stream through the free slots meanwhile. Each split CTA streams
-#: at about the same rate however many run, so a grid of 256 CTAs on the H200's 264 slots reads ~3%
+#: The filled grid (_filled_grid): where the split plan's last wave of CTAs (at DECODE_LONG_CTAS_PER_SM
+#: per SM) leaves slots empty, the splits are made a little longer and each sequence's remaining keys
+#: go to one more, short, split, started last (a split-major grid: the block scheduler's usual order,
+#: not a CUDA guarantee; only the speed depends on it): the long splits take the slots they took
+#: before, the tails stream through the last wave's free slots meanwhile. Each split CTA streams at
+#: about the same rate however many run, so a grid of 256 CTAs on the H200's 264 slots reads ~3%
 #: slower than it could (with 33 heads instead of 32, 264 CTAs, cuflash was level with or ahead of
 #: cuDNN on six MHA shapes where 32 heads gave 0.982-0.998: tools/wave_fill_decode.py, perf-notes
-#: tenth decode pass). Where the split plan has no merge (one split), the tail adds one at the end
-#: of the call, so the grid is filled there only from DECODE_FILL_MIN_UNSPLIT_TILES tiles per split.
+#: tenth decode pass). Against equal splits in the same run (tools/ab_fill_decode.py, the 21 bench
+#: shapes it changes, long splits in 1 to 62 waves; perf-notes eleventh decode pass), time / equal's
+#: median on two H200s: 0.988 (one-wave shapes 0.991, multi-wave 0.987) and 1.005 (1.007, 0.995);
+#: the two machines' mean per shape 0.982-1.006 (slowest: b=8 L=8k h_kv=32, b=8 L=16k h_kv=8,
+#: b=64 L=8k h_kv=8, tails of 3-4 tiles; fastest: b=8 L=128k h_kv=32, b=64 L=64k). Where the split
+#: plan has no merge (one split), the tail adds one at the end of the call, so the grid is filled
+#: there only from DECODE_FILL_MIN_UNSPLIT_TILES tiles per split (b=64 L=4k h_kv=32, 63 tiles and a
+#: tail of one: 1.6% and 1.9% slower than equal splits in two runs).
 #: (A lean grid, 264 CTAs of equal work cutting across the (sequence, kv head) groups, was slower:
 #: its CTAs no longer read the same keys of neighbouring heads at the same time; 9634e60.)
 DECODE_FILL_MIN_UNSPLIT_TILES = 96
@@ -1105,12 +1111,13 @@ def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks
     """(splits, tiles per split) of the filled grid where it replaces the split plan's (splits, per_sm)
     grid of equal splits, else None (see DECODE_FILL_MIN_UNSPLIT_TILES).
 
-    ``splits`` long splits of every group take splits * groups of the slots; the groups' tails go
-    through the ``free`` others in rounds = ceil(groups / free) one after another, so a tail gets
-    about 1 / rounds of a long split: the long splits get B = ceil(n_tiles * rounds / (splits *
-    rounds + 1)) tiles, the tail the rest, and the rounds of tails end before the long splits do."""
+    The ``splits`` long splits of every group run in waves of ``slots`` CTAs; the last wave leaves
+    ``free`` slots empty, through which the groups' tails go in rounds = ceil(groups / free) one
+    after another while that wave runs, so a tail gets about 1 / rounds of a long split: the long
+    splits get B = ceil(n_tiles * rounds / (splits * rounds + 1)) tiles, the tail the rest, and the
+    rounds of tails end before the last wave of long splits does."""
     slots = num_sms * DECODE_LONG_CTAS_PER_SM
-    free = slots - splits * groups
+    free = -(-splits * groups // slots) * slots - splits * groups  # slots the long splits leave empty in their last wave
     if not (supports_pdl(spec.arch) and row_blocks == 1 and per_sm == DECODE_LONG_CTAS_PER_SM and free > 0):
         return None
     rounds = -(-groups // free)

@@ -695,7 +695,8 @@ def _assert_launched_filled(plans):
 FILLED_CASES = [
     (1, 8, 8, 1, False, 919), (1, 8, 8, 3, True, 919), (4, 32, 8, 1, False, 7686), (4, 16, 8, 2, True, 3601),
     (1, 32, 32, 1, False, 3603), (2, 8, 4, 1, True, 901),
-    (8, 32, 32, 1, False, 2200)]  # one split per sequence before: a second (the tail) and a merge now  # fmt: skip
+    (8, 32, 32, 1, False, 2200),  # one split per sequence before: a second (the tail) and a merge now
+    (16, 32, 32, 1, False, 2200), (24, 16, 8, 2, True, 4100)]  # the long splits in 2 and 3 waves  # fmt: skip
 #: (batch, nheads, nheads_kv, cached tokens, capacity) of the layout / dtype / append cases, likewise.
 FILLED_LAYOUT_CASE = (1, 8, 8, 1200, 1300)
 FILLED_REPEAT_CASE = (1, 32, 8, 901)

@@ -112,8 +112,15 @@ def test_filled_grid_where_the_split_grid_leaves_slots_empty():
     assert p.split_major and p.num_splits == 2 and p.attn.grid == (32, 8, 2) and p.split_tiles == 249
     assert _uniform_plan(8, 8192, 32).split_major and not _uniform_plan(8, 4096, 32).split_major
     assert _uniform_plan(8, 32768, 8).split_major  # GQA: 4 splits x 64 groups = 256
-    # full or multi-wave grids, short CTAs, a given split count or CTAs per SM, ragged lengths, sm_80
-    for p in (_uniform_plan(64, 16384, 32), _uniform_plan(8, 131072, 32), _uniform_plan(1, 16384, 32),
+    # long splits in several waves, the last one short of the slots: b=8 L=128k h_kv=32, 8 splits x 256
+    # groups = 2048 CTAs, 7.76 waves of 264: 64 free slots in the last, 4 rounds of tails of 56 tiles
+    p = _uniform_plan(8, 131072, 32)
+    assert p.split_major and p.num_splits == 9 and p.split_tiles == 249 and p.attn.grid == (32, 8, 9)
+    assert _uniform_plan(8, 131072, 32, uniform_lengths=False).attn.grid == (8, 32, 8)
+    assert _uniform_plan(64, 16384, 32).num_splits == 2  # 1 split: 2048 CTAs, 7.76 waves, tails of 7
+    # whole waves, short CTAs, a given split count or CTAs per SM, ragged lengths, sm_80
+    assert _uniform_plan(33, 8192, 8, uniform_lengths=False).attn.grid == (1, 8, 33)  # 264 CTAs: no free slot
+    for p in (_uniform_plan(33, 8192, 8), _uniform_plan(1, 16384, 32),
               _uniform_plan(1, 131072, 32, num_splits=8), _uniform_plan(1, 131072, 32, ctas_per_sm=2),
               _uniform_plan(1, 131072, 32, uniform_lengths=False), _uniform_plan(1, 0, 32),
               _uniform_plan(1, 131072, 32, arch="sm_80", num_sms=108)):  # fmt: skip
@@ -122,7 +129,7 @@ def test_filled_grid_where_the_split_grid_leaves_slots_empty():
 
 @pytest.mark.parametrize("groups, n_tiles, splits, num_sms", [
     (32, 2048, 8, 132), (256, 256, 1, 132), (64, 512, 4, 132), (32, 512, 8, 132), (100, 1000, 1, 60),
-    (100, 1000, 1, 51), (3, 4000, 20, 31)])  # fmt: skip
+    (100, 1000, 1, 51), (3, 4000, 20, 31), (256, 2048, 8, 132), (512, 512, 2, 132), (2048, 256, 1, 132)])  # fmt: skip
 def test_filled_grid_tails_end_before_the_long_splits(groups, n_tiles, splits, num_sms):
     """Every tile in one split (the long ones, then the tail with the rest), and the tails, started in
     rounds in the free slots, need no more tiles than one long split."""
@@ -133,7 +140,8 @@ def test_filled_grid_tails_end_before_the_long_splits(groups, n_tiles, splits, n
     assert total == splits + 1
     tail = n_tiles - splits * long_tiles
     assert 1 <= tail <= long_tiles  # the kernel's last split: [splits * long_tiles, n_tiles)
-    free = num_sms * 2 - splits * groups
+    waves = -(-splits * groups // (num_sms * 2))
+    free = waves * num_sms * 2 - splits * groups  # in the long splits' last wave
     assert -(-groups // free) * tail <= long_tiles
 
 

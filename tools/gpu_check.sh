@@ -2,13 +2,15 @@
 # One call on the GPU machine: install offline, GPU + CPU tests, compute-sanitizer, benchmark,
 # optional tile sweep. Full logs go to OUTDIR; a short summary is printed last.
 #   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [bench-fp16] [decode] [ncu-decode] [trace] [ab]
-#                      [tune] [profile] [quick]
+#                      [abfill] [tune] [profile] [quick]
 # With no step named, runs precompile tests sanitize bench. precompile: every variant for this GPU,
 # 16 NVRTC processes at once (the suite then loads instead of compiling: ~2.5 instead of ~5 minutes).
 # ab: this tree's decode kernels next to the cuda_src copy in OLD_SRC (carried along, e.g.
-# .old/cuda_src) and cuDNN, in one run (tools/ab_decode.py). Environment: TESTS (pytest paths / -k,
-# default the whole suite), TEST_TIMEOUT, BENCH_ARGS (extra `cuflash bench` options, e.g. "--op
-# all"), BENCH_TIMEOUT, SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_TIMEOUT, TUNE_ARGS,
+# .old/cuda_src) and cuDNN, in one run (tools/ab_decode.py). abfill: the decode plans with and without
+# the filled grid, next to cuDNN (tools/ab_fill_decode.py). Environment: PRECOMPILE_ARGS (e.g.
+# "--kernels decode"), TESTS (pytest paths / -k, default the whole suite), TEST_TIMEOUT, BENCH_ARGS
+# (extra `cuflash bench` options, e.g. "--op all"), BENCH_TIMEOUT, SANITIZE_TOOLS (default "memcheck
+# racecheck"), SANITIZE_ARGS (e.g. "--only filled"), SANITIZE_TIMEOUT, TUNE_ARGS, ABFILL_ARGS,
 # DECODE_ARGS, NCU_SHAPES (ncu-decode: batch,cache_len,kv_heads ...), TRACE_ARGS (tools/trace_decode.py options, e.g. "--shapes 1,65536,8"), OLD_SRC, AB_ARGS.
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
@@ -28,7 +30,7 @@ $PY -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2
 $PY -m cuflash info > "$OUT/info.txt" 2>&1; note "info: $(tr '\n' ' ' < "$OUT/info.txt" | cut -c1-300)"
 
 if has precompile; then
-  timeout ${PRECOMPILE_TIMEOUT:-200} $PY -m cuflash precompile --all -j 16 > "$OUT/precompile.log" 2>&1
+  timeout ${PRECOMPILE_TIMEOUT:-200} $PY -m cuflash precompile --all -j 16 ${PRECOMPILE_ARGS:-} > "$OUT/precompile.log" 2>&1
   note "precompile (rc=$?): $(tail -1 "$OUT/precompile.log")"
 fi
 
@@ -42,7 +44,7 @@ fi
 
 if has sanitize; then
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/sanitize_cases.py > "$OUT/sanitize-$tool.log" 2>&1
+    timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/sanitize_cases.py ${SANITIZE_ARGS:-} > "$OUT/sanitize-$tool.log" 2>&1
     note "compute-sanitizer $tool (rc=$?): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-$tool.log" | tail -1)"
   done
 fi
@@ -77,6 +79,10 @@ fi
 if has ab; then  # decode kernels of this tree vs OLD_SRC, cuDNN alongside (tools/ab_decode.py)
   timeout ${AB_TIMEOUT:-250} $PY tools/ab_decode.py --old "${OLD_SRC:?ab needs OLD_SRC}" ${AB_ARGS:-} > "$OUT/ab.txt" 2> "$OUT/ab.err"
   note "ab_decode (rc=$?):"; cat "$OUT/ab.txt" >> "$SUMMARY"
+fi
+if has abfill; then  # decode plans with and without the filled grid, cuDNN alongside (tools/ab_fill_decode.py)
+  timeout ${ABFILL_TIMEOUT:-300} $PY tools/ab_fill_decode.py ${ABFILL_ARGS:-} > "$OUT/abfill.txt" 2> "$OUT/abfill.err"
+  note "ab_fill_decode (rc=$?):"; cat "$OUT/abfill.txt" >> "$SUMMARY"; tail -3 "$OUT/abfill.err" >> "$SUMMARY"
 fi
 if has ncu-decode; then  # ncu (full set) of one decode call of cuflash, FA2 and cuDNN per shape; SASS with counters
   NS=${NCU_SHAPES:-8,4096,32 1,32768,32}
