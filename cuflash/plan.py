@@ -989,10 +989,13 @@ def decode_m_slabs(rows: int, bucket: int, arch: str) -> int:
     return next((m for m in options if 16 * m >= rows), options[-1])
 
 
-def decode_num_splits(*, ctas: int, n_tiles: int, slots: int, min_tiles: int, max_tiles: int = 0) -> int:
+def decode_num_splits(*, ctas: int, n_tiles: int, slots: int, min_tiles: int, max_tiles: int = 0,
+                      filled_tiles=None) -> int:  # fmt: skip
     """Key splits per sequence that fill the GPU: the s in [s_min, s_max] minimizing the modeled time
     ceil(ctas * s / slots) * (ceil(n_tiles / s) + DECODE_CTA_OVERHEAD_TILES) (waves of resident CTAs,
     times the tiles one CTA streams plus its fixed cost), taking the smallest s within 2% of the best.
+    filled_tiles(s): the tiles of a long split where s splits would be planned as a filled grid (the
+    tails ride in the last wave's free slots), else None; the model then counts those instead.
 
     ctas: CTAs without splitting (batch * nheads_kv * row blocks); n_tiles: K/V tiles of the longest
     sequence; slots: CTAs resident at once (SMs x CTAs per SM); s_max: min(MAX_DECODE_SPLITS,
@@ -1003,7 +1006,11 @@ def decode_num_splits(*, ctas: int, n_tiles: int, slots: int, min_tiles: int, ma
         raise ValueError("decode_num_splits needs positive ctas, n_tiles, slots and min_tiles, and max_tiles >= 0")
     s_max = max(1, min(MAX_DECODE_SPLITS, n_tiles // min_tiles))
     s_min = min(s_max, -(-n_tiles // max_tiles)) if max_tiles else 1
-    cost = {s: -(-ctas * s // slots) * (-(-n_tiles // s) + DECODE_CTA_OVERHEAD_TILES) for s in range(s_min, s_max + 1)}
+    def tiles(s: int) -> int:
+        filled = filled_tiles(s) if filled_tiles else None
+        return -(-n_tiles // s) if filled is None else filled
+
+    cost = {s: -(-ctas * s // slots) * (tiles(s) + DECODE_CTA_OVERHEAD_TILES) for s in range(s_min, s_max + 1)}
     best = min(cost.values())
     return min(s for s, c in cost.items() if c <= best * 1.02)
 
@@ -1062,11 +1069,17 @@ def plan_decode(
     def long_ctas(s: int) -> bool:
         return -(-n_tiles // s) * bn >= DECODE_LONG_CTA_KEYS
 
+    may_fill = uniform_lengths and num_splits == 0 and ctas_per_sm == 0
     if num_splits == 0:
         def auto(per_sm: int) -> int:
+            def filled_tiles(s: int) -> int | None:  # the split count as _filled_grid below would plan it
+                got = _filled_grid(batch * nheads_kv, n_tiles, s, per_sm, row_blocks, rows, spec, num_sms)
+                return None if got is None else got[1]
+
             return decode_num_splits(ctas=batch * nheads_kv * row_blocks, n_tiles=max(1, n_tiles),
                                      slots=num_sms * per_sm, min_tiles=-(-MIN_DECODE_KEYS_PER_SPLIT // bn),
-                                     max_tiles=MAX_DECODE_KEYS_PER_SPLIT // bn)  # fmt: skip
+                                     max_tiles=MAX_DECODE_KEYS_PER_SPLIT // bn,
+                                     filled_tiles=filled_tiles if may_fill and n_tiles else None)  # fmt: skip
 
         # The split count and the CTAs per SM it was chosen for go together: a count picked for the
         # tile's slots is launched with them even where its splits come out long.
@@ -1081,7 +1094,7 @@ def plan_decode(
     block = (DECODE_THREADS, 1, 1)
     pdl = supports_pdl(arch)  # every decode kernel waits for the one before it (flash_decode.cuh)
     filled = None
-    if uniform_lengths and num_splits == 0 and ctas_per_sm == 0:
+    if may_fill:
         filled = _filled_grid(batch * nheads_kv, n_tiles, splits, per_sm, row_blocks, rows, spec, num_sms)
     split_tiles = 0
     if filled is not None:
@@ -1121,6 +1134,8 @@ def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks
     if not (supports_pdl(spec.arch) and row_blocks == 1 and per_sm == DECODE_LONG_CTAS_PER_SM and free > 0):
         return None
     rounds = -(-groups // free)
+    if rounds == 1:  # a free slot for every tail: that is one more equal split, not a filled grid
+        return None
     long_tiles = -(-n_tiles * rounds // (splits * rounds + 1))
     tail = n_tiles - splits * long_tiles
     need = DECODE_FILL_MIN_UNSPLIT_TILES if splits == 1 else -(-DECODE_LONG_CTA_KEYS // spec.tile.block_n)

@@ -693,13 +693,13 @@ def _assert_launched_filled(plans):
 #: (batch, nheads, nheads_kv, seqlen_q, causal, L) that take the filled grid on the H200 (132 SMs) with
 #: the fixture's thresholds (tests/test_decode_plan.py checks that on the CPU).
 FILLED_CASES = [
-    (1, 8, 8, 1, False, 919), (1, 8, 8, 3, True, 919), (4, 32, 8, 1, False, 7686), (4, 16, 8, 2, True, 3601),
-    (1, 32, 32, 1, False, 3603), (2, 8, 4, 1, True, 901),
+    (12, 8, 8, 1, False, 919), (12, 8, 8, 3, True, 919), (4, 32, 8, 1, False, 7686), (4, 16, 8, 2, True, 3601),
+    (1, 32, 32, 1, False, 3603), (23, 8, 4, 1, True, 901),
     (8, 32, 32, 1, False, 2200),  # one split per sequence before: a second (the tail) and a merge now
-    (16, 32, 32, 1, False, 2200), (24, 16, 8, 2, True, 4100)]  # the long splits in 2 and 3 waves  # fmt: skip
+    (16, 32, 32, 1, False, 2200), (20, 16, 8, 2, True, 4100)]  # the long splits in 2 waves  # fmt: skip
 #: (batch, nheads, nheads_kv, cached tokens, capacity) of the layout / dtype / append cases, likewise.
-FILLED_LAYOUT_CASE = (1, 8, 8, 1200, 1300)
-FILLED_REPEAT_CASE = (1, 32, 8, 901)
+FILLED_LAYOUT_CASE = (9, 8, 8, 1200, 1300)
+FILLED_REPEAT_CASE = (12, 32, 8, 901)
 
 
 @pytest.mark.parametrize("batch, nheads, nheads_kv, seqlen_q, causal, L", FILLED_CASES)

@@ -127,6 +127,28 @@ def test_filled_grid_where_the_split_grid_leaves_slots_empty():
         assert not p.split_major and p.split_tiles == 0
 
 
+def test_split_count_counts_the_filled_grid():
+    """With one length for all the split count is chosen with the filled grid's long splits in the
+    model: b=64 L=128k h_kv=8, 17 equal splits (the plain model's choice, 8704 CTAs in 33 waves of
+    264) become 8 long splits of 249 tiles in 16 waves and a tail per group in the last one."""
+    assert _uniform_plan(64, 131072, 8, uniform_lengths=False).num_splits == 17
+    p = _uniform_plan(64, 131072, 8)
+    assert p.split_major and p.num_splits == 9 and p.split_tiles == 249
+    # the model's inputs: without filled_tiles the plain count, with it the filled one
+    kw = dict(ctas=512, n_tiles=2048, slots=264, min_tiles=4, max_tiles=256)
+    assert plan.decode_num_splits(**kw) == 17
+    assert plan.decode_num_splits(**kw, filled_tiles=lambda s: 249 if s == 8 else None) == 8
+
+
+def test_no_filled_grid_where_every_tail_has_a_free_slot():
+    """rounds == 1 (as many free slots as groups): the tail would be as long as a long split, i.e. one
+    more equal split; the plan keeps equal splits there (b=1 L=32k h_kv=32 with 7 splits: 224 CTAs,
+    40 free slots for 32 tails)."""
+    spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
+    assert plan._filled_grid(32, 512, 7, 2, 1, 1, spec, 132) is None
+    assert plan._filled_grid(32, 512, 8, 2, 1, 1, spec, 132) == (9, 63)
+
+
 @pytest.mark.parametrize("groups, n_tiles, splits, num_sms", [
     (32, 2048, 8, 132), (256, 256, 1, 132), (64, 512, 4, 132), (32, 512, 8, 132), (100, 1000, 1, 60),
     (100, 1000, 1, 51), (3, 4000, 20, 31), (256, 2048, 8, 132), (512, 512, 2, 132), (2048, 256, 1, 132)])  # fmt: skip

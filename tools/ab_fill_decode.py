@@ -5,7 +5,8 @@ of one length, num_splits=0).
     python tools/ab_fill_decode.py [--shapes 8,32768,32 ...] [--repeats 20] [--all]
                                    [--modes NAME:CONSTANT=VALUE,... ...]
 A mode is a name and cuflash/plan.py constants set while the mode's calls are planned (the value
-"none" for _filled_grid: never filled); the default modes are
+"none" for _filled_grid: never filled; "plain" for decode_num_splits: the split count chosen as if
+no grid were filled, then filled where it can be); the default modes are
   equal   _filled_grid=none: equal splits (what ragged lengths get);
   plan    this tree's plan: filled wherever the long splits' last wave leaves slots empty.
 e.g. --modes equal:_filled_grid=none plan: plan1:DECODE_FILL_MIN_UNSPLIT_TILES=1
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cuflash import bench_decode, kvcache, plan  # noqa: E402
 from cuflash.bench import time_ms  # noqa: E402
 
+REAL_NUM_SPLITS = plan.decode_num_splits
 DEFAULT_MODES = ["equal:_filled_grid=none", "plan:"]
 
 
@@ -36,10 +38,12 @@ def _parse_mode(text):
         key, _, value = item.partition("=")
         if not hasattr(plan, key):
             raise SystemExit(f"cuflash.plan has no constant {key!r}")
-        if key == "_filled_grid" and value == "none":
+        if (key, value) == ("_filled_grid", "none"):
             consts[key] = lambda *args: None
-        elif key == "_filled_grid":
-            raise SystemExit("_filled_grid takes only the value none")
+        elif (key, value) == ("decode_num_splits", "plain"):  # the split count chosen without the filled grid
+            consts[key] = lambda filled_tiles=None, **kw: REAL_NUM_SPLITS(**kw)
+        elif key in ("_filled_grid", "decode_num_splits"):
+            raise SystemExit("_filled_grid takes only the value none, decode_num_splits only plain")
         else:
             consts[key] = float(value) if value in ("inf", "-inf") else type(getattr(plan, key))(value)
     return name, consts
