@@ -169,7 +169,7 @@ def run_decode_point(dtype: str, head_dim: int, batch: int, cache_len: int, nhea
     if "cuflash" in runnable:
         row.host_us = round(host_us(ours, calls=50), 1)
         row.mem_mb["cuflash"] = round(_peak_extra_mb(ours), 1)
-        p = _plan_used(q, k_cache, cache_len)
+        p = _plan_used(q, k_cache.shape[2], cache_len)
         row.num_splits, row.ctas_per_sm, row.filled = p.num_splits, p.ctas_per_sm, p.split_major
     for name in runnable:
         if name != "cuflash":
@@ -177,7 +177,7 @@ def run_decode_point(dtype: str, head_dim: int, batch: int, cache_len: int, nhea
     return row
 
 
-def _plan_used(q, k_cache, cache_len: int):
+def _plan_used(q, nheads_kv: int, cache_len: int):
     """The decode plan cuflash picks for this call (the same plan the call used): split count, CTAs per SM."""
     from . import jit, plan
     from .attention import _DTYPE_NAMES
@@ -186,7 +186,7 @@ def _plan_used(q, k_cache, cache_len: int):
     batch, seqlen_q, nheads, head_dim = q.shape
     dev = q.device.id
     p = plan.plan_decode(
-        batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=k_cache.shape[2], head_dim=head_dim,
+        batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
         dtype=_DTYPE_NAMES[q.dtype], aligned=head_dim % 8 == 0, max_seqlen=-(-cache_len // 64) * 64, num_splits=0,
         num_sms=_num_sms(dev), arch=jit.device_arch(dev), uniform_lengths=True,
     )  # fmt: skip

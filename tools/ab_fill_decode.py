@@ -66,12 +66,6 @@ def _planner(consts):
     return functools.lru_cache(maxsize=None)(lambda *args, **kw: _with_constants(consts, inner, *args, **kw))
 
 
-def _plan(consts, b, L, hk):
-    return _with_constants(consts, plan.plan_decode, batch=b, seqlen_q=1, nheads=bench_decode.NHEADS, nheads_kv=hk,
-                           head_dim=128, dtype="bf16", aligned=True, max_seqlen=-(-L // 64) * 64, num_splits=0,
-                           num_sms=kvcache._num_sms(0), arch=kvcache.jit.device_arch(0), uniform_lengths=True)
-
-
 def _grid(p):
     tag = f"{p.num_splits}x{p.split_tiles}t" if p.split_major else f"{p.num_splits}"
     return f"{tag}@{p.ctas_per_sm}"
@@ -100,14 +94,14 @@ def main():
     try:
         for shape in a.shapes:
             b, L, hk = map(int, shape.split(","))
-            grids = {m: _grid(_plan(c, b, L, hk)) for m, c in modes.items()}
+            q = bench_decode._random((b, 1, bench_decode.NHEADS, 128), "bf16", rng)
+            grids = {m: _grid(_with_constants(c, bench_decode._plan_used, q, hk, L)) for m, c in modes.items()}
             if not a.all and len(set(grids.values())) == 1:
                 continue
             need, free = bench_decode.kv_bytes(b, L, hk, 128) * 1.05 + (4 << 30), bench_decode._free_bytes()
             if need > free:  # the bench's rule
                 print(f"b={b} L={L} h_kv={hk}: skipped, needs {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free")
                 continue
-            q = bench_decode._random((b, 1, bench_decode.NHEADS, 128), "bf16", rng)
             kc, vc = (bench_decode._random((b, L, hk, 128), "bf16", rng) for _ in "kv")
 
             def call(mode):

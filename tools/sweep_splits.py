@@ -47,7 +47,7 @@ def main():
             continue
         q = bench_decode._random((b, 1, 32, 128), "bf16", rng)
         kc, vc = (bench_decode._random((b, L, hk, 128), "bf16", rng) for _ in "kv")
-        used = bench_decode._plan_used(q, kc, L)
+        used = bench_decode._plan_used(q, hk, L)
         heuristic, per_sm = used.num_splits, used.ctas_per_sm
         s_max = min(plan.MAX_DECODE_SPLITS, max(1, -(-L // plan.MIN_DECODE_KEYS_PER_SPLIT)))
         counts = sorted({s for s in a.splits if s <= s_max} | {heuristic})
