@@ -47,11 +47,14 @@
 //           of 64 (kKVStride = kHeadDim), padded otherwise (flash_fwd.cuh kv_chunk_offset).
 //   Pipeline: kStages-deep cp.async ring of 16-byte chunks. A stage is refilled (with the tile kStages
 //           ahead) as soon as its readers are done with it, before the next tile is waited for: the
-//           whole ring is in flight during the wait, kStages - 1 tiles while one is used. Each key
-//           column of warps (same wn) loads its own kKeysPerWarp rows of every tile and syncs only
-//           with itself (__syncwarp, or a named barrier over its kWarpsM warps): no CTA barrier in
-//           the main loop (kStages == 1, for small-smem GPUs: the CTA loads each tile, barrier, uses
-//           it, barrier, loads the next).
+//           whole ring is in flight during the wait, kStages - 1 tiles while one is used. Who loads:
+//           - column loads (kCtaLoads false): each key column of warps (same wn) loads its own
+//             kKeysPerWarp rows of every tile and syncs only with itself (__syncwarp, or a named
+//             barrier over its kWarpsM warps), no CTA barrier in the main loop: faster for short splits
+//             at 3 CTAs per SM;
+//           - CTA loads (kCtaLoads, or kStages == 1 on small-smem GPUs): the 128 threads load each tile
+//             together, 8 consecutive rows per pass, and sync with CTA barriers: faster for the long
+//             splits the plan launches 2 per SM (cuflash/plan.py plan_decode, docs/perf-notes.md).
 //   Paged caches: key n of sequence b lives at page block_table[b][n / page_size], slot n % page_size;
 //           contiguous caches at (b, n). Every page index is clamped into [0, num_pages), every
 //           length into [0, capacity): whatever cache_seqlens and block_table hold, no access
@@ -79,7 +82,7 @@ constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cufla
 constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS
 
 // Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
-template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_>
+template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kCtaLoads_>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockN = kBlockN_;     // keys per K/V tile
@@ -87,6 +90,9 @@ struct DecodeConfig {
     static constexpr int kStages = kStages_;     // K/V tiles in the cp.async ring
     static constexpr bool kIsBF16 = kIsBF16_;
     static constexpr bool kAligned = kAligned_;  // 16-byte cp.async loads; else element-wise loads
+    // The CTA loads every K/V tile together and syncs with CTA barriers (always with one stage); else
+    // each key column of warps loads and syncs on its own rows (see Pipeline above).
+    static constexpr bool kCtaLoads = kCtaLoads_ || kStages_ == 1;
 
     static constexpr int kNWarps = kDecodeThreads / 32;
     static constexpr int kNThreads = kDecodeThreads;
@@ -574,16 +580,17 @@ CUFLASH_DEVICE void decode_piece(const DecodeParams& p, int b, int hk, int rb, i
         const u16* g_k = static_cast<const u16*>(p.k) + hk * p.k_head_stride;
         const u16* g_v = static_cast<const u16*>(p.v) + hk * p.v_head_stride;
         const DecodeCacheRows cache = decode_cache_rows(p, b);
-        // With a ring of 2+ stages each key column of warps (the kWarpsM warps with the same wn) loads
-        // and syncs on its own rows of every tile, the kKeysPerWarp keys it alone reads: no CTA-wide
-        // barrier in the main loop, so a column whose rows have landed goes on while another waits.
+        // Column loads: each key column of warps (the kWarpsM warps with the same wn) loads and syncs on
+        // its own rows of every tile, the kKeysPerWarp keys it alone reads: no CTA-wide barrier in the
+        // main loop, so a column whose rows have landed goes on while another waits. CTA loads: the CTA
+        // loads and syncs on the whole tile.
         constexpr int kColThreads = 32 * Cfg::kWarpsM;
         const int col_tid = wm * 32 + lane;  // thread index within the key column
-        // Tile `tile` into stage `stage` (nothing past this split's last tile; with one stage the whole
-        // CTA loads it); always one commit group per call, so the group count stays in step with the tiles.
+        // Tile `tile` into stage `stage` (nothing past this split's last tile); always one commit group
+        // per call, so the group count stays in step with the tiles.
         auto issue = [&](int tile, int stage) {
             if (tile < tile_end) {
-                if constexpr (Cfg::kStages > 1) {
+                if constexpr (!Cfg::kCtaLoads) {
                     decode_load_kv<Cfg, Cfg::kKeysPerWarp, kColThreads>(
                         s_k0 + stage * Cfg::kSmemKV, s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache, tile * kBlockN,
                         L, col_tid, wn * Cfg::kKeysPerWarp);
@@ -594,11 +601,10 @@ CUFLASH_DEVICE void decode_piece(const DecodeParams& p, int b, int hk, int rb, i
             }
             cp_async_commit();
         };
-        // The warps that read the same rows (the key column; with one stage the CTA, which loads each
-        // tile together): after it, a tile's rows are visible to them all, and all are done with the
-        // rows before.
+        // The warps that load and read the same rows (the key column, or with CTA loads the CTA): after
+        // it, a tile's rows are visible to them all, and all are done with the rows before.
         auto loader_sync = [&]() {
-            if constexpr (Cfg::kStages == 1) {
+            if constexpr (Cfg::kCtaLoads) {
                 __syncthreads();
             } else if constexpr (Cfg::kWarpsM == 1) {
                 __syncwarp();

@@ -722,6 +722,17 @@ MAX_DECODE_KEYS_PER_SPLIT = 16384
 #: heuristic's time / the best (s, CTAs per SM) measured went from mean 1.020 to 1.014.
 DECODE_LONG_CTA_KEYS = 3072
 DECODE_LONG_CTAS_PER_SM = 2
+
+
+def decode_cta_loads(tile: DecodeTile, per_sm: int) -> bool:
+    """Whether split CTAs of ``tile`` launched ``per_sm`` per SM load each K/V tile as a whole CTA,
+    with CTA barriers (flash_decode.cuh kCtaLoads), rather than per key column of warps: where the
+    plan spaces a tile sized for more CTAs per SM to DECODE_LONG_CTAS_PER_SM (its long splits). On the
+    H200 (tools/ab_decode.py, hd128 bf16, CTA loads / column loads, same run; docs/perf-notes.md)
+    CTA loads were faster at 8 of 9 shapes launched 2 per SM (b=8 L=4k h_kv=32 1.013, b=1 L=32k
+    h_kv=32 1.008) and slower at the 3 launched 3 per SM (b=8 L=8k h_kv=8 0.975, b=1 L=16k h_kv=32
+    0.984)."""
+    return tile.stages > 1 and per_sm == DECODE_LONG_CTAS_PER_SM < tile.min_blocks
 #: Fixed cost of one CTA in units of one K/V tile's streaming time (pipeline fill, epilogue, the
 #: merge's share); the split heuristic's cost model.
 DECODE_CTA_OVERHEAD_TILES = 1
@@ -883,6 +894,7 @@ class DecodeSpec:
     m_slabs: int  # 16-row slabs of packed query rows per CTA
     tile: DecodeTile
     arch: str
+    cta_loads: bool = False  # the CTA loads each K/V tile together (else each key column of warps its rows)
     family: str = "flash_decode"
 
     @property
@@ -890,7 +902,7 @@ class DecodeSpec:
         t = self.tile
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_ms{self.m_slabs}_bn{t.block_n}_st{t.stages}"
-            f"_mb{t.min_blocks}_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
+            f"_mb{t.min_blocks}{'_cta' if self.cta_loads else ''}_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
         )
 
     threads = DECODE_THREADS
@@ -906,7 +918,8 @@ class DecodeSpec:
     def template_args(self) -> str:
         """C++ template argument list of cuflash::DecodeConfig for this variant."""
         t, b = self.tile, _cpp_bool
-        return f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}"
+        return (f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}, "
+                f"{b(self.cta_loads)}")
 
 
 class _DecodeHelperKernel:
@@ -1103,6 +1116,8 @@ def plan_decode(
     else:
         grid = (splits * row_blocks, nheads_kv, batch)
     smem = spec.smem_bytes if per_sm == spec.tile.min_blocks else decode_launch_smem(spec.smem_bytes, per_sm, arch)
+    if decode_cta_loads(spec.tile, per_sm):
+        spec = dataclasses.replace(spec, cta_loads=True)
     attn = Launch(spec, grid, block, smem, pdl)
     append = None
     if seqlen_new > 0:
@@ -1158,7 +1173,10 @@ def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causa
             for al in aligned:
                 for m in m_slabs:
                     if m in fitting:
-                        specs.append(DecodeSpec(bucket, dt, al, m, decode_tile(bucket, m, arch), arch))
+                        tile = decode_tile(bucket, m, arch)
+                        specs.append(DecodeSpec(bucket, dt, al, m, tile, arch))
+                        if decode_cta_loads(tile, DECODE_LONG_CTAS_PER_SM):  # the plan's long splits
+                            specs.append(DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=True))
     specs += [DecodeCombineSpec(head_dim_bucket(d), dt, arch) for dt in dtypes for d in head_dims]
     specs += [DecodeAppendSpec(al, arch) for al in aligned]
     return list(dict.fromkeys(specs))

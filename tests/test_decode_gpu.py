@@ -9,6 +9,7 @@ error and the bound.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -293,10 +294,55 @@ def test_fewer_ctas_per_sm_same_bits(ctas_per_sm):
         assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all()), f"num_splits={splits}"
         dplan, (fn, _, _) = kvcache._plan_and_load(3, 1, 32, 2, 128, "bf16", True, 3008, splits, 0, False, dev,
                                                    ctas_per_sm)  # fmt: skip
-        assert dplan.ctas_per_sm == ctas_per_sm and dplan.attn.spec == spec
+        assert dplan.ctas_per_sm == ctas_per_sm
+        assert dplan.attn.spec == dataclasses.replace(spec, cta_loads=plan.decode_cta_loads(spec.tile, ctas_per_sm))
         resident = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, 128, dplan.attn.smem_bytes)
         assert resident == ctas_per_sm, f"{resident} CTAs per SM with {dplan.attn.smem_bytes} B of shared memory"
     run_and_check(**c, what=f"heuristic splits at {ctas_per_sm} CTAs per SM", ctas_per_sm=ctas_per_sm)
+
+
+#: (dtype, head_dim, nheads, nheads_kv, seqlen_q, causal, layout, num_splits): the hd128 tiles that the
+#: plan spaces to 2 CTAs per SM with CTA loads, one and two 16-row slabs, both load paths.
+CTA_LOAD_CASES = [
+    ("bf16", 128, 32, 32, 1, False, "contiguous", 1), ("fp16", 128, 32, 8, 1, False, "contiguous", 4),
+    ("bf16", 100, 32, 4, 1, True, "contiguous", 3), ("bf16", 128, 32, 2, 2, True, "paged 48", 5),
+    ("fp16", 120, 16, 1, 2, True, "append 3", 2), ("bf16", 128, 8, 8, 3, True, "append 3", 70)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, head_dim, nheads, nheads_kv, seqlen_q, causal, layout, num_splits", CTA_LOAD_CASES)
+def test_cta_loads_same_bits_as_column_loads(plans_made, dtype, head_dim, nheads, nheads_kv, seqlen_q, causal, layout,
+                                             num_splits):  # fmt: skip
+    """Split CTAs launched 2 per SM load each K/V tile as a CTA (plan.decode_cta_loads), the others per
+    key column of warps: who loads a tile changes nothing in the math, so out and lse are the same bits
+    (ragged lengths with 0, GQA with two slabs, paged, append, the element-wise path, both merge
+    paths); and the CTA-load call is checked against the reference."""
+    import cupy
+
+    from cuflash import jit, plan
+    from cuflash.attention import _DTYPE_NAMES
+
+    rng = np.random.default_rng(head_dim + 7 * num_splits)
+    new = 3 if layout == "append 3" else 0
+    c = case(rng, batch=3, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype,
+             capacity=2000, seqlen_new=new, page_size=48 if layout == "paged 48" else None,
+             lengths=[1990 - new, 0, 777])  # fmt: skip
+    dev = c["q"].device.id
+    rows = seqlen_q * (nheads // nheads_kv)
+    arch = jit.device_arch(dev)
+    spec = plan.decode_spec(head_dim, _DTYPE_NAMES[c["q"].dtype], head_dim % 8 == 0, plan.decode_m_slabs(rows, 128, arch),
+                            arch)  # fmt: skip
+    if not plan.decode_cta_loads(spec.tile, 2):
+        pytest.skip(f"the {spec.name} tile is not spaced to 2 CTAs per SM on this GPU: no CTA loads")
+    outs = {}
+    for per_sm in (2, spec.tile.min_blocks):
+        cc = dict(c, k_cache=c["k_cache"].copy(), v_cache=c["v_cache"].copy(), cache_seqlens=c["cache_seqlens"].copy())
+        outs[per_sm] = run_and_check(**cc, causal=causal, num_splits=num_splits, ctas_per_sm=per_sm,
+                                     what=f"{per_sm} CTAs per SM")  # fmt: skip
+        launched = plans_made[-1]
+        assert launched.ctas_per_sm == per_sm and launched.attn.spec.cta_loads == (per_sm == 2), launched
+    (o2, l2, _, _), (o3, l3, _, _) = outs[2], outs[spec.tile.min_blocks]
+    assert bool((o2.view(cupy.uint16) == o3.view(cupy.uint16)).all()), "CTA loads and column loads differ in out"
+    assert bool((l2 == l3).all()), "CTA loads and column loads differ in lse"
 
 
 def _all_counters_zero() -> bool:

@@ -5,6 +5,7 @@ No GPU: plan.py is pure; one test compiles a static_assert snippet with NVRTC on
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import sys
@@ -79,7 +80,14 @@ def test_all_decode_specs():
     specs = plan.all_decode_specs("sm_90a")
     assert len(specs) == len(set(specs))
     fam = lambda f: [s for s in specs if s.family == f]  # noqa: E731
-    assert len(fam("flash_decode")) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 3
+    column = [s for s in fam("flash_decode") if not s.cta_loads]
+    assert len(column) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 3
+    # CTA loads where the plan spaces a tile sized for 3+ CTAs per SM to 2 (long splits): on sm_90a
+    # the hd128 tile (2 stages, 3 per SM) with 1 and 2 slabs (4 slabs fit only 2 per SM)
+    cta = [s for s in fam("flash_decode") if s.cta_loads]
+    assert {(s.head_dim, s.m_slabs, s.tile.min_blocks) for s in cta} == {(128, 1, 3), (128, 2, 3)}
+    assert len(cta) == 2 * 2 * 2 and all(s.name.split("_mb3_")[1].startswith("cta_") for s in cta)
+    assert not any(s.cta_loads for s in plan.all_decode_specs("sm_80") if s.family == "flash_decode")  # hd128 fits only 2 per SM there
     assert {s.aligned for s in fam("flash_decode_append")} == {True, False}
     names = [s.name for s in specs]
     assert len(set(names)) == len(names)
@@ -205,12 +213,15 @@ def test_decode_names_spell_every_template_argument():
     s = plan.decode_spec(100, "bf16", False, 2, "sm_90a")
     t = s.tile
     assert s.name == f"flash_decode_hd128_bf16_ms2_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_scalar_sm90a"
-    assert s.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false"
+    assert s.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, false"
+    cta = dataclasses.replace(s, cta_loads=True)
+    assert cta.name == f"flash_decode_hd128_bf16_ms2_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_cta_scalar_sm90a"
+    assert cta.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, true"
     assert plan.DecodeAppendSpec(True, "sm_86").name == "flash_decode_append_vec16_sm86"
     assert plan.DecodeAppendSpec(True, "sm_86").template_args() == "true"
     c = plan.DecodeCombineSpec(96, "fp16", "sm_90a")
     assert c.name == "flash_decode_combine_hd96_fp16_sm90a" and c.template_args() == "96, false"
-    for spec in (s, plan.DecodeAppendSpec(False, "sm_90a"), c):
+    for spec in (s, cta, plan.DecodeAppendSpec(False, "sm_90a"), c):
         assert spec.family in jit.ENTRY_TEMPLATES
         assert spec.name in jit.entry_source(spec)
         assert spec.threads == 128 and spec.min_blocks >= 1 and spec.smem_bytes >= 0
@@ -242,10 +253,11 @@ def test_template_args_and_smem_match_the_kernel_config():
             c = f"cuflash::DecodeConfig<{s.template_args()}>"
             bf16 = "true" if s.dtype == "bf16" else "false"
             aligned = "true" if s.aligned else "false"
+            cta = "true" if s.cta_loads or t.stages == 1 else "false"  # one stage: always CTA loads
             lines.append(
                 f"static_assert({c}::kHeadDim == {s.head_dim} && {c}::kBlockN == {t.block_n} && "
                 f"{c}::kMSlabs == {s.m_slabs} && {c}::kStages == {t.stages} && {c}::kIsBF16 == {bf16} && "
-                f"{c}::kAligned == {aligned}, \"{s.name}: template argument order\");"
+                f"{c}::kAligned == {aligned} && {c}::kCtaLoads == {cta}, \"{s.name}: template argument order\");"
             )
             lines.append(f'static_assert({c}::kSmemBytes == {s.smem_bytes}, "{s.name}: shared memory");')
     text = "\n".join(lines) + "\n"
@@ -330,7 +342,9 @@ def test_ctas_per_sm_pads_the_split_kernels_shared_memory():
     for c in (1, 2):
         p = _plan(num_splits=4, max_seqlen=8192, ctas_per_sm=c)
         smem = p.attn.smem_bytes
-        assert p.ctas_per_sm == c and p.attn.spec == p3.attn.spec and p.attn.grid == p3.attn.grid
+        assert p.ctas_per_sm == c and p.attn.grid == p3.attn.grid
+        # spaced to 2 per SM (the long-split rule's count) the CTAs load each tile together
+        assert p.attn.spec.cta_loads == (c == 2) and dataclasses.replace(p.attn.spec, cta_loads=False) == p3.attn.spec
         assert p.attn.spec.smem_bytes <= smem <= plan.max_smem_bytes(arch)
         assert c * (smem + 1024) <= plan.smem_per_sm_bytes(arch) < (c + 1) * (smem + 1024)
     # the split heuristic fills the slots there are: 32 (sequence, kv head) CTAs at 2 per SM -> 8 splits
@@ -725,3 +739,20 @@ def test_output_like_q_allocates_or_checks():
         _output_like_q(FakeArray(**{**vars(q), "shape": (2, 1, 4, 32)}), q, 0, fake_cupy)
     with pytest.raises(ValueError, match="out is on device 1"):
         _output_like_q(FakeArray(**{**vars(q), "device": SimpleNamespace(id=1)}), q, 0, fake_cupy)
+
+
+def test_long_splits_load_each_tile_as_a_cta():
+    """plan.decode_cta_loads: the hd128 split CTAs the plan spaces to 2 per SM (long splits, filled grids
+    included) load each K/V tile as a CTA; those at 3 per SM, and tiles sized for 2 per SM, per key column."""
+    for b, L, h_kv in ((8, 4096, 32), (1, 131072, 32), (64, 16384, 8)):
+        p = _uniform_plan(b, L, h_kv)
+        assert p.ctas_per_sm == 2 < p.attn.spec.min_blocks and p.attn.spec.cta_loads, (b, L, h_kv, p)
+    assert _uniform_plan(1, 131072, 32).split_major  # a filled grid, with CTA loads
+    for b, L, h_kv in ((1, 16384, 32), (8, 8192, 8)):
+        p = _uniform_plan(b, L, h_kv)
+        assert p.ctas_per_sm == 3 == p.attn.spec.min_blocks and not p.attn.spec.cta_loads, (b, L, h_kv, p)
+    p = _uniform_plan(8, 4096, 32, head_dim=64)  # the hd64 tile holds 2 per SM: never spaced
+    assert p.ctas_per_sm == 2 == p.attn.spec.min_blocks and not p.attn.spec.cta_loads
+    assert not _uniform_plan(8, 4096, 32, ctas_per_sm=1).attn.spec.cta_loads  # 1 per SM: not measured, column loads
+    one_stage = plan.DecodeTile(64, 1, 3)
+    assert not plan.decode_cta_loads(one_stage, 2)  # a one-stage ring always loads as a CTA (kCtaLoads in the kernel)

@@ -1,12 +1,13 @@
 """The decode kernels of this tree next to those of another copy of cuda_src, on the GPU, in one run
 (bf16, head dim 128, 32 query heads, one query token, full caches, num_splits=0), with cuDNN alongside.
 
-    python tools/ab_decode.py --old .old/cuda_src [--shapes 8,4096,32 ...] [--repeats 20]
+    python tools/ab_decode.py --old .old/cuda_src [--also NAME=DIR ...] [--shapes 8,4096,32 ...] [--repeats 20]
 The old build is launched without programmatic dependent launch (its kernels may not wait for the
 kernel before them) unless --old-pdl, the new one as cuflash launches it (CUFLASH_PDL). Per shape: device
 microseconds per call (CUDA events, interleaved samples, cuflash.bench.time_ms) of
 the old and the new kernels and torch SDPA's CUDNN_ATTENTION, and new / old and new / cuDNN speed
-ratios; last, their medians. Both builds are checked against each other (max abs difference).
+ratios; last, their medians. Every build is checked against old (max abs difference). --also adds
+more builds (launched as the new one) to the same samples, each reported as NAME / old.
 
 Bias: the samples go old, new, cuDNN in every round, and on the H200 an A/A run (--old pointing at a
 copy of this tree's cuda_src, --old-pdl) put "new" 1.5% ahead of the same kernel timed as "old"
@@ -43,14 +44,19 @@ def main():
     ap.add_argument("--old-pdl", action="store_true",
                     help="launch the old build with programmatic dependent launch too (its kernels must wait for "
                          "the kernel before them, as every decode kernel since 91b1f50 does)")
+    ap.add_argument("--also", nargs="*", default=[], metavar="NAME=DIR",
+                    help="more cuda_src folders timed in the same samples, each reported against old")
     a = ap.parse_args()
     new_dir, old_dir = jit.source_dir(), Path(a.old).resolve()
+    also = dict(item.split("=", 1) for item in a.also)
+    if not also.keys().isdisjoint({"old", "new", "cudnn"}):
+        ap.error("--also names must differ from old, new and cudnn")
     # Per build: its source folder, its loaded functions and its own memo of plans and functions, so
     # switching builds between calls costs three assignments (a cleared memo would put host time into
     # the short calls' samples).
     plan_and_load = kvcache._plan_and_load.__wrapped__
     builds = {name: (src, {}, functools.lru_cache(maxsize=64)(plan_and_load))
-              for name, src in (("old", old_dir), ("new", new_dir))}  # fmt: skip
+              for name, src in (("old", old_dir), ("new", new_dir), *((n, Path(d).resolve()) for n, d in also.items()))}  # fmt: skip
 
     pdl = jit.PDL_ENABLED
 
@@ -60,11 +66,12 @@ def main():
         jit._functions = fns
         kvcache._plan_and_load = memo
         # The old kernels may predate griddepcontrol.wait, which a PDL launch needs: never launch them so.
-        jit.PDL_ENABLED = pdl and (name == "new" or a.old_pdl)
+        jit.PDL_ENABLED = pdl and (name != "old" or a.old_pdl)
 
     torch = bench_decode._torch()
     rng = np.random.default_rng(0)
     vs_old, vs_cudnn = [], []
+    also_vs_old = {name: [] for name in also}
     for shape in a.shapes:
         b, L, hk = map(int, shape.split(","))
         q = cupy.asarray(rng.standard_normal((b, 1, 32, 128), dtype=np.float32).astype(_BF16))
@@ -81,7 +88,7 @@ def main():
         for name in builds:
             call(name)()
             outs[name] = kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=L).astype(cupy.float32)
-        diff = float(cupy.abs(outs["old"] - outs["new"]).max())
+        diff = max(float(cupy.abs(outs["old"] - outs[name]).max()) for name in builds if name != "old")
         fns = {name: call(name) for name in builds}
         if torch is not None:
             from torch.nn.attention import SDPBackend
@@ -95,11 +102,16 @@ def main():
         if "cudnn" in ms:
             vs_cudnn.append(ms["cudnn"] / ms["new"])
             line += f"  cudnn {ms['cudnn'] * 1e3:7.1f} us  new/cudnn x{vs_cudnn[-1]:.3f}"
-        print(f"{line}  new/old x{vs_old[-1]:.3f}  (max diff {diff:.1e})", flush=True)
+        line += f"  new/old x{vs_old[-1]:.3f}"
+        for name, ratios in also_vs_old.items():
+            ratios.append(ms["old"] / ms[name])
+            line += f"  {name} {ms[name] * 1e3:7.1f} us {name}/old x{ratios[-1]:.3f}"
+        print(f"{line}  (max diff {diff:.1e})", flush=True)
         outs = fns = None
         bench_decode._release_memory()
     print(f"median new/old x{statistics.median(vs_old):.3f}"
-          + (f", new/cudnn x{statistics.median(vs_cudnn):.3f}" if vs_cudnn else ""))
+          + (f", new/cudnn x{statistics.median(vs_cudnn):.3f}" if vs_cudnn else "")
+          + "".join(f", {name}/old x{statistics.median(r):.3f}" for name, r in also_vs_old.items()))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 CuPy's memory pool hides out-of-bounds accesses inside its big blocks, so the pool is disabled
 and every array is its own cudaMalloc. Exits non-zero if a result is wrong.
     compute-sanitizer --tool memcheck python tools/sanitize_cases.py [--only filled]
---only filled: just the decode cases on the filled grid (a short run).
+--only filled: just the decode cases on the filled grid and with CTA loads (a short run).
 """
 import sys
 from pathlib import Path
@@ -99,6 +99,14 @@ def main():
         if not made[-1].split_major:
             sys.exit(f"decode {kw} L={L} did not take the filled grid on this GPU (grid {made[-1].attn.grid})")
         print(f"ok decode filled grid {kw} L={L} {call}: err {err:.2e} <= {bound:.2e}")
+    # CTA loads (split CTAs spaced to 2 per SM) with two 16-row slabs, on both load paths.
+    for head_dim in (128, 100):
+        c = case(rng, batch=3, seqlen_q=2, nheads=32, nheads_kv=2, head_dim=head_dim, capacity=2000,
+                 lengths=[1990, 0, 777])  # fmt: skip
+        _, _, err, bound = run_and_check(**c, causal=True, num_splits=5, ctas_per_sm=2)
+        if not made[-1].attn.spec.cta_loads:
+            sys.exit(f"decode hd{head_dim} at 2 CTAs per SM did not load as a CTA ({made[-1].attn.spec.name})")
+        print(f"ok decode CTA loads hd{head_dim}, 2 slabs: err {err:.2e} <= {bound:.2e}")
     cupy.cuda.runtime.deviceSynchronize()
 
 
