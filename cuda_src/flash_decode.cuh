@@ -50,11 +50,11 @@
 //           whole ring is in flight during the wait, kStages - 1 tiles while one is used. Who loads:
 //           - column loads (kCtaLoads false): each key column of warps (same wn) loads its own
 //             kKeysPerWarp rows of every tile and syncs only with itself (__syncwarp, or a named
-//             barrier over its kWarpsM warps), no CTA barrier in the main loop: faster for short splits
+//             barrier over its kWarpsM warps), no CTA barrier in the main loop: for the short splits
 //             at 3 CTAs per SM;
 //           - CTA loads (kCtaLoads, or kStages == 1 on small-smem GPUs): the 128 threads load each tile
 //             together, 8 consecutive rows per pass, and sync with CTA barriers: faster for the long
-//             splits the plan launches 2 per SM (cuflash/plan.py plan_decode, docs/perf-notes.md).
+//             splits the plan launches 2 per SM (cuflash/plan.py decode_cta_loads).
 //   Paged caches: key n of sequence b lives at page block_table[b][n / page_size], slot n % page_size;
 //           contiguous caches at (b, n). Every page index is clamped into [0, num_pages), every
 //           length into [0, capacity): whatever cache_seqlens and block_table hold, no access

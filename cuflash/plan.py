@@ -728,10 +728,11 @@ def decode_cta_loads(tile: DecodeTile, per_sm: int) -> bool:
     """Whether split CTAs of ``tile`` launched ``per_sm`` per SM load each K/V tile as a whole CTA,
     with CTA barriers (flash_decode.cuh kCtaLoads), rather than per key column of warps: where the
     plan spaces a tile sized for more CTAs per SM to DECODE_LONG_CTAS_PER_SM (its long splits). On the
-    H200 (tools/ab_decode.py, hd128 bf16, CTA loads / column loads, same run; docs/perf-notes.md)
-    CTA loads were faster at 8 of 9 shapes launched 2 per SM (b=8 L=4k h_kv=32 1.013, b=1 L=32k
-    h_kv=32 1.008) and slower at the 3 launched 3 per SM (b=8 L=8k h_kv=8 0.975, b=1 L=16k h_kv=32
-    0.984)."""
+    H200 (tools/ab_decode.py, hd128 bf16, CTA loads / column loads in the same run, three calls;
+    docs/ab-decode-h200-2026-12-01-loads.txt): median 1.006, 1.004, 1.006 over the shapes launched 2
+    per SM, b=8 L=4k h_kv=32 1.013, 1.019, 1.022. At 3 per SM (short splits) CTA loads measured
+    0.975-0.994 on 3 shapes in one call, where that call's A/A pairs gave 0.986-0.997: no better, so
+    those keep column loads."""
     return tile.stages > 1 and per_sm == DECODE_LONG_CTAS_PER_SM < tile.min_blocks
 #: Fixed cost of one CTA in units of one K/V tile's streaming time (pipeline fill, epilogue, the
 #: merge's share); the split heuristic's cost model.
