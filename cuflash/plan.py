@@ -734,6 +734,8 @@ def decode_cta_loads(tile: DecodeTile, per_sm: int) -> bool:
     0.975-0.994 on 3 shapes in one call, where that call's A/A pairs gave 0.986-0.997: no better, so
     those keep column loads."""
     return tile.stages > 1 and per_sm == DECODE_LONG_CTAS_PER_SM < tile.min_blocks
+
+
 #: Fixed cost of one CTA in units of one K/V tile's streaming time (pipeline fill, epilogue, the
 #: merge's share); the split heuristic's cost model.
 DECODE_CTA_OVERHEAD_TILES = 1

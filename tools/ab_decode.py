@@ -48,9 +48,14 @@ def main():
                     help="more cuda_src folders timed in the same samples, each reported against old")
     a = ap.parse_args()
     new_dir, old_dir = jit.source_dir(), Path(a.old).resolve()
+    if any("=" not in item for item in a.also):
+        ap.error("--also takes NAME=DIR items, e.g. --also cta3=.old/cta3")
     also = dict(item.split("=", 1) for item in a.also)
     if not also.keys().isdisjoint({"old", "new", "cudnn"}):
         ap.error("--also names must differ from old, new and cudnn")
+    for name, d in also.items():
+        if not (Path(d) / "flash_decode.cuh").is_file():
+            ap.error(f"--also {name}={d}: no flash_decode.cuh in that folder")
     # Per build: its source folder, its loaded functions and its own memo of plans and functions, so
     # switching builds between calls costs three assignments (a cleared memo would put host time into
     # the short calls' samples).
