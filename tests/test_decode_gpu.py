@@ -819,6 +819,99 @@ def test_ragged_or_device_lengths_keep_equal_splits(plans_made):
         assert plans_made and not plans_made[-1].split_major and plans_made[-1].split_tiles == 0
 
 
+# ---------------------------------------------------------------------------------------------
+# The persistent grid: one CTA per slot, each taking groups in turn (plan.decode_persistent)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def persistent_on_small_caches(monkeypatch, plans_made):
+    """Every split counts as long (DECODE_LONG_CTA_KEYS = 1), so one-split calls on small caches run 2
+    CTAs per SM with CTA loads, and take the persistent grid where the groups outnumber the slots."""
+    from cuflash import plan
+
+    monkeypatch.setattr(plan, "DECODE_LONG_CTA_KEYS", 1)
+    yield plans_made
+
+
+def _persistent_batch(q_dtype, head_dim, seqlen_q, nheads, nheads_kv, waves):
+    """The batch that makes about `waves` x the GPU's CTA slots (2 per SM) of groups, for a one-split call;
+    skips where this GPU's plan has no persistent grid for the call (no CTA loads, e.g. sm_80)."""
+    import cupy
+
+    from cuflash import jit, kvcache, plan
+
+    dev = cupy.cuda.Device().id
+    slots = plan.DECODE_LONG_CTAS_PER_SM * kvcache._num_sms(dev)
+    batch = int(np.ceil(waves * slots / nheads_kv))
+    p = plan.plan_decode(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
+                         dtype=q_dtype, aligned=head_dim % 8 == 0, max_seqlen=4096, num_splits=1,
+                         num_sms=kvcache._num_sms(dev), arch=jit.device_arch(dev))  # fmt: skip
+    if not p.persistent:
+        pytest.skip(f"no persistent grid for this call on this GPU ({p.attn.spec.name}, grid {p.attn.grid})")
+    return batch
+
+
+#: (dtype, head_dim, nheads, nheads_kv, seqlen_q, causal, layout, waves): MHA and GQA (12 packed rows),
+#: causal with several tokens, paged, append, the element-wise path; from just over one wave of groups
+#: (CTAs with one group and CTAs with two) to several.
+PERSISTENT_CASES = [
+    ("bf16", 128, 32, 32, 1, False, "contiguous", 1.1), ("fp16", 128, 16, 4, 3, True, "contiguous", 1.1),
+    ("bf16", 100, 32, 32, 1, True, "contiguous", 1.2), ("bf16", 128, 32, 32, 2, True, "paged 48", 2.5),
+    ("fp16", 120, 32, 16, 1, False, "append 3", 1.5), ("bf16", 128, 8, 8, 1, False, "contiguous", 4.6)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, head_dim, nheads, nheads_kv, seqlen_q, causal, layout, waves", PERSISTENT_CASES)
+def test_persistent_grid_same_bits_as_the_regular_grid(persistent_on_small_caches, monkeypatch, dtype, head_dim, nheads,
+                                                       nheads_kv, seqlen_q, causal, layout, waves):  # fmt: skip
+    """Each CTA of the persistent grid runs its groups' tiles in one ring, with empty sequences (no tile)
+    among them; per group the math is the regular grid's, so out and lse are the same bits; and the
+    persistent call is checked against the reference."""
+    import cupy
+
+    from cuflash import kvcache, plan
+
+    new = 3 if layout == "append 3" else 0
+    batch = _persistent_batch(dtype, head_dim, seqlen_q, nheads, nheads_kv, waves)
+    rng = np.random.default_rng(head_dim + 13 * batch)
+    capacity = 200
+    lengths = rng.integers(1, capacity - new + 1, size=batch)
+    lengths[::3] = 0  # empty sequences: groups without a tile, in the middle of CTAs' group lists
+    lengths[1] = capacity - new
+    c = case(rng, batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype,
+             capacity=capacity, seqlen_new=new, page_size=48 if layout == "paged 48" else None,
+             lengths=lengths)  # fmt: skip
+    outs = {}
+    for persistent in (True, False):
+        monkeypatch.setattr(plan, "DECODE_PERSISTENT", persistent)
+        kvcache._plan_and_load.cache_clear()
+        cc = dict(c, k_cache=c["k_cache"].copy(), v_cache=c["v_cache"].copy())
+        outs[persistent] = run_and_check(**cc, causal=causal, num_splits=1, what=f"persistent={persistent}")
+        launched = persistent_on_small_caches[-1]
+        assert launched.persistent == persistent and launched.attn.spec.cta_loads, launched
+        assert (launched.attn.grid[0] == 2 * kvcache._num_sms(c["q"].device.id)) == persistent, launched.attn.grid
+    (o1, l1, _, _), (o0, l0, _, _) = outs[True], outs[False]
+    assert bool((o1.view(cupy.uint16) == o0.view(cupy.uint16)).all()), "persistent and regular grids differ in out"
+    assert bool((l1 == l0).all()), "persistent and regular grids differ in lse"
+
+
+def test_persistent_grid_at_a_bench_shape(plans_made):
+    """The plan's own choice (no thresholds changed) at b=64, 8 kv heads, 4k tokens: the persistent grid
+    on the H200 (512 groups, 264 slots); checked against the reference like any call, and repeated
+    calls give the same bits."""
+    import cuflash
+
+    rng = np.random.default_rng(14)
+    c = case(rng, batch=64, nheads=32, nheads_kv=8, head_dim=128, capacity=4096)
+    c["cache_seqlens"] = 4096
+    run_and_check(**c, what="persistent grid at b=64 L=4k h_kv=8")
+    if not plans_made[-1].persistent:
+        pytest.skip(f"the plan does not take the persistent grid here on this GPU (grid {plans_made[-1].attn.grid})")
+    args = (c["q"], c["k_cache"], c["v_cache"])
+    a, b = (cuflash.attention_with_kvcache(*args, cache_seqlens=4096) for _ in range(2))
+    assert bool((a.view("uint16") == b.view("uint16")).all()), "two identical persistent calls differ"
+
+
 def test_device_lengths_and_int_lengths():
     import cupy
 
