@@ -82,8 +82,7 @@ constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cufla
 constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS
 
 // Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
-template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kCtaLoads_,
-          bool kPersistent_>
+template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kCtaLoads_>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockN = kBlockN_;     // keys per K/V tile
@@ -94,9 +93,6 @@ struct DecodeConfig {
     // The CTA loads every K/V tile together and syncs with CTA barriers (always with one stage); else
     // each key column of warps loads and syncs on its own rows (see Pipeline above).
     static constexpr bool kCtaLoads = kCtaLoads_ || kStages_ == 1;
-    // The persistent grid: each CTA takes several groups in turn, its ring running on across them
-    // (decode_persistent); two Q tiles, and the merge buffer after the stages instead of over them.
-    static constexpr bool kPersistent = kPersistent_;
 
     static constexpr int kNWarps = kDecodeThreads / 32;
     static constexpr int kNThreads = kDecodeThreads;
@@ -118,17 +114,14 @@ struct DecodeConfig {
     static constexpr int kSmemPipeBytes = 2 * 2 * kStages * kSmemKV;         // kStages x (K, V)
     static constexpr int kSmemRedBytes = 4 * kWarpsN * kBlockM * kRedStride;  // merge buffer, fp32
     static constexpr int kSmemBytes =
-        kPersistent ? 2 * kSmemQBytes + kSmemMLBytes + kSmemPipeBytes + kSmemRedBytes
-                    : kSmemQBytes + kSmemMLBytes + (kSmemPipeBytes > kSmemRedBytes ? kSmemPipeBytes : kSmemRedBytes);
+        kSmemQBytes + kSmemMLBytes + (kSmemPipeBytes > kSmemRedBytes ? kSmemPipeBytes : kSmemRedBytes);
 
     static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head-dim buckets are multiples of 32");
     static_assert(kNWarps % kMSlabs == 0, "the warps split evenly into slab rows");
     static_assert(kBlockN % kWarpsN == 0 && kKeysPerWarp % 16 == 0, "every warp owns whole 16-key MMA k-steps");
     static_assert((kSmemStride / 8) % 2 == 1, "odd 16-byte row stride keeps ldmatrix conflict free");
     static_assert(kStages >= 1, "at least one K/V stage");
-    static_assert((kSmemQBytes + kSmemMLBytes) % 128 == 0 && kSmemQBytes % 128 == 0,
-                  "the K/V stages start 128-byte aligned (swizzle groups), after one or two Q tiles");
-    static_assert(!kPersistent || (kCtaLoads && kStages == 2), "the persistent grid runs CTA loads with 2 stages");
+    static_assert((kSmemQBytes + kSmemMLBytes) % 128 == 0, "the K/V stages start 128-byte aligned (swizzle groups)");
     static_assert(kSmemMLBytes >= 4, "the merge of the splits reuses m for its flag (and the stages, DecodeMergeLayout)");
 };
 
@@ -537,205 +530,18 @@ CUFLASH_DEVICE void decode_merge_if_last(const DecodeParams& p, int b, int hk, i
 }
 
 
-// The shared memory of a split CTA (see "smem" above). The persistent grid keeps the ring running
-// through a group's epilogue, so its CTAs put the merge buffer after the stages instead of over them
-// and hold two Q tiles (the next group's Q lands while this one's is still read).
-template <class Cfg>
-struct DecodeSmem {
-    u16* s_q;       // Q tile (the persistent grid: two, s_q + q_buf * kBlockM * kSmemStride)
-    float* s_m;     // [kWarpsN][kBlockM]: m of each warp column
-    float* s_l;     // [kWarpsN][kBlockM]: l of each warp column
-    u16* s_k0;      // K stage s at s_k0 + s * kSmemKV
-    u16* s_v0;      // V stage s at s_v0 + s * kSmemKV
-    float* s_red;   // epilogue: [kWarpsN][kBlockM][kRedStride]
-    unsigned char* s_pipe;
-
-    CUFLASH_DEVICE explicit DecodeSmem(unsigned char* raw) {
-        constexpr int kQ = Cfg::kPersistent ? 2 * Cfg::kSmemQBytes : Cfg::kSmemQBytes;
-        s_q = reinterpret_cast<u16*>(raw);
-        s_m = reinterpret_cast<float*>(raw + kQ);
-        s_l = s_m + Cfg::kWarpsN * Cfg::kBlockM;
-        s_pipe = raw + kQ + Cfg::kSmemMLBytes;
-        s_k0 = reinterpret_cast<u16*>(s_pipe);
-        s_v0 = s_k0 + Cfg::kStages * Cfg::kSmemKV;
-        s_red = reinterpret_cast<float*>(Cfg::kPersistent ? s_pipe + Cfg::kSmemPipeBytes : s_pipe);
-    }
-};
-
-// A split with no key (tile_begin >= tile_end, or a sequence of length 0): O = 0 and lse = -inf, as
-// the final rows (final_out) or as this split's partial rows.
-template <class Cfg>
-CUFLASH_DEVICE void decode_write_empty(const DecodeParams& p, int b, int hk, int split, int row0, int rows_valid,
-                                       bool final_out, int tid) {
-    for (int r = tid; r < rows_valid; r += Cfg::kNThreads) {
-        int i, h;
-        decode_unpack_row(p, hk, row0 + r, i, h);
-        if (!final_out) p.lse_partial[decode_row_index(p, split, b, h, i)] = -kInf;
-        else if (p.lse != nullptr) p.lse[decode_row_index(p, 0, b, h, i)] = -kInf;
-    }
-    const int width = final_out ? p.head_dim : p.partial_stride;  // partial rows: the whole bucket
-    for (int e = tid; e < rows_valid * width; e += Cfg::kNThreads) {
-        int i, h;
-        decode_unpack_row(p, hk, row0 + e / width, i, h);
-        if (final_out) {
-            static_cast<u16*>(p.o)[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + e % width] = 0;
-        } else {
-            p.o_partial[decode_row_index(p, split, b, h, i) * p.partial_stride + e % width] = 0.f;
-        }
-    }
-}
-
-// The per-warp state of one split's online softmax over its tiles, and the row limits of its mask.
-template <class Cfg>
-struct DecodeWarpState {
-    using WCfg = DecodeWarpConfig<Cfg>;
-    WarpTile<WCfg> wt;
-    // Causal: packed row r (token i = r / group) sees keys < L - seqlen_q + 1 + i; padding rows
-    // (r >= rows) get L, they are never written. limit_lo: the smallest limit of the CTA's rows.
-    int limit[2];
-    int limit_lo;
-    bool warp_has_rows;  // else the warp's slab is padding: skip its MMAs
-
-    CUFLASH_DEVICE void init(const DecodeParams& p, int L, int row0, int rows_valid, int wm, int lane, int g) {
-        wt.init(16 * wm, lane);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int i = (row0 + 16 * wm + 8 * h + g) / p.group;
-            limit[h] = p.is_causal ? min(L, L - p.seqlen_q + 1 + i) : L;
-        }
-        limit_lo = p.is_causal ? L - p.seqlen_q + 1 + row0 / p.group : L;
-        warp_has_rows = 16 * wm < rows_valid;
-    }
-
-    // The warp's keys of tile `tile` (in s_k, s_v: the tile's stage): S = Q K^T, mask, softmax, O += P V.
-    // S: scores, then probabilities, of the warp's keys of the tile.
-    CUFLASH_DEVICE void step(float (&S)[1][WCfg::kNBlocksS][4], const u16* s_q, const u16* s_k_stage,
-                             const u16* s_v_stage, int tile, int L, float scale_log2, int wn, int t) {
-        const int n0 = tile * Cfg::kBlockN + wn * Cfg::kKeysPerWarp;  // first key of this warp's share
-        if (warp_has_rows && n0 < L) {  // warp-uniform: a share wholly past the end is all masked
-            const u16* s_k = s_k_stage + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
-            const u16* s_v = s_v_stage + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
-            // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
-            wt.gemm_qk(S, s_q, s_k);
-            if (n0 + Cfg::kKeysPerWarp > limit_lo) decode_mask(S, n0 + 2 * t, limit);
-            wt.softmax(S, scale_log2);
-            // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
-            wt.gemm_pv(S, s_v);
-        }
-    }
-};
-
-// Epilogue of a split CTA, after its last tile (every warp done with it, s_red free): merges the kWarpsN
-// warp columns' (m, l, O) of each row and writes O and lse (final_out) or this split's partial rows.
-template <class Cfg>
-CUFLASH_DEVICE void decode_write_out(const DecodeParams& p, const DecodeWarpState<Cfg>& ws, const DecodeSmem<Cfg>& sm,
-                                     int b, int hk, int split, int row0, int rows_valid, bool final_out, int tid) {
-    constexpr int kBlockM = Cfg::kBlockM, kDB = DecodeWarpConfig<Cfg>::kDBlocks, kRed = Cfg::kRedStride;
-    constexpr bool kBF16 = Cfg::kIsBF16;
-    const int warp = tid / 32, lane = tid % 32;
-    const int g = lane / 4, t = lane % 4;
-    const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
-    const auto& wt = ws.wt;
-    const float scale_log2 = p.scale_log2;
-    float* s_m = sm.s_m;
-    float* s_l = sm.s_l;
-    float* s_red = sm.s_red;
-
-    // m and l of every warp column.
-    float l_own[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l_own[h] = quad_sum(wt.row_sum[0][h]);
-        if (t == 0) {
-            s_m[wn * kBlockM + 16 * wm + 8 * h + g] = wt.row_max[0][h];
-            s_l[wn * kBlockM + 16 * wm + 8 * h + g] = l_own[h];
-        }
-    }
-    __syncthreads();  // every warp column's m and l visible
-
-    // m* = max_w m_w, l* = sum_w l_w 2^{(m_w - m*) scale_log2}; this warp's O scaled by
-    // 2^{(m_own - m*) scale_log2} / l* into its rows of the merge buffer. Rows that saw no key in any
-    // warp (m* = -inf) get l* = 0, factor 0, O = 0 and lse = -inf.
-    float factor[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = 16 * wm + 8 * h + g;
-        float m_all = -kInf;
-#pragma unroll
-        for (int w = 0; w < Cfg::kWarpsN; ++w) m_all = fmaxf(m_all, s_m[w * kBlockM + r]);
-        const float m_scaled = m_all == -kInf ? 0.f : m_all * scale_log2;  // -inf - (-inf) would be NaN
-        float l_all = 0.f;
-#pragma unroll
-        for (int w = 0; w < Cfg::kWarpsN; ++w) l_all += s_l[w * kBlockM + r] * fast_exp2(fmaf(s_m[w * kBlockM + r], scale_log2, -m_scaled));
-        const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
-        factor[h] = fast_exp2(fmaf(wt.row_max[0][h], scale_log2, -m_scaled)) * inv_l;
-        if (wn == 0 && t == 0 && r < rows_valid) {
-            int i, hq;
-            decode_unpack_row(p, hk, row0 + r, i, hq);
-            const float lse = l_all > 0.f ? m_all * p.softmax_scale + __logf(l_all) : -kInf;
-            if (!final_out) p.lse_partial[decode_row_index(p, split, b, hq, i)] = lse;
-            else if (p.lse != nullptr) p.lse[decode_row_index(p, 0, b, hq, i)] = lse;
-        }
-    }
-    float* s_red_w = s_red + (wn * kBlockM + 16 * wm) * kRed;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int d = 0; d < kDB; ++d)
-            *reinterpret_cast<float2*>(s_red_w + (8 * h + g) * kRed + d * 8 + 2 * t) =
-                make_float2(wt.acc_o[0][d][2 * h] * factor[h], wt.acc_o[0][d][2 * h + 1] * factor[h]);
-    __syncthreads();  // every warp column's scaled O rows in the merge buffer
-
-    // O[r][c..c+7] = sum_w merge[w][r][c..c+7], written as the final output (dtype, 16-byte stores on
-    // the aligned path) or as this split's fp32 partial row.
-    constexpr int kC = Cfg::kChunksPerRow;
-    for (int unit = tid; unit < kBlockM * kC; unit += Cfg::kNThreads) {
-        const int r = unit / kC, col = (unit % kC) * 8;
-        if (r >= rows_valid) continue;
-        float o[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = 0.f;
-#pragma unroll
-        for (int w = 0; w < Cfg::kWarpsN; ++w) {
-            const float* src = s_red + (w * kBlockM + r) * kRed + col;
-            const float4 x0 = *reinterpret_cast<const float4*>(src);
-            const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
-            o[0] += x0.x; o[1] += x0.y; o[2] += x0.z; o[3] += x0.w;
-            o[4] += x1.x; o[5] += x1.y; o[6] += x1.z; o[7] += x1.w;
-        }
-        int i, h;
-        decode_unpack_row(p, hk, row0 + r, i, h);
-        if (final_out) {
-            u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + col;
-            u32 packed[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) packed[e] = pack2<kBF16>(o[2 * e], o[2 * e + 1]);
-            if constexpr (Cfg::kAligned) {
-                if (col < p.head_dim) *reinterpret_cast<uint4*>(g_o) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    if (col + e < p.head_dim) g_o[e] = static_cast<u16>(packed[e / 2] >> (16 * (e % 2)));
-                }
-            }
-        } else {
-            // The whole bucket row is written (columns >= head_dim hold 0): combine reads float4s.
-            float* g_op = p.o_partial + decode_row_index(p, split, b, h, i) * p.partial_stride + col;
-            *reinterpret_cast<float4*>(g_op) = make_float4(o[0], o[1], o[2], o[3]);
-            *reinterpret_cast<float4*>(g_op + 4) = make_float4(o[4], o[5], o[6], o[7]);
-        }
-    }
-}
-
-// One split of one group: tiles [tile_begin, tile_end) of the L keys of (sequence b, kv head hk),
-// packed query rows of row block rb, as split `split` of the group's n_splits. One split: O and lse
-// written directly; several: this split's partial rows, then the merge by the last split CTA of the
-// group to finish (or, without counters, the combine kernel). tile_begin >= tile_end (an empty
-// split) writes lse = -inf and O = 0.
+// One split CTA: tiles [tile_begin, tile_end) of the L keys of (sequence b, kv head hk), packed query
+// rows of row block rb, as split `split` of the group's n_splits. One split: O and lse written
+// directly; several: this split's partial rows, then the merge by the last split CTA of the group to
+// finish (or, without counters, the combine kernel). tile_begin >= tile_end (an empty split) writes
+// lse = -inf and O = 0.
 template <class Cfg>
 CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, int split, int L, int tile_begin,
                                  int tile_end, int n_splits) {
+    using WCfg = DecodeWarpConfig<Cfg>;
     constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM;
+    constexpr int kNB = WCfg::kNBlocksS, kDB = WCfg::kDBlocks, kRed = Cfg::kRedStride;
+    constexpr bool kBF16 = Cfg::kIsBF16;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
@@ -745,10 +551,31 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
     const bool final_out = n_splits == 1;  // write O and lse directly, no merge of splits
 
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    const DecodeSmem<Cfg> sm(smem_raw);
+    u16* s_q = reinterpret_cast<u16*>(smem_raw);
+    float* s_m = reinterpret_cast<float*>(smem_raw + Cfg::kSmemQBytes);  // [kWarpsN][kBlockM]: m of each warp column
+    float* s_l = s_m + Cfg::kWarpsN * kBlockM;                           // [kWarpsN][kBlockM]: l of each warp column
+    unsigned char* s_pipe = smem_raw + Cfg::kSmemQBytes + Cfg::kSmemMLBytes;
+    u16* s_k0 = reinterpret_cast<u16*>(s_pipe);     // K stage s at s_k0 + s * kSmemKV
+    u16* s_v0 = s_k0 + Cfg::kStages * Cfg::kSmemKV;  // V stage s at s_v0 + s * kSmemKV
+    float* s_red = reinterpret_cast<float*>(s_pipe);  // epilogue only: [kWarpsN][kBlockM][kRed], over the stages
 
     if (tile_begin >= tile_end) {  // no key in this split: O = 0, lse = -inf (final or partial rows)
-        decode_write_empty<Cfg>(p, b, hk, split, row0, rows_valid, final_out, tid);
+        for (int r = tid; r < rows_valid; r += Cfg::kNThreads) {
+            int i, h;
+            decode_unpack_row(p, hk, row0 + r, i, h);
+            if (!final_out) p.lse_partial[decode_row_index(p, split, b, h, i)] = -kInf;
+            else if (p.lse != nullptr) p.lse[decode_row_index(p, 0, b, h, i)] = -kInf;
+        }
+        const int width = final_out ? p.head_dim : p.partial_stride;  // partial rows: the whole bucket
+        for (int e = tid; e < rows_valid * width; e += Cfg::kNThreads) {
+            int i, h;
+            decode_unpack_row(p, hk, row0 + e / width, i, h);
+            if (final_out) {
+                static_cast<u16*>(p.o)[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + e % width] = 0;
+            } else {
+                p.o_partial[decode_row_index(p, split, b, h, i) * p.partial_stride + e % width] = 0.f;
+            }
+        }
     } else {  // this split's tiles
         const u16* g_k = static_cast<const u16*>(p.k) + hk * p.k_head_stride;
         const u16* g_v = static_cast<const u16*>(p.v) + hk * p.v_head_stride;
@@ -765,11 +592,11 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
             if (tile < tile_end) {
                 if constexpr (!Cfg::kCtaLoads) {
                     decode_load_kv<Cfg, Cfg::kKeysPerWarp, kColThreads>(
-                        sm.s_k0 + stage * Cfg::kSmemKV, sm.s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache,
-                        tile * kBlockN, L, col_tid, wn * Cfg::kKeysPerWarp);
+                        s_k0 + stage * Cfg::kSmemKV, s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache, tile * kBlockN,
+                        L, col_tid, wn * Cfg::kKeysPerWarp);
                 } else {
-                    decode_load_kv<Cfg>(sm.s_k0 + stage * Cfg::kSmemKV, sm.s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p,
-                                        cache, tile * kBlockN, L, tid);
+                    decode_load_kv<Cfg>(s_k0 + stage * Cfg::kSmemKV, s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p, cache,
+                                        tile * kBlockN, L, tid);
                 }
             }
             cp_async_commit();
@@ -787,14 +614,24 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
         };
 
         // Prologue: Q joins the first tile's group; the first kStages tiles fill the ring.
-        decode_load_q<Cfg>(sm.s_q, p, b, hk, row0, rows_valid, tid);
+        decode_load_q<Cfg>(s_q, p, b, hk, row0, rows_valid, tid);
     #pragma unroll
         for (int s = 0; s < Cfg::kStages; ++s) issue(tile_begin + s, s);
 
-        DecodeWarpState<Cfg> ws;
-        ws.init(p, L, row0, rows_valid, wm, lane, g);
+        WarpTile<WCfg> wt;
+        wt.init(16 * wm, lane);
         const float scale_log2 = p.scale_log2;
-        float S[1][DecodeWarpConfig<Cfg>::kNBlocksS][4];
+        // Causal: packed row r (token i = r / group) sees keys < L - seqlen_q + 1 + i; padding rows
+        // (r >= rows) get L, they are never written. limit_lo: the smallest limit of the CTA's rows.
+        int limit[2];
+    #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = (row0 + 16 * wm + 8 * h + g) / p.group;
+            limit[h] = p.is_causal ? min(L, L - p.seqlen_q + 1 + i) : L;
+        }
+        const int limit_lo = p.is_causal ? L - p.seqlen_q + 1 + row0 / p.group : L;
+        const bool warp_has_rows = 16 * wm < rows_valid;  // else the slab is padding: skip its MMAs
+        float S[1][kNB][4];  // scores, then probabilities, of the warp's keys of the current tile
 
         int stage = 0;  // stage holding `tile`: tile_begin + k lives in stage k % kStages
         for (int tile = tile_begin; tile < tile_end; ++tile) {
@@ -815,137 +652,116 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
     #ifdef CUFLASH_DECODE_TRACE
             if (tile == tile_begin) DECODE_TRACE(2);
     #endif
-            ws.step(S, sm.s_q, sm.s_k0 + stage * Cfg::kSmemKV, sm.s_v0 + stage * Cfg::kSmemKV, tile, L, scale_log2, wn, t);
+            const int n0 = tile * kBlockN + wn * Cfg::kKeysPerWarp;  // first key of this warp's share
+            if (warp_has_rows && n0 < L) {  // warp-uniform: a share wholly past the end is all masked
+                const u16* s_k = s_k0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
+                const u16* s_v = s_v0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
+                // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
+                wt.gemm_qk(S, s_q, s_k);
+                if (n0 + Cfg::kKeysPerWarp > limit_lo) decode_mask(S, n0 + 2 * t, limit);
+                wt.softmax(S, scale_log2);
+                // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
+                wt.gemm_pv(S, s_v);
+            }
             stage = stage + 1 == Cfg::kStages ? 0 : stage + 1;
         }
 
-        // The merge buffer overwrites the K/V stages: wait for this thread's copies (only empty groups
-        // remain) and for every warp to finish its last tile.
+        // Epilogue 1: m and l of every warp column. The merge buffer overwrites the K/V stages: wait for
+        // this thread's copies (only empty groups remain) and for every warp to finish its last tile.
         cp_async_wait<0>();
         __syncthreads();  // all warps done reading sK / sV; no cp.async into them in flight
         DECODE_TRACE(3);
-        decode_write_out<Cfg>(p, ws, sm, b, hk, split, row0, rows_valid, final_out, tid);
+        float l_own[2];
+    #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l_own[h] = quad_sum(wt.row_sum[0][h]);
+            if (t == 0) {
+                s_m[wn * kBlockM + 16 * wm + 8 * h + g] = wt.row_max[0][h];
+                s_l[wn * kBlockM + 16 * wm + 8 * h + g] = l_own[h];
+            }
+        }
+        __syncthreads();  // every warp column's m and l visible
+
+        // Epilogue 2: m* = max_w m_w, l* = sum_w l_w 2^{(m_w - m*) scale_log2}; this warp's O scaled by
+        // 2^{(m_own - m*) scale_log2} / l* into its rows of the merge buffer. Rows that saw no key in any
+        // warp (m* = -inf) get l* = 0, factor 0, O = 0 and lse = -inf.
+        float factor[2];
+    #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = 16 * wm + 8 * h + g;
+            float m_all = -kInf;
+    #pragma unroll
+            for (int w = 0; w < Cfg::kWarpsN; ++w) m_all = fmaxf(m_all, s_m[w * kBlockM + r]);
+            const float m_scaled = m_all == -kInf ? 0.f : m_all * scale_log2;  // -inf - (-inf) would be NaN
+            float l_all = 0.f;
+    #pragma unroll
+            for (int w = 0; w < Cfg::kWarpsN; ++w) l_all += s_l[w * kBlockM + r] * fast_exp2(fmaf(s_m[w * kBlockM + r], scale_log2, -m_scaled));
+            const float inv_l = l_all > 0.f ? 1.f / l_all : 0.f;
+            factor[h] = fast_exp2(fmaf(wt.row_max[0][h], scale_log2, -m_scaled)) * inv_l;
+            if (wn == 0 && t == 0 && r < rows_valid) {
+                int i, hq;
+                decode_unpack_row(p, hk, row0 + r, i, hq);
+                const float lse = l_all > 0.f ? m_all * p.softmax_scale + __logf(l_all) : -kInf;
+                if (!final_out) p.lse_partial[decode_row_index(p, split, b, hq, i)] = lse;
+                else if (p.lse != nullptr) p.lse[decode_row_index(p, 0, b, hq, i)] = lse;
+            }
+        }
+        float* s_red_w = s_red + (wn * kBlockM + 16 * wm) * kRed;
+    #pragma unroll
+        for (int h = 0; h < 2; ++h)
+    #pragma unroll
+            for (int d = 0; d < kDB; ++d)
+                *reinterpret_cast<float2*>(s_red_w + (8 * h + g) * kRed + d * 8 + 2 * t) =
+                    make_float2(wt.acc_o[0][d][2 * h] * factor[h], wt.acc_o[0][d][2 * h + 1] * factor[h]);
+        __syncthreads();  // every warp column's scaled O rows in the merge buffer
+
+        // Epilogue 3: O[r][c..c+7] = sum_w merge[w][r][c..c+7], written as the final output (dtype, 16-byte
+        // stores on the aligned path) or as this split's fp32 partial row.
+        constexpr int kC = Cfg::kChunksPerRow;
+        for (int unit = tid; unit < kBlockM * kC; unit += Cfg::kNThreads) {
+            const int r = unit / kC, col = (unit % kC) * 8;
+            if (r >= rows_valid) continue;
+            float o[8];
+    #pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = 0.f;
+    #pragma unroll
+            for (int w = 0; w < Cfg::kWarpsN; ++w) {
+                const float* src = s_red + (w * kBlockM + r) * kRed + col;
+                const float4 x0 = *reinterpret_cast<const float4*>(src);
+                const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+                o[0] += x0.x; o[1] += x0.y; o[2] += x0.z; o[3] += x0.w;
+                o[4] += x1.x; o[5] += x1.y; o[6] += x1.z; o[7] += x1.w;
+            }
+            int i, h;
+            decode_unpack_row(p, hk, row0 + r, i, h);
+            if (final_out) {
+                u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + col;
+                u32 packed[4];
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) packed[e] = pack2<kBF16>(o[2 * e], o[2 * e + 1]);
+                if constexpr (Cfg::kAligned) {
+                    if (col < p.head_dim) *reinterpret_cast<uint4*>(g_o) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+                } else {
+    #pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        if (col + e < p.head_dim) g_o[e] = static_cast<u16>(packed[e / 2] >> (16 * (e % 2)));
+                    }
+                }
+            } else {
+                // The whole bucket row is written (columns >= head_dim hold 0): combine reads float4s.
+                float* g_op = p.o_partial + decode_row_index(p, split, b, h, i) * p.partial_stride + col;
+                *reinterpret_cast<float4*>(g_op) = make_float4(o[0], o[1], o[2], o[3]);
+                *reinterpret_cast<float4*>(g_op + 4) = make_float4(o[4], o[5], o[6], o[7]);
+            }
+        }
     }
     // Several splits: the last CTA of the group merges them, in the stages and with m as its flag
     // (one call site per kernel variant: the merge is large code), unless the combine kernel does (no
     // counters).
     if (!final_out && p.split_counters != nullptr) {
-        decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, n_splits, reinterpret_cast<float*>(sm.s_pipe),
-                                  reinterpret_cast<int*>(sm.s_m), tid);
+        decode_merge_if_last<Cfg>(p, b, hk, rb, row0, rows_valid, n_splits, reinterpret_cast<float*>(s_pipe),
+                                  reinterpret_cast<int*>(s_m), tid);
     }
-}
-
-// The persistent grid (kPersistent; one split per group, cuflash/plan.py decode_persistent): gridDim.x
-// CTAs, CTA c takes the groups (b, hk, rb) of linear index c, c + gridDim.x, c + 2 gridDim.x, ... (rb
-// fastest, then hk, then b: the order in which the block scheduler starts the regular grid's CTAs),
-// one after another, with the cp.async ring running on across them: the next group's first tile and
-// its Q (into the other of two Q tiles) are in flight while this group's last tile is used and its
-// output written. The regular grid instead drains the ring at the end of every CTA and starts the
-// next CTA on that slot with an empty one. CTA loads and two stages only: the CTA barrier before
-// every refill is what makes the second Q tile safe to overwrite (it was last read by the group
-// before the previous one, whose tiles are all done by then).
-template <class Cfg>
-CUFLASH_DEVICE void decode_persistent(const DecodeParams& p) {
-    static_assert(Cfg::kCtaLoads && Cfg::kStages == 2, "the persistent grid's Q tiles rely on CTA loads, 2 stages");
-    constexpr int kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM;
-    constexpr int kQElems = kBlockM * Cfg::kSmemStride;  // one Q tile
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane / 4, t = lane % 4;
-    const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
-    const int n_groups = p.batch * p.nheads_kv * p.num_row_blocks;
-    const int stride = gridDim.x;
-
-    extern __shared__ __align__(128) unsigned char smem_raw[];
-    const DecodeSmem<Cfg> sm(smem_raw);
-
-    // Group index -> (b, hk, rb), its keys L after the append and its tiles.
-    auto locate = [&](int grp, int& b, int& hk, int& rb, int& L) {
-        rb = grp % p.num_row_blocks;
-        const int bh = grp / p.num_row_blocks;
-        hk = bh % p.nheads_kv;
-        b = bh / p.nheads_kv;
-        L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);
-    };
-
-    // Load cursor: the next tile to issue is tile lt of group lg (b, hk, rb, L: lb, lhk, lrb, lL; ln tiles);
-    // lg >= n_groups: none left. lq: the Q tile the next group with keys loads into.
-    int lg = blockIdx.x, lt = 0, lb = 0, lhk = 0, lrb = 0, lL = 0, ln = 0, lq = 0;
-    auto settle = [&]() {  // past the groups whose tiles are all issued (or which have none)
-        while (lg < n_groups && lt >= ln) {
-            lg += stride;
-            lt = 0;
-            if (lg < n_groups) {
-                locate(lg, lb, lhk, lrb, lL);
-                ln = ceil_div_nonneg(lL, kBlockN);
-            }
-        }
-    };
-    if (lg < n_groups) {
-        locate(lg, lb, lhk, lrb, lL);
-        ln = ceil_div_nonneg(lL, kBlockN);
-    }
-    settle();
-    // The load cursor's tile into stage `stage` (with its group's Q if it is the group's first tile),
-    // then the cursor moves on; always one commit group per call, as in decode_split.
-    auto issue = [&](int stage) {
-        if (lg < n_groups) {
-            if (lt == 0) {
-                const int row0 = lrb * kBlockM;
-                decode_load_q<Cfg>(sm.s_q + lq * kQElems, p, lb, lhk, row0, min(kBlockM, p.rows - row0), tid);
-                lq ^= 1;
-            }
-            const u16* g_k = static_cast<const u16*>(p.k) + lhk * p.k_head_stride;
-            const u16* g_v = static_cast<const u16*>(p.v) + lhk * p.v_head_stride;
-            decode_load_kv<Cfg>(sm.s_k0 + stage * Cfg::kSmemKV, sm.s_v0 + stage * Cfg::kSmemKV, g_k, g_v, p,
-                                decode_cache_rows(p, lb), lt * kBlockN, lL, tid);
-            ++lt;
-            settle();
-        }
-        cp_async_commit();
-    };
-
-    // Prologue: the first kStages tiles (of the first groups with keys) fill the ring.
-#pragma unroll
-    for (int s = 0; s < Cfg::kStages; ++s) issue(s);
-
-    const float scale_log2 = p.scale_log2;
-    float S[1][DecodeWarpConfig<Cfg>::kNBlocksS][4];
-    int stage = 0;       // stage of the next tile to use (tiles are used in the order they were issued)
-    int q_buf = 0;       // Q tile of the current group (flips with every group that has keys)
-    bool first = true;   // no tile used yet
-    for (int grp = blockIdx.x; grp < n_groups; grp += stride) {
-        int b, hk, rb, L;
-        locate(grp, b, hk, rb, L);
-        const int row0 = rb * kBlockM;
-        const int rows_valid = min(kBlockM, p.rows - row0);
-        const int n_tiles = ceil_div_nonneg(L, kBlockN);
-        if (n_tiles == 0) {  // an empty sequence: no tile was issued for it
-            decode_write_empty<Cfg>(p, b, hk, 0, row0, rows_valid, true, tid);
-            continue;
-        }
-        DecodeWarpState<Cfg> ws;
-        ws.init(p, L, row0, rows_valid, wm, lane, g);
-        const u16* s_q = sm.s_q + q_buf * kQElems;
-        for (int tile = 0; tile < n_tiles; ++tile) {
-            if (!first) {
-                // Every warp is done with the previous tile (and the previous group's epilogue): its
-                // stage takes the next tile of the cursor, which may be the next group's first.
-                __syncthreads();
-                issue(stage == 0 ? Cfg::kStages - 1 : stage - 1);
-            }
-            first = false;
-            cp_async_wait<Cfg::kStages - 1>();  // this tile's group (with a group's first tile: its Q) landed
-            __syncthreads();                    // ... for every thread
-            ws.step(S, s_q, sm.s_k0 + stage * Cfg::kSmemKV, sm.s_v0 + stage * Cfg::kSmemKV, tile, L, scale_log2, wn, t);
-            stage = stage + 1 == Cfg::kStages ? 0 : stage + 1;
-        }
-        // The merge buffer lies past the stages: the next tiles stay in flight through the epilogue.
-        // Its first barrier orders this group's s_m, s_l and s_red writes after the last group's reads.
-        __syncthreads();
-        decode_write_out<Cfg>(p, ws, sm, b, hk, 0, row0, rows_valid, true, tid);
-        q_buf ^= 1;
-    }
-    cp_async_wait<0>();  // nothing is left in flight at exit (only empty commit groups by now)
 }
 
 template <class Cfg>
@@ -956,22 +772,18 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     grid_dependency_wait();
     grid_launch_dependents();
     DECODE_TRACE(1);
-    if constexpr (Cfg::kPersistent) {
-        decode_persistent<Cfg>(p);
-    } else {
-        // CTA (x, hk, b) takes split x / num_row_blocks of the keys of (b, hk), row block x %
-        // num_row_blocks; split_major grids are (hk, b, x), so the block scheduler starts the CTAs of
-        // the last split (a short tail, see split_tiles) last.
-        const int x = p.split_major ? blockIdx.z : blockIdx.x;
-        const int split = x / p.num_row_blocks, rb = x % p.num_row_blocks;
-        const int hk = p.split_major ? blockIdx.x : blockIdx.y, b = p.split_major ? blockIdx.y : blockIdx.z;
-        const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
-        const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
-        const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles : ceil_div_nonneg(n_tiles, p.num_splits);
-        const int tile_begin = split * tiles_per_split;
-        const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
-        decode_split<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
-    }
+    // CTA (x, hk, b) takes split x / num_row_blocks of the keys of (b, hk), row block x %
+    // num_row_blocks; split_major grids are (hk, b, x), so the block scheduler starts the CTAs of
+    // the last split (a short tail, see split_tiles) last.
+    const int x = p.split_major ? blockIdx.z : blockIdx.x;
+    const int split = x / p.num_row_blocks, rb = x % p.num_row_blocks;
+    const int hk = p.split_major ? blockIdx.x : blockIdx.y, b = p.split_major ? blockIdx.y : blockIdx.z;
+    const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
+    const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
+    const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles : ceil_div_nonneg(n_tiles, p.num_splits);
+    const int tile_begin = split * tiles_per_split;
+    const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
+    decode_split<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
     DECODE_TRACE(4);
 }
 

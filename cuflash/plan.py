@@ -736,32 +736,6 @@ def decode_cta_loads(tile: DecodeTile, per_sm: int) -> bool:
     return tile.stages > 1 and per_sm == DECODE_LONG_CTAS_PER_SM < tile.min_blocks
 
 
-#: The persistent grid (flash_decode.cuh decode_persistent): where a one-split plan of CTA-load CTAs
-#: (decode_cta_loads) has more groups (sequence, kv head) than CTA slots, the grid is one CTA per slot
-#: and each CTA takes groups c, c + slots, ... in turn, its cp.async ring running on from one group
-#: into the next, instead of one CTA per group in several waves, each CTA ending with an empty ring
-#: and the next starting with one. False: always the regular grid (tools/ab_fill_decode.py compares).
-DECODE_PERSISTENT = True
-
-
-def decode_persistent_fits(spec: DecodeSpec) -> bool:
-    """Whether the CTA-load variant ``spec`` has a persistent one: two stages (the kernel's condition)
-    and one 16-row slab, where its two Q tiles and separate merge buffer fit a share of the SM's
-    shared memory at DECODE_LONG_CTAS_PER_SM per SM."""
-    if not (spec.cta_loads and spec.m_slabs == 1 and spec.tile.stages == 2):
-        return False
-    share = decode_launch_smem(0, DECODE_LONG_CTAS_PER_SM, spec.arch)
-    return decode_smem_bytes(spec.head_dim, 1, spec.tile, persistent=True) <= share
-
-
-def decode_persistent(spec: DecodeSpec, splits: int, per_sm: int, groups: int, num_sms: int) -> bool:
-    """Whether the plan's grid is persistent (DECODE_PERSISTENT): one split per group, CTA loads at
-    DECODE_LONG_CTAS_PER_SM per SM with a persistent variant (decode_persistent_fits), and more groups
-    (batch x kv heads x row blocks) than CTA slots."""
-    return (DECODE_PERSISTENT and splits == 1 and per_sm == DECODE_LONG_CTAS_PER_SM and groups > num_sms * per_sm
-            and decode_persistent_fits(spec))
-
-
 #: Fixed cost of one CTA in units of one K/V tile's streaming time (pipeline fill, epilogue, the
 #: merge's share); the split heuristic's cost model.
 DECODE_CTA_OVERHEAD_TILES = 1
@@ -851,9 +825,8 @@ def decode_kv_row_elements(head_dim_bucket: int, m_slabs: int) -> int:
     return head_dim_bucket if swizzled else head_dim_bucket + 8
 
 
-def decode_smem_bytes(head_dim_bucket: int, m_slabs: int, tile: DecodeTile, persistent: bool = False) -> int:
-    """Dynamic shared memory of the split-KV kernel: must match DecodeConfig::kSmemBytes (persistent:
-    two Q tiles and the merge buffer after the K/V stages instead of over them)."""
+def decode_smem_bytes(head_dim_bucket: int, m_slabs: int, tile: DecodeTile) -> int:
+    """Dynamic shared memory of the split-KV kernel: must match DecodeConfig::kSmemBytes."""
     stride = head_dim_bucket + 8
     kv_stride = decode_kv_row_elements(head_dim_bucket, m_slabs)
     warps_n = 4 // m_slabs
@@ -861,8 +834,6 @@ def decode_smem_bytes(head_dim_bucket: int, m_slabs: int, tile: DecodeTile, pers
     ml = 2 * 4 * warps_n * 16 * m_slabs
     pipe = 2 * 2 * tile.stages * tile.block_n * kv_stride
     merge = 4 * warps_n * 16 * m_slabs * stride  # fp32 merge of the warp columns, over the K/V stages
-    if persistent:
-        return 2 * q + ml + pipe + merge
     return q + ml + max(pipe, merge)
 
 
@@ -927,7 +898,6 @@ class DecodeSpec:
     tile: DecodeTile
     arch: str
     cta_loads: bool = False  # the CTA loads each K/V tile together (else each key column of warps its rows)
-    persistent: bool = False  # each CTA takes several groups in turn (plan.decode_persistent); with cta_loads
     family: str = "flash_decode"
 
     @property
@@ -935,27 +905,24 @@ class DecodeSpec:
         t = self.tile
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_ms{self.m_slabs}_bn{t.block_n}_st{t.stages}"
-            f"_mb{t.min_blocks}{'_cta' if self.cta_loads else ''}{'_pers' if self.persistent else ''}"
-            f"_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
+            f"_mb{t.min_blocks}{'_cta' if self.cta_loads else ''}_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
         )
 
     threads = DECODE_THREADS
 
     @property
     def min_blocks(self) -> int:
-        """CTAs per SM of the launch bounds: the tile's, or for the persistent grid the 2 per SM it
-        always runs (its shared memory holds no more)."""
-        return DECODE_LONG_CTAS_PER_SM if self.persistent else self.tile.min_blocks
+        return self.tile.min_blocks
 
     @property
     def smem_bytes(self) -> int:
-        return decode_smem_bytes(self.head_dim, self.m_slabs, self.tile, self.persistent)
+        return decode_smem_bytes(self.head_dim, self.m_slabs, self.tile)
 
     def template_args(self) -> str:
         """C++ template argument list of cuflash::DecodeConfig for this variant."""
         t, b = self.tile, _cpp_bool
         return (f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}, "
-                f"{b(self.cta_loads)}, {b(self.persistent)}")
+                f"{b(self.cta_loads)}")
 
 
 class _DecodeHelperKernel:
@@ -1002,8 +969,7 @@ class DecodeCombineSpec(_DecodeHelperKernel):
 
 @dataclass(frozen=True)
 class DecodePlan:
-    attn: Launch  # split-KV attention: grid (num_splits * num_row_blocks, nheads_kv, batch), or split_major
-    #               (nheads_kv, batch, that), or persistent (CTA slots, 1, 1)
+    attn: Launch  # split-KV attention: grid (num_splits * num_row_blocks, nheads_kv, batch), or split_major (nheads_kv, batch, that)
     append: Launch | None  # new tokens into the cache; None without new tokens
     num_splits: int
     num_row_blocks: int  # CTAs per (split, kv head, sequence) along the packed query rows
@@ -1011,7 +977,6 @@ class DecodePlan:
     ctas_per_sm: int = 0  # split CTAs resident per SM (attn's shared memory padded where below the tile's)
     split_tiles: int = 0  # K/V tiles per split, the last one taking the rest; 0: equal splits (the kernel's ceil)
     split_major: bool = False  # attn's grid is (nheads_kv, batch, splits): the last split's CTAs start last
-    persistent: bool = False  # attn's grid is one CTA per slot, each taking several groups (decode_persistent)
 
 
 def decode_separate_combine(rows_per_cta: int, num_splits: int) -> bool:
@@ -1156,11 +1121,6 @@ def plan_decode(
     smem = spec.smem_bytes if per_sm == spec.tile.min_blocks else decode_launch_smem(spec.smem_bytes, per_sm, arch)
     if decode_cta_loads(spec.tile, per_sm):
         spec = dataclasses.replace(spec, cta_loads=True)
-    persistent = filled is None and decode_persistent(spec, splits, per_sm, batch * nheads_kv * row_blocks, num_sms)
-    if persistent:
-        spec = dataclasses.replace(spec, persistent=True)
-        grid = (num_sms * per_sm, 1, 1)
-        smem = decode_launch_smem(spec.smem_bytes, per_sm, arch)
     attn = Launch(spec, grid, block, smem, pdl)
     append = None
     if seqlen_new > 0:
@@ -1174,7 +1134,7 @@ def plan_decode(
         if out_rows > _MAX_GRID_X:
             raise ValueError(f"batch * nheads * seqlen_q = {out_rows} output rows exceed the grid limit {_MAX_GRID_X}")
         combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch), (out_rows, 1, 1), block, 0, pdl)
-    return DecodePlan(attn, append, splits, row_blocks, combine, per_sm, split_tiles, filled is not None, persistent)
+    return DecodePlan(attn, append, splits, row_blocks, combine, per_sm, split_tiles, filled is not None)
 
 
 def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks: int, rows: int, spec: DecodeSpec,
@@ -1219,10 +1179,7 @@ def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causa
                         tile = decode_tile(bucket, m, arch)
                         specs.append(DecodeSpec(bucket, dt, al, m, tile, arch))
                         if decode_cta_loads(tile, DECODE_LONG_CTAS_PER_SM):  # the plan's long splits
-                            cta = DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=True)
-                            specs.append(cta)
-                            if decode_persistent_fits(cta):  # the plan's one-split grids of several waves
-                                specs.append(dataclasses.replace(cta, persistent=True))
+                            specs.append(DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=True))
     specs += [DecodeCombineSpec(head_dim_bucket(d), dt, arch) for dt in dtypes for d in head_dims]
     specs += [DecodeAppendSpec(al, arch) for al in aligned]
     return list(dict.fromkeys(specs))

@@ -74,8 +74,6 @@ def test_decode_smem_formula():
     assert plan.decode_kv_row_elements(96, 1) == 104 and plan.decode_kv_row_elements(192, 4) == 192
     assert plan.decode_kv_row_elements(256, 1) == 256 and plan.decode_kv_row_elements(256, 2) == 264
     assert plan.decode_smem_bytes(96, 1, t) == 2 * 16 * 104 + 8 * 64 + 2 * 2 * 3 * 64 * 104
-    # The persistent grid: two Q tiles, and the merge buffer after the stages (the ring runs on through it)
-    assert plan.decode_smem_bytes(128, 1, t, persistent=True) == 2 * q + ml + pipe + 4 * 64 * stride
 
 
 def test_all_decode_specs():
@@ -83,16 +81,12 @@ def test_all_decode_specs():
     assert len(specs) == len(set(specs))
     fam = lambda f: [s for s in specs if s.family == f]  # noqa: E731
     column = [s for s in fam("flash_decode") if not s.cta_loads]
-    assert len(column) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 3 and not any(s.persistent for s in column)
+    assert len(column) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 3
     # CTA loads where the plan spaces a tile sized for 3+ CTAs per SM to 2 (long splits): on sm_90a
     # the hd128 tile (2 stages, 3 per SM) with 1 and 2 slabs (4 slabs fit only 2 per SM)
-    cta = [s for s in fam("flash_decode") if s.cta_loads and not s.persistent]
+    cta = [s for s in fam("flash_decode") if s.cta_loads]
     assert {(s.head_dim, s.m_slabs, s.tile.min_blocks) for s in cta} == {(128, 1, 3), (128, 2, 3)}
     assert len(cta) == 2 * 2 * 2 and all(s.name.split("_mb3_")[1].startswith("cta_") for s in cta)
-    # ... and their persistent grid with one slab (two Q tiles and the merge buffer fit 2 per SM)
-    pers = [s for s in fam("flash_decode") if s.persistent]
-    assert pers == [dataclasses.replace(s, persistent=True) for s in cta if s.m_slabs == 1]
-    assert all(s.name.split("_mb3_")[1].startswith("cta_pers_") and s.min_blocks == 2 for s in pers)
     assert not any(s.cta_loads for s in plan.all_decode_specs("sm_80") if s.family == "flash_decode")  # hd128 fits only 2 per SM there
     assert {s.aligned for s in fam("flash_decode_append")} == {True, False}
     names = [s.name for s in specs]
@@ -219,19 +213,15 @@ def test_decode_names_spell_every_template_argument():
     s = plan.decode_spec(100, "bf16", False, 2, "sm_90a")
     t = s.tile
     assert s.name == f"flash_decode_hd128_bf16_ms2_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_scalar_sm90a"
-    assert s.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, false, false"
+    assert s.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, false"
     cta = dataclasses.replace(s, cta_loads=True)
     assert cta.name == f"flash_decode_hd128_bf16_ms2_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_cta_scalar_sm90a"
-    assert cta.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, true, false"
-    pers = dataclasses.replace(cta, persistent=True)
-    assert pers.name == f"flash_decode_hd128_bf16_ms2_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_cta_pers_scalar_sm90a"
-    assert pers.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, true, true"
-    assert pers.min_blocks == plan.DECODE_LONG_CTAS_PER_SM  # launch bounds: the 2 per SM it always runs
+    assert cta.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, true"
     assert plan.DecodeAppendSpec(True, "sm_86").name == "flash_decode_append_vec16_sm86"
     assert plan.DecodeAppendSpec(True, "sm_86").template_args() == "true"
     c = plan.DecodeCombineSpec(96, "fp16", "sm_90a")
     assert c.name == "flash_decode_combine_hd96_fp16_sm90a" and c.template_args() == "96, false"
-    for spec in (s, cta, pers, plan.DecodeAppendSpec(False, "sm_90a"), c):
+    for spec in (s, cta, plan.DecodeAppendSpec(False, "sm_90a"), c):
         assert spec.family in jit.ENTRY_TEMPLATES
         assert spec.name in jit.entry_source(spec)
         assert spec.threads == 128 and spec.min_blocks >= 1 and spec.smem_bytes >= 0
@@ -264,12 +254,10 @@ def test_template_args_and_smem_match_the_kernel_config():
             bf16 = "true" if s.dtype == "bf16" else "false"
             aligned = "true" if s.aligned else "false"
             cta = "true" if s.cta_loads or t.stages == 1 else "false"  # one stage: always CTA loads
-            pers = "true" if s.persistent else "false"
             lines.append(
                 f"static_assert({c}::kHeadDim == {s.head_dim} && {c}::kBlockN == {t.block_n} && "
                 f"{c}::kMSlabs == {s.m_slabs} && {c}::kStages == {t.stages} && {c}::kIsBF16 == {bf16} && "
-                f"{c}::kAligned == {aligned} && {c}::kCtaLoads == {cta} && {c}::kPersistent == {pers}, "
-                f"\"{s.name}: template argument order\");"
+                f"{c}::kAligned == {aligned} && {c}::kCtaLoads == {cta}, \"{s.name}: template argument order\");"
             )
             lines.append(f'static_assert({c}::kSmemBytes == {s.smem_bytes}, "{s.name}: shared memory");')
     text = "\n".join(lines) + "\n"
@@ -302,8 +290,7 @@ def _plan(**kw):
                          + [(3, 32, 16384), (6, 8, 32768), (6, 32, 8192), (3, 32, 12288)])  # fmt: skip
 def test_auto_splits_fill_the_h200(batch, nheads_kv, seqlen):
     p = _plan(batch=batch, nheads_kv=nheads_kv, max_seqlen=seqlen)
-    # CTAs of work: the persistent grid's CTAs take batch x kv heads x row blocks groups between them
-    ctas = batch * nheads_kv * p.num_row_blocks if p.persistent else p.attn.grid[0] * p.attn.grid[1] * p.attn.grid[2]
+    ctas = p.attn.grid[0] * p.attn.grid[1] * p.attn.grid[2]
     slots = H200_SMS * p.ctas_per_sm
     keys_per_split = -(-seqlen // p.num_splits)
     assert 1 <= p.num_splits <= plan.MAX_DECODE_SPLITS
@@ -311,7 +298,7 @@ def test_auto_splits_fill_the_h200(batch, nheads_kv, seqlen):
     assert keys_per_split <= plan.MAX_DECODE_KEYS_PER_SPLIT
     # Spaced out (2 CTAs per SM at hd128) only with long splits; short ones run as many per SM as fit
     # (3). The count is chosen for the CTAs per SM it runs at (the wave checks below use those slots).
-    assert (plan.DECODE_LONG_CTAS_PER_SM, p.attn.spec.tile.min_blocks) == (2, 3) and p.ctas_per_sm in (2, 3)
+    assert (plan.DECODE_LONG_CTAS_PER_SM, p.attn.spec.min_blocks) == (2, 3) and p.ctas_per_sm in (2, 3)
     if p.ctas_per_sm == 2:
         assert keys_per_split >= plan.DECODE_LONG_CTA_KEYS
     if keys_per_split < plan.DECODE_LONG_CTA_KEYS:
@@ -752,40 +739,6 @@ def test_output_like_q_allocates_or_checks():
         _output_like_q(FakeArray(**{**vars(q), "shape": (2, 1, 4, 32)}), q, 0, fake_cupy)
     with pytest.raises(ValueError, match="out is on device 1"):
         _output_like_q(FakeArray(**{**vars(q), "device": SimpleNamespace(id=1)}), q, 0, fake_cupy)
-
-
-def test_persistent_grid_for_one_split_grids_of_several_waves():
-    """plan.decode_persistent: one split per group, CTA loads at 2 per SM, one slab, more groups than
-    slots: a grid of one CTA per slot (each taking groups c, c + slots, ...) with the persistent variant."""
-    for b, L, h_kv in ((64, 4096, 32), (64, 4096, 8)):  # 2048 and 512 groups on the H200's 264 slots
-        p = _uniform_plan(b, L, h_kv)
-        s = p.attn.spec
-        assert p.persistent and p.num_splits == 1 and p.attn.grid == (2 * H200_SMS, 1, 1), (b, L, h_kv, p)
-        assert s.persistent and s.cta_loads and s.m_slabs == 1 and s.min_blocks == p.ctas_per_sm == 2
-        assert p.attn.smem_bytes == plan.decode_launch_smem(s.smem_bytes, 2, "sm_90a") >= s.smem_bytes
-        assert not p.split_major and p.split_tiles == 0 and p.combine is None
-        regular = _uniform_plan(b, L, h_kv, uniform_lengths=False)  # ragged lengths: the same grid
-        assert regular == dataclasses.replace(p, split_major=False)
-    p = _uniform_plan(64, 4096, 32)
-    try:
-        plan.DECODE_PERSISTENT = False
-        off = _uniform_plan(64, 4096, 32)
-    finally:
-        plan.DECODE_PERSISTENT = True
-    assert not off.persistent and off.attn.grid == (1, 32, 64)
-    assert off.attn.spec == dataclasses.replace(p.attn.spec, persistent=False)
-    # a given num_splits=1 (long: 2 per SM) over more groups than slots; not with fewer
-    assert _uniform_plan(9, 3072, 32, num_splits=1).persistent  # 288 groups
-    assert not _uniform_plan(8, 3072, 32, num_splits=1).persistent  # 256 groups: one wave
-    # not: one wave (b=8 L=4k h_kv=32, cuDNN's grid), a filled grid, several splits, short splits at 3
-    # per SM, two slabs (GQA rows of 5 tokens), sm_80 (no CTA loads), the hd64 tile (2 per SM already)
-    # lengths unknown to the host at 16k: no filled grid, one split of 16k keys per group, persistent
-    assert _uniform_plan(64, 16384, 32, uniform_lengths=False).persistent
-    for p in (_uniform_plan(8, 4096, 32), _uniform_plan(64, 16384, 32), _uniform_plan(64, 4096, 32, num_splits=2), _uniform_plan(64, 2048, 32),
-              _uniform_plan(64, 4096, 8, seqlen_q=5), _uniform_plan(64, 4096, 32, arch="sm_80", num_sms=108),
-              _uniform_plan(64, 4096, 32, head_dim=64)):  # fmt: skip
-        assert not p.persistent and not p.attn.spec.persistent, p
-    assert _uniform_plan(64, 4096, 8, seqlen_q=5).attn.spec.m_slabs == 2
 
 
 def test_long_splits_load_each_tile_as_a_cta():

@@ -33,9 +33,6 @@ SHAPES = ["8,4096,32", "64,4096,32", "64,4096,8", "8,8192,32", "8,8192,8", "8,16
 
 def main():
     import cupy
-    import numpy as np
-
-    from cuflash.attention import _BF16
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", required=True, help="folder of the other cuda_src")
@@ -74,14 +71,13 @@ def main():
         jit.PDL_ENABLED = pdl and (name != "old" or a.old_pdl)
 
     torch = bench_decode._torch()
-    rng = np.random.default_rng(0)
+    rng = cupy.random.default_rng(0)  # the bench's caches, made on the GPU (bench_decode._random)
     vs_old, vs_cudnn = [], []
     also_vs_old = {name: [] for name in also}
     for shape in a.shapes:
         b, L, hk = map(int, shape.split(","))
-        q = cupy.asarray(rng.standard_normal((b, 1, 32, 128), dtype=np.float32).astype(_BF16))
-        kc = cupy.asarray(rng.standard_normal((b, L, hk, 128), dtype=np.float32).astype(_BF16))
-        vc = cupy.asarray(rng.standard_normal((b, L, hk, 128), dtype=np.float32).astype(_BF16))
+        q = bench_decode._random((b, 1, bench_decode.NHEADS, 128), "bf16", rng)
+        kc, vc = (bench_decode._random((b, L, hk, 128), "bf16", rng) for _ in "kv")
 
         def call(name):
             def fn():

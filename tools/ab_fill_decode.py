@@ -6,16 +6,14 @@ of one length, num_splits=0).
                                    [--modes NAME:CONSTANT=VALUE,... ...]
 A mode is a name and cuflash/plan.py constants set while the mode's calls are planned (the value
 "none" for _filled_grid: never filled; "plain" for decode_num_splits: the split count chosen as if
-no grid were filled, then filled where it can be; 0 or 1 for a flag such as DECODE_PERSISTENT); the
-default modes are
+no grid were filled, then filled where it can be; 0 or 1 for a bool constant); the default modes are
   equal   _filled_grid=none: equal splits (what ragged lengths get);
   plan    this tree's plan: filled wherever the long splits' last wave leaves slots empty.
 e.g. --modes equal:_filled_grid=none plan: plan1:DECODE_FILL_MIN_UNSPLIT_TILES=1
 A shape is batch,cache_len,kv_heads; the default is every `cuflash bench --decode` shape where two of
 the modes plan different grids (--all: every shape). Per shape: device microseconds per call (CUDA
 events, interleaved and primed samples, cuflash.bench.time_ms) of each mode and of torch SDPA's
-CUDNN_ATTENTION, each mode's grid (splits x tiles per long split where filled, @ CTAs per SM, p where
-the grid is persistent), and
+CUDNN_ATTENTION, each mode's grid (splits x tiles per long split where filled, @ CTAs per SM), and
 cuDNN / mode speed ratios (>1: the mode is faster); last, per mode the median of its time over the
 equal grid's and of the cuDNN ratio. The modes' outputs are checked against each other.
 """
@@ -74,7 +72,7 @@ def _planner(consts):
 
 def _grid(p):
     tag = f"{p.num_splits}x{p.split_tiles}t" if p.split_major else f"{p.num_splits}"
-    return f"{tag}@{p.ctas_per_sm}{'p' if p.persistent else ''}"
+    return f"{tag}@{p.ctas_per_sm}"
 
 
 def main():
