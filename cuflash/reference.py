@@ -212,7 +212,33 @@ def _forward_head(q, k, v, scale, causal, rnd: Rounder = _identity, p_order: str
     return out, lse
 
 
-def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=None, d_order: str = "pairwise"):
+def _round_toward_zero_f32(x: np.ndarray) -> np.ndarray:
+    """float64 values rounded toward zero to float32 (NumPy's cast rounds to nearest)."""
+    r = x.astype(np.float32)
+    over = np.abs(r.astype(np.float64)) > np.abs(x)
+    r[over] = np.nextafter(r[over], np.float32(0))
+    return r
+
+
+#: Products a tensor-core MMA adds to its float32 accumulator at a time (Fasi et al. 2021, A100).
+TENSOR_CORE_BLOCK = 8
+
+
+def tensor_core_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` of float32 matrices holding fp16 / bf16 values, accumulated the way NVIDIA tensor
+    cores accumulate into float32 (Fasi, Higham, Mikaitis, Pranesh 2021, "Numerical behavior of NVIDIA
+    tensor cores", PeerJ Comput. Sci. 7:e330): the products exact, added to the accumulator
+    TENSOR_CORE_BLOCK at a time, each sum rounded toward zero. (The hardware also truncates while it
+    aligns the addends; the exact block sum here is the milder model.)"""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    acc = np.zeros((a.shape[0], b.shape[1]), dtype=np.float32)
+    for i in range(0, a.shape[1], TENSOR_CORE_BLOCK):
+        acc = _round_toward_zero_f32(acc.astype(np.float64) + a64[:, i : i + TENSOR_CORE_BLOCK] @ b64[i : i + TENSOR_CORE_BLOCK])
+    return acc
+
+
+def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=None, d_order: str = "pairwise",
+                   dp_order: str = "ieee"):  # fmt: skip
     """Gradients (dq, dk, dv) of one head.
 
     ``rnd`` rounds P, O and dS where a low-precision implementation would
@@ -221,10 +247,14 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
     ``o``: the forward output handed to the backward (used for D); None
     recomputes it.  ``d_order``: how D = rowsum(dO * O) is summed over the
     head dim, "pairwise" (NumPy's sum) or "sequential" (one running sum per
-    row, left to right, as a loop per row would).
+    row, left to right, as a loop per row would).  ``dp_order``: how dP = dO V^T
+    is accumulated, "ieee" (a float32 matmul) or "tensor_core"
+    (tensor_core_matmul, as an MMA on tensor cores sums it).
     """
     if d_order not in ("pairwise", "sequential"):
         raise ValueError(f"d_order must be 'pairwise' or 'sequential', got {d_order!r}")
+    if dp_order not in ("ieee", "tensor_core"):
+        raise ValueError(f"dp_order must be 'ieee' or 'tensor_core', got {dp_order!r}")
     seqlen_q, seqlen_k = q.shape[0], k.shape[0]
     dq = np.zeros(q.shape, dtype=q.dtype)
     dk = np.zeros(k.shape, dtype=q.dtype)
@@ -236,7 +266,7 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
         P_r = rnd(P)
         O = rnd(P_r @ v) if o is None else o[start:stop]  # the forward output, recomputed or given
         dv += P_r.T @ do_c                     # dV = P^T dO
-        dP = do_c @ v.T                        # dP = dO V^T
+        dP = do_c @ v.T if dp_order == "ieee" else tensor_core_matmul(do_c, v.T)  # dP = dO V^T
         if d_order == "pairwise":              # D = rowsum(dO * O)
             D = np.sum(do_c * O, axis=1)
         else:
@@ -453,7 +483,7 @@ def worse_of(outs, ref) -> np.ndarray:
 
 
 def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, dtype, out=None,
-                             d_order="pairwise"):  # fmt: skip
+                             d_order="pairwise", dp_order="ieee"):  # fmt: skip
     """Gradients the plain way in precision ``dtype``; returns float64 (dq, dk, dv).
 
     Inputs are rounded to ``dtype``, the math runs in float32, P, O and dS are
@@ -469,7 +499,8 @@ def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None,
     of the one the kernel under test was given.)
 
     ``d_order``: the summation order of D over the head dim ("pairwise" or
-    "sequential", see plain_attention_backward_bar).
+    "sequential"); ``dp_order``: how dP = dO V^T is accumulated ("ieee" or
+    "tensor_core"); see plain_attention_backward_bar.
     """
     rnd = _rounder(dtype)
     q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
@@ -488,7 +519,7 @@ def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None,
         for h, hk in _head_pairs(nheads, nheads_kv):
             dq_h, dk_h, dv_h = _backward_head(
                 dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, rnd,
-                None if out is None else out[b, :, h], d_order)
+                None if out is None else out[b, :, h], d_order, dp_order)
             dq[b, :, h] = dq_h
             dk[b, :, hk] += dk_h
             dv[b, :, hk] += dv_h
@@ -496,15 +527,19 @@ def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None,
 
 
 def plain_attention_backward_bar(dout, q, k, v, refs, *, causal=False, softmax_scale=None, dtype, out=None):
-    """The plain gradients the pass rule holds a kernel to: per gradient (dq, dk, dv), of
-    plain_attention_backward's two summation orders of D = rowsum(dO * O), the one farther from
-    ``refs`` (the exact gradients). Both are plain implementations in the kernel's precision. Where
-    dS = P (dP - D) cancels exactly in exact arithmetic (one key: P = 1, O = V, D = dP), the gradients
-    dQ and dK are exactly 0 and their error is the rounding of dP - D alone, which the summation
-    order decides: fp16, head dim 128, 30 queries, 1 key: the plain dK error is 7.5e-6 with NumPy's
-    pairwise sum and ~4x that summed left to right."""
+    """The plain gradients the pass rule holds a kernel to: per gradient (dq, dk, dv), of three plain
+    implementations in the kernel's precision, the one farther from ``refs`` (the exact gradients):
+    D = rowsum(dO * O) summed pairwise or left to right with dP = dO V^T a float32 matmul, and D
+    summed pairwise with dP accumulated as on tensor cores (tensor_core_matmul), as a GPU
+    implementation computes it. Where dS = P (dP - D) cancels exactly in exact arithmetic (one key:
+    P = 1, O = V, D = dP), the gradients dQ and dK are exactly 0 and their error is the rounding of
+    dP - D alone, which the summation orders decide: fp16, head dim 128, 30 queries, 1 key: the plain
+    dK error is 7.5e-6 with NumPy's pairwise sum and ~4x that summed left to right; fp16, head dim
+    224, 1 query, 1 key (Hypothesis seed 258): every IEEE float32 order gives dP - D = 0 exactly,
+    the tensor-core accumulation ~3 float32 ulps of dP (the kernel's dQ error on the H200)."""
     per_order = [plain_attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype,
-                                          out=out, d_order=o) for o in ("pairwise", "sequential")]  # fmt: skip
+                                          out=out, d_order=o, dp_order=p)
+                 for o, p in (("pairwise", "ieee"), ("sequential", "ieee"), ("pairwise", "tensor_core"))]  # fmt: skip
     return tuple(worse_of([g[i] for g in per_order], refs[i]) for i in range(3))
 
 

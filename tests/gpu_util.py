@@ -102,7 +102,8 @@ def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", 
     assert all(r is g for r, g in zip(ret, grads))
     refs = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale)
     # The plain backward gets the same `out` as the kernel (for D), as any implementation of the API does;
-    # of its two summation orders of D, the worse one per gradient sets the bar.
+    # of its summation orders (D pairwise or left to right, dP as tensor cores sum it), the worst per
+    # gradient sets the bar.
     plains = reference.plain_attention_backward_bar(dout, q, k, v, refs, causal=causal, softmax_scale=softmax_scale,
                                                     dtype=DTYPES[dtype], out=out)  # fmt: skip
     errors = {}

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gpu_util import DTYPES, check_backward, poisoned, random_qkv, randn
@@ -74,6 +74,10 @@ def backward_cases(draw):
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(backward_cases())
+# One key, exact dQ = dK = 0: the H200's dQ error 1.54e-5 came from dP's tensor-core accumulation, which
+# every IEEE order of the plain bar missed (reference.plain_attention_backward_bar; test_reference.py).
+@example(case=dict(dtype="fp16", head_dim=224, nheads=1, nheads_kv=1, batch=1, seqlen_q=1, seqlen_k=1, causal=False,
+                   scale=1.0, layout_q="bshd", layout_kv="bshd", deterministic=False, seed=258))  # fmt: skip
 def test_backward_property(case):
     rng = np.random.default_rng(case["seed"])
     b, d, dt = case["batch"], case["head_dim"], case["dtype"]

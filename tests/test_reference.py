@@ -598,11 +598,64 @@ def test_the_backward_bar_is_the_worse_summation_order_of_d():
     kernel_dk.ravel()[25] = -3.6716461181640625e-05
     assert not R.within_tolerance(kernel_dk, refs[1], pair[1], factor=3.0)
     bar = R.plain_attention_backward_bar(dout, q, k, v, refs, softmax_scale=1.0, dtype=f16, out=out)
-    assert (bar[1] == seq[1]).all() and R.within_tolerance(kernel_dk, refs[1], bar[1], factor=3.0)
-    # dV does not involve D: both orders give the same plain dV.
-    assert (pair[2] == seq[2]).all()
+    tc = R.plain_attention_backward(dout, q, k, v, softmax_scale=1.0, dtype=f16, out=out, dp_order="tensor_core")
+    worst = max((pair, seq, tc), key=lambda g: R.max_abs_error(g[1], refs[1]))
+    assert (bar[1] == worst[1]).all() and R.within_tolerance(kernel_dk, refs[1], bar[1], factor=3.0)
+    assert R.within_tolerance(kernel_dk, refs[1], seq[1], factor=3.0)  # the left-to-right order alone passes it
+    # dV does not involve D or dP: every order gives the same plain dV.
+    assert (pair[2] == seq[2]).all() and (pair[2] == tc[2]).all()
     with pytest.raises(ValueError, match="d_order"):
         R.plain_attention_backward(dout, q, k, v, dtype=f16, d_order="tree")
+    with pytest.raises(ValueError, match="dp_order"):
+        R.plain_attention_backward(dout, q, k, v, dtype=f16, dp_order="tf32")
+
+
+def test_the_backward_bar_counts_the_tensor_core_accumulation_of_dp():
+    """A backward case the H200 drew (fp16, head dim 224, 1 query, 1 key, scale 1, Hypothesis seed 258):
+    the exact dQ and dK are 0 and every float32 order of D and dP lands on the same value, so the IEEE
+    plains are exact and the bar was 1e-5; the kernel's dP, accumulated on tensor cores, was ~3 float32
+    ulps off, and its dQ error 1.54e-5 failed. The tensor-core plain (dP summed 8 products at a time,
+    rounded toward zero) is 4 ulps off and sets the bar."""
+    f16 = np.float16
+    rng = np.random.default_rng(258)
+    q, k, v, dout = (rng.standard_normal((1, 1, 1, 224), dtype=np.float32).astype(f16) for _ in range(4))
+    out = v.copy()  # one key: O = V exactly
+    refs = R.attention_backward(dout, q, k, v, softmax_scale=1.0)
+    assert np.abs(refs[0]).max() == 0 and np.abs(refs[1]).max() == 0
+    for d_order in ("pairwise", "sequential"):
+        g = R.plain_attention_backward(dout, q, k, v, softmax_scale=1.0, dtype=f16, out=out, d_order=d_order)
+        assert R.max_abs_error(g[0], refs[0]) == 0 and R.max_abs_error(g[1], refs[1]) == 0
+    kernel_dq = np.zeros(refs[0].shape)
+    kernel_dq.ravel()[84] = 1.537799835205078e-05  # the H200's dQ (all other elements 0)
+    assert not R.within_tolerance(kernel_dq, refs[0], np.zeros(refs[0].shape), factor=3.0)
+    bar = R.plain_attention_backward_bar(dout, q, k, v, refs, softmax_scale=1.0, dtype=f16, out=out)
+    assert R.max_abs_error(bar[0], refs[0]) > 0 and R.within_tolerance(kernel_dq, refs[0], bar[0], factor=3.0)
+    do, vv = dout[0, 0, 0].astype(np.float32)[None], v[0, 0, 0].astype(np.float32)[:, None]
+    ulp = np.spacing(np.float32(24.9))
+    assert abs(float(R.tensor_core_matmul(do, vv)[0, 0]) - float((do @ vv)[0, 0])) == 4 * ulp
+
+
+def test_tensor_core_matmul_rounds_each_block_toward_zero():
+    # exact where every partial sum is a float32
+    a = np.arange(-12, 12, dtype=np.float32).reshape(2, 12)
+    b = np.arange(36, dtype=np.float32).reshape(12, 3) - 17
+    assert (R.tensor_core_matmul(a, b) == (a.astype(np.float64) @ b).astype(np.float32)).all()
+    # 1 + 3 * 2^-25 in one block, summed exactly: rounded to nearest it is 1 + 2^-23, toward zero 1;
+    # likewise negated
+    a = np.array([[1, 2**-13, 2**-13, 2**-13], [-1, -(2**-13), -(2**-13), -(2**-13)]], dtype=np.float32)
+    b = np.array([[1], [2**-12], [2**-12], [2**-12]], dtype=np.float32)
+    assert (a.astype(np.float64) @ b).astype(np.float32).ravel().tolist() == [1 + 2**-23, -1 - 2**-23]
+    assert R.tensor_core_matmul(a, b).ravel().tolist() == [1.0, -1.0]
+    # rounded every TENSOR_CORE_BLOCK products: 1 + 2^-24 + 2^-24 is the float32 1 + 2^-23 when summed
+    # in one block, but 1 when the two 2^-24 fall in two blocks (each partial sum rounded toward zero)
+    blk = R.TENSOR_CORE_BLOCK
+    a = np.zeros((2, 2 * blk), dtype=np.float32)
+    a[:, 0] = 1
+    a[0, [1, 2]] = 2**-12  # row 0: both in the first block
+    a[1, [1, 1 + blk]] = 2**-12  # row 1: one in each block
+    b = np.full((2 * blk, 1), 2**-12, dtype=np.float32)
+    b[0, 0] = 1
+    assert R.tensor_core_matmul(a, b).ravel().tolist() == [np.float32(1 + 2**-23), 1.0]
 
 
 def plain_backward_recipe(dout, q, k, v, dtype):
