@@ -233,7 +233,8 @@ def tensor_core_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     acc = np.zeros((a.shape[0], b.shape[1]), dtype=np.float32)
     for i in range(0, a.shape[1], TENSOR_CORE_BLOCK):
-        acc = _round_toward_zero_f32(acc.astype(np.float64) + a64[:, i : i + TENSOR_CORE_BLOCK] @ b64[i : i + TENSOR_CORE_BLOCK])
+        block = a64[:, i : i + TENSOR_CORE_BLOCK] @ b64[i : i + TENSOR_CORE_BLOCK]
+        acc = _round_toward_zero_f32(acc.astype(np.float64) + block)
     return acc
 
 
