@@ -37,6 +37,13 @@
 //           the last split is a short tail, and the grid is (nheads_kv, batch, num_splits): the long
 //           splits fill all but a few CTA slots at once and the tails stream through the rest meanwhile
 //           (a grid of 256 equal CTAs leaves 8 of the H200's 264 slots idle for the whole call).
+//   Tail-split grid (kTailGrid variants, one slab; cuflash/plan.py _tail_split): a 1-D grid for calls
+//           of many unsplit groups in several waves. Group g = b * nheads_kv + hk (kv heads fastest, as
+//           in the regular grid); CTA c < G0 = batch * nheads_kv - tail_groups takes group c whole (no
+//           merge), CTA G0 + k split k / tail_groups of group G0 + k % tail_groups, one of num_splits
+//           equal splits. The block scheduler starts the tail groups' short splits last, so they spread
+//           over the slots the whole groups' last wave leaves empty instead of a few whole groups
+//           running on after the rest have finished.
 //   block = 4 warps as kWarpsM x kWarpsN = kMSlabs x (4 / kMSlabs). Warp (wm, wn) owns the 16 rows of
 //           slab wm and keys [wn * kKeysPerWarp, (wn + 1) * kKeysPerWarp) of every tile: its own
 //           online softmax (m, l, O) over its keys, FA2's per-warp steps (flash_fwd.cuh WarpTile).
@@ -82,7 +89,8 @@ constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cufla
 constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS
 
 // Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
-template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kCtaLoads_>
+template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kCtaLoads_,
+          bool kTailGrid_ = false>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockN = kBlockN_;     // keys per K/V tile
@@ -93,6 +101,8 @@ struct DecodeConfig {
     // The CTA loads every K/V tile together and syncs with CTA barriers (always with one stage); else
     // each key column of warps loads and syncs on its own rows (see Pipeline above).
     static constexpr bool kCtaLoads = kCtaLoads_ || kStages_ == 1;
+    // The tail-split grid (see the header); a variant of its own, so the other grids' code is untouched.
+    static constexpr bool kTailGrid = kTailGrid_;
 
     static constexpr int kNWarps = kDecodeThreads / 32;
     static constexpr int kNThreads = kDecodeThreads;
@@ -775,15 +785,33 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     // CTA (x, hk, b) takes split x / num_row_blocks of the keys of (b, hk), row block x %
     // num_row_blocks; split_major grids are (hk, b, x), so the block scheduler starts the CTAs of
     // the last split (a short tail, see split_tiles) last.
-    const int x = p.split_major ? blockIdx.z : blockIdx.x;
-    const int split = x / p.num_row_blocks, rb = x % p.num_row_blocks;
-    const int hk = p.split_major ? blockIdx.x : blockIdx.y, b = p.split_major ? blockIdx.y : blockIdx.z;
-    const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
-    const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
-    const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles : ceil_div_nonneg(n_tiles, p.num_splits);
-    const int tile_begin = split * tiles_per_split;
-    const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
-    decode_split<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
+    if constexpr (Cfg::kTailGrid) {
+        // Tail-split grid, 1-D (see the header; its plans have one slab and one row block): CTA c < G0
+        // takes group c whole, CTA G0 + k split k / tail_groups of group G0 + k % tail_groups.
+        static_assert(Cfg::kMSlabs == 1, "the tail-split grid runs one slab per CTA");
+        const int c = blockIdx.x, g0 = p.batch * p.nheads_kv - p.tail_groups;
+        const bool whole = c < g0;
+        const int split = whole ? 0 : (c - g0) / p.tail_groups;
+        const int group = whole ? c : g0 + (c - g0) % p.tail_groups;
+        const int n_splits = whole ? 1 : p.num_splits;
+        const int hk = group % p.nheads_kv, b = group / p.nheads_kv;
+        const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
+        const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
+        const int tiles_per_split = ceil_div_nonneg(n_tiles, n_splits);
+        const int tile_begin = split * tiles_per_split;
+        const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
+        decode_split<Cfg>(p, b, hk, 0, split, L, tile_begin, tile_end, n_splits);
+    } else {
+        const int x = p.split_major ? blockIdx.z : blockIdx.x;
+        const int split = x / p.num_row_blocks, rb = x % p.num_row_blocks;
+        const int hk = p.split_major ? blockIdx.x : blockIdx.y, b = p.split_major ? blockIdx.y : blockIdx.z;
+        const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
+        const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
+        const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles : ceil_div_nonneg(n_tiles, p.num_splits);
+        const int tile_begin = split * tiles_per_split;
+        const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
+        decode_split<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
+    }
     DECODE_TRACE(4);
 }
 

@@ -138,6 +138,8 @@ struct DecodeParams {
     int split_major;           // 1: grid (nheads_kv, batch, num_splits * num_row_blocks); 0: (that, nheads_kv, batch)
     float softmax_scale;       // multiplies q.k before the softmax (> 0)
     float scale_log2;          // softmax_scale * log2(e)
+    int tail_groups;           // > 0: tail-split grid (1-D): the last tail_groups groups (b * nheads_kv + hk) in
+                               // num_splits splits, every other group whole; 0: the grids above
 };
 
 #ifdef __cplusplus

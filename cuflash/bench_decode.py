@@ -53,6 +53,7 @@ class DecodeRow:
     num_splits: int = 0  # cuflash's split count (num_splits=0 heuristic)
     ctas_per_sm: int = 0  # cuflash's split CTAs resident per SM (the plan's choice)
     filled: bool = False  # cuflash's last split is a short tail filling the free CTA slots (plan._filled_grid)
+    tail_groups: int = 0  # cuflash's groups split num_splits ways, the rest whole (plan._tail_split)
     ms: dict = field(default_factory=dict)  # impl -> median ms per call
     tbps: dict = field(default_factory=dict)  # impl -> KV TB/s
     mem_mb: dict = field(default_factory=dict)  # impl -> peak extra device memory of one call (MB)
@@ -171,6 +172,7 @@ def run_decode_point(dtype: str, head_dim: int, batch: int, cache_len: int, nhea
         row.mem_mb["cuflash"] = round(_peak_extra_mb(ours), 1)
         p = _plan_used(q, k_cache.shape[2], cache_len)
         row.num_splits, row.ctas_per_sm, row.filled = p.num_splits, p.ctas_per_sm, p.split_major
+        row.tail_groups = p.tail_groups
     for name in runnable:
         if name != "cuflash":
             row.mem_mb[name] = round(_torch_peak_mb(torch, runnable[name]), 1)
@@ -234,6 +236,8 @@ def _ratio(a, b) -> str:
 
 
 def _splits_cell(r: DecodeRow) -> str:
+    if r.tail_groups:  # whole groups, then the last wave's groups in num_splits splits
+        return f"1|{r.num_splits}x{r.ctas_per_sm}"
     return f"{r.num_splits - 1}+1x{r.ctas_per_sm}" if r.filled else f"{r.num_splits}x{r.ctas_per_sm}"
 
 
@@ -245,7 +249,8 @@ def format_decode_table(rows: list[DecodeRow], env: dict) -> str:
         "ms = cuflash device time; mem = extra MB of one call; host us = cuflash host time per call",
         f"{'dtype':5} {'hd':>3} {'b':>3} {'kv len':>7} {'h':>3} {'h_kv':>4} {'KV GB':>7} | {'cuflash':>7} {'flash':>7} "
         f"{'cudnn':>7} | {'vs flash':>8} {'vs cudnn':>8} | {'ms':>8} {'splits':>6} {'mem':>7} {'host us':>7}",
-        "splits: cuflash's key splits per sequence x split CTAs per SM; s+1: s long splits and a short tail in the free slots",
+        "splits: cuflash's key splits per sequence x split CTAs per SM; s+1: s long splits and a short tail in the free slots;"
+        " 1|s: whole sequences, those of the last wave in s splits",
     ]
 
     def f(x):

@@ -29,7 +29,10 @@ _LOG2_E = math.log2(math.e)
 #: DecodeParams packed by field name with one precompiled struct (a decode step is a few microseconds
 #: of GPU time: the host side must stay small). Same bytes as params.make_record(DECODE_DTYPE, ...).
 _STRUCT_CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i", np.dtype(np.float32): "f"}
-_RECORD = struct.Struct("<" + "".join(_STRUCT_CODES[DECODE_DTYPE.fields[n][0]] for n in DECODE_DTYPE.names))
+_LAST = DECODE_DTYPE.fields[DECODE_DTYPE.names[-1]]
+_TAIL_PAD = DECODE_DTYPE.itemsize - _LAST[1] - _LAST[0].itemsize  # the struct's size rounds up to its alignment
+_RECORD = struct.Struct("<" + "".join(_STRUCT_CODES[DECODE_DTYPE.fields[n][0]] for n in DECODE_DTYPE.names)
+                        + "x" * _TAIL_PAD)  # fmt: skip
 _NAMES = DECODE_DTYPE.names
 assert _RECORD.size == DECODE_DTYPE.itemsize, "DecodeParams has padding the packed record does not reproduce"
 
@@ -317,7 +320,7 @@ def attention_with_kvcache(
             rows=group * seqlen_q, head_dim=head_dim, seqlen_const=seqlen_const, seqlen_new=seqlen_new,
             capacity=capacity, page_size=page_size, num_pages=cache_rows, num_splits=splits,
             num_row_blocks=dplan.num_row_blocks, partial_stride=bucket, is_causal=int(bool(causal)),
-            split_tiles=dplan.split_tiles, split_major=int(dplan.split_major),
+            split_tiles=dplan.split_tiles, split_major=int(dplan.split_major), tail_groups=dplan.tail_groups,
             softmax_scale=softmax_scale, scale_log2=softmax_scale * _LOG2_E,
         )  # fmt: skip
         if dplan.append is not None:  # the attention below reads the new tokens (same stream)

@@ -89,7 +89,7 @@ DECODE_FIELDS = (
             "split_tiles", "split_major",
         )
     ]
-    + [("softmax_scale", _F32), ("scale_log2", _F32)]
+    + [("softmax_scale", _F32), ("scale_log2", _F32), ("tail_groups", _I32)]
 )  # fmt: skip
 
 DECODE_DTYPE = np.dtype(DECODE_FIELDS, align=True)
@@ -101,7 +101,9 @@ def make_record(dtype: np.dtype, **values) -> np.ndarray:
     extra = set(values) - set(dtype.names)
     if missing or extra:
         raise KeyError(f"parameter fields missing {sorted(missing)} / unknown {sorted(extra)}")
-    return np.array(tuple(values[name] for name in dtype.names), dtype=dtype)  # 0-d record
+    record = np.zeros((), dtype=dtype)  # padding bytes 0, not whatever the allocation held
+    record[()] = tuple(values[name] for name in dtype.names)
+    return record
 
 #: Every C struct of cuda_src/params.h and its NumPy mirror (tests/test_params_layout.py checks them all).
 STRUCTS = {"FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE}

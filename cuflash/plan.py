@@ -767,6 +767,27 @@ DECODE_IN_KERNEL_MERGE_MAX = 64
 #: (A lean grid, 264 CTAs of equal work cutting across the (sequence, kv head) groups, was slower:
 #: its CTAs no longer read the same keys of neighbouring heads at the same time; 9634e60.)
 DECODE_FILL_MIN_UNSPLIT_TILES = 96
+#: The tail-split grid (_tail_split): where the plan runs every group whole (one split) in several
+#: waves and the last wave is partly empty, the groups of that wave are split instead (equal splits,
+#: merged in the kernel) and their CTAs started last (the block scheduler's usual order, not a CUDA
+#: guarantee; only the speed depends on it), so they spread over the slots the whole groups leave
+#: free instead of a few long CTAs running on alone. Measured on the H200 (tools/ab_fill_decode.py,
+#: hd128 bf16 MHA, the same call with and without it, cuDNN alongside; perf-notes fourteenth decode
+#: pass): time 2.2-3.6% lower where the last wave was 52-69% full (b=58, 62, 70 at 4k keys; b=58 at
+#: 2k; b=128 at 4k 1.5%), about level or slower where it was 73-82% full (b=56, 64, 72 at 4k: -0.3
+#: to +0.7%; b=60 with 8 kv heads, one whole wave before it: 5% slower) and with splits of 16 tiles
+#: (b=128 at 1k keys 1.7% slower). A lone CTA streams ~1.45x faster than in a full wave (1.3 vs 1.9
+#: us per tile), so a wave over ~70% full runs at the full rate anyway. Taken for hd128 one-slab
+#: calls on sm_90+ (the kTailGrid variants) where the last wave is at most DECODE_TAIL_SPLIT_MAX_FILL
+#: full, after at least DECODE_TAIL_SPLIT_MIN_WAVES whole waves, with at least
+#: DECODE_TAIL_SPLIT_MIN_TILES tiles per group, and the modeled time (decode_num_splits's: waves x
+#: (tiles per CTA + DECODE_CTA_OVERHEAD_TILES), plus one overhead for the merge) drops by at least
+#: DECODE_TAIL_SPLIT_MIN_GAIN.
+DECODE_TAIL_SPLIT_BUCKETS = (128,)
+DECODE_TAIL_SPLIT_MAX_FILL = 0.7
+DECODE_TAIL_SPLIT_MIN_WAVES = 2
+DECODE_TAIL_SPLIT_MIN_TILES = 32
+DECODE_TAIL_SPLIT_MIN_GAIN = 0.01
 #: gridDim.x limit (CUDA programming guide, technical specifications).
 _MAX_GRID_X = 2**31 - 1
 #: Shared memory per SM in KB (CUDA programming guide, compute capabilities table), for the CTAs
@@ -898,6 +919,7 @@ class DecodeSpec:
     tile: DecodeTile
     arch: str
     cta_loads: bool = False  # the CTA loads each K/V tile together (else each key column of warps its rows)
+    tail_grid: bool = False  # the tail-split grid's 1-D CTA mapping (_tail_split), else the split grids'
     family: str = "flash_decode"
 
     @property
@@ -905,7 +927,8 @@ class DecodeSpec:
         t = self.tile
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_ms{self.m_slabs}_bn{t.block_n}_st{t.stages}"
-            f"_mb{t.min_blocks}{'_cta' if self.cta_loads else ''}_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
+            f"_mb{t.min_blocks}{'_cta' if self.cta_loads else ''}{'_tail' if self.tail_grid else ''}"
+            f"_{_load_tag(self.aligned)}_{_arch_tag(self.arch)}"
         )
 
     threads = DECODE_THREADS
@@ -922,7 +945,7 @@ class DecodeSpec:
         """C++ template argument list of cuflash::DecodeConfig for this variant."""
         t, b = self.tile, _cpp_bool
         return (f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}, "
-                f"{b(self.cta_loads)}")
+                f"{b(self.cta_loads)}, {b(self.tail_grid)}")
 
 
 class _DecodeHelperKernel:
@@ -977,6 +1000,7 @@ class DecodePlan:
     ctas_per_sm: int = 0  # split CTAs resident per SM (attn's shared memory padded where below the tile's)
     split_tiles: int = 0  # K/V tiles per split, the last one taking the rest; 0: equal splits (the kernel's ceil)
     split_major: bool = False  # attn's grid is (nheads_kv, batch, splits): the last split's CTAs start last
+    tail_groups: int = 0  # > 0: attn's grid is 1-D: the last tail_groups groups in num_splits splits, the rest whole
 
 
 def decode_separate_combine(rows_per_cta: int, num_splits: int) -> bool:
@@ -1112,10 +1136,17 @@ def plan_decode(
     filled = None
     if may_fill:
         filled = _filled_grid(batch * nheads_kv, n_tiles, splits, per_sm, row_blocks, rows, spec, num_sms)
-    split_tiles = 0
+    tail = None
+    if may_fill and filled is None and splits == 1:
+        tail = _tail_split(batch * nheads_kv, n_tiles, per_sm, row_blocks, rows, spec, num_sms)
+    split_tiles = tail_groups = 0
     if filled is not None:
         splits, split_tiles = filled
         grid = (nheads_kv, batch, splits)
+    elif tail is not None:
+        splits, tail_groups = tail
+        grid = (batch * nheads_kv + (splits - 1) * tail_groups, 1, 1)
+        spec = dataclasses.replace(spec, tail_grid=True)
     else:
         grid = (splits * row_blocks, nheads_kv, batch)
     smem = spec.smem_bytes if per_sm == spec.tile.min_blocks else decode_launch_smem(spec.smem_bytes, per_sm, arch)
@@ -1134,7 +1165,7 @@ def plan_decode(
         if out_rows > _MAX_GRID_X:
             raise ValueError(f"batch * nheads * seqlen_q = {out_rows} output rows exceed the grid limit {_MAX_GRID_X}")
         combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch), (out_rows, 1, 1), block, 0, pdl)
-    return DecodePlan(attn, append, splits, row_blocks, combine, per_sm, split_tiles, filled is not None)
+    return DecodePlan(attn, append, splits, row_blocks, combine, per_sm, split_tiles, filled is not None, tail_groups)
 
 
 def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks: int, rows: int, spec: DecodeSpec,
@@ -1164,6 +1195,50 @@ def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks
     return splits + 1, long_tiles
 
 
+def decode_tail_grid_variant(bucket: int, m_slabs: int, arch: str) -> bool:
+    """Whether a tail-split variant (DecodeSpec.tail_grid) of this bucket and slab count exists for
+    ``arch``: one slab (the kernel's mapping), the measured buckets (DECODE_TAIL_SPLIT_BUCKETS), sm_90+."""
+    return m_slabs == 1 and bucket in DECODE_TAIL_SPLIT_BUCKETS and supports_pdl(arch)
+
+
+def _tail_split(groups: int, n_tiles: int, per_sm: int, row_blocks: int, rows: int, spec: DecodeSpec,
+                num_sms: int) -> tuple[int, int] | None:  # fmt: skip
+    """(splits, tail_groups) of the tail-split grid where it replaces a one-split grid of ``groups``
+    whole groups of ``n_tiles`` tiles at ``per_sm`` CTAs per SM, else None (see
+    DECODE_TAIL_SPLIT_MIN_GAIN).
+
+    The whole groups run in ``waves`` full waves of ``slots`` CTAs; the ``tail`` groups left over
+    would run as one more wave with slots empty. Split s ways, they are tail * s CTAs of
+    ceil(n_tiles / s) tiles in ceil(tail * s / slots) waves of their own. s: at least 2, at most
+    MAX_DECODE_SPLITS, splits of at least MIN_DECODE_KEYS_PER_SPLIT keys, merged in the kernel (at most
+    DECODE_IN_KERNEL_MERGE_MAX partial rows); the modeled cheapest, the smallest of equals. Only where
+    a kTailGrid variant exists (decode_tail_grid_variant), in one row block."""
+    slots = num_sms * per_sm
+    waves, tail = divmod(groups, slots)
+    if not (decode_tail_grid_variant(spec.head_dim, spec.m_slabs, spec.arch) and row_blocks == 1 and tail > 0):
+        return None
+    if waves < DECODE_TAIL_SPLIT_MIN_WAVES or tail > DECODE_TAIL_SPLIT_MAX_FILL * slots:
+        return None
+    if n_tiles < DECODE_TAIL_SPLIT_MIN_TILES:
+        return None
+    over = DECODE_CTA_OVERHEAD_TILES
+
+    def last_waves(s: int) -> int:  # the tail groups' time in the model, in tiles
+        return -(-tail * s // slots) * (-(-n_tiles // s) + over) + (over if s > 1 else 0)
+
+    s_max = min(MAX_DECODE_SPLITS, n_tiles // -(-MIN_DECODE_KEYS_PER_SPLIT // spec.tile.block_n))
+    options = [s for s in range(2, s_max + 1) if not decode_separate_combine(rows, s)]
+    if not options:
+        return None
+    best = min(options, key=lambda s: (last_waves(s), s))
+    whole = waves * (n_tiles + over)
+    if whole + last_waves(best) > (1 - DECODE_TAIL_SPLIT_MIN_GAIN) * (whole + last_waves(1)):
+        return None
+    if groups + (best - 1) * tail > _MAX_GRID_X:
+        return None
+    return best, tail
+
+
 def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=None, aligned=(True, False),
                      m_slabs=DECODE_M_SLABS):  # fmt: skip
     """Every decode variant (split-KV attention, append) for ``arch``. ``causals`` is accepted
@@ -1180,6 +1255,9 @@ def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causa
                         specs.append(DecodeSpec(bucket, dt, al, m, tile, arch))
                         if decode_cta_loads(tile, DECODE_LONG_CTAS_PER_SM):  # the plan's long splits
                             specs.append(DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=True))
+                        if decode_tail_grid_variant(bucket, m, arch):  # _tail_split's, at both CTAs per SM
+                            specs += [DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=c, tail_grid=True)
+                                      for c in sorted({False, decode_cta_loads(tile, DECODE_LONG_CTAS_PER_SM)})]
     specs += [DecodeCombineSpec(head_dim_bucket(d), dt, arch) for dt in dtypes for d in head_dims]
     specs += [DecodeAppendSpec(al, arch) for al in aligned]
     return list(dict.fromkeys(specs))

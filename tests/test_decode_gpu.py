@@ -10,6 +10,7 @@ error and the bound.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -804,6 +805,112 @@ def test_filled_grid_at_a_bench_shape(plans_made):
     _require_filled(c["q"], c["k_cache"], 32768)
     run_and_check(**c, what="filled grid at b=1 L=32k h_kv=32")
     _assert_launched_filled(plans_made)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tail-split grid: whole groups, then the last wave's groups in splits (plan._tail_split)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tail_on_small_caches(monkeypatch, plans_made):
+    """Lets the plan take the tail-split grid wherever it can (no minimum gain; splits down to one
+    64-key tile), so small caches reach it. Yields the plans the calls make."""
+    from cuflash import plan
+
+    for name, value in TAIL_THRESHOLDS.items():
+        monkeypatch.setattr(plan, name, value)
+    yield plans_made
+
+
+def _require_tail(q, k_cache, L: int, seqlen_new: int = 0):
+    """The plan of this call (uniform length L after the append) on this GPU; skips where it does not
+    take the tail-split grid (another SM count or architecture), so a pass means it ran."""
+    from cuflash import jit, kvcache, plan
+    from cuflash.attention import _DTYPE_NAMES
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    dev = q.device.id
+    p = plan.plan_decode(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=k_cache.shape[2], head_dim=head_dim,
+                         dtype=_DTYPE_NAMES[q.dtype], aligned=head_dim % 8 == 0, max_seqlen=-(-L // 64) * 64, num_splits=0,
+                         num_sms=kvcache._num_sms(dev), arch=jit.device_arch(dev), seqlen_new=seqlen_new,
+                         uniform_lengths=True)  # fmt: skip
+    if not p.tail_groups:
+        pytest.skip(f"the plan does not split the last wave's groups for this call on this GPU (grid {p.attn.grid})")
+    return p
+
+
+def _assert_launched_tail(plans):
+    assert plans and plans[-1].tail_groups > 0, f"the call did not take the tail-split grid: {plans[-1:]}"
+
+
+#: (batch, nheads, nheads_kv, seqlen_q, causal, L) that take the tail-split grid on the H200 (132 SMs)
+#: with the fixture's thresholds (tests/test_decode_plan.py checks that on the CPU): column loads at 3
+#: per SM, CTA loads at 2 per SM, GQA with 12 and 8 packed rows, causal with several query tokens.
+TAIL_CASES = [(19, 32, 32, 1, False, 500), (15, 32, 32, 1, False, 3100), (58, 32, 8, 3, True, 3100),
+              (149, 16, 4, 2, True, 333)]  # fmt: skip
+#: (batch, nheads, nheads_kv, cached tokens, capacity) of the layout / dtype / append cases, likewise,
+#: and their (dtype, head dim): the 16-byte and the element-wise (head dim 100) load paths.
+TAIL_LAYOUT_CASE = (21, 32, 32, 470, 520)
+TAIL_DTYPES = [("fp16", 128), ("bf16", 100), ("bf16", 128)]
+#: The fixture's plan constants: the tail split wherever it can be taken (any gain, fill, waves, tiles).
+TAIL_THRESHOLDS = {"DECODE_TAIL_SPLIT_MIN_GAIN": -math.inf, "DECODE_TAIL_SPLIT_MAX_FILL": 1.0,
+                   "DECODE_TAIL_SPLIT_MIN_WAVES": 1, "DECODE_TAIL_SPLIT_MIN_TILES": 1, "MIN_DECODE_KEYS_PER_SPLIT": 64}
+
+
+@pytest.mark.parametrize("batch, nheads, nheads_kv, seqlen_q, causal, L", TAIL_CASES)
+def test_tail_split_grid_against_the_reference(tail_on_small_caches, batch, nheads, nheads_kv, seqlen_q, causal, L):
+    """Whole groups (final rows written directly) and the last wave's groups in splits (merged in the
+    kernel): out and lse within the error bar; the group counters back to 0."""
+    rng = np.random.default_rng(L + 3 * batch)
+    c = case(rng, batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=L + 7)
+    c["cache_seqlens"] = L
+    _require_tail(c["q"], c["k_cache"], L)
+    run_and_check(**c, causal=causal, what=f"tail-split grid, L={L}")
+    _assert_launched_tail(tail_on_small_caches)
+    assert _all_counters_zero(), "a group counter was left non-zero by the tail-split grid"
+
+
+@pytest.mark.parametrize("dtype, head_dim", TAIL_DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "paged 48", "append 3", "full caches"])
+def test_tail_split_grid_paged_append_and_dtypes(tail_on_small_caches, dtype, head_dim, layout):
+    rng = np.random.default_rng(head_dim + 1)
+    new = 3 if layout == "append 3" else 0
+    batch, nheads, nheads_kv, cached, capacity = TAIL_LAYOUT_CASE
+    c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype, capacity=capacity,
+             seqlen_new=new, page_size=48 if layout == "paged 48" else None)  # fmt: skip
+    cap = c["k_cache"].shape[1] if c["block_table"] is None else c["block_table"].shape[1] * 48
+    cached = cap - new if layout == "full caches" else cached
+    c["cache_seqlens"] = None if layout == "full caches" else cached
+    _require_tail(c["q"], c["k_cache"], cached + new, new)
+    run_and_check(**c, what=f"tail-split grid, {layout}")
+    _assert_launched_tail(tail_on_small_caches)
+
+
+def test_tail_split_grid_repeats_and_matches_whole_groups(tail_on_small_caches):
+    """Two identical calls give the same bits (the counters reset); one split for every group (a given
+    num_splits=1 never takes the tail split) gives the same rows for the groups the tail split leaves
+    whole, and agrees within the bar on the split ones."""
+    import cuflash
+
+    rng = np.random.default_rng(6)
+    batch, nheads, nheads_kv, _, _, L = TAIL_CASES[1]
+    c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=L)
+    args = (c["q"], c["k_cache"], c["v_cache"])
+    p = _require_tail(c["q"], c["k_cache"], L)
+    tail = [cuflash.attention_with_kvcache(*args, cache_seqlens=L) for _ in range(2)]
+    _assert_launched_tail(tail_on_small_caches)
+    assert (tail[0] == tail[1]).all(), "two identical tail-split calls differ"
+    assert _all_counters_zero()
+    whole = cuflash.attention_with_kvcache(*args, cache_seqlens=L, num_splits=1)
+    assert tail_on_small_caches[-1].tail_groups == 0
+    # Group g = b * nheads_kv + hk; the first batch * nheads_kv - tail_groups are whole in both calls.
+    n_whole = batch * nheads_kv - p.tail_groups
+    t, w = to_f64(tail[0]), to_f64(whole)
+    rows_t, rows_w = (x.reshape(batch * nheads_kv, -1) for x in (t, w))  # MHA: one row per group
+    assert (rows_t[:n_whole] == rows_w[:n_whole]).all(), "a whole group's output differs from the one-split grid's"
+    ref = reference.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=L)[0]
+    assert reference.max_abs_error(t, w) <= 2 * reference.max_abs_error(w, ref) + 1e-5
 
 
 def test_ragged_or_device_lengths_keep_equal_splits(plans_made):

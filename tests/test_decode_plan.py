@@ -80,14 +80,19 @@ def test_all_decode_specs():
     specs = plan.all_decode_specs("sm_90a")
     assert len(specs) == len(set(specs))
     fam = lambda f: [s for s in specs if s.family == f]  # noqa: E731
-    column = [s for s in fam("flash_decode") if not s.cta_loads]
+    column = [s for s in fam("flash_decode") if not s.cta_loads and not s.tail_grid]
     assert len(column) == len(plan.HEAD_DIM_BUCKETS) * 2 * 2 * 3
     # CTA loads where the plan spaces a tile sized for 3+ CTAs per SM to 2 (long splits): on sm_90a
     # the hd128 tile (2 stages, 3 per SM) with 1 and 2 slabs (4 slabs fit only 2 per SM)
-    cta = [s for s in fam("flash_decode") if s.cta_loads]
+    cta = [s for s in fam("flash_decode") if s.cta_loads and not s.tail_grid]
     assert {(s.head_dim, s.m_slabs, s.tile.min_blocks) for s in cta} == {(128, 1, 3), (128, 2, 3)}
     assert len(cta) == 2 * 2 * 2 and all(s.name.split("_mb3_")[1].startswith("cta_") for s in cta)
     assert not any(s.cta_loads for s in plan.all_decode_specs("sm_80") if s.family == "flash_decode")  # hd128 fits only 2 per SM there
+    # The tail-split grid's variants: hd128, one slab, column and CTA loads, sm_90+ only.
+    tail = [s for s in fam("flash_decode") if s.tail_grid]
+    assert {(s.head_dim, s.m_slabs, s.cta_loads) for s in tail} == {(128, 1, False), (128, 1, True)}
+    assert len(tail) == 2 * 2 * 2 and all("_tail_" in s.name for s in tail)
+    assert not any(s.tail_grid for s in plan.all_decode_specs("sm_80") if s.family == "flash_decode")
     assert {s.aligned for s in fam("flash_decode_append")} == {True, False}
     names = [s.name for s in specs]
     assert len(set(names)) == len(names)
@@ -99,9 +104,9 @@ def test_all_decode_specs():
 
 def _uniform_plan(b, L, h_kv, arch="sm_90a", num_sms=132, *, nheads=32, seqlen_q=1, head_dim=128, dtype="bf16",
                   **kw):  # fmt: skip
-    """plan_decode for one length L (after any append) in every sequence, 16-byte rows."""
+    """plan_decode for one length L (after any append) in every sequence, 16-byte rows where head_dim % 8 == 0."""
     return plan.plan_decode(batch=b, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=h_kv, head_dim=head_dim, dtype=dtype,
-                            aligned=True, max_seqlen=-(-L // 64) * 64, num_splits=kw.pop("num_splits", 0),
+                            aligned=head_dim % 8 == 0, max_seqlen=-(-L // 64) * 64, num_splits=kw.pop("num_splits", 0),
                             num_sms=num_sms, arch=arch, uniform_lengths=kw.pop("uniform_lengths", True), **kw)  # fmt: skip
 
 
@@ -200,6 +205,84 @@ def test_the_gpu_tests_shapes_take_the_filled_grid_on_the_h200(monkeypatch):
     assert filled(1, 1, 32, 32, 128, 32768)  # test_filled_grid_at_a_bench_shape, default thresholds
 
 
+def test_tail_split_where_the_last_wave_of_whole_groups_is_partial():
+    # b=62 L=4k h_kv=32: 1984 whole groups of 64 tiles at 2 per SM are 7 waves of 264 and 136 left over
+    # (52% of a wave); those 136 in 5 splits of 13 tiles (680 CTAs) started last, on the kTailGrid variant.
+    p = _uniform_plan(62, 4096, 32)
+    assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (5, 136, 2)
+    assert p.attn.grid == (1984 - 136 + 5 * 136, 1, 1) and not p.split_major and p.split_tiles == 0
+    assert p.attn.spec.tail_grid and p.attn.spec.cta_loads and p.attn.spec.name.endswith("_cta_tail_vec16_sm90a")
+    assert p.combine is None  # merged in the kernel: one row x 5 splits
+    # b=58 L=4k h_kv=32 runs 3 per SM (column loads): 4 waves of 396 and 272 left over (69%).
+    p = _uniform_plan(58, 4096, 32)
+    assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (4, 272, 3) and not p.attn.spec.cta_loads
+    # Not where the lengths are not one known length, nor with a given split count or CTAs per SM, nor
+    # before sm_90, nor at other head dims (no variant measured).
+    for q in (_uniform_plan(62, 4096, 32, uniform_lengths=False), _uniform_plan(62, 4096, 32, num_splits=1),
+              _uniform_plan(62, 4096, 32, ctas_per_sm=2), _uniform_plan(62, 4096, 32, arch="sm_80", num_sms=108),
+              _uniform_plan(62, 4096, 32, head_dim=64)):
+        assert q.tail_groups == 0 and not q.attn.spec.tail_grid and q.attn.grid[1:] != (1, 1), q
+    # The last wave fuller than DECODE_TAIL_SPLIT_MAX_FILL: b=64 L=4k h_kv=32 (200 of 264, 76%), b=60
+    # L=4k h_kv=8 (216, 82%, after one whole wave).
+    assert _uniform_plan(64, 4096, 32).tail_groups == 0 and _uniform_plan(60, 4096, 8).tail_groups == 0
+    assert _uniform_plan(128, 1024, 32).tail_groups == 0  # 16 tiles a group: below DECODE_TAIL_SPLIT_MIN_TILES
+
+
+def test_tail_split_model():
+    spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
+    # 1856 groups = 7 waves of 264 + 8: the 8 go into 16 splits of 4 tiles (the fewest keys a split gets).
+    assert plan._tail_split(1856, 64, 2, 1, 1, spec, 132) == (16, 8)
+    assert plan._tail_split(2112, 64, 2, 1, 1, spec, 132) is None  # 8 whole waves: nothing left over
+    assert plan._tail_split(400, 64, 2, 1, 1, spec, 132) is None  # one whole wave before: too few
+    assert plan._tail_split(1856, 64, 2, 2, 1, spec, 132) is None  # row blocks
+    assert plan._tail_split(1856, 31, 2, 1, 1, spec, 132) is None  # below DECODE_TAIL_SPLIT_MIN_TILES
+    assert plan._tail_split(1848 + 185, 64, 2, 1, 1, spec, 132) is None  # 185 > 0.7 x 264 left over
+    assert plan._tail_split(1848 + 184, 64, 2, 1, 1, spec, 132) is not None
+    # Merged in the kernel only: 12 packed rows x at most 5 splits (64 partial rows).
+    assert plan._tail_split(1856, 64, 2, 1, 12, spec, 132) == (5, 8)
+    for other in (plan.decode_spec(128, "bf16", True, 1, "sm_80"), plan.decode_spec(64, "bf16", True, 1, "sm_90a"),
+                  plan.decode_spec(128, "bf16", True, 2, "sm_90a")):
+        assert plan._tail_split(1856, 64, 2, 1, 1, other, 132) is None  # no kTailGrid variant
+    # Every candidate's split CTAs cover the tail groups' tiles, and the rules hold.
+    for groups, n_tiles, per_sm in ((1856, 64, 2), (1984, 64, 2), (5000, 33, 3), (700, 200, 2), (1000, 40, 3)):
+        got = plan._tail_split(groups, n_tiles, per_sm, 1, 1, spec, 132)
+        if got is None:
+            continue
+        s, tail = got
+        slots = 132 * per_sm
+        assert tail == groups % slots and 2 <= s <= n_tiles // 4 and s * -(-n_tiles // s) >= n_tiles
+        assert tail <= plan.DECODE_TAIL_SPLIT_MAX_FILL * slots and groups // slots >= plan.DECODE_TAIL_SPLIT_MIN_WAVES
+        waves, over = groups // slots, plan.DECODE_CTA_OVERHEAD_TILES
+        split_cost = waves * (n_tiles + over) + -(-tail * s // slots) * (-(-n_tiles // s) + over) + over
+        assert split_cost <= (1 - plan.DECODE_TAIL_SPLIT_MIN_GAIN) * (waves + 1) * (n_tiles + over)
+
+
+def test_the_gpu_tests_shapes_take_the_tail_split_on_the_h200(monkeypatch):
+    """tests/test_decode_gpu.py's tail-split cases skip where the plan does not take it: on the H200
+    (132 SMs, sm_90a) with the fixture's lowered thresholds, every one of them does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import test_decode_gpu as g
+
+    for name, value in g.TAIL_THRESHOLDS.items():
+        monkeypatch.setattr(plan, name, value)
+
+    def tail(batch, seqlen_q, nheads, nheads_kv, head_dim, L, new=0, dtype="bf16"):
+        return _uniform_plan(batch, L, nheads_kv, nheads=nheads, seqlen_q=seqlen_q, head_dim=head_dim, dtype=dtype,
+                             seqlen_new=new)  # fmt: skip
+
+    loads = set()
+    for batch, nheads, nheads_kv, seqlen_q, _, L in g.TAIL_CASES:
+        p = tail(batch, seqlen_q, nheads, nheads_kv, 128, L)
+        assert p.tail_groups > 0, (batch, nheads, nheads_kv, seqlen_q, L)
+        loads.add(p.attn.spec.cta_loads)
+    assert loads == {False, True}  # both load paths
+    batch, nheads, nheads_kv, cached, capacity = g.TAIL_LAYOUT_CASE
+    for dtype, hd in g.TAIL_DTYPES:
+        for L, new in ((cached, 0), (cached + 3, 3), (capacity, 0), (-(-capacity // 48) * 48, 0)):
+            p = tail(batch, 1, nheads, nheads_kv, hd, L, new, dtype)
+            assert p.tail_groups > 0 and p.attn.spec.tail_grid, (dtype, hd, L, new)
+
+
 @pytest.mark.parametrize("bucket", sorted(plan.DECODE_TILES))
 def test_filled_tile_count_matches_the_kernel(bucket):
     """The plan counts tiles from max_seqlen rounded up to 64 keys, the kernel from L itself: the same
@@ -213,10 +296,13 @@ def test_decode_names_spell_every_template_argument():
     s = plan.decode_spec(100, "bf16", False, 2, "sm_90a")
     t = s.tile
     assert s.name == f"flash_decode_hd128_bf16_ms2_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_scalar_sm90a"
-    assert s.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, false"
+    assert s.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, false, false"
     cta = dataclasses.replace(s, cta_loads=True)
     assert cta.name == f"flash_decode_hd128_bf16_ms2_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_cta_scalar_sm90a"
-    assert cta.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, true"
+    assert cta.template_args() == f"128, {t.block_n}, 2, {t.stages}, true, false, true, false"
+    tail = dataclasses.replace(cta, m_slabs=1, tail_grid=True)
+    assert tail.name == f"flash_decode_hd128_bf16_ms1_bn{t.block_n}_st{t.stages}_mb{t.min_blocks}_cta_tail_scalar_sm90a"
+    assert tail.template_args() == f"128, {t.block_n}, 1, {t.stages}, true, false, true, true"
     assert plan.DecodeAppendSpec(True, "sm_86").name == "flash_decode_append_vec16_sm86"
     assert plan.DecodeAppendSpec(True, "sm_86").template_args() == "true"
     c = plan.DecodeCombineSpec(96, "fp16", "sm_90a")
@@ -254,10 +340,12 @@ def test_template_args_and_smem_match_the_kernel_config():
             bf16 = "true" if s.dtype == "bf16" else "false"
             aligned = "true" if s.aligned else "false"
             cta = "true" if s.cta_loads or t.stages == 1 else "false"  # one stage: always CTA loads
+            tail = "true" if s.tail_grid else "false"
             lines.append(
                 f"static_assert({c}::kHeadDim == {s.head_dim} && {c}::kBlockN == {t.block_n} && "
                 f"{c}::kMSlabs == {s.m_slabs} && {c}::kStages == {t.stages} && {c}::kIsBF16 == {bf16} && "
-                f"{c}::kAligned == {aligned} && {c}::kCtaLoads == {cta}, \"{s.name}: template argument order\");"
+                f"{c}::kAligned == {aligned} && {c}::kCtaLoads == {cta} && {c}::kTailGrid == {tail}, "
+                f"\"{s.name}: template argument order\");"
             )
             lines.append(f'static_assert({c}::kSmemBytes == {s.smem_bytes}, "{s.name}: shared memory");')
     text = "\n".join(lines) + "\n"

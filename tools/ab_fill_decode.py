@@ -72,6 +72,8 @@ def _planner(consts):
 
 def _grid(p):
     tag = f"{p.num_splits}x{p.split_tiles}t" if p.split_major else f"{p.num_splits}"
+    if p.tail_groups:  # whole groups, then tail_groups groups in num_splits splits
+        tag = f"1|{p.num_splits}x{p.tail_groups}g"
     return f"{tag}@{p.ctas_per_sm}"
 
 

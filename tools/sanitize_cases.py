@@ -3,7 +3,7 @@
 CuPy's memory pool hides out-of-bounds accesses inside its big blocks, so the pool is disabled
 and every array is its own cudaMalloc. Exits non-zero if a result is wrong.
     compute-sanitizer --tool memcheck python tools/sanitize_cases.py [--only filled]
---only filled: just the decode cases on the filled grid and with CTA loads (a short run).
+--only filled: just the decode cases on the filled and tail-split grids and with CTA loads (a short run).
 """
 import sys
 from pathlib import Path
@@ -15,7 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
 from gpu_util import check_backward, check_forward, merge_of_the_splits, random_qkv  # noqa: E402
-from test_decode_gpu import FILLED_LAYOUT_CASE, case, run_and_check  # noqa: E402
+from test_decode_gpu import (  # noqa: E402
+    FILLED_LAYOUT_CASE, TAIL_CASES, TAIL_LAYOUT_CASE, TAIL_THRESHOLDS, case, run_and_check,
+)
 
 from cuflash import jit, plan  # noqa: E402
 
@@ -82,6 +84,7 @@ def main():
     # cache with an append, long splits in 2 waves.
     from cuflash import kvcache
 
+    thresholds = plan.DECODE_FILL_MIN_UNSPLIT_TILES, plan.DECODE_LONG_CTA_KEYS
     plan.DECODE_FILL_MIN_UNSPLIT_TILES, plan.DECODE_LONG_CTA_KEYS = 1, 1
     kvcache._plan_and_load.cache_clear()
     made, real = [], plan.plan_decode
@@ -107,6 +110,24 @@ def main():
         if not made[-1].attn.spec.cta_loads:
             sys.exit(f"decode hd{head_dim} at 2 CTAs per SM did not load as a CTA ({made[-1].attn.spec.name})")
         print(f"ok decode CTA loads hd{head_dim}, 2 slabs: err {err:.2e} <= {bound:.2e}")
+    # The tail-split grid (thresholds lowered as in tests/test_decode_gpu.py): column loads at 3 per SM,
+    # CTA loads at 2 per SM, causal GQA with 12 packed rows x 5 splits, a paged cache with an append on
+    # the element-wise path (head dim 100).
+    plan.DECODE_FILL_MIN_UNSPLIT_TILES, plan.DECODE_LONG_CTA_KEYS = thresholds
+    for name, value in TAIL_THRESHOLDS.items():
+        setattr(plan, name, value)
+    kvcache._plan_and_load.cache_clear()
+    batch, nheads, nheads_kv, cached, capacity = TAIL_LAYOUT_CASE
+    for kw, L, call in [
+        (dict(batch=b, seqlen_q=sq, nheads=h, nheads_kv=hk, head_dim=128, capacity=L + 7), L, dict(causal=causal))
+        for b, h, hk, sq, causal, L in TAIL_CASES[:3]
+    ] + [(dict(batch=batch, seqlen_q=1, nheads=nheads, nheads_kv=nheads_kv, head_dim=100, capacity=capacity,
+               page_size=48, seqlen_new=3), cached + 3, {})]:  # fmt: skip
+        c = dict(case(rng, **kw), cache_seqlens=L - kw.get("seqlen_new", 0))
+        _, _, err, bound = run_and_check(**c, **call)
+        if not made[-1].tail_groups:
+            sys.exit(f"decode {kw} L={L} did not take the tail-split grid on this GPU (grid {made[-1].attn.grid})")
+        print(f"ok decode tail-split grid {kw} L={L} {call}: err {err:.2e} <= {bound:.2e}")
     cupy.cuda.runtime.deviceSynchronize()
 
 
