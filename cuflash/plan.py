@@ -772,16 +772,19 @@ DECODE_FILL_MIN_UNSPLIT_TILES = 96
 #: merged in the kernel) and their CTAs started last (the block scheduler's usual order, not a CUDA
 #: guarantee; only the speed depends on it), so they spread over the slots the whole groups leave
 #: free instead of a few long CTAs running on alone. Measured on the H200 (tools/ab_fill_decode.py,
-#: hd128 bf16 MHA, the same call with and without it, cuDNN alongside; perf-notes fourteenth decode
-#: pass): time 2.2-3.6% lower where the last wave was 52-69% full (b=58, 62, 70 at 4k keys; b=58 at
-#: 2k; b=128 at 4k 1.5%), about level or slower where it was 73-82% full (b=56, 64, 72 at 4k: -0.3
-#: to +0.7%; b=60 with 8 kv heads, one whole wave before it: 5% slower) and with splits of 16 tiles
-#: (b=128 at 1k keys 1.7% slower). A lone CTA streams ~1.45x faster than in a full wave (1.3 vs 1.9
-#: us per tile), so a wave over ~70% full runs at the full rate anyway. Taken for hd128 one-slab
-#: calls on sm_90+ (the kTailGrid variants) where the last wave is at most DECODE_TAIL_SPLIT_MAX_FILL
-#: full, after at least DECODE_TAIL_SPLIT_MIN_WAVES whole waves, with at least
-#: DECODE_TAIL_SPLIT_MIN_TILES tiles per group, and the modeled time (decode_num_splits's: waves x
-#: (tiles per CTA + DECODE_CTA_OVERHEAD_TILES), plus one overhead for the merge) drops by at least
+#: hd128 bf16, the same call with and without it, cuDNN alongside; perf-notes fourteenth decode pass,
+#: docs/ab-tail-split-h200-2026-12-01.txt). First run, 14 shapes: time 2.2-3.6% lower where the last
+#: wave was 52-69% full (b=58, 62, 70 at 4k keys, b=58 at 2k; b=128 at 4k 1.5%), level where it was
+#: 73-79% full (b=56, 64, 72 at 4k: -0.3 to +0.7%; but b=64 at 6k +1.5%), 5% slower at b=60 with 8
+#: kv heads (82% full after one whole wave), mixed with groups of 16 tiles (b=128 at 1k 1.7% slower,
+#: b=70 at 1k 1.7% faster). A lone CTA streams ~1.45x faster than in a full wave (1.3 vs 1.9 us per
+#: tile), so a wave over ~70% full runs near the full rate anyway. The rule below, drawn from that
+#: run, on 13 other shapes and 2 repeats in a second run: time median 0.976 of the whole-group grid,
+#: 14 of 15 faster, cuflash / cuDNN median 0.984 -> 1.002. Taken for hd128 one-slab calls on sm_90+
+#: (the kTailGrid variants) where the last wave is at most DECODE_TAIL_SPLIT_MAX_FILL full, after at
+#: least DECODE_TAIL_SPLIT_MIN_WAVES whole waves, with at least DECODE_TAIL_SPLIT_MIN_TILES tiles per
+#: group, and the modeled time (decode_num_splits's: waves x (tiles per CTA +
+#: DECODE_CTA_OVERHEAD_TILES), plus one overhead for the merge) drops by at least
 #: DECODE_TAIL_SPLIT_MIN_GAIN.
 DECODE_TAIL_SPLIT_BUCKETS = (128,)
 DECODE_TAIL_SPLIT_MAX_FILL = 0.7

@@ -715,21 +715,39 @@ def filled_on_small_caches(monkeypatch, plans_made):
     yield plans_made
 
 
-def _require_filled(q, k_cache, L: int, seqlen_new: int = 0):
-    """The plan of this call (uniform length L after the append) on this GPU; skips where it does not
-    take the filled grid (another SM count or architecture), so a pass means the filled grid ran."""
+def _plan_of_call(q, k_cache, L: int, seqlen_new: int = 0):
+    """The plan of this call (uniform length L after the append) on this GPU."""
     from cuflash import jit, kvcache, plan
     from cuflash.attention import _DTYPE_NAMES
 
     batch, seqlen_q, nheads, head_dim = q.shape
     dev = q.device.id
-    p = plan.plan_decode(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=k_cache.shape[2], head_dim=head_dim,
-                         dtype=_DTYPE_NAMES[q.dtype], aligned=True, max_seqlen=-(-L // 64) * 64, num_splits=0,
-                         num_sms=kvcache._num_sms(dev), arch=jit.device_arch(dev), seqlen_new=seqlen_new,
-                         uniform_lengths=True)  # fmt: skip
+    return plan.plan_decode(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=k_cache.shape[2],
+                            head_dim=head_dim, dtype=_DTYPE_NAMES[q.dtype], aligned=head_dim % 8 == 0,
+                            max_seqlen=-(-L // 64) * 64, num_splits=0, num_sms=kvcache._num_sms(dev),
+                            arch=jit.device_arch(dev), seqlen_new=seqlen_new, uniform_lengths=True)  # fmt: skip
+
+
+def _require_filled(q, k_cache, L: int, seqlen_new: int = 0):
+    """The plan of this call; skips where it does not take the filled grid (another SM count or
+    architecture), so a pass means the filled grid ran."""
+    p = _plan_of_call(q, k_cache, L, seqlen_new)
     if not p.split_major:
         pytest.skip(f"the plan does not fill the slots for this call on this GPU (grid {p.attn.grid})")
     return p
+
+
+def _layout_case(rng, layout_case, dtype: str, head_dim: int, layout: str):
+    """(case, L, new tokens) of layout_case = (batch, nheads, nheads_kv, cached tokens, capacity) in
+    `layout` ("contiguous", "paged 48", "append 3", "full caches"), one length for all."""
+    new = 3 if layout == "append 3" else 0
+    batch, nheads, nheads_kv, cached, capacity = layout_case
+    c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype, capacity=capacity,
+             seqlen_new=new, page_size=48 if layout == "paged 48" else None)  # fmt: skip
+    cap = c["k_cache"].shape[1] if c["block_table"] is None else c["block_table"].shape[1] * 48
+    cached = cap - new if layout == "full caches" else cached
+    c["cache_seqlens"] = None if layout == "full caches" else cached
+    return c, cached + new, new
 
 
 def _assert_launched_filled(plans):
@@ -765,15 +783,8 @@ def test_filled_grid_against_the_reference(filled_on_small_caches, batch, nheads
 @pytest.mark.parametrize("dtype, head_dim", [("fp16", 64), ("bf16", 96), ("bf16", 128)])
 @pytest.mark.parametrize("layout", ["contiguous", "paged 48", "append 3", "full caches"])
 def test_filled_grid_paged_append_and_dtypes(filled_on_small_caches, dtype, head_dim, layout):
-    rng = np.random.default_rng(head_dim)
-    new = 3 if layout == "append 3" else 0
-    batch, nheads, nheads_kv, cached, capacity = FILLED_LAYOUT_CASE
-    c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype, capacity=capacity,
-             seqlen_new=new, page_size=48 if layout == "paged 48" else None)  # fmt: skip
-    cap = c["k_cache"].shape[1] if c["block_table"] is None else c["block_table"].shape[1] * 48
-    cached = cap - new if layout == "full caches" else cached
-    c["cache_seqlens"] = None if layout == "full caches" else cached
-    _require_filled(c["q"], c["k_cache"], cached + new, new)
+    c, L, new = _layout_case(np.random.default_rng(head_dim), FILLED_LAYOUT_CASE, dtype, head_dim, layout)
+    _require_filled(c["q"], c["k_cache"], L, new)
     run_and_check(**c, what=f"filled grid, {layout}")
     _assert_launched_filled(filled_on_small_caches)
 
@@ -824,17 +835,9 @@ def tail_on_small_caches(monkeypatch, plans_made):
 
 
 def _require_tail(q, k_cache, L: int, seqlen_new: int = 0):
-    """The plan of this call (uniform length L after the append) on this GPU; skips where it does not
-    take the tail-split grid (another SM count or architecture), so a pass means it ran."""
-    from cuflash import jit, kvcache, plan
-    from cuflash.attention import _DTYPE_NAMES
-
-    batch, seqlen_q, nheads, head_dim = q.shape
-    dev = q.device.id
-    p = plan.plan_decode(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=k_cache.shape[2], head_dim=head_dim,
-                         dtype=_DTYPE_NAMES[q.dtype], aligned=head_dim % 8 == 0, max_seqlen=-(-L // 64) * 64, num_splits=0,
-                         num_sms=kvcache._num_sms(dev), arch=jit.device_arch(dev), seqlen_new=seqlen_new,
-                         uniform_lengths=True)  # fmt: skip
+    """The plan of this call; skips where it does not take the tail-split grid (another SM count or
+    architecture), so a pass means it ran."""
+    p = _plan_of_call(q, k_cache, L, seqlen_new)
     if not p.tail_groups:
         pytest.skip(f"the plan does not split the last wave's groups for this call on this GPU (grid {p.attn.grid})")
     return p
@@ -874,15 +877,8 @@ def test_tail_split_grid_against_the_reference(tail_on_small_caches, batch, nhea
 @pytest.mark.parametrize("dtype, head_dim", TAIL_DTYPES)
 @pytest.mark.parametrize("layout", ["contiguous", "paged 48", "append 3", "full caches"])
 def test_tail_split_grid_paged_append_and_dtypes(tail_on_small_caches, dtype, head_dim, layout):
-    rng = np.random.default_rng(head_dim + 1)
-    new = 3 if layout == "append 3" else 0
-    batch, nheads, nheads_kv, cached, capacity = TAIL_LAYOUT_CASE
-    c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype, capacity=capacity,
-             seqlen_new=new, page_size=48 if layout == "paged 48" else None)  # fmt: skip
-    cap = c["k_cache"].shape[1] if c["block_table"] is None else c["block_table"].shape[1] * 48
-    cached = cap - new if layout == "full caches" else cached
-    c["cache_seqlens"] = None if layout == "full caches" else cached
-    _require_tail(c["q"], c["k_cache"], cached + new, new)
+    c, L, new = _layout_case(np.random.default_rng(head_dim + 1), TAIL_LAYOUT_CASE, dtype, head_dim, layout)
+    _require_tail(c["q"], c["k_cache"], L, new)
     run_and_check(**c, what=f"tail-split grid, {layout}")
     _assert_launched_tail(tail_on_small_caches)
 
