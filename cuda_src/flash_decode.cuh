@@ -782,9 +782,9 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     grid_dependency_wait();
     grid_launch_dependents();
     DECODE_TRACE(1);
-    // CTA (x, hk, b) takes split x / num_row_blocks of the keys of (b, hk), row block x %
+    // Split grids: CTA (x, hk, b) takes split x / num_row_blocks of the keys of (b, hk), row block x %
     // num_row_blocks; split_major grids are (hk, b, x), so the block scheduler starts the CTAs of
-    // the last split (a short tail, see split_tiles) last.
+    // the last split (a short tail, see split_tiles) last. Tail-split grids (kTailGrid): below.
     if constexpr (Cfg::kTailGrid) {
         // Tail-split grid, 1-D (see the header; its plans have one slab and one row block): CTA c < G0
         // takes group c whole, CTA G0 + k split k / tail_groups of group G0 + k % tail_groups.

@@ -130,7 +130,8 @@ struct DecodeParams {
     int capacity;              // tokens a sequence can hold: seqlen of the cache, or max_blocks * page_size
     int page_size;             // tokens per page (paged); capacity (contiguous)
     int num_pages;             // pages of the paged cache (page indices are clamped into [0, num_pages))
-    int num_splits;            // key splits per sequence == the grid's split dim / num_row_blocks (1..128)
+    int num_splits;            // key splits per sequence == the grid's split dim / num_row_blocks (1..128);
+                               // tail-split grid: the splits of each tail group (the others are whole)
     int num_row_blocks;        // ceil(rows / kBlockM)
     int partial_stride;        // floats per row of o_partial (the head-dim bucket)
     int is_causal;             // 1: token i sees keys j <= L_b - seqlen_q + i

@@ -1088,7 +1088,8 @@ def plan_decode(
     for stay together); with a given num_splits, DECODE_LONG_CTAS_PER_SM where its splits are that
     long, else min_blocks. uniform_lengths: every sequence attends to the same number of keys, within
     the last 64-key step below max_seqlen (one length for all, known on the host), which the filled
-    grid needs; with num_splits=0 and ctas_per_sm=0 the plan may then take it (_filled_grid).
+    and the tail-split grids need; with num_splits=0 and ctas_per_sm=0 the plan may then take one
+    (_filled_grid, _tail_split).
     """
     if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
         raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")

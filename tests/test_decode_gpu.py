@@ -881,6 +881,7 @@ def test_tail_split_grid_paged_append_and_dtypes(tail_on_small_caches, dtype, he
     _require_tail(c["q"], c["k_cache"], L, new)
     run_and_check(**c, what=f"tail-split grid, {layout}")
     _assert_launched_tail(tail_on_small_caches)
+    assert _all_counters_zero(), "a group counter was left non-zero by the tail-split grid"
 
 
 def test_tail_split_grid_repeats_and_matches_whole_groups(tail_on_small_caches):

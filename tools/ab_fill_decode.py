@@ -7,8 +7,10 @@ of one length, num_splits=0).
 A mode is a name and cuflash/plan.py constants set while the mode's calls are planned (the value
 "none" for _filled_grid: never filled; "plain" for decode_num_splits: the split count chosen as if
 no grid were filled, then filled where it can be; 0 or 1 for a bool constant); the default modes are
-  equal   _filled_grid=none: equal splits (what ragged lengths get);
-  plan    this tree's plan: filled wherever the long splits' last wave leaves slots empty.
+  equal   _filled_grid=none,DECODE_TAIL_SPLIT_MIN_GAIN=inf: equal splits, whole groups never split
+          by the tail-split grid (what ragged lengths get);
+  plan    this tree's plan: filled wherever the long splits' last wave leaves slots empty, tail-split
+          where whole groups leave it partly empty.
 e.g. --modes equal:_filled_grid=none plan: plan1:DECODE_FILL_MIN_UNSPLIT_TILES=1
 A shape is batch,cache_len,kv_heads; the default is every `cuflash bench --decode` shape where two of
 the modes plan different grids (--all: every shape). Per shape: device microseconds per call (CUDA
@@ -28,7 +30,7 @@ from cuflash import bench_decode, kvcache, plan  # noqa: E402
 from cuflash.bench import time_ms  # noqa: E402
 
 REAL_NUM_SPLITS = plan.decode_num_splits
-DEFAULT_MODES = ["equal:_filled_grid=none", "plan:"]
+DEFAULT_MODES = ["equal:_filled_grid=none,DECODE_TAIL_SPLIT_MIN_GAIN=inf", "plan:"]
 
 
 def _parse_mode(text):
