@@ -767,6 +767,16 @@ DECODE_IN_KERNEL_MERGE_MAX = 64
 #: (A lean grid, 264 CTAs of equal work cutting across the (sequence, kv head) groups, was slower:
 #: its CTAs no longer read the same keys of neighbouring heads at the same time; 9634e60.)
 DECODE_FILL_MIN_UNSPLIT_TILES = 96
+#: ... and where that one-split grid's last wave is nearly full (fewer than DECODE_FILL_UNSPLIT_MIN_FREE
+#: of its slots empty), only from DECODE_FILL_MIN_UNSPLIT_TILES_FULL tiles: the slots a filled grid
+#: recovers are few there, the merge it adds to every group the same. Measured with
+#: tools/ab_fill_decode.py (filled time / one whole split's, same call): b=64 L=8k h_kv=8 (128 tiles,
+#: last wave 248 of 264) 1.009, 1.003, 1.000, 1.008, 1.010, 1.009, 1.010, 1.007 over six H200s; b=96
+#: L=8k h_kv=8 1.010; b=8 L=8k h_kv=32 (one wave, 256 of 264) 1.014, 0.998, 0.998, 1.002; b=16 and
+#: b=24 L=8k h_kv=32 0.997, 0.998. With 256 tiles a group (b=8 L=16k h_kv=32, b=64 L=16k h_kv=8) the
+#: filled grid was ahead in 6 of 8, with 64 slots empty (b=64 L=8k h_kv=32) in 5 of 6: those keep it.
+DECODE_FILL_UNSPLIT_MIN_FREE = 0.1
+DECODE_FILL_MIN_UNSPLIT_TILES_FULL = 192
 #: The tail-split grid (_tail_split): where the plan runs every group whole (one split) in several
 #: waves and the last wave is partly empty, the groups of that wave are split instead (equal splits,
 #: merged in the kernel) and their CTAs started last (the block scheduler's usual order, not a CUDA
@@ -791,6 +801,29 @@ DECODE_TAIL_SPLIT_MAX_FILL = 0.7
 DECODE_TAIL_SPLIT_MIN_WAVES = 2
 DECODE_TAIL_SPLIT_MIN_TILES = 32
 DECODE_TAIL_SPLIT_MIN_GAIN = 0.01
+#: Deep grids (_deep_grid): where every group runs whole in at least DECODE_DEEP_MIN_WAVES waves of the
+#: tile's min_blocks CTAs per SM (3 for hd128), its groups are at most DECODE_DEEP_MAX_KEYS keys long and
+#: the tail-split grid takes that grid's last wave, the plan runs it so, unless the split model's own
+#: plan is already whole groups with a tail split: at 3 per SM a CTA's start and end are covered by
+#: the two others on its SM, and the tail split removes the few whole groups of a last wave that ran
+#: on alone and made such grids lose before (ninth pass). The split model sees neither: it picked 2
+#: splits at 3 per SM for 2048 groups of 32 tiles and 4 for 1600 groups of 64. Measured on four H200s
+#: (tools/ab_fill_decode.py, the same call under each plan, 15 samples, cuDNN alongside;
+#: docs/ab-deep-grid-h200-2026-12-01.txt). Drawn from two calls, where it was faster at b=64 L=2k
+#: h_kv=32 (6.5%, 7.8%), b=256 L=2k h_kv=8 (7.2%, 7.1%), b=200 L=4k h_kv=8 (4.2%, 3.6%, 3.8%), b=64
+#: L=4k h_kv=32 (0.6%, 0.4%, 0.2%), b=56 and b=66 L=4k (0.4%, 0.5%), and slower or mixed with groups
+#: longer than 4k keys (b=64 L=16k h_kv=32 +1.6%, +1.8%) or no tail split at 3 per SM (b=72, b=96 at
+#: 4k, b=48 at 8k: up to +1.8%). A third call, on shapes not used for it: faster on all 6 where it
+#: replaced the split model's grid (b=100, b=400 L=2k: 3.3%, 3.7%; b=200 L=3k h_kv=8 3.1%; b=300 L=4k
+#: h_kv=8 2.4%; b=100 L=4k 1.3%; b=64 L=3k 0.8%) and at the bench's b=64 L=4k h_kv=32 (0.7%), but
+#: 0.3-1.0% slower at 3 of the 4 whose old plan was whole groups with a tail split at 2 per SM (b=62,
+#: b=150 at 4k, b=250 at 4k h_kv=8; b=128 at 3k 0.4% faster): hence the exception above. A fourth call
+#: with the landed rule, 5 new shapes and the bench's b=64 L=4k h_kv=32: all faster (0.6-4.8%; b=180
+#: L=2k h_kv=16 713.9 -> 679.3 us, b=64 L=4k 975.8 -> 960.3).
+#: Whole groups at 3 per SM without the tail split are machine-dependent (b=64 L=4k h_kv=32: 1.0%
+#: faster on one H200, 2.7% and 3.3% slower on another).
+DECODE_DEEP_MIN_WAVES = 4
+DECODE_DEEP_MAX_KEYS = 4096
 #: gridDim.x limit (CUDA programming guide, technical specifications).
 _MAX_GRID_X = 2**31 - 1
 #: Shared memory per SM in KB (CUDA programming guide, compute capabilities table), for the CTAs
@@ -1089,7 +1122,8 @@ def plan_decode(
     long, else min_blocks. uniform_lengths: every sequence attends to the same number of keys, within
     the last 64-key step below max_seqlen (one length for all, known on the host), which the filled
     and the tail-split grids need; with num_splits=0 and ctas_per_sm=0 the plan may then take one
-    (_filled_grid, _tail_split).
+    (_filled_grid, _tail_split), and the deep grid (_deep_grid: whole groups at the tile's CTAs per SM
+    with a tail split) instead of the split model's plan.
     """
     if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
         raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")
@@ -1132,6 +1166,10 @@ def plan_decode(
         if not ctas_per_sm and not long_ctas(splits):
             per_sm = spec.tile.min_blocks  # short CTAs: as many per SM as fit
             splits = auto(per_sm)
+        groups = batch * nheads_kv
+        if may_fill and not (splits == 1 and _tail_split(groups, n_tiles, per_sm, row_blocks, rows, spec, num_sms)):
+            if _deep_grid(groups, n_tiles, row_blocks, rows, spec, num_sms):
+                per_sm, splits = spec.tile.min_blocks, 1  # whole groups and a tail split, at the tile's CTAs per SM
     else:
         splits = max(1, min(num_splits, MAX_DECODE_SPLITS, n_tiles))
         per_sm = ctas_per_sm or (spaced if long_ctas(splits) else spec.tile.min_blocks)
@@ -1175,7 +1213,7 @@ def plan_decode(
 def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks: int, rows: int, spec: DecodeSpec,
                  num_sms: int) -> tuple[int, int] | None:  # fmt: skip
     """(splits, tiles per split) of the filled grid where it replaces the split plan's (splits, per_sm)
-    grid of equal splits, else None (see DECODE_FILL_MIN_UNSPLIT_TILES).
+    grid of equal splits, else None (see DECODE_FILL_MIN_UNSPLIT_TILES and DECODE_FILL_UNSPLIT_MIN_FREE).
 
     The ``splits`` long splits of every group run in waves of ``slots`` CTAs; the last wave leaves
     ``free`` slots empty, through which the groups' tails go in rounds = ceil(groups / free) one
@@ -1191,7 +1229,12 @@ def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks
         return None
     long_tiles = -(-n_tiles * rounds // (splits * rounds + 1))
     tail = n_tiles - splits * long_tiles
-    need = DECODE_FILL_MIN_UNSPLIT_TILES if splits == 1 else -(-DECODE_LONG_CTA_KEYS // spec.tile.block_n)
+    if splits > 1:
+        need = -(-DECODE_LONG_CTA_KEYS // spec.tile.block_n)
+    elif free < DECODE_FILL_UNSPLIT_MIN_FREE * slots:
+        need = DECODE_FILL_MIN_UNSPLIT_TILES_FULL
+    else:
+        need = DECODE_FILL_MIN_UNSPLIT_TILES
     if tail < 1 or long_tiles < need or rounds * tail > long_tiles:
         return None
     if splits + 1 > MAX_DECODE_SPLITS or decode_separate_combine(rows, splits + 1):
@@ -1241,6 +1284,19 @@ def _tail_split(groups: int, n_tiles: int, per_sm: int, row_blocks: int, rows: i
     if groups + (best - 1) * tail > _MAX_GRID_X:
         return None
     return best, tail
+
+
+def _deep_grid(groups: int, n_tiles: int, row_blocks: int, rows: int, spec: DecodeSpec, num_sms: int) -> bool:
+    """Whether ``groups`` whole groups of ``n_tiles`` tiles run at the tile's min_blocks CTAs per SM
+    with a tail split rather than as the split model plans them (see DECODE_DEEP_MIN_WAVES): the tile
+    holds more CTAs per SM than DECODE_LONG_CTAS_PER_SM, the groups fill at least DECODE_DEEP_MIN_WAVES
+    waves at min_blocks per SM, are at most DECODE_DEEP_MAX_KEYS keys, and _tail_split takes the last wave."""
+    per_sm = spec.tile.min_blocks
+    if per_sm <= DECODE_LONG_CTAS_PER_SM or n_tiles * spec.tile.block_n > DECODE_DEEP_MAX_KEYS:
+        return False
+    if groups < DECODE_DEEP_MIN_WAVES * num_sms * per_sm:
+        return False
+    return _tail_split(groups, n_tiles, per_sm, row_blocks, rows, spec, num_sms) is not None
 
 
 def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=None, aligned=(True, False),

@@ -711,6 +711,7 @@ def filled_on_small_caches(monkeypatch, plans_made):
     from cuflash import plan
 
     monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES", 1)
+    monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES_FULL", 1)
     monkeypatch.setattr(plan, "DECODE_LONG_CTA_KEYS", 1)
     yield plans_made
 
@@ -908,6 +909,35 @@ def test_tail_split_grid_repeats_and_matches_whole_groups(tail_on_small_caches):
     assert (rows_t[:n_whole] == rows_w[:n_whole]).all(), "a whole group's output differs from the one-split grid's"
     ref = reference.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=L)[0]
     assert reference.max_abs_error(t, w) <= 2 * reference.max_abs_error(w, ref) + 1e-5
+
+
+def test_deep_grid_at_a_bench_like_shape(plans_made):
+    """The plan's own choice (no thresholds changed) at b=64, 32 kv heads, 2048 tokens: on the H200 the
+    deep grid (plan._deep_grid), 2048 whole groups at 3 CTAs per SM and the 68 of the last wave in
+    splits, where the split model alone planned 2 splits a group. The whole groups give the bits of
+    the one-split grid; the rows of the split ones agree with the reference."""
+    import cuflash
+
+    rng = np.random.default_rng(13)
+    batch, nheads, L = 64, 32, 2048
+    c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads, head_dim=128, capacity=L, lengths=[L] * batch)
+    p = _require_tail(c["q"], c["k_cache"], L)
+    if p.ctas_per_sm != p.attn.spec.min_blocks:
+        pytest.skip(f"the plan runs the tail-split grid at {p.ctas_per_sm} CTAs per SM here, not the deep grid")
+    args = (c["q"], c["k_cache"], c["v_cache"])
+    deep = to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L))
+    _assert_launched_tail(plans_made)
+    assert _all_counters_zero(), "a group counter was left non-zero by the deep grid"
+    whole = to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L, num_splits=1))
+    assert plans_made[-1].tail_groups == 0
+    n_whole = batch * nheads - p.tail_groups  # group g = b * nheads_kv + hk, one row each (MHA)
+    rows_d, rows_w = (x.reshape(batch * nheads, -1) for x in (deep, whole))
+    assert (rows_d[:n_whole] == rows_w[:n_whole]).all(), "a whole group's output differs from the one-split grid's"
+    first = n_whole // nheads  # the first sequence with a split group
+    ref = reference.attention_with_kvcache(c["q"][first:], to_f64(c["k_cache"][first:]),
+                                           to_f64(c["v_cache"][first:]), cache_seqlens=L)[0]  # fmt: skip
+    bound = reference.max_abs_error(whole[first:], ref)
+    assert reference.max_abs_error(deep[first:], ref) <= 2 * bound + 1e-5
 
 
 def test_ragged_or_device_lengths_keep_equal_splits(plans_made):

@@ -123,7 +123,12 @@ def test_filled_grid_where_the_split_grid_leaves_slots_empty():
     # one split per sequence: only from DECODE_FILL_MIN_UNSPLIT_TILES tiles (the tail adds a merge)
     p = _uniform_plan(8, 16384, 32)
     assert p.split_major and p.num_splits == 2 and p.attn.grid == (32, 8, 2) and p.split_tiles == 249
-    assert _uniform_plan(8, 8192, 32).split_major and not _uniform_plan(8, 4096, 32).split_major
+    assert not _uniform_plan(8, 4096, 32).split_major
+    # ... and where its last wave is nearly full (8 of 264 slots free at b=8 L=8k h_kv=32, 16 at b=64
+    # L=8k h_kv=8: under DECODE_FILL_UNSPLIT_MIN_FREE) only from DECODE_FILL_MIN_UNSPLIT_TILES_FULL tiles
+    assert not _uniform_plan(8, 8192, 32).split_major and not _uniform_plan(64, 8192, 8).split_major
+    assert _uniform_plan(64, 16384, 8).split_major and _uniform_plan(64, 8192, 32).split_major  # 249 tiles; 64 free
+    assert _uniform_plan(8, 8192, 32).attn.grid == (1, 32, 8)  # one whole split per group, cuDNN's grid
     assert _uniform_plan(8, 32768, 8).split_major  # GQA: 4 splits x 64 groups = 256
     # long splits in several waves, the last one short of the slots: b=8 L=128k h_kv=32, 8 splits x 256
     # groups = 2048 CTAs, 7.76 waves of 264: 64 free slots in the last, 4 rounds of tails of 56 tiles
@@ -187,6 +192,7 @@ def test_the_gpu_tests_shapes_take_the_filled_grid_on_the_h200(monkeypatch):
     import test_decode_gpu as g
 
     monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES", 1)
+    monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES_FULL", 1)
     monkeypatch.setattr(plan, "DECODE_LONG_CTA_KEYS", 1)
 
     def filled(batch, seqlen_q, nheads, nheads_kv, head_dim, L, new=0, dtype="bf16"):
@@ -206,11 +212,11 @@ def test_the_gpu_tests_shapes_take_the_filled_grid_on_the_h200(monkeypatch):
 
 
 def test_tail_split_where_the_last_wave_of_whole_groups_is_partial():
-    # b=62 L=4k h_kv=32: 1984 whole groups of 64 tiles at 2 per SM are 7 waves of 264 and 136 left over
-    # (52% of a wave); those 136 in 5 splits of 13 tiles (680 CTAs) started last, on the kTailGrid variant.
-    p = _uniform_plan(62, 4096, 32)
-    assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (5, 136, 2)
-    assert p.attn.grid == (1984 - 136 + 5 * 136, 1, 1) and not p.split_major and p.split_tiles == 0
+    # b=46 L=4k h_kv=32: 1472 whole groups of 64 tiles at 2 per SM are 5 waves of 264 and 152 left over
+    # (58% of a wave); those 152 in 5 splits of 13 tiles (760 CTAs) started last, on the kTailGrid variant.
+    p = _uniform_plan(46, 4096, 32)
+    assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (5, 152, 2)
+    assert p.attn.grid == (1472 - 152 + 5 * 152, 1, 1) and not p.split_major and p.split_tiles == 0
     assert p.attn.spec.tail_grid and p.attn.spec.cta_loads and p.attn.spec.name.endswith("_cta_tail_vec16_sm90a")
     assert p.combine is None  # merged in the kernel: one row x 5 splits
     # b=58 L=4k h_kv=32 runs 3 per SM (column loads): 4 waves of 396 and 272 left over (69%).
@@ -218,14 +224,45 @@ def test_tail_split_where_the_last_wave_of_whole_groups_is_partial():
     assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (4, 272, 3) and not p.attn.spec.cta_loads
     # Not where the lengths are not one known length, nor with a given split count or CTAs per SM, nor
     # before sm_90, nor at other head dims (no variant measured).
-    for q in (_uniform_plan(62, 4096, 32, uniform_lengths=False), _uniform_plan(62, 4096, 32, num_splits=1),
-              _uniform_plan(62, 4096, 32, ctas_per_sm=2), _uniform_plan(62, 4096, 32, arch="sm_80", num_sms=108),
-              _uniform_plan(62, 4096, 32, head_dim=64)):
+    for q in (_uniform_plan(46, 4096, 32, uniform_lengths=False), _uniform_plan(46, 4096, 32, num_splits=1),
+              _uniform_plan(46, 4096, 32, ctas_per_sm=2), _uniform_plan(46, 4096, 32, arch="sm_80", num_sms=108),
+              _uniform_plan(46, 4096, 32, head_dim=64)):
         assert q.tail_groups == 0 and not q.attn.spec.tail_grid and q.attn.grid[1:] != (1, 1), q
-    # The last wave fuller than DECODE_TAIL_SPLIT_MAX_FILL: b=64 L=4k h_kv=32 (200 of 264, 76%), b=60
-    # L=4k h_kv=8 (216, 82%, after one whole wave).
-    assert _uniform_plan(64, 4096, 32).tail_groups == 0 and _uniform_plan(60, 4096, 8).tail_groups == 0
+    # The last wave fuller than DECODE_TAIL_SPLIT_MAX_FILL: b=72 L=4k h_kv=32 (192 of 264, 73%; at 3 per
+    # SM 324 of 396), b=60 L=4k h_kv=8 (216, 82%, after one whole wave).
+    assert _uniform_plan(72, 4096, 32).tail_groups == 0 and _uniform_plan(60, 4096, 8).tail_groups == 0
     assert _uniform_plan(128, 1024, 32).tail_groups == 0  # 16 tiles a group: below DECODE_TAIL_SPLIT_MIN_TILES
+
+
+def test_deep_grid_runs_whole_groups_at_three_per_sm_with_a_tail_split():
+    # b=64 L=4k h_kv=32: 2048 groups of 64 tiles; at 2 per SM (the long splits' spacing) 7 waves and 200
+    # left (76%, no tail split); at the tile's 3 per SM 5 waves of 396 and 68 left, split 5 ways.
+    p = _uniform_plan(64, 4096, 32)
+    assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (5, 68, 3) and p.attn.spec.tail_grid
+    assert not p.attn.spec.cta_loads and p.attn.smem_bytes == p.attn.spec.smem_bytes  # 3 per SM: no padding
+    # Where the split model alone split every group: b=64 L=2k h_kv=32 (2 splits), b=200 L=4k h_kv=8 (4).
+    assert (_uniform_plan(64, 2048, 32).num_splits, _uniform_plan(64, 2048, 32).tail_groups) == (5, 68)
+    p = _uniform_plan(200, 4096, 8)
+    assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (16, 16, 3)
+    with_model = _uniform_plan(200, 4096, 8, uniform_lengths=False)  # no tail split: the split model's plan
+    assert with_model.num_splits == 4 and with_model.tail_groups == 0
+    # Not taken: fewer than DECODE_DEEP_MIN_WAVES waves at 3 per SM (b=48: 1536 groups < 4 x 396), groups
+    # over DECODE_DEEP_MAX_KEYS (b=64 L=8k: the filled grid stays), no tail split at 3 per SM (b=72 L=4k:
+    # 324 of 396 left), a given split count or CTAs per SM, sm_80 (no kTailGrid), a tile of 2 per SM.
+    assert _uniform_plan(48, 4096, 32).ctas_per_sm == 2 and _uniform_plan(64, 8192, 32).split_major
+    assert _uniform_plan(72, 4096, 32).ctas_per_sm == 2
+    # Nor where the split model's plan is already whole groups with a tail split: b=128 L=4k h_kv=32 keeps
+    # 15 waves of 264 and 136 groups in 5 splits at 2 per SM, though the deep grid's test holds there.
+    p = _uniform_plan(128, 4096, 32)
+    assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (5, 136, 2)
+    assert plan._deep_grid(128 * 32, 64, 1, 1, plan.decode_spec(128, "bf16", True, 1, "sm_90a"), 132)
+    for q in (_uniform_plan(64, 4096, 32, num_splits=1), _uniform_plan(64, 4096, 32, ctas_per_sm=2),
+              _uniform_plan(64, 4096, 32, arch="sm_80", num_sms=108), _uniform_plan(64, 4096, 32, head_dim=64)):
+        assert q.tail_groups == 0 and q.ctas_per_sm == 2, q
+    spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
+    assert plan._deep_grid(2048, 64, 1, 1, spec, 132) and not plan._deep_grid(2048, 65, 1, 1, spec, 132)
+    assert plan._deep_grid(1584 + 1, 64, 1, 1, spec, 132) and not plan._deep_grid(1583, 64, 1, 1, spec, 132)
+    assert not plan._deep_grid(1584 * 2, 64, 1, 1, spec, 132)  # whole waves: nothing for a tail split
 
 
 def test_tail_split_model():

@@ -6,7 +6,8 @@ of one length, num_splits=0).
                                    [--modes NAME:CONSTANT=VALUE,... ...]
 A mode is a name and cuflash/plan.py constants set while the mode's calls are planned (the value
 "none" for _filled_grid: never filled; "plain" for decode_num_splits: the split count chosen as if
-no grid were filled, then filled where it can be; 0 or 1 for a bool constant); the default modes are
+no grid were filled, then filled where it can be, or a count N >= 1: N splits wherever the heuristic
+would choose; 0 or 1 for a bool constant); the default modes are
   equal   _filled_grid=none,DECODE_TAIL_SPLIT_MIN_GAIN=inf: equal splits, whole groups never split
           by the tail-split grid (what ragged lengths get);
   plan    this tree's plan: filled wherever the long splits' last wave leaves slots empty, tail-split
@@ -44,8 +45,10 @@ def _parse_mode(text):
             consts[key] = lambda *args: None
         elif (key, value) == ("decode_num_splits", "plain"):  # the split count chosen without the filled grid
             consts[key] = lambda filled_tiles=None, **kw: REAL_NUM_SPLITS(**kw)
+        elif key == "decode_num_splits" and value.isdigit() and int(value) >= 1:  # that count wherever num_splits=0
+            consts[key] = lambda n=int(value), **kw: n
         elif key in ("_filled_grid", "decode_num_splits"):
-            raise SystemExit("_filled_grid takes only the value none, decode_num_splits only plain")
+            raise SystemExit("_filled_grid takes only the value none, decode_num_splits plain or a count >= 1")
         elif isinstance(getattr(plan, key), bool):  # bool("0") would be True
             if value not in ("0", "1"):
                 raise SystemExit(f"{key} takes 0 or 1, got {value!r}")

@@ -84,8 +84,10 @@ def main():
     # cache with an append, long splits in 2 waves.
     from cuflash import kvcache
 
-    thresholds = plan.DECODE_FILL_MIN_UNSPLIT_TILES, plan.DECODE_LONG_CTA_KEYS
-    plan.DECODE_FILL_MIN_UNSPLIT_TILES, plan.DECODE_LONG_CTA_KEYS = 1, 1
+    names = "DECODE_FILL_MIN_UNSPLIT_TILES", "DECODE_FILL_MIN_UNSPLIT_TILES_FULL", "DECODE_LONG_CTA_KEYS"
+    thresholds = {name: getattr(plan, name) for name in names}
+    for name in names:
+        setattr(plan, name, 1)
     kvcache._plan_and_load.cache_clear()
     made, real = [], plan.plan_decode
     plan.plan_decode = lambda **kw: made.append(real(**kw)) or made[-1]  # the plans the calls make
@@ -113,7 +115,8 @@ def main():
     # The tail-split grid (thresholds lowered as in tests/test_decode_gpu.py): column loads at 3 per SM,
     # CTA loads at 2 per SM, causal GQA with 12 packed rows x 5 splits, a paged cache with an append on
     # the element-wise path (head dim 100).
-    plan.DECODE_FILL_MIN_UNSPLIT_TILES, plan.DECODE_LONG_CTA_KEYS = thresholds
+    for name, value in thresholds.items():
+        setattr(plan, name, value)
     for name, value in TAIL_THRESHOLDS.items():
         setattr(plan, name, value)
     kvcache._plan_and_load.cache_clear()
