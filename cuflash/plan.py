@@ -719,7 +719,8 @@ MAX_DECODE_KEYS_PER_SPLIT = 16384
 #: h_kv=8 255.2 vs 263.6; b=64 L=8k h_kv=8 494.8 vs 509.4; b=8 L=16k h_kv=8 137.1 vs 139.6. Where
 #: they are short (b=8 L=4k h_kv=8: 11 tiles a CTA; b=1 up to 16k keys), 3 per SM hide each CTA's
 #: pipeline fill and epilogue better: 46.3 us at 3/SM vs 50.6 at 2/SM. Over the 26 shapes the
-#: heuristic's time / the best (s, CTAs per SM) measured went from mean 1.020 to 1.014.
+#: heuristic's time / the best (s, CTAs per SM) measured went from mean 1.020 to 1.014. (Deep grids of
+#: whole groups, DECODE_DEEP_MIN_WAVES, run CTAs of up to 4096 keys at 3 per SM.)
 DECODE_LONG_CTA_KEYS = 3072
 DECODE_LONG_CTAS_PER_SM = 2
 
@@ -775,6 +776,8 @@ DECODE_FILL_MIN_UNSPLIT_TILES = 96
 #: L=8k h_kv=8 1.010; b=8 L=8k h_kv=32 (one wave, 256 of 264) 1.014, 0.998, 0.998, 1.002; b=16 and
 #: b=24 L=8k h_kv=32 0.997, 0.998. With 256 tiles a group (b=8 L=16k h_kv=32, b=64 L=16k h_kv=8) the
 #: filled grid was ahead in 6 of 8, with 64 slots empty (b=64 L=8k h_kv=32) in 5 of 6: those keep it.
+#: The split count is chosen as before (the model prices the one-split fill regardless): the rule only
+#: turns a one-split filled grid into whole groups.
 DECODE_FILL_UNSPLIT_MIN_FREE = 0.1
 DECODE_FILL_MIN_UNSPLIT_TILES_FULL = 192
 #: The tail-split grid (_tail_split): where the plan runs every group whole (one split) in several
@@ -1151,7 +1154,8 @@ def plan_decode(
     if num_splits == 0:
         def auto(per_sm: int) -> int:
             def filled_tiles(s: int) -> int | None:  # the split count as _filled_grid below would plan it
-                got = _filled_grid(batch * nheads_kv, n_tiles, s, per_sm, row_blocks, rows, spec, num_sms)
+                got = _filled_grid(batch * nheads_kv, n_tiles, s, per_sm, row_blocks, rows, spec, num_sms,
+                                   for_model=True)  # fmt: skip
                 return None if got is None else got[1]
 
             return decode_num_splits(ctas=batch * nheads_kv * row_blocks, n_tiles=max(1, n_tiles),
@@ -1211,9 +1215,12 @@ def plan_decode(
 
 
 def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks: int, rows: int, spec: DecodeSpec,
-                 num_sms: int) -> tuple[int, int] | None:  # fmt: skip
+                 num_sms: int, *, for_model: bool = False) -> tuple[int, int] | None:  # fmt: skip
     """(splits, tiles per split) of the filled grid where it replaces the split plan's (splits, per_sm)
     grid of equal splits, else None (see DECODE_FILL_MIN_UNSPLIT_TILES and DECODE_FILL_UNSPLIT_MIN_FREE).
+    for_model: as the split count's model prices it, without the nearly-full rule for one split, so
+    that rule decides how a one-split count runs (filled or whole), never the count itself (else a
+    refused one-split fill could tip the model to a filled grid of more splits, which was not measured).
 
     The ``splits`` long splits of every group run in waves of ``slots`` CTAs; the last wave leaves
     ``free`` slots empty, through which the groups' tails go in rounds = ceil(groups / free) one
@@ -1231,7 +1238,7 @@ def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks
     tail = n_tiles - splits * long_tiles
     if splits > 1:
         need = -(-DECODE_LONG_CTA_KEYS // spec.tile.block_n)
-    elif free < DECODE_FILL_UNSPLIT_MIN_FREE * slots:
+    elif not for_model and free < DECODE_FILL_UNSPLIT_MIN_FREE * slots:
         need = DECODE_FILL_MIN_UNSPLIT_TILES_FULL
     else:
         need = DECODE_FILL_MIN_UNSPLIT_TILES

@@ -913,7 +913,7 @@ def test_tail_split_grid_repeats_and_matches_whole_groups(tail_on_small_caches):
 
 def test_deep_grid_at_a_bench_like_shape(plans_made):
     """The plan's own choice (no thresholds changed) at b=64, 32 kv heads, 2048 tokens: on the H200 the
-    deep grid (plan._deep_grid), 2048 whole groups at 3 CTAs per SM and the 68 of the last wave in
+    deep grid (plan._deep_grid), 1980 whole groups at 3 CTAs per SM and the 68 of the last wave in
     splits, where the split model alone planned 2 splits a group. The whole groups give the bits of
     the one-split grid; the rows of the split ones agree with the reference."""
     import cuflash
@@ -921,9 +921,12 @@ def test_deep_grid_at_a_bench_like_shape(plans_made):
     rng = np.random.default_rng(13)
     batch, nheads, L = 64, 32, 2048
     c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads, head_dim=128, capacity=L, lengths=[L] * batch)
+    from cuflash import kvcache, plan
+
     p = _require_tail(c["q"], c["k_cache"], L)
-    if p.ctas_per_sm != p.attn.spec.min_blocks:
-        pytest.skip(f"the plan runs the tail-split grid at {p.ctas_per_sm} CTAs per SM here, not the deep grid")
+    if not plan._deep_grid(batch * nheads, -(-L // p.attn.spec.tile.block_n), 1, 1, p.attn.spec,
+                           kvcache._num_sms(c["q"].device.id)) or p.ctas_per_sm != p.attn.spec.min_blocks:  # fmt: skip
+        pytest.skip(f"the plan does not take the deep grid here (grid {p.attn.grid} at {p.ctas_per_sm} per SM)")
     args = (c["q"], c["k_cache"], c["v_cache"])
     deep = to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L))
     _assert_launched_tail(plans_made)

@@ -129,6 +129,11 @@ def test_filled_grid_where_the_split_grid_leaves_slots_empty():
     assert not _uniform_plan(8, 8192, 32).split_major and not _uniform_plan(64, 8192, 8).split_major
     assert _uniform_plan(64, 16384, 8).split_major and _uniform_plan(64, 8192, 32).split_major  # 249 tiles; 64 free
     assert _uniform_plan(8, 8192, 32).attn.grid == (1, 32, 8)  # one whole split per group, cuDNN's grid
+    # The rule picks how a one-split count runs, not the count: b=63 L=8k h_kv=8 (504 groups, 24 slots
+    # free) stays one whole split, where pricing the refused fill would have tipped the model to a
+    # filled grid of 2 long splits (not measured).
+    p = _uniform_plan(63, 8192, 8)
+    assert (p.num_splits, p.split_major, p.tail_groups) == (1, False, 0)
     assert _uniform_plan(8, 32768, 8).split_major  # GQA: 4 splits x 64 groups = 256
     # long splits in several waves, the last one short of the slots: b=8 L=128k h_kv=32, 8 splits x 256
     # groups = 2048 CTAs, 7.76 waves of 264: 64 free slots in the last, 4 rounds of tails of 56 tiles
@@ -246,10 +251,13 @@ def test_deep_grid_runs_whole_groups_at_three_per_sm_with_a_tail_split():
     assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (16, 16, 3)
     with_model = _uniform_plan(200, 4096, 8, uniform_lengths=False)  # no tail split: the split model's plan
     assert with_model.num_splits == 4 and with_model.tail_groups == 0
-    # Not taken: fewer than DECODE_DEEP_MIN_WAVES waves at 3 per SM (b=48: 1536 groups < 4 x 396), groups
-    # over DECODE_DEEP_MAX_KEYS (b=64 L=8k: the filled grid stays), no tail split at 3 per SM (b=72 L=4k:
-    # 324 of 396 left), a given split count or CTAs per SM, sm_80 (no kTailGrid), a tile of 2 per SM.
-    assert _uniform_plan(48, 4096, 32).ctas_per_sm == 2 and _uniform_plan(64, 8192, 32).split_major
+    # Not taken: fewer than DECODE_DEEP_MIN_WAVES waves at 3 per SM (b=40: 1280 groups = 3 waves of 396 and
+    # 92, which the tail split would take), groups over DECODE_DEEP_MAX_KEYS (b=64 L=8k: the filled grid
+    # stays), no tail split at 3 per SM (b=72 L=4k: 324 of 396 left), a given split count or CTAs per SM,
+    # sm_80 (its hd128 tile holds 2 CTAs per SM, and it has no kTailGrid), a tile of 2 per SM (hd64).
+    spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
+    assert plan._tail_split(1280, 64, 3, 1, 1, spec, 132) == (4, 92) and not plan._deep_grid(1280, 64, 1, 1, spec, 132)
+    assert _uniform_plan(40, 4096, 32).ctas_per_sm == 2 and _uniform_plan(64, 8192, 32).split_major
     assert _uniform_plan(72, 4096, 32).ctas_per_sm == 2
     # Nor where the split model's plan is already whole groups with a tail split: b=128 L=4k h_kv=32 keeps
     # 15 waves of 264 and 136 groups in 5 splits at 2 per SM, though the deep grid's test holds there.
@@ -259,7 +267,6 @@ def test_deep_grid_runs_whole_groups_at_three_per_sm_with_a_tail_split():
     for q in (_uniform_plan(64, 4096, 32, num_splits=1), _uniform_plan(64, 4096, 32, ctas_per_sm=2),
               _uniform_plan(64, 4096, 32, arch="sm_80", num_sms=108), _uniform_plan(64, 4096, 32, head_dim=64)):
         assert q.tail_groups == 0 and q.ctas_per_sm == 2, q
-    spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
     assert plan._deep_grid(2048, 64, 1, 1, spec, 132) and not plan._deep_grid(2048, 65, 1, 1, spec, 132)
     assert plan._deep_grid(1584 + 1, 64, 1, 1, spec, 132) and not plan._deep_grid(1583, 64, 1, 1, spec, 132)
     assert not plan._deep_grid(1584 * 2, 64, 1, 1, spec, 132)  # whole waves: nothing for a tail split

@@ -46,7 +46,7 @@ def _parse_mode(text):
         elif (key, value) == ("decode_num_splits", "plain"):  # the split count chosen without the filled grid
             consts[key] = lambda filled_tiles=None, **kw: REAL_NUM_SPLITS(**kw)
         elif key == "decode_num_splits" and value.isdigit() and int(value) >= 1:  # that count wherever num_splits=0
-            consts[key] = lambda n=int(value), **kw: n
+            consts[key] = lambda n=int(value), **kw: min(n, plan.MAX_DECODE_SPLITS, kw["n_tiles"])
         elif key in ("_filled_grid", "decode_num_splits"):
             raise SystemExit("_filled_grid takes only the value none, decode_num_splits plain or a count >= 1")
         elif isinstance(getattr(plan, key), bool):  # bool("0") would be True
