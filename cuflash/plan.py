@@ -1146,19 +1146,20 @@ def plan_decode(
         raise ValueError(f"ctas_per_sm must be 0 (the tile's) or 1..{spec.tile.min_blocks}, got {ctas_per_sm!r}")
     bn = spec.tile.block_n
     spaced = min(DECODE_LONG_CTAS_PER_SM, spec.tile.min_blocks)
+    groups = batch * nheads_kv  # (sequence, kv head) groups
 
     def long_ctas(s: int) -> bool:
         return -(-n_tiles // s) * bn >= DECODE_LONG_CTA_KEYS
 
     may_fill = uniform_lengths and num_splits == 0 and ctas_per_sm == 0
+    tail = None  # (splits, tail_groups) of a tail-split grid (_tail_split, _deep_grid)
     if num_splits == 0:
         def auto(per_sm: int) -> int:
             def filled_tiles(s: int) -> int | None:  # the split count as _filled_grid below would plan it
-                got = _filled_grid(batch * nheads_kv, n_tiles, s, per_sm, row_blocks, rows, spec, num_sms,
-                                   for_model=True)  # fmt: skip
+                got = _filled_grid(groups, n_tiles, s, per_sm, row_blocks, rows, spec, num_sms, for_model=True)
                 return None if got is None else got[1]
 
-            return decode_num_splits(ctas=batch * nheads_kv * row_blocks, n_tiles=max(1, n_tiles),
+            return decode_num_splits(ctas=groups * row_blocks, n_tiles=max(1, n_tiles),
                                      slots=num_sms * per_sm, min_tiles=-(-MIN_DECODE_KEYS_PER_SPLIT // bn),
                                      max_tiles=MAX_DECODE_KEYS_PER_SPLIT // bn,
                                      filled_tiles=filled_tiles if may_fill and n_tiles else None)  # fmt: skip
@@ -1170,9 +1171,11 @@ def plan_decode(
         if not ctas_per_sm and not long_ctas(splits):
             per_sm = spec.tile.min_blocks  # short CTAs: as many per SM as fit
             splits = auto(per_sm)
-        groups = batch * nheads_kv
-        if may_fill and not (splits == 1 and _tail_split(groups, n_tiles, per_sm, row_blocks, rows, spec, num_sms)):
-            if _deep_grid(groups, n_tiles, row_blocks, rows, spec, num_sms):
+        if may_fill and splits == 1:  # the split model's whole groups, their last wave split where that pays
+            tail = _tail_split(groups, n_tiles, per_sm, row_blocks, rows, spec, num_sms)
+        if may_fill and tail is None:
+            tail = _deep_grid(groups, n_tiles, row_blocks, rows, spec, num_sms)
+            if tail is not None:
                 per_sm, splits = spec.tile.min_blocks, 1  # whole groups and a tail split, at the tile's CTAs per SM
     else:
         splits = max(1, min(num_splits, MAX_DECODE_SPLITS, n_tiles))
@@ -1181,17 +1184,14 @@ def plan_decode(
     pdl = supports_pdl(arch)  # every decode kernel waits for the one before it (flash_decode.cuh)
     filled = None
     if may_fill:
-        filled = _filled_grid(batch * nheads_kv, n_tiles, splits, per_sm, row_blocks, rows, spec, num_sms)
-    tail = None
-    if may_fill and filled is None and splits == 1:
-        tail = _tail_split(batch * nheads_kv, n_tiles, per_sm, row_blocks, rows, spec, num_sms)
+        filled = _filled_grid(groups, n_tiles, splits, per_sm, row_blocks, rows, spec, num_sms)
     split_tiles = tail_groups = 0
     if filled is not None:
         splits, split_tiles = filled
         grid = (nheads_kv, batch, splits)
-    elif tail is not None:
+    elif tail is not None:  # the filled grid, where both apply (one split of >= 96 tiles), takes precedence
         splits, tail_groups = tail
-        grid = (batch * nheads_kv + (splits - 1) * tail_groups, 1, 1)
+        grid = (groups + (splits - 1) * tail_groups, 1, 1)
         spec = dataclasses.replace(spec, tail_grid=True)
     else:
         grid = (splits * row_blocks, nheads_kv, batch)
@@ -1293,17 +1293,19 @@ def _tail_split(groups: int, n_tiles: int, per_sm: int, row_blocks: int, rows: i
     return best, tail
 
 
-def _deep_grid(groups: int, n_tiles: int, row_blocks: int, rows: int, spec: DecodeSpec, num_sms: int) -> bool:
-    """Whether ``groups`` whole groups of ``n_tiles`` tiles run at the tile's min_blocks CTAs per SM
-    with a tail split rather than as the split model plans them (see DECODE_DEEP_MIN_WAVES): the tile
-    holds more CTAs per SM than DECODE_LONG_CTAS_PER_SM, the groups fill at least DECODE_DEEP_MIN_WAVES
-    waves at min_blocks per SM, are at most DECODE_DEEP_MAX_KEYS keys, and _tail_split takes the last wave."""
+def _deep_grid(groups: int, n_tiles: int, row_blocks: int, rows: int, spec: DecodeSpec,
+               num_sms: int) -> tuple[int, int] | None:  # fmt: skip
+    """(splits, tail_groups) of the tail split where ``groups`` whole groups of ``n_tiles`` tiles run
+    at the tile's min_blocks CTAs per SM rather than as the split model plans them (see
+    DECODE_DEEP_MIN_WAVES), else None: the tile holds more CTAs per SM than DECODE_LONG_CTAS_PER_SM,
+    the groups fill at least DECODE_DEEP_MIN_WAVES waves at min_blocks per SM, are at most
+    DECODE_DEEP_MAX_KEYS keys, and _tail_split takes the last wave."""
     per_sm = spec.tile.min_blocks
     if per_sm <= DECODE_LONG_CTAS_PER_SM or n_tiles * spec.tile.block_n > DECODE_DEEP_MAX_KEYS:
-        return False
+        return None
     if groups < DECODE_DEEP_MIN_WAVES * num_sms * per_sm:
-        return False
-    return _tail_split(groups, n_tiles, per_sm, row_blocks, rows, spec, num_sms) is not None
+        return None
+    return _tail_split(groups, n_tiles, per_sm, row_blocks, rows, spec, num_sms)
 
 
 def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=None, aligned=(True, False),
