@@ -244,16 +244,11 @@ CUFLASH_DEVICE int decode_opaque(int x) {
     return x;
 }
 
-// sK, sV <- tile rows [row0, row0 + kRows) = keys [n0 + row0, n0 + row0 + kRows) of the sequence (rows
-// >= L and columns >= head_dim zero-filled, so masked keys contribute exactly 0 to P V), by kThreads
-// threads (tid < kThreads). Chunk c of those rows goes to thread c % kThreads: 16 consecutive threads
-// cover one 256-byte row at head dim 128 (coalesced), and each row's page is looked up once per
-// thread and used for its K and its V chunk. The thread index is made opaque so the per-pass
-// addresses are recomputed for every tile instead of being held in registers across the main loop
-// (they would crowd out the O accumulator at large head dims).
-template <class Cfg, int kRows = Cfg::kBlockN, int kThreads = Cfg::kNThreads>
-CUFLASH_DEVICE void decode_load_kv(u16* s_k, u16* s_v, const u16* g_k, const u16* g_v, const DecodeParams& p,
-                                   const DecodeCacheRows& cache, int n0, int L, int tid_, int row0 = 0) {
+// decode_load_kv's general path: every row located on its own (page lookup, bounds), once per
+// thread and used for its K and its V chunk.
+template <class Cfg, int kRows, int kThreads>
+CUFLASH_DEVICE void decode_load_kv_rows(u16* s_k, u16* s_v, const u16* g_k, const u16* g_v, const DecodeParams& p,
+                                        const DecodeCacheRows& cache, int n0, int L, int tid_, int row0) {
     const int tid = decode_opaque(tid_);
     constexpr int kC = Cfg::kChunksPerRow;
     constexpr int kChunks = kRows * kC;
@@ -282,6 +277,68 @@ CUFLASH_DEVICE void decode_load_kv(u16* s_k, u16* s_v, const u16* g_k, const u16
             decode_copy_chunk_scalar(dst_v, src_v, row_ok, col, p.head_dim);
         }
     }
+}
+
+// sK, sV <- tile rows [row0, row0 + kRows) = keys [n0 + row0, n0 + row0 + kRows) of the sequence (rows
+// >= L and columns >= head_dim zero-filled, so masked keys contribute exactly 0 to P V), by kThreads
+// threads (tid < kThreads). Chunk c of those rows goes to thread c % kThreads: 16 consecutive threads
+// cover one 256-byte row at head dim 128 (coalesced). The thread index is made opaque so the per-pass
+// addresses are recomputed for every tile instead of being held in registers across the main loop
+// (they would crowd out the O accumulator at large head dims).
+// Where all kRows rows are keys of the sequence and lie in one cache row or page (every tile but the
+// ragged last one; a page holds whole 16-row column shares, page sizes being multiples of 16), the
+// rows are found once per call and each pass only steps a pointer; else every row is located on its
+// own (decode_load_kv_rows). Same addresses either way: the fast path only issues fewer instructions,
+// which the main loop feels where few warps share an SM (a lone CTA per SM streamed ~1.3 us per
+// 64-key tile, most of its ~1000 instructions per tile being this address arithmetic).
+template <class Cfg, int kRows = Cfg::kBlockN, int kThreads = Cfg::kNThreads>
+CUFLASH_DEVICE void decode_load_kv(u16* s_k, u16* s_v, const u16* g_k, const u16* g_v, const DecodeParams& p,
+                                   const DecodeCacheRows& cache, int n0, int L, int tid_, int row0 = 0) {
+    constexpr int kC = Cfg::kChunksPerRow;
+    constexpr int kChunks = kRows * kC;
+    constexpr int kPasses = (kChunks + kThreads - 1) / kThreads;
+    // One slab only: with two (hd128, 3 CTAs per SM) the fast path cost a spill under NVRTC 12.9, and
+    // the 2- and 4-slab variants are not measured with it.
+    if constexpr (Cfg::kAligned && Cfg::kMSlabs == 1 && kThreads % kC == 0 && kRows % (kThreads / kC) == 0) {
+        const int first = n0 + row0;  // the first key of these rows
+        if (first + kRows <= L) {
+            int page = cache.b, slot = first, in_page = kRows;
+            if (cache.bt_row != nullptr) {
+                const int blk = first / cache.page_size;
+                page = min(max(cache.bt_row[blk], 0), cache.num_pages - 1);
+                slot = first - blk * cache.page_size;
+                in_page = cache.page_size - slot;
+            }
+            if (in_page >= kRows) {
+                // Thread tid takes column chunk tid % kC of rows tid / kC + pass * kRowsPerPass: one
+                // pointer per tensor, stepped by kRowsPerPass rows a pass (a chunk past head_dim copies
+                // nothing, from the cache's first element, with no step).
+                constexpr int kRowsPerPass = kThreads / kC;
+                const int tid = decode_opaque(tid_);
+                const int r = tid / kC, c = tid % kC;
+                const bool valid = c * 8 < p.head_dim;
+                const u16* src_k = g_k;
+                const u16* src_v = g_v;
+                long long step_k = 0, step_v = 0;
+                if (valid) {
+                    src_k += page * p.k_batch_stride + (slot + r) * p.k_row_stride + c * 8;
+                    src_v += page * p.v_batch_stride + (slot + r) * p.v_row_stride + c * 8;
+                    step_k = kRowsPerPass * p.k_row_stride;
+                    step_v = kRowsPerPass * p.v_row_stride;
+                }
+#pragma unroll
+                for (int pass = 0; pass < kPasses; ++pass) {
+                    const int s_off = kv_chunk_offset<Cfg::kKVSwizzled, Cfg::kKVStride>(row0 + r + pass * kRowsPerPass, c);
+                    cp_async_16(smem_u32(s_k + s_off), src_k, valid);
+                    cp_async_16(smem_u32(s_v + s_off), src_v, valid);
+                    src_k += step_k;
+                    src_v += step_v;
+                }
+                return;
+            }
+        }
+    }
+    decode_load_kv_rows<Cfg, kRows, kThreads>(s_k, s_v, g_k, g_v, p, cache, n0, L, tid_, row0);
 }
 
 // S[0][nb][2h + e] is row g + 8h of the warp's slab, key col0 + 8 nb + e (col0 = first key + 2t):
