@@ -827,6 +827,21 @@ DECODE_TAIL_SPLIT_MIN_GAIN = 0.01
 #: faster on one H200, 2.7% and 3.3% slower on another).
 DECODE_DEEP_MIN_WAVES = 4
 DECODE_DEEP_MAX_KEYS = 4096
+#: The unsplit wave (_unsplit_wave): where the (sequence, kv head) groups (x row blocks) give one CTA to
+#: at least DECODE_ONE_WAVE_MIN_FILL of the SMs and no SM a second, the plan runs every group whole,
+#: one CTA per SM (shared memory padded): no partial rows, no merge, one start per SM. Since a lone
+#: CTA's loads step one pointer instead of locating every row (1fed2a0), one CTA per SM reads at about
+#: the memory's rate. On the H200 (tools/ab_fill_decode.py, the same call planned with and without it,
+#: 15 samples, cuDNN alongside; perf-notes sixteenth decode pass): b=16 L=4k h_kv=8 69.4 vs 72.5 us (3
+#: splits at 3 per SM; cuDNN, which runs these 128 unsplit CTAs too, 68.7), b=16 L=8k h_kv=8 127.5 vs
+#: 130.1 (a filled grid of 3 long splits; cuDNN 126.2), b=32 L=4k h_kv=4 70.1 vs 74.8. The same one
+#: wave made of 2 to 16 splits per group was mixed (b=2 L=16k h_kv=16 4 splits 1.4% faster than 12 at
+#: 3 per SM; b=1 L=32k h_kv=32 4 splits 1.0% slower than the filled grid; b=8 L=32k h_kv=8 2 splits
+#: 1.2% slower): the merge it adds costs what the wave saves, so only unsplit groups take it. On sm_90+,
+#: for the measured bucket (hd128, one slab: the variants with the stepped loads), with num_splits=0
+#: and the plan's CTAs per SM, where a group is DECODE_LONG_CTA_KEYS to MAX_DECODE_KEYS_PER_SPLIT keys.
+DECODE_ONE_WAVE_BUCKETS = (128,)
+DECODE_ONE_WAVE_MIN_FILL = 0.95
 #: gridDim.x limit (CUDA programming guide, technical specifications).
 _MAX_GRID_X = 2**31 - 1
 #: Shared memory per SM in KB (CUDA programming guide, compute capabilities table), for the CTAs
@@ -1126,7 +1141,9 @@ def plan_decode(
     the last 64-key step below max_seqlen (one length for all, known on the host), which the filled
     and the tail-split grids need; with num_splits=0 and ctas_per_sm=0 the plan may then take one
     (_filled_grid, _tail_split), and the deep grid (_deep_grid: whole groups at the tile's CTAs per SM
-    with a tail split) instead of the split model's plan.
+    with a tail split) instead of the split model's plan. Before all of these, with num_splits=0 and
+    ctas_per_sm=0 and any lengths, the unsplit wave (_unsplit_wave: about one group per SM, each whole,
+    one CTA per SM) replaces the split model's plan where it applies.
     """
     if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
         raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")
@@ -1151,9 +1168,12 @@ def plan_decode(
     def long_ctas(s: int) -> bool:
         return -(-n_tiles // s) * bn >= DECODE_LONG_CTA_KEYS
 
-    may_fill = uniform_lengths and num_splits == 0 and ctas_per_sm == 0
+    unsplit_wave = num_splits == 0 and ctas_per_sm == 0 and _unsplit_wave(groups * row_blocks, n_tiles, spec, num_sms)
+    may_fill = uniform_lengths and num_splits == 0 and ctas_per_sm == 0 and not unsplit_wave
     tail = None  # (splits, tail_groups) of a tail-split grid (_tail_split, _deep_grid)
-    if num_splits == 0:
+    if unsplit_wave:
+        splits, per_sm = 1, 1
+    elif num_splits == 0:
         def auto(per_sm: int) -> int:
             def filled_tiles(s: int) -> int | None:  # the split count as _filled_grid below would plan it
                 got = _filled_grid(groups, n_tiles, s, per_sm, row_blocks, rows, spec, num_sms, for_model=True)
@@ -1212,6 +1232,16 @@ def plan_decode(
             raise ValueError(f"batch * nheads * seqlen_q = {out_rows} output rows exceed the grid limit {_MAX_GRID_X}")
         combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch), (out_rows, 1, 1), block, 0, pdl)
     return DecodePlan(attn, append, splits, row_blocks, combine, per_sm, split_tiles, filled is not None, tail_groups)
+
+
+def _unsplit_wave(ctas: int, n_tiles: int, spec: DecodeSpec, num_sms: int) -> bool:
+    """Whether ``ctas`` unsplit CTAs (groups x row blocks) of ``n_tiles`` tiles run as the unsplit wave,
+    one per SM (see DECODE_ONE_WAVE_MIN_FILL)."""
+    if not (supports_pdl(spec.arch) and spec.head_dim in DECODE_ONE_WAVE_BUCKETS and spec.m_slabs == 1
+            and spec.aligned):
+        return False
+    keys = n_tiles * spec.tile.block_n
+    return DECODE_ONE_WAVE_MIN_FILL * num_sms <= ctas <= num_sms and DECODE_LONG_CTA_KEYS <= keys <= MAX_DECODE_KEYS_PER_SPLIT
 
 
 def _filled_grid(groups: int, n_tiles: int, splits: int, per_sm: int, row_blocks: int, rows: int, spec: DecodeSpec,

@@ -943,6 +943,30 @@ def test_deep_grid_at_a_bench_like_shape(plans_made):
     assert reference.max_abs_error(deep[first:], ref) <= 2 * bound + 1e-5
 
 
+def test_unsplit_wave_at_a_bench_like_shape(plans_made):
+    """The plan's own choice (no thresholds changed) at b=16, 8 kv heads, 4096 tokens: on the H200 the
+    unsplit wave (plan._unsplit_wave), 128 whole groups, one CTA per SM, whose loads take the stepped
+    path (the first 63 tiles of every group) and the per-row one (a ragged last tile); ragged lengths
+    too (one sequence shorter, one empty). Checked against the reference, and the same bits as one
+    split launched 2 per SM (CTA loads)."""
+    import cupy
+
+    rng = np.random.default_rng(17)
+    batch, L = 16, 4096
+    lengths = [L] * (batch - 2) + [L - 37, 0]
+    c = case(rng, batch=batch, nheads=32, nheads_kv=8, head_dim=128, capacity=L, lengths=lengths)
+    p = _plan_of_call(c["q"], c["k_cache"], L)
+    if (p.num_splits, p.ctas_per_sm) != (1, 1):
+        pytest.skip(f"the plan does not take the unsplit wave here ({p.num_splits} splits at {p.ctas_per_sm} per SM)")
+    wave_out, wave_lse, _, _ = run_and_check(**c, what="unsplit wave b=16 L=4k h_kv=8")
+    launched = plans_made[-1]
+    assert (launched.num_splits, launched.ctas_per_sm, launched.combine) == (1, 1, None), launched
+    out2, lse2, _, _ = run_and_check(**c, num_splits=1, ctas_per_sm=2, what="one split at 2 per SM")
+    assert plans_made[-1].ctas_per_sm == 2 and plans_made[-1].attn.spec.cta_loads
+    assert bool((wave_out.view(cupy.uint16) == out2.view(cupy.uint16)).all()), "unsplit wave and one split differ"
+    assert bool((wave_lse == lse2).all())
+
+
 def test_ragged_or_device_lengths_keep_equal_splits(plans_made):
     """The filled grid needs one length for all: the same shape with host list or device lengths plans
     equal splits (and is right)."""

@@ -3,7 +3,8 @@
 CuPy's memory pool hides out-of-bounds accesses inside its big blocks, so the pool is disabled
 and every array is its own cudaMalloc. Exits non-zero if a result is wrong.
     compute-sanitizer --tool memcheck python tools/sanitize_cases.py [--only filled]
---only filled: just the decode cases on the filled and tail-split grids and with CTA loads (a short run).
+--only filled: just the decode cases on the unsplit wave, the filled and tail-split grids and with CTA loads
+(a short run).
 """
 import sys
 from pathlib import Path
@@ -84,13 +85,22 @@ def main():
     # cache with an append, long splits in 2 waves.
     from cuflash import kvcache
 
+    made, real = [], plan.plan_decode
+    plan.plan_decode = lambda **kw: made.append(real(**kw)) or made[-1]  # the plans the calls make
+    # The unsplit wave (the plan's own thresholds; 128 whole groups, one CTA per SM) on a paged cache of
+    # 16-token pages (every 16-row column share of a tile in one page: the stepped loads) with ragged
+    # lengths (the per-row loads of a last tile) and an empty sequence.
+    c = case(rng, batch=16, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128, capacity=4096, page_size=16,
+             lengths=[4096] * 14 + [4059, 0])  # fmt: skip
+    _, _, err, bound = run_and_check(**c)
+    if (made[-1].num_splits, made[-1].ctas_per_sm) != (1, 1):
+        sys.exit(f"decode b=16 L=4k h_kv=8 did not take the unsplit wave on this GPU (grid {made[-1].attn.grid})")
+    print(f"ok decode unsplit wave, paged P=16: err {err:.2e} <= {bound:.2e}")
     names = "DECODE_FILL_MIN_UNSPLIT_TILES", "DECODE_FILL_MIN_UNSPLIT_TILES_FULL", "DECODE_LONG_CTA_KEYS"
     thresholds = {name: getattr(plan, name) for name in names}
     for name in names:
         setattr(plan, name, 1)
     kvcache._plan_and_load.cache_clear()
-    made, real = [], plan.plan_decode
-    plan.plan_decode = lambda **kw: made.append(real(**kw)) or made[-1]  # the plans the calls make
     batch, nheads, nheads_kv, cached, capacity = FILLED_LAYOUT_CASE
     for kw, L, call in (
         (dict(batch=12, seqlen_q=1, nheads=8, nheads_kv=8, head_dim=128, capacity=920), 919, {}),
