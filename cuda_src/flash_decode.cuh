@@ -285,10 +285,11 @@ CUFLASH_DEVICE void decode_load_kv_rows(u16* s_k, u16* s_v, const u16* g_k, cons
 // cover one 256-byte row at head dim 128 (coalesced). The thread index is made opaque so the per-pass
 // addresses are recomputed for every tile instead of being held in registers across the main loop
 // (they would crowd out the O accumulator at large head dims).
-// Where all kRows rows are keys of the sequence and lie in one cache row or page (every tile but the
-// ragged last one; a page holds whole 16-row column shares, page sizes being multiples of 16), the
-// rows are found once per call and each pass only steps a pointer; else every row is located on its
-// own (decode_load_kv_rows). Same addresses either way: the fast path only issues fewer instructions,
+// Where all kRows rows are keys of the sequence and lie in one cache row or page (in a contiguous
+// cache every tile but a ragged last one; in a paged one every 16-row column share, page sizes being
+// multiples of 16, and the longer shares and CTA tiles that do not cross a page boundary), the rows
+// are found once per call and each pass only steps a pointer; else every row is located on its own
+// (decode_load_kv_rows). Same addresses either way: the fast path only issues fewer instructions,
 // which the main loop feels where few warps share an SM (a lone CTA per SM streamed ~1.3 us per
 // 64-key tile, most of its ~1000 instructions per tile being this address arithmetic).
 template <class Cfg, int kRows = Cfg::kBlockN, int kThreads = Cfg::kNThreads>
@@ -301,7 +302,7 @@ CUFLASH_DEVICE void decode_load_kv(u16* s_k, u16* s_v, const u16* g_k, const u16
     // the 2- and 4-slab variants are not measured with it.
     if constexpr (Cfg::kAligned && Cfg::kMSlabs == 1 && kThreads % kC == 0 && kRows % (kThreads / kC) == 0) {
         const int first = n0 + row0;  // the first key of these rows
-        if (first + kRows <= L) {
+        if (L - first >= kRows) {  // (first + kRows could overflow next to 2^31)
             int page = cache.b, slot = first, in_page = kRows;
             if (cache.bt_row != nullptr) {
                 const int blk = first / cache.page_size;
@@ -312,7 +313,7 @@ CUFLASH_DEVICE void decode_load_kv(u16* s_k, u16* s_v, const u16* g_k, const u16
             if (in_page >= kRows) {
                 // Thread tid takes column chunk tid % kC of rows tid / kC + pass * kRowsPerPass: one
                 // pointer per tensor, stepped by kRowsPerPass rows a pass (a chunk past head_dim copies
-                // nothing, from the cache's first element, with no step).
+                // nothing, from the first element of the kv head's cache, with no step).
                 constexpr int kRowsPerPass = kThreads / kC;
                 const int tid = decode_opaque(tid_);
                 const int r = tid / kC, c = tid % kC;

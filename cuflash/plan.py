@@ -834,12 +834,15 @@ DECODE_DEEP_MAX_KEYS = 4096
 #: the memory's rate. On the H200 (tools/ab_fill_decode.py, the same call planned with and without it,
 #: 15 samples, cuDNN alongside; perf-notes sixteenth decode pass): b=16 L=4k h_kv=8 69.4 vs 72.5 us (3
 #: splits at 3 per SM; cuDNN, which runs these 128 unsplit CTAs too, 68.7), b=16 L=8k h_kv=8 127.5 vs
-#: 130.1 (a filled grid of 3 long splits; cuDNN 126.2), b=32 L=4k h_kv=4 70.1 vs 74.8. The same one
-#: wave made of 2 to 16 splits per group was mixed (b=2 L=16k h_kv=16 4 splits 1.4% faster than 12 at
-#: 3 per SM; b=1 L=32k h_kv=32 4 splits 1.0% slower than the filled grid; b=8 L=32k h_kv=8 2 splits
-#: 1.2% slower): the merge it adds costs what the wave saves, so only unsplit groups take it. On sm_90+,
+#: 130.1 (a filled grid: 2 splits of 63 tiles and a tail of 2; cuDNN 126.2), b=32 L=4k h_kv=4 70.1
+#: vs 74.8. The same one wave made of 2 to 16 splits per group was mixed (b=2 L=16k h_kv=16 4 splits
+#: 1.4% faster than 12 at 3 per SM; b=1 L=32k h_kv=32 4 splits 1.0% slower than the filled grid; b=8
+#: L=32k h_kv=8 2 splits 1.2% slower): the merge it adds costs what the wave saves, so only unsplit
+#: groups take it. On sm_90+,
 #: for the measured bucket (hd128, one slab: the variants with the stepped loads), with num_splits=0
-#: and the plan's CTAs per SM, where a group is DECODE_LONG_CTA_KEYS to MAX_DECODE_KEYS_PER_SPLIT keys.
+#: and the plan's CTAs per SM, where a group is DECODE_LONG_CTA_KEYS to MAX_DECODE_KEYS_PER_SPLIT keys,
+#: and only with one length for all (uniform_lengths; all it was measured with): with ragged lengths
+#: the longest sequence's whole groups would set the call's time, where splits share them out.
 DECODE_ONE_WAVE_BUCKETS = (128,)
 DECODE_ONE_WAVE_MIN_FILL = 0.95
 #: gridDim.x limit (CUDA programming guide, technical specifications).
@@ -1141,9 +1144,8 @@ def plan_decode(
     the last 64-key step below max_seqlen (one length for all, known on the host), which the filled
     and the tail-split grids need; with num_splits=0 and ctas_per_sm=0 the plan may then take one
     (_filled_grid, _tail_split), and the deep grid (_deep_grid: whole groups at the tile's CTAs per SM
-    with a tail split) instead of the split model's plan. Before all of these, with num_splits=0 and
-    ctas_per_sm=0 and any lengths, the unsplit wave (_unsplit_wave: about one group per SM, each whole,
-    one CTA per SM) replaces the split model's plan where it applies.
+    with a tail split) instead of the split model's plan; before all of these, the unsplit wave
+    (_unsplit_wave: about one group per SM, each whole, one CTA per SM) where it applies.
     """
     if min(batch, seqlen_q, nheads, nheads_kv, num_sms) < 1:
         raise ValueError("plan_decode needs non-empty dimensions and num_sms >= 1; empty inputs never launch")
@@ -1168,7 +1170,8 @@ def plan_decode(
     def long_ctas(s: int) -> bool:
         return -(-n_tiles // s) * bn >= DECODE_LONG_CTA_KEYS
 
-    unsplit_wave = num_splits == 0 and ctas_per_sm == 0 and _unsplit_wave(groups * row_blocks, n_tiles, spec, num_sms)
+    unsplit_wave = (uniform_lengths and num_splits == 0 and ctas_per_sm == 0
+                    and _unsplit_wave(groups * row_blocks, n_tiles, spec, num_sms))
     may_fill = uniform_lengths and num_splits == 0 and ctas_per_sm == 0 and not unsplit_wave
     tail = None  # (splits, tail_groups) of a tail-split grid (_tail_split, _deep_grid)
     if unsplit_wave:

@@ -581,6 +581,30 @@ def test_paged_equals_contiguous(page_size, num_splits):
     assert bool((out2.view(cupy.uint16) == paged_out.view(cupy.uint16)).all()), "device block_table differs from host"
 
 
+def test_paged_cta_loads_across_page_boundaries(plans_made):
+    """CTA loads (64-key tiles, one split at 2 per SM) on 80-token pages: some tiles lie in one page
+    (the stepped loads), others straddle two (the per-row loads); the same bits as the contiguous cache."""
+    import cupy
+
+    rng = np.random.default_rng(5)
+    page_size, capacity = 80, 50 * 80
+    c = case(rng, batch=2, nheads=8, nheads_kv=2, head_dim=128, capacity=capacity, page_size=page_size,
+             lengths=[capacity, 2345])  # fmt: skip
+    bt = c["block_table"]
+    pos = np.arange(capacity)
+    cont = dict(c, block_table=None,
+                k_cache=cupy.ascontiguousarray(c["k_cache"][cupy.asarray(bt[:, pos // page_size]), cupy.asarray(pos % page_size)]),
+                v_cache=cupy.ascontiguousarray(c["v_cache"][cupy.asarray(bt[:, pos // page_size]), cupy.asarray(pos % page_size)]))  # fmt: skip
+    outs = []
+    for cc, what in ((c, "paged P=80"), (cont, "contiguous")):
+        outs.append(run_and_check(**cc, num_splits=1, ctas_per_sm=2, what=what))
+        if not plans_made[-1].attn.spec.cta_loads:
+            pytest.skip(f"one split at 2 per SM does not load as a CTA on this GPU ({plans_made[-1].attn.spec.name})")
+    (po, pl, _, _), (co, cl, _, _) = outs
+    assert bool((po.view(cupy.uint16) == co.view(cupy.uint16)).all()), "paged and contiguous CTA loads differ"
+    assert bool((pl.view(cupy.uint32) == cl.view(cupy.uint32)).all())
+
+
 @pytest.mark.parametrize("page_size", [16, 48])
 @pytest.mark.parametrize("seqlen_new", [1, 3, 17])
 def test_paged_append(page_size, seqlen_new):
@@ -944,27 +968,31 @@ def test_deep_grid_at_a_bench_like_shape(plans_made):
 
 
 def test_unsplit_wave_at_a_bench_like_shape(plans_made):
-    """The plan's own choice (no thresholds changed) at b=16, 8 kv heads, 4096 tokens: on the H200 the
-    unsplit wave (plan._unsplit_wave), 128 whole groups, one CTA per SM, whose loads take the stepped
-    path (the first 63 tiles of every group) and the per-row one (a ragged last tile); ragged lengths
-    too (one sequence shorter, one empty). Checked against the reference, and the same bits as one
-    split launched 2 per SM (CTA loads)."""
+    """The plan's own choice (no thresholds changed) at b=16, 8 kv heads, 4059 tokens in every sequence:
+    on the H200 the unsplit wave (plan._unsplit_wave), 128 whole groups, one CTA per SM, whose loads
+    take the stepped path (63 full tiles and the first share of the last) and the per-row one (the rest
+    of the ragged last tile). Checked against the reference; the same bits as one split launched 2 per
+    SM (CTA loads) and as the element-wise load path (misaligned caches) on the same grid."""
     import cupy
 
     rng = np.random.default_rng(17)
-    batch, L = 16, 4096
-    lengths = [L] * (batch - 2) + [L - 37, 0]
-    c = case(rng, batch=batch, nheads=32, nheads_kv=8, head_dim=128, capacity=L, lengths=lengths)
+    batch, capacity, L = 16, 4096, 4059
+    c = dict(case(rng, batch=batch, nheads=32, nheads_kv=8, head_dim=128, capacity=capacity), cache_seqlens=L)
     p = _plan_of_call(c["q"], c["k_cache"], L)
     if (p.num_splits, p.ctas_per_sm) != (1, 1):
         pytest.skip(f"the plan does not take the unsplit wave here ({p.num_splits} splits at {p.ctas_per_sm} per SM)")
-    wave_out, wave_lse, _, _ = run_and_check(**c, what="unsplit wave b=16 L=4k h_kv=8")
+    wave_out, wave_lse, _, _ = run_and_check(**c, what="unsplit wave b=16 L=4059 h_kv=8")
     launched = plans_made[-1]
     assert (launched.num_splits, launched.ctas_per_sm, launched.combine) == (1, 1, None), launched
+    assert launched.attn.spec.aligned
     out2, lse2, _, _ = run_and_check(**c, num_splits=1, ctas_per_sm=2, what="one split at 2 per SM")
     assert plans_made[-1].ctas_per_sm == 2 and plans_made[-1].attn.spec.cta_loads
-    assert bool((wave_out.view(cupy.uint16) == out2.view(cupy.uint16)).all()), "unsplit wave and one split differ"
-    assert bool((wave_lse == lse2).all())
+    misaligned = dict(c, k_cache=_offset_view(c["k_cache"]), v_cache=_offset_view(c["v_cache"]))
+    out3, lse3, _, _ = run_and_check(**misaligned, num_splits=1, ctas_per_sm=1, what="element-wise loads")
+    assert not plans_made[-1].attn.spec.aligned and plans_made[-1].attn.grid == launched.attn.grid
+    for out, lse, what in ((out2, lse2, "one split at 2 per SM"), (out3, lse3, "the element-wise loads")):
+        assert bool((wave_out.view(cupy.uint16) == out.view(cupy.uint16)).all()), f"unsplit wave and {what} differ"
+        assert bool((wave_lse == lse).all()), f"unsplit wave and {what} differ in lse"
 
 
 def test_ragged_or_device_lengths_keep_equal_splits(plans_made):

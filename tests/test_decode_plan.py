@@ -466,8 +466,8 @@ def test_auto_splits_examples():
 
 def test_unsplit_wave_runs_whole_groups_one_per_sm():
     """Where the groups give one CTA to at least 95% of the SMs and no SM a second (128 of the H200's
-    132), with groups of 3072 to 16384 keys, the plan runs them unsplit, one per SM (shared memory
-    padded), whatever the split model chose (3 splits at 3 per SM, a filled grid)."""
+    132), with groups of 3072 to 16384 keys and one length for all, the plan runs them unsplit, one per
+    SM (shared memory padded), whatever the split model chose (3 splits at 3 per SM, a filled grid)."""
     for batch, nheads_kv, seqlen in [(16, 8, 4096), (16, 8, 8192), (32, 4, 4096), (16, 8, 16384), (126, 1, 3072)]:
         nheads = 4 * nheads_kv  # 4 query heads a kv head: one 16-row slab
         p = _plan(batch=batch, nheads=nheads, nheads_kv=nheads_kv, max_seqlen=seqlen, uniform_lengths=True)
@@ -475,24 +475,25 @@ def test_unsplit_wave_runs_whole_groups_one_per_sm():
         assert p.attn.grid == (1, nheads_kv, batch) and p.combine is None
         assert p.attn.smem_bytes == plan.decode_launch_smem(p.attn.spec.smem_bytes, 1, "sm_90a")
         assert not p.attn.spec.cta_loads
-        assert _plan(batch=batch, nheads=nheads, nheads_kv=nheads_kv, max_seqlen=seqlen).num_splits == 1  # any lengths
+        # Ragged or device lengths (max_seqlen a bound): the longest sequence's groups would run whole.
+        assert _plan(batch=batch, nheads=nheads, nheads_kv=nheads_kv, max_seqlen=seqlen).ctas_per_sm != 1
     # The bounds: 125 groups (< 95% of 132 SMs) or 133 (two on one SM); groups of 2048 or 16448 keys.
     for batch, seqlen in [(125, 4096), (133, 4096), (128, 2048), (128, 16448)]:
-        p = _plan(batch=batch, nheads_kv=1, nheads=4, max_seqlen=seqlen)
+        p = _plan(batch=batch, nheads_kv=1, nheads=4, max_seqlen=seqlen, uniform_lengths=True)
         assert p.ctas_per_sm != 1, (batch, seqlen, p)
-    assert _plan(batch=126, nheads_kv=1, nheads=4, max_seqlen=4096).ctas_per_sm == 1
+    assert _plan(batch=126, nheads_kv=1, nheads=4, max_seqlen=4096, uniform_lengths=True).ctas_per_sm == 1
     # Only with the plan's own split count and CTAs per SM, on sm_90+, for hd128 aligned one-slab calls.
-    base = dict(batch=16, nheads_kv=8, max_seqlen=4096)
+    base = dict(batch=16, nheads_kv=8, max_seqlen=4096, uniform_lengths=True)
     assert _plan(**base, num_splits=1).ctas_per_sm == 2
     assert _plan(**base, ctas_per_sm=3).ctas_per_sm == 3
     assert _plan(**base, arch="sm_80", num_sms=128).ctas_per_sm != 1
     assert _plan(**base, head_dim=64).ctas_per_sm != 1
     assert _plan(**base, aligned=False).ctas_per_sm != 1
-    assert _plan(batch=16, nheads=256, nheads_kv=8, max_seqlen=4096).ctas_per_sm != 1  # 32 rows: two slabs
+    assert _plan(**dict(base, nheads=256)).ctas_per_sm != 1  # 32 rows: two slabs
     assert _plan(**base, seqlen_q=4).ctas_per_sm == 1  # 4 heads x 4 tokens: 16 rows, one slab
     # Its size depends on the SMs: 64 groups fill a GPU of 66 SMs, not one of 132.
-    assert _plan(batch=8, nheads_kv=8, max_seqlen=4096, num_sms=66).ctas_per_sm == 1
-    assert _plan(batch=8, nheads_kv=8, max_seqlen=4096).ctas_per_sm != 1
+    assert _plan(**dict(base, batch=8), num_sms=66).ctas_per_sm == 1
+    assert _plan(**dict(base, batch=8)).ctas_per_sm != 1
 
 
 def test_ctas_per_sm_pads_the_split_kernels_shared_memory():
