@@ -838,11 +838,11 @@ DECODE_DEEP_MAX_KEYS = 4096
 #: vs 74.8. The same one wave made of 2 to 16 splits per group was mixed (b=2 L=16k h_kv=16 4 splits
 #: 1.4% faster than 12 at 3 per SM; b=1 L=32k h_kv=32 4 splits 1.0% slower than the filled grid; b=8
 #: L=32k h_kv=8 2 splits 1.2% slower): the merge it adds costs what the wave saves, so only unsplit
-#: groups take it. On sm_90+,
-#: for the measured bucket (hd128, one slab: the variants with the stepped loads), with num_splits=0
-#: and the plan's CTAs per SM, where a group is DECODE_LONG_CTA_KEYS to MAX_DECODE_KEYS_PER_SPLIT keys,
-#: and only with one length for all (uniform_lengths; all it was measured with): with ragged lengths
-#: the longest sequence's whole groups would set the call's time, where splits share them out.
+#: groups take it. On sm_90+, for the measured bucket (hd128, one slab: the variants with the stepped
+#: loads), with num_splits=0 and the plan's CTAs per SM, where a group is DECODE_LONG_CTA_KEYS to
+#: MAX_DECODE_KEYS_PER_SPLIT keys, and only with one length for all (uniform_lengths; all it was
+#: measured with): with ragged lengths the longest sequence's whole groups would set the call's time,
+#: where splits share them out.
 DECODE_ONE_WAVE_BUCKETS = (128,)
 DECODE_ONE_WAVE_MIN_FILL = 0.95
 #: gridDim.x limit (CUDA programming guide, technical specifications).
@@ -1170,9 +1170,9 @@ def plan_decode(
     def long_ctas(s: int) -> bool:
         return -(-n_tiles // s) * bn >= DECODE_LONG_CTA_KEYS
 
-    unsplit_wave = (uniform_lengths and num_splits == 0 and ctas_per_sm == 0
-                    and _unsplit_wave(groups * row_blocks, n_tiles, spec, num_sms))
-    may_fill = uniform_lengths and num_splits == 0 and ctas_per_sm == 0 and not unsplit_wave
+    own_grid = uniform_lengths and num_splits == 0 and ctas_per_sm == 0  # the plan may pick the grid's shape
+    unsplit_wave = own_grid and _unsplit_wave(groups * row_blocks, n_tiles, spec, num_sms)
+    may_fill = own_grid and not unsplit_wave
     tail = None  # (splits, tail_groups) of a tail-split grid (_tail_split, _deep_grid)
     if unsplit_wave:
         splits, per_sm = 1, 1
