@@ -552,6 +552,17 @@ def test_a_decode_step_captured_in_a_cuda_graph(num_splits):
 # ---------------------------------------------------------------------------------------------
 
 
+def _contiguous_case(c, page_size: int):
+    """The paged case ``c`` with the same tokens gathered into a contiguous cache (batch, capacity, ...)."""
+    import cupy
+
+    bt = c["block_table"]
+    pos = np.arange(bt.shape[1] * page_size)
+    pages, slots = cupy.asarray(bt[:, pos // page_size]), cupy.asarray(pos % page_size)
+    return dict(c, block_table=None, k_cache=cupy.ascontiguousarray(c["k_cache"][pages, slots]),
+                v_cache=cupy.ascontiguousarray(c["v_cache"][pages, slots]))  # fmt: skip
+
+
 @pytest.mark.parametrize("page_size", [16, 32, 48, 80, 256])
 @pytest.mark.parametrize("num_splits", [1, 0, 4])
 def test_paged_equals_contiguous(page_size, num_splits):
@@ -565,12 +576,9 @@ def test_paged_equals_contiguous(page_size, num_splits):
     c = case(rng, batch=batch, nheads=8, nheads_kv=hk, head_dim=d, capacity=capacity, page_size=page_size,
              lengths=[capacity, 5 * page_size + 7, 0])  # fmt: skip
     bt = c["block_table"]
-    pos = np.arange(capacity)
-    kc_cont = cupy.ascontiguousarray(c["k_cache"][cupy.asarray(bt[:, pos // page_size]), cupy.asarray(pos % page_size)])
-    vc_cont = cupy.ascontiguousarray(c["v_cache"][cupy.asarray(bt[:, pos // page_size]), cupy.asarray(pos % page_size)])
-    assert kc_cont.shape == (batch, capacity, hk, d)
+    cont = _contiguous_case(c, page_size)
+    assert cont["k_cache"].shape == (batch, capacity, hk, d)
     paged_out, paged_lse, _, _ = run_and_check(**c, num_splits=num_splits, what=f"paged P={page_size}")
-    cont = dict(c, k_cache=kc_cont, v_cache=vc_cont, block_table=None)
     cont_out, cont_lse, _, _ = run_and_check(**cont, num_splits=num_splits, what=f"contiguous P={page_size}")
     same = (paged_out.view(cupy.uint16) == cont_out.view(cupy.uint16)).all()
     assert bool(same), f"paged (P={page_size}) and contiguous outputs differ; max diff " \
@@ -590,11 +598,7 @@ def test_paged_cta_loads_across_page_boundaries(plans_made):
     page_size, capacity = 80, 50 * 80
     c = case(rng, batch=2, nheads=8, nheads_kv=2, head_dim=128, capacity=capacity, page_size=page_size,
              lengths=[capacity, 2345])  # fmt: skip
-    bt = c["block_table"]
-    pos = np.arange(capacity)
-    cont = dict(c, block_table=None,
-                k_cache=cupy.ascontiguousarray(c["k_cache"][cupy.asarray(bt[:, pos // page_size]), cupy.asarray(pos % page_size)]),
-                v_cache=cupy.ascontiguousarray(c["v_cache"][cupy.asarray(bt[:, pos // page_size]), cupy.asarray(pos % page_size)]))  # fmt: skip
+    cont = _contiguous_case(c, page_size)
     outs = []
     for cc, what in ((c, "paged P=80"), (cont, "contiguous")):
         outs.append(run_and_check(**cc, num_splits=1, ctas_per_sm=2, what=what))
