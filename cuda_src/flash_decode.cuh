@@ -878,13 +878,16 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
 // l = sum_s w_s, acc = sum_s w_s O_s. Thread s loads lse_s (num_splits <= kDecodeThreads); warp w adds
 // splits w, w + 4, ...; lane l owns columns [4 l + 128 j, 4 l + 128 j + 4) of the row (j < kCC). The
 // partial rows of a batch of splits are all loaded into registers before the first is used, and the
-// first batch is on its way while the lse values give the weights: about two L2 round trips per CTA
-// (hd <= 128: every split in one batch), on many SMs at once.
-template <int kHeadDim, bool kIsBF16>
+// first batch is on its way while the lse values give the weights: about two L2 round trips per CTA,
+// on many SMs at once. kBatch, the splits per warp in flight (registers: 4 kBatch kCC), comes in two
+// variants (cuflash/plan.py DecodeCombineSpec): wide (32 / kCC: at hd <= 128 every split in one
+// batch; ~185 registers, 2 CTAs per SM) for calls of few output rows, and lean (4: one batch up to
+// 16 splits, many CTAs per SM) where the rows are many, whose CTAs the wide one would run in waves.
+template <int kHeadDim, bool kIsBF16, int kBatch>
 CUFLASH_DEVICE void flash_decode_combine_kernel(const DecodeParams& p) {
     constexpr int kW = kDecodeThreads / 32;
     constexpr int kCC = (kHeadDim + 127) / 128;  // float4 columns per lane
-    constexpr int kBatch = 32 / kCC;             // splits per warp in flight (registers: 4 kBatch kCC)
+    static_assert(kBatch >= 1 && kBatch * kCC <= 32, "splits in flight per warp: at most 32 float4 registers");
     static_assert(kDecodeMaxSplits <= kDecodeThreads, "one lse per thread");
     __shared__ float s_w[kDecodeMaxSplits];          // weight of each split
     __shared__ float s_max[kW];

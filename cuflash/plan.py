@@ -749,6 +749,14 @@ DECODE_CTA_OVERHEAD_TILES = 1
 #: combine kernel (cuDNN): b=1 h_kv=8 L=16k 27.4 -> 25.6 (23.1), 32k 42.7 -> 40.2 (37.9), 64k
 #: 72.3 -> 70.2 (67.4), 128k 132.0 -> 128.9 (127.5) us. The boundary (64) itself is not measured.
 DECODE_IN_KERNEL_MERGE_MAX = 64
+#: The combine kernel's two variants (DecodeCombineSpec, decode_combine_lean). The wide one (each warp
+#: loads up to 32 partial rows at once) holds ~185 registers a thread, so 2 CTAs per SM: with one CTA
+#: per output row, a call of many rows ran it in waves of 264 (b=128 L=4k with one kv head, 4096
+#: rows of 3 splits: the split kernel 71.6 us, then ~40 us of combine; cuDNN's whole call 66-80).
+#: The lean one loads 4 per warp and runs DECODE_COMBINE_LEAN_CTAS_PER_SM per SM.
+DECODE_COMBINE_WIDE_CTAS_PER_SM = 2
+DECODE_COMBINE_LEAN_BATCH = 4
+DECODE_COMBINE_LEAN_CTAS_PER_SM = 8
 #: The filled grid (_filled_grid): where the split plan's last wave of CTAs (at DECODE_LONG_CTAS_PER_SM
 #: per SM) leaves slots empty, the splits are made a little longer and each sequence's remaining keys
 #: go to one more, short, split, started last (a split-major grid: the block scheduler's usual order,
@@ -1032,19 +1040,31 @@ class DecodeAppendSpec(_DecodeHelperKernel):
 
 @dataclass(frozen=True)
 class DecodeCombineSpec(_DecodeHelperKernel):
-    """The merge of the splits' partial rows as a kernel of its own: one CTA per output row."""
+    """The merge of the splits' partial rows as a kernel of its own: one CTA per output row. Wide: each
+    warp loads up to 32 (hd > 128: 16) of its splits at once; lean: 4, at DECODE_COMBINE_LEAN_CTAS_PER_SM
+    CTAs per SM (see decode_combine_lean)."""
 
     head_dim: int  # bucket (floats per partial row)
     dtype: str
     arch: str
+    lean: bool = False
     family: str = "flash_decode_combine"
 
     @property
     def name(self) -> str:
-        return f"{self.family}_hd{self.head_dim}_{self.dtype}_{_arch_tag(self.arch)}"
+        return f"{self.family}_hd{self.head_dim}_{self.dtype}{'_lean' if self.lean else ''}_{_arch_tag(self.arch)}"
+
+    @property
+    def min_blocks(self) -> int:
+        return DECODE_COMBINE_LEAN_CTAS_PER_SM if self.lean else 1
+
+    @property
+    def splits_in_flight(self) -> int:
+        """Partial rows each warp loads at once (the kernel's kBatch)."""
+        return DECODE_COMBINE_LEAN_BATCH if self.lean else 32 // -(-self.head_dim // 128)
 
     def template_args(self) -> str:
-        return f"{self.head_dim}, {_cpp_bool(self.dtype == 'bf16')}"
+        return f"{self.head_dim}, {_cpp_bool(self.dtype == 'bf16')}, {self.splits_in_flight}"
 
 
 @dataclass(frozen=True)
@@ -1064,6 +1084,15 @@ def decode_separate_combine(rows_per_cta: int, num_splits: int) -> bool:
     """Whether the combine kernel merges the splits (else the last split CTA of each group does):
     more than DECODE_IN_KERNEL_MERGE_MAX partial rows per group."""
     return num_splits > 1 and rows_per_cta * num_splits > DECODE_IN_KERNEL_MERGE_MAX
+
+
+def decode_combine_lean(out_rows: int, num_splits: int, num_sms: int) -> bool:
+    """Whether the combine kernel runs lean (DecodeCombineSpec): where every warp's splits still fit
+    one batch of DECODE_COMBINE_LEAN_BATCH (the lean kernel then waits as long as the wide one), or
+    where the wide kernel's CTAs (one per output row) would take more than one wave of
+    DECODE_COMBINE_WIDE_CTAS_PER_SM per SM."""
+    one_batch = num_splits <= DECODE_COMBINE_LEAN_BATCH * (DECODE_THREADS // 32)
+    return one_batch or out_rows > DECODE_COMBINE_WIDE_CTAS_PER_SM * num_sms
 
 
 def decode_spec(head_dim: int, dtype: str, aligned: bool, m_slabs: int, arch: str) -> DecodeSpec:
@@ -1233,7 +1262,8 @@ def plan_decode(
         out_rows = batch * nheads * seqlen_q
         if out_rows > _MAX_GRID_X:
             raise ValueError(f"batch * nheads * seqlen_q = {out_rows} output rows exceed the grid limit {_MAX_GRID_X}")
-        combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch), (out_rows, 1, 1), block, 0, pdl)
+        lean = decode_combine_lean(out_rows, splits, num_sms)
+        combine = Launch(DecodeCombineSpec(spec.head_dim, dtype, arch, lean), (out_rows, 1, 1), block, 0, pdl)
     return DecodePlan(attn, append, splits, row_blocks, combine, per_sm, split_tiles, filled is not None, tail_groups)
 
 
@@ -1360,6 +1390,7 @@ def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causa
                         if decode_tail_grid_variant(bucket, m, arch):  # _tail_split's, at both CTAs per SM
                             specs += [DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=c, tail_grid=True)
                                       for c in sorted({False, decode_cta_loads(tile, DECODE_LONG_CTAS_PER_SM)})]
-    specs += [DecodeCombineSpec(head_dim_bucket(d), dt, arch) for dt in dtypes for d in head_dims]
+    specs += [DecodeCombineSpec(head_dim_bucket(d), dt, arch, lean) for dt in dtypes for d in head_dims
+              for lean in (False, True)]
     specs += [DecodeAppendSpec(al, arch) for al in aligned]
     return list(dict.fromkeys(specs))

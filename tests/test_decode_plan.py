@@ -98,8 +98,9 @@ def test_all_decode_specs():
     assert len(set(names)) == len(names)
     few = plan.all_decode_specs("sm_80", head_dims=(100, 128), dtypes=("bf16",), causals=(True,), aligned=(True,))
     assert {s.head_dim for s in few if s.family == "flash_decode"} == {128}
-    assert len(few) == 3 + 1 + 1  # three slab counts, one combine kernel (bucket 128), one append
-    assert [s for s in few if s.family == "flash_decode_combine"] == [plan.DecodeCombineSpec(128, "bf16", "sm_80")]
+    assert len(few) == 3 + 2 + 1  # three slab counts, two combine kernels (bucket 128: wide, lean), one append
+    assert [s for s in few if s.family == "flash_decode_combine"] == [plan.DecodeCombineSpec(128, "bf16", "sm_80"),
+                                                                      plan.DecodeCombineSpec(128, "bf16", "sm_80", True)]
 
 
 def _uniform_plan(b, L, h_kv, arch="sm_90a", num_sms=132, *, nheads=32, seqlen_q=1, head_dim=128, dtype="bf16",
@@ -350,8 +351,13 @@ def test_decode_names_spell_every_template_argument():
     assert plan.DecodeAppendSpec(True, "sm_86").name == "flash_decode_append_vec16_sm86"
     assert plan.DecodeAppendSpec(True, "sm_86").template_args() == "true"
     c = plan.DecodeCombineSpec(96, "fp16", "sm_90a")
-    assert c.name == "flash_decode_combine_hd96_fp16_sm90a" and c.template_args() == "96, false"
-    for spec in (s, cta, plan.DecodeAppendSpec(False, "sm_90a"), c):
+    assert c.name == "flash_decode_combine_hd96_fp16_sm90a" and c.template_args() == "96, false, 32"
+    assert c.min_blocks == 1
+    lean = plan.DecodeCombineSpec(256, "bf16", "sm_80", lean=True)
+    assert lean.name == "flash_decode_combine_hd256_bf16_lean_sm80" and lean.template_args() == "256, true, 4"
+    assert lean.min_blocks == plan.DECODE_COMBINE_LEAN_CTAS_PER_SM
+    assert plan.DecodeCombineSpec(256, "bf16", "sm_80").template_args() == "256, true, 16"  # two float4 columns a lane
+    for spec in (s, cta, plan.DecodeAppendSpec(False, "sm_90a"), c, lean):
         assert spec.family in jit.ENTRY_TEMPLATES
         assert spec.name in jit.entry_source(spec)
         assert spec.threads == 128 and spec.min_blocks >= 1 and spec.smem_bytes >= 0
@@ -573,6 +579,22 @@ def test_programmatic_dependent_launch_from_sm90():
     assert plan.Launch(plan.fwd_spec(128, "bf16", False, True, "sm_90a"), (1, 1, 1), (128, 1, 1), 0).pdl is False
 
 
+def test_which_combine_kernel():
+    """The lean combine kernel where each warp's splits fit its one batch (up to 16 splits), or where
+    the wide kernel's CTAs (2 per SM, one per output row) would not all fit one wave; else the wide."""
+    lean_splits = plan.DECODE_COMBINE_LEAN_BATCH * 4
+    assert plan.decode_combine_lean(10**6, 1, 132) and plan.decode_combine_lean(1, lean_splits, 132)
+    assert not plan.decode_combine_lean(264, lean_splits + 1, 132) and plan.decode_combine_lean(265, lean_splits + 1, 132)
+    assert not plan.decode_combine_lean(216, 128, 108) and plan.decode_combine_lean(217, 128, 108)
+    # MQA at batch 128: 4096 output rows of 3 splits (the combine kernel: 32 rows x 3 splits > 64)
+    p = _uniform_plan(128, 4096, 1)
+    assert p.combine is not None and p.combine.spec.lean and p.combine.grid == (128 * 32, 1, 1)
+    assert p.combine.spec.min_blocks == plan.DECODE_COMBINE_LEAN_CTAS_PER_SM
+    # GQA at batch 1 with 8 kv heads and 64k keys: 32 output rows of 49 splits stay wide
+    p = _uniform_plan(1, 65536, 8)
+    assert p.combine is not None and not p.combine.spec.lean and p.num_splits > lean_splits
+
+
 def test_who_merges_the_splits():
     """The last split CTA of a group merges up to DECODE_IN_KERNEL_MERGE_MAX partial rows (its rows x
     the splits); beyond, the combine kernel runs after the split kernel, one CTA per output row."""
@@ -583,7 +605,7 @@ def test_who_merges_the_splits():
     assert _plan(num_splits=1).combine is None
     assert _plan(nheads=32, nheads_kv=32, num_splits=12).combine is None  # MHA: 1 row x 12 splits
     p = _plan(batch=3, nheads=32, nheads_kv=8, seqlen_q=2, num_splits=49)  # 8 rows x 49 splits
-    assert p.combine.spec == plan.DecodeCombineSpec(128, "bf16", "sm_90a")
+    assert p.combine.spec == plan.DecodeCombineSpec(128, "bf16", "sm_90a")  # wide: 192 rows, 13 splits a warp
     assert p.combine.grid == (3 * 32 * 2, 1, 1) and p.combine.block == (128, 1, 1)
     assert _plan(nheads=16 * 8, nheads_kv=8, num_splits=cap // 16).combine is None  # 16 rows per CTA
     assert _plan(nheads=16 * 8, nheads_kv=8, num_splits=cap // 16 + 1).combine is not None

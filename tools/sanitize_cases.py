@@ -74,6 +74,10 @@ def main():
          dict(num_splits=3)),
         (dict(batch=2, seqlen_q=3, nheads=64, nheads_kv=1, head_dim=64, capacity=700, lengths=[700, 0]),
          dict(causal=True, num_splits=2)),
+        # The lean combine kernel past one batch per warp: 384 output rows (more than 2 per SM on the
+        # H200) of 70 splits, 18 per warp in 5 batches of 4.
+        (dict(batch=12, seqlen_q=1, nheads=32, nheads_kv=1, head_dim=128, capacity=4480, lengths=[4480] * 11 + [0]),
+         dict(num_splits=70)),
     ):
         c = case(rng, **kw)
         for where in ("in kernel", "combine"):  # both merges of the splits (one split: neither runs)
