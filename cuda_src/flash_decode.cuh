@@ -877,12 +877,14 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
 // its num_splits partial rows: lse = m + ln l, O = acc / l with m = max_s lse_s, w_s = e^{lse_s - m},
 // l = sum_s w_s, acc = sum_s w_s O_s. Thread s loads lse_s (num_splits <= kDecodeThreads); warp w adds
 // splits w, w + 4, ...; lane l owns columns [4 l + 128 j, 4 l + 128 j + 4) of the row (j < kCC). The
-// partial rows of a batch of splits are all loaded into registers before the first is used, and the
-// first batch is on its way while the lse values give the weights: about two L2 round trips per CTA,
-// on many SMs at once. kBatch, the splits per warp in flight (registers: 4 kBatch kCC), comes in two
-// variants (cuflash/plan.py DecodeCombineSpec): wide (32 / kCC: at hd <= 128 every split in one
-// batch; ~185 registers, 2 CTAs per SM) for calls of few output rows, and lean (4: one batch up to
-// 16 splits, many CTAs per SM) where the rows are many, whose CTAs the wide one would run in waves.
+// partial rows of a batch of kBatch splits per warp are all loaded into registers before the first is
+// used, and the first batch is on its way while the lse values give the weights: two L2 round trips
+// per CTA where each warp's splits fit one batch, one more per further batch. Two variants
+// (cuflash/plan.py DecodeCombineSpec, decode_combine_lean): wide, kBatch = 32 / kCC (at hd <= 128
+// every split in one batch; ~185 registers, 2 CTAs per SM), for calls of few output rows and many
+// splits; lean, kBatch = 4 (one batch up to 16 splits; ~52 registers, 8+ CTAs per SM), where the
+// splits fit that one batch or the rows are too many for one wave of the wide one. Each warp adds
+// its splits in the same order in both (a padded slot adds 0 * 0), so both give the same bits.
 template <int kHeadDim, bool kIsBF16, int kBatch>
 CUFLASH_DEVICE void flash_decode_combine_kernel(const DecodeParams& p) {
     constexpr int kW = kDecodeThreads / 32;

@@ -254,16 +254,19 @@ def test_combine_kernel_wide_and_ragged_rows(head_dim, num_splits):
         run_and_check(**c, causal=True, num_splits=num_splits, what=f"hd{head_dim} splits={num_splits}")
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [128, 256, 64])
 @pytest.mark.parametrize("num_splits", [3, 17, 70, 128])
-def test_combine_kernel_lean_equals_wide(plans_made, monkeypatch, head_dim, num_splits):
+def test_combine_kernel_lean_equals_wide(plans_made, monkeypatch, dtype, head_dim, num_splits):
     """The combine kernel's lean variant (4 partial rows per warp in flight: one batch up to 16 splits,
     several past it) and its wide one (up to 32 per warp, 16 at hd256) on the same call: both against
-    the reference, and the same bits (each warp adds its splits in the same order in both)."""
+    the reference, and the same output bits (each warp adds its splits in the same order in both; the
+    fp32 sums are seen rounded to the 16-bit dtype, fp16 keeping 3 more bits; lse does not depend on
+    the variant's batch)."""
     from cuflash import kvcache, plan
 
     rng = np.random.default_rng(5)
-    c = case(rng, batch=3, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=head_dim, capacity=128 * 64,
+    c = case(rng, batch=3, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=head_dim, dtype=dtype, capacity=128 * 64,
              lengths=[128 * 64, 0, 1000])  # fmt: skip
     got = {}
     for lean in (False, True):
@@ -271,7 +274,7 @@ def test_combine_kernel_lean_equals_wide(plans_made, monkeypatch, head_dim, num_
         kvcache._plan_and_load.cache_clear()
         with merge_of_the_splits("combine"):
             out, lse, _, _ = run_and_check(**c, causal=True, num_splits=num_splits,
-                                           what=f"lean={lean} hd{head_dim} splits={num_splits}")  # fmt: skip
+                                           what=f"lean={lean} {dtype} hd{head_dim} splits={num_splits}")  # fmt: skip
         launched = plans_made[-1]
         assert launched.combine is not None and launched.combine.spec.lean == lean, launched.combine
         got[lean] = (to_f64(out), to_f64(lse))

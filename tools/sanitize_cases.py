@@ -74,10 +74,6 @@ def main():
          dict(num_splits=3)),
         (dict(batch=2, seqlen_q=3, nheads=64, nheads_kv=1, head_dim=64, capacity=700, lengths=[700, 0]),
          dict(causal=True, num_splits=2)),
-        # The lean combine kernel past one batch per warp: 384 output rows (more than 2 per SM on the
-        # H200) of 70 splits, 18 per warp in 5 batches of 4.
-        (dict(batch=12, seqlen_q=1, nheads=32, nheads_kv=1, head_dim=128, capacity=4480, lengths=[4480] * 11 + [0]),
-         dict(num_splits=70)),
     ):
         c = case(rng, **kw)
         for where in ("in kernel", "combine"):  # both merges of the splits (one split: neither runs)
@@ -91,6 +87,18 @@ def main():
 
     made, real = [], plan.plan_decode
     plan.plan_decode = lambda **kw: made.append(real(**kw)) or made[-1]  # the plans the calls make
+    # The lean combine kernel (forced) past one batch per warp: 384 output rows of 70 splits, 18 per
+    # warp in 5 batches of 4, one sequence empty.
+    if not filled_only:
+        real_lean, plan.decode_combine_lean = plan.decode_combine_lean, lambda *args: True
+        c = case(rng, batch=12, seqlen_q=1, nheads=32, nheads_kv=1, head_dim=128, capacity=4480,
+                 lengths=[4480] * 11 + [0])  # fmt: skip
+        with merge_of_the_splits("combine"):
+            _, _, err, bound = run_and_check(**c, num_splits=70)
+        plan.decode_combine_lean = real_lean
+        if made[-1].combine is None or not made[-1].combine.spec.lean:
+            sys.exit(f"decode b=12 h_kv=1 70 splits did not run the lean combine kernel ({made[-1].combine})")
+        print(f"ok decode lean combine kernel, 384 rows x 70 splits: err {err:.2e} <= {bound:.2e}")
     # The unsplit wave (the plan's own thresholds; one whole group per SM, one length for all, sm_90+) on
     # a paged cache of 16-token pages (every 16-row column share of a tile in one page: the stepped
     # loads) with a ragged last tile (its per-row loads).
