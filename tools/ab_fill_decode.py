@@ -14,7 +14,7 @@ would choose; 0 or 1 for a bool constant); the default modes are
           where whole groups leave it partly empty.
 e.g. --modes equal:_filled_grid=none plan: plan1:DECODE_FILL_MIN_UNSPLIT_TILES=1
 A shape is batch,cache_len,kv_heads; the default is every `cuflash bench --decode` shape where two of
-the modes plan different grids (--all: every shape). Per shape: device microseconds per call (CUDA
+the modes plan differently (grids or kernel variants; --all: every shape). Per shape: device microseconds per call (CUDA
 events, interleaved and primed samples, cuflash.bench.time_ms) of each mode and of torch SDPA's
 CUDNN_ATTENTION, each mode's grid (splits x tiles per long split where filled, @ CTAs per SM), and
 cuDNN / mode speed ratios (>1: the mode is faster); last, per mode the median of its time over the
@@ -106,8 +106,9 @@ def main():
         for shape in a.shapes:
             b, L, hk = map(int, shape.split(","))
             q = bench_decode._random((b, 1, bench_decode.NHEADS, 128), "bf16", rng)
-            grids = {m: _grid(_with_constants(c, bench_decode._plan_used, q, hk, L)) for m, c in modes.items()}
-            if not a.all and len(set(grids.values())) == 1:
+            plans = {m: _with_constants(c, bench_decode._plan_used, q, hk, L) for m, c in modes.items()}
+            grids = {m: _grid(p) for m, p in plans.items()}
+            if not a.all and len(set(map(repr, plans.values()))) == 1:  # also kernels, not only grids
                 continue
             need, free = bench_decode.kv_bytes(b, L, hk, 128) * 1.05 + (4 << 30), bench_decode._free_bytes()
             if need > free:  # the bench's rule
