@@ -115,9 +115,9 @@ DECODE_MAX_STACK_BYTES_SCALAR = 256
 
 def _decode_ci_selection(spec) -> bool:
     """The decode variants compiled by default (CI has 2 cores; all of sm_80 and sm_90a, 276 with the
-    append and combine kernels, take ~100 s there): every bf16 16-byte variant (each bucket and slab count), fp16 at 64/128/256, the
-    element-wise path with one slab at every bucket (and 2 and 4 at hd128), and every append and
-    combine kernel.
+    append and combine kernels, take ~100 s there): every bf16 16-byte variant (each bucket and slab
+    count), fp16 at 64/128/256, the element-wise path with one slab at every bucket (and 2 and 4 at
+    hd128), and every append and combine kernel.
     CUFLASH_COMPILE_ALL_DECODE=1 compiles them all."""
     if os.environ.get("CUFLASH_COMPILE_ALL_DECODE") == "1" or spec.family != "flash_decode":
         return True

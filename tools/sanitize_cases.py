@@ -93,9 +93,11 @@ def main():
         real_lean, plan.decode_combine_lean = plan.decode_combine_lean, lambda *args: True
         c = case(rng, batch=12, seqlen_q=1, nheads=32, nheads_kv=1, head_dim=128, capacity=4480,
                  lengths=[4480] * 11 + [0])  # fmt: skip
-        with merge_of_the_splits("combine"):
-            _, _, err, bound = run_and_check(**c, num_splits=70)
-        plan.decode_combine_lean = real_lean
+        try:
+            with merge_of_the_splits("combine"):
+                _, _, err, bound = run_and_check(**c, num_splits=70)
+        finally:
+            plan.decode_combine_lean = real_lean
         if made[-1].combine is None or not made[-1].combine.spec.lean:
             sys.exit(f"decode b=12 h_kv=1 70 splits did not run the lean combine kernel ({made[-1].combine})")
         print(f"ok decode lean combine kernel, 384 rows x 70 splits: err {err:.2e} <= {bound:.2e}")
