@@ -40,37 +40,54 @@ def _cupy():
 
 
 def _check_array(name: str, x, cupy) -> None:
+    _geometry(name, x, cupy)
+
+
+def _geometry(name: str, x, cupy) -> tuple[tuple, tuple]:
+    """Checks that x is a 4-D float16 / bfloat16 CuPy array contiguous in its last dim, and returns its
+    (shape, strides in bytes). Each is read once: a CuPy shape or strides read builds a new tuple
+    (~0.2 us on the H200 machine's host), and a decode step's host time is part of its latency."""
     if not isinstance(x, cupy.ndarray):
         kind = f"{type(x).__module__}.{type(x).__name__}"
         hint = " (move it to the GPU with cupy.asarray)" if isinstance(x, np.ndarray) else ""
         raise TypeError(f"{name} must be a cupy.ndarray, got {kind}{hint}")
-    if x.ndim != 4:
-        raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), got shape {x.shape}")
+    shape = x.shape
+    if len(shape) != 4:
+        raise ValueError(f"{name} must be 4-D (batch, seqlen, nheads, headdim), got shape {shape}")
     if x.dtype not in _DTYPE_NAMES:
         raise TypeError(
             f"{name} has dtype {x.dtype}; cuflash supports float16 and bfloat16 (ml_dtypes.bfloat16). "
             f"Convert with {name}.astype(cupy.float16)"
         )
-    if x.size > 0 and x.shape[3] > 1 and x.strides[3] != x.itemsize:
+    strides = x.strides
+    if shape[3] > 1 and strides[3] != x.itemsize and x.size > 0:
         raise ValueError(
-            f"{name} must be contiguous in its last (head) dimension, got strides {x.strides}; "
+            f"{name} must be contiguous in its last (head) dimension, got strides {strides}; "
             f"use cupy.ascontiguousarray({name})"
         )
+    return shape, strides
 
 
 def _elem_strides(x) -> tuple[int, int, int]:
     """(batch, row, head) strides in elements."""
-    s, n = x.strides, x.itemsize  # each read builds a new tuple / int: once each
-    return s[0] // n, s[1] // n, s[2] // n
+    return _elem_strides_of(x.strides, x.itemsize)
+
+
+def _elem_strides_of(strides: tuple, itemsize: int) -> tuple[int, int, int]:
+    return strides[0] // itemsize, strides[1] // itemsize, strides[2] // itemsize
 
 
 def _aligned16(x, ptr: int | None = None) -> bool:
     """True when every row of x (each index of its first three dims) starts on a 16-byte boundary, as
     16-byte cp.async loads and stores need. CuPy strides are in bytes; a dim of size 1 may have any
     stride. ptr: x.data.ptr, where the caller has read it already."""
-    if (x.data.ptr if ptr is None else ptr) % 16:
+    return _rows_aligned16(x.data.ptr if ptr is None else ptr, x.shape, x.strides)
+
+
+def _rows_aligned16(ptr: int, shape: tuple, strides: tuple) -> bool:
+    """_aligned16 of an array with base pointer ``ptr``, ``shape`` and byte ``strides``."""
+    if ptr % 16:
         return False
-    shape, strides = x.shape, x.strides
     for i in range(3):
         if shape[i] > 1 and strides[i] % 16:
             return False
@@ -146,16 +163,24 @@ def _resolve_scale(softmax_scale, head_dim: int) -> float:
 
 def _check_like(name: str, x, like_name: str, like, device_id: int, cupy) -> None:
     """x must be a CuPy array of like's shape and dtype, on device_id, contiguous in its last dim."""
+    _check_like_shape(name, x, like_name, like.shape, like.dtype, device_id, cupy)
+
+
+def _check_like_shape(name: str, x, like_name: str, like_shape: tuple, like_dtype, device_id: int, cupy) -> tuple:
+    """_check_like against a shape and dtype read before; returns x's strides (bytes)."""
     if not isinstance(x, cupy.ndarray):
         raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__name__}")
-    if x.shape != like.shape or x.dtype != like.dtype:
+    shape = x.shape
+    if shape != like_shape or x.dtype != like_dtype:
         raise ValueError(
-            f"{name} must have {like_name}'s shape {like.shape} and dtype {like.dtype}, got {x.shape} {x.dtype}"
+            f"{name} must have {like_name}'s shape {like_shape} and dtype {like_dtype}, got {shape} {x.dtype}"
         )
     if x.device.id != device_id:
         raise ValueError(f"{name} is on device {x.device.id}, {like_name} on device {device_id}")
-    if x.size > 0 and x.shape[-1] > 1 and x.strides[-1] != x.itemsize:
-        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.strides}")
+    strides = x.strides
+    if shape and shape[-1] > 1 and strides[-1] != x.itemsize and x.size > 0:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {strides}")
+    return strides
 
 
 def _output_like_q(out, q, device_id: int, cupy):

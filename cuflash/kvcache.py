@@ -18,8 +18,8 @@ import numpy as np
 
 from . import jit, plan
 from .attention import (
-    _DTYPE_NAMES, _aligned16, _check_array, _check_head_ratio, _check_on_device, _cupy, _elem_strides,
-    _output_like_q, _resolve_scale,
+    _DTYPE_NAMES, _check_head_ratio, _check_like_shape, _check_on_device, _cupy, _elem_strides_of, _geometry,
+    _resolve_scale, _rows_aligned16,
 )
 from .params import DECODE_DTYPE
 
@@ -69,6 +69,130 @@ class _LaunchArgs(threading.local):
 
 
 _ARGS = _LaunchArgs()
+
+#: The pointer fields that open DecodeParams (q .. block_table) and the length of a one-length call
+#: (seqlen_const): all of a record that changes from one call of a signature to the next (_run).
+_PTR_FIELDS = ("q", "k", "v", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "split_counters", "seqlens",
+               "block_table")  # fmt: skip
+_PTRS = struct.Struct("<" + "Q" * len(_PTR_FIELDS))
+_SEQLEN_CONST = struct.Struct("<i")
+_SEQLEN_CONST_OFFSET = DECODE_DTYPE.fields["seqlen_const"][1]
+assert _NAMES[: len(_PTR_FIELDS)] == _PTR_FIELDS and DECODE_DTYPE.fields["q"][1] == 0 \
+    and all(DECODE_DTYPE.fields[n][0] == np.uint64 for n in _PTR_FIELDS), "DecodeParams no longer opens with the pointers"
+assert DECODE_DTYPE.fields["seqlen_const"][0] == np.int32
+
+
+class _Prepared:
+    """What the checks and the plan make of one call signature (_signature): the plan's arguments, the
+    plan and kernels they gave, the DecodeParams record with its pointers and seqlen_const left 0,
+    and what a call still needs."""
+
+    __slots__ = ("plan_args", "dplan", "fns", "record", "attend", "lse_shape", "capacity", "seqlen_new", "strides16",
+                 "new_strides16", "aligned", "append_aligned", "ws_floats", "ws_counters", "lse_offset",
+                 "merge_in_kernel")  # fmt: skip
+
+    def __init__(self, *values):
+        for name, value in zip(self.__slots__, values, strict=True):
+            setattr(self, name, value)
+
+
+class _PreparedCalls(threading.local):
+    def __init__(self):
+        self.calls = {}
+
+
+_PREPARED = _PreparedCalls()
+_PREPARED_MAX = 256  # signatures kept per thread (a serving loop has a handful)
+
+
+def _prepared_calls() -> dict:
+    calls = _PREPARED.calls
+    if len(calls) >= _PREPARED_MAX:
+        calls.clear()
+    return calls
+
+
+def _desc(x) -> tuple:
+    """A CuPy array's static description in a signature: shape, strides, dtype, device."""
+    return x.shape, x.strides, x.dtype, x.data.device_id
+
+
+def _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
+               return_lse, out, check, ctas_per_sm):  # fmt: skip
+    """The key under which a call's checks and plan are kept (_Prepared): everything they depend on but
+    the pointers and, for one length for all, the length itself (only its 64-token step, which the
+    plan sees). None where the call takes the whole way every time: lengths or a block table on the
+    host (their values are checked per call), check=True, or arguments of other types (the whole way
+    then raises the errors). A decode loop's repeated call skips re-checking what cannot have changed:
+    the host time of a step is latency, and on the H200 the checks, the plan lookup and the packing
+    of the record took more of it than the launch."""
+    nd = cupy.ndarray
+    if check or type(num_splits) is not int or type(ctas_per_sm) is not int:
+        return None
+    if type(q) is not nd or type(k_cache) is not nd or type(v_cache) is not nd:
+        return None
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        return None
+    kd = _desc(k_cache)
+    key = [_desc(q), kd, _desc(v_cache), bool(causal), softmax_scale, num_splits, bool(return_lse), ctas_per_sm]
+    new = 0
+    if k is not None or v is not None:
+        if type(k) is not nd or type(v) is not nd:
+            return None
+        kn = _desc(k)
+        key += [kn, _desc(v)]
+        new = kn[0][1] if len(kn[0]) == 4 else 0
+    if out is not None:
+        if type(out) is not nd:
+            return None
+        key.append(_desc(out))
+    capacity = kd[0][1] if len(kd[0]) == 4 else 0
+    if block_table is not None:
+        if type(block_table) is not nd:
+            return None
+        bd = _desc(block_table)
+        key.append(bd)
+        capacity *= bd[0][1] if len(bd[0]) == 2 else 0
+    if cache_seqlens is None:
+        key.append(None)
+    elif type(cache_seqlens) is int:
+        if not 0 <= cache_seqlens <= capacity - new:
+            return None  # the whole way raises the error
+        key.append(-(-min(cache_seqlens + new, capacity) // 64) * 64)  # the plan's step of the length
+    elif type(cache_seqlens) is nd:
+        key.append(_desc(cache_seqlens))
+    else:
+        return None
+    return tuple(key)
+
+
+def _run(prep: _Prepared, cupy, device_id: int, q_ptr: int, k_ptr: int, v_ptr: int, kn_ptr: int, vn_ptr: int, out, lse,
+         seqlens_dev, bt_dev, seqlen_const: int, return_lse: bool):  # fmt: skip
+    """The launches of a prepared call (device_id current): the record with this call's pointers and
+    length, the split workspace of this stream."""
+    dplan = prep.dplan
+    fn_attn, fn_append, fn_combine = prep.fns
+    stream = cupy.cuda.get_current_stream().ptr
+    o_partial_ptr = lse_partial_ptr = counters_ptr = 0
+    if prep.ws_floats:
+        partials, counters = _workspace(cupy, device_id, stream, prep.ws_floats, prep.ws_counters)
+        o_partial_ptr = partials.data.ptr
+        counters_ptr = counters.data.ptr if prep.merge_in_kernel else 0
+        lse_partial_ptr = o_partial_ptr + prep.lse_offset  # bucket % 32 == 0: 128-byte aligned
+    args = _ARGS
+    buf = args.buf
+    ctypes.memmove(buf, prep.record, len(prep.record))
+    _PTRS.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
+                    o_partial_ptr, lse_partial_ptr, counters_ptr, 0 if seqlens_dev is None else seqlens_dev.data.ptr,
+                    0 if bt_dev is None else bt_dev.data.ptr)  # fmt: skip
+    _SEQLEN_CONST.pack_into(buf, _SEQLEN_CONST_OFFSET, seqlen_const)
+    if dplan.append is not None:  # the attention below reads the new tokens (same stream)
+        jit.launch(fn_append, dplan.append, args.argv_ptr, stream)
+    if prep.attend:
+        jit.launch(fn_attn, dplan.attn, args.argv_ptr, stream)
+        if dplan.combine is not None:
+            jit.launch(fn_combine, dplan.combine, args.argv_ptr, stream)
+    return (out, lse) if return_lse else out
 
 #: Scratch of the split path per (device, stream handle), kept between calls: (fp32 partial rows and
 #: lse of the splits, int32 split counters). Calls on one stream run in order, so they can share it;
@@ -163,16 +287,42 @@ def attention_with_kvcache(
     kept for the next call; cuflash.kvcache.free_workspaces() releases them.
     """
     cupy = _cupy()
+    # A signature seen before (_signature): only what can change between calls is looked at.
+    key = _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
+                     return_lse, out, check, _ctas_per_sm)  # fmt: skip
+    prep = None if key is None else _PREPARED.calls.get(key)
+    if prep is not None:
+        q_ptr, k_ptr, v_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
+        kn_ptr, vn_ptr = (k.data.ptr, v.data.ptr) if prep.seqlen_new > 0 else (0, 0)
+        device_id = key[0][3]
+        with cupy.cuda.Device(device_id):
+            if out is None:
+                out = cupy.empty(key[0][0], dtype=key[0][2])
+            o_ptr = out.data.ptr
+            # Kept only while the pointers agree with the load path planned (16-byte loads where every
+            # row was aligned) and the plan memo still gives the same plan (a cleared or swapped memo,
+            # as tests and tools do, plans again): else the whole way.
+            if prep.aligned == (prep.strides16 and not (q_ptr | k_ptr | v_ptr | o_ptr) & 15) and \
+                    prep.append_aligned == (prep.new_strides16 and not (k_ptr | v_ptr | kn_ptr | vn_ptr) & 15) and \
+                    (got := _plan_and_load(*prep.plan_args))[0] is prep.dplan and got[1] is prep.fns:
+                lse = cupy.empty(prep.lse_shape, dtype=cupy.float32) if return_lse else None
+                seqlens_dev = cache_seqlens if type(cache_seqlens) is cupy.ndarray else None
+                seqlen_const = prep.capacity if cache_seqlens is None else (0 if seqlens_dev is not None else cache_seqlens)
+                return _run(prep, cupy, device_id, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, out, lse, seqlens_dev,
+                            block_table, seqlen_const, return_lse)  # fmt: skip
     if type(_ctas_per_sm) is not int:  # the plan memo would take True for 1
         raise TypeError(f"_ctas_per_sm must be an int, got {_ctas_per_sm!r}")
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_array(name, x, cupy)
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    batch, seqlen_q, nheads, head_dim = q.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {k_cache.shape} and {v_cache.shape}")
-    cache_rows, slots, nheads_kv, head_dim_c = k_cache.shape
+    # Every array's shape and strides are read once (_geometry): the host time of a decode step counts.
+    q_shape, q_strides = _geometry("q", q, cupy)
+    k_shape, k_strides = _geometry("k_cache", k_cache, cupy)
+    v_shape, v_strides = _geometry("v_cache", v_cache, cupy)
+    dtype = q.dtype
+    if not (dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache and v_cache must share one dtype, got {dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    batch, seqlen_q, nheads, head_dim = q_shape
+    if v_shape != k_shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {k_shape} and {v_shape}")
+    cache_rows, slots, nheads_kv, head_dim_c = k_shape
     if head_dim_c != head_dim:
         raise ValueError(f"q and k_cache must have the same head dim, got {head_dim} and {head_dim_c}")
     if not 1 <= head_dim <= plan.HEAD_DIM_BUCKETS[-1]:
@@ -206,18 +356,19 @@ def attention_with_kvcache(
         raise ValueError("the new tokens k and v must be given together (or neither)")
     seqlen_new = 0
     if k is not None:
+        kn_shape, kn_strides = _geometry("k", k, cupy)
+        vn_shape, vn_strides = _geometry("v", v, cupy)
         for name, x in (("k", k), ("v", v)):
-            _check_array(name, x, cupy)
-            if x.dtype != q.dtype:
-                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+            if x.dtype != dtype:
+                raise TypeError(f"{name} must have q's dtype {dtype}, got {x.dtype}")
             if x.device.id != device_id:
                 raise ValueError(f"q is on device {device_id} but {name} is on device {x.device.id}")
-        seqlen_new = k.shape[1]
+        seqlen_new = kn_shape[1]
         want = (batch, seqlen_new, nheads_kv, head_dim)
-        if k.shape != want or v.shape != want:
+        if kn_shape != want or vn_shape != want:
             raise ValueError(
                 f"new tokens k and v must have shape (batch, seqlen_new, nheads_kv, headdim) = {want}, "
-                f"got k {k.shape} and v {v.shape}"
+                f"got k {kn_shape} and v {vn_shape}"
             )
     if capacity + seqlen_new > _INT32_MAX:
         raise ValueError(f"a sequence can hold at most {_INT32_MAX} tokens, got capacity {capacity} + {seqlen_new} new")
@@ -261,7 +412,11 @@ def attention_with_kvcache(
     softmax_scale = _resolve_scale(softmax_scale, head_dim)
 
     with cupy.cuda.Device(device_id):
-        out = _output_like_q(out, q, device_id, cupy)
+        if out is None:
+            out = cupy.empty(q_shape, dtype=dtype)
+            o_strides = out.strides
+        else:
+            o_strides = _check_like_shape("out", out, "q", q_shape, dtype, device_id, cupy)
         lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32) if return_lse else None
         attend = seqlen_q > 0 and nheads > 0  # else only the append (if any) runs
         if batch == 0 or not (attend or seqlen_new > 0):
@@ -269,11 +424,71 @@ def attention_with_kvcache(
 
         q_ptr, k_ptr, v_ptr, o_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, out.data.ptr
         kn_ptr, vn_ptr = (k.data.ptr, v.data.ptr) if seqlen_new > 0 else (0, 0)
+        # Rows 16-byte aligned (_rows_aligned16): the strides' part here, the pointers' part per call.
+        strides16 = head_dim % 8 == 0 and all(_rows_aligned16(0, sh, st) for sh, st in (
+            (k_shape, k_strides), (v_shape, v_strides), (q_shape, q_strides), (q_shape, o_strides)))
+        new_strides16 = seqlen_new > 0 and strides16 and _rows_aligned16(0, kn_shape, kn_strides) \
+            and _rows_aligned16(0, vn_shape, vn_strides)
+        aligned = strides16 and not (q_ptr | k_ptr | v_ptr | o_ptr) & 15
+        append_aligned = new_strides16 and not (k_ptr | v_ptr | kn_ptr | vn_ptr) & 15
+        if host_lengths is not None:
+            max_len = min(int(host_lengths.max()) + seqlen_new, capacity)
+        elif seqlens_dev is None:
+            max_len = min(seqlen_const + seqlen_new, capacity)
+        else:
+            max_len = capacity  # lengths on the GPU: plan the splits for the longest possible sequence
+        # One length for every sequence (no lengths on the GPU): the plan may fill the GPU's slots with tails.
+        plan_args = (batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[dtype], aligned,
+                     -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id, _ctas_per_sm,
+                     seqlens_dev is None)  # fmt: skip
+        dplan, fns = _plan_and_load(*plan_args)
+        splits = dplan.num_splits
+        bucket = dplan.attn.spec.head_dim
+        # Split workspace: o_partial (splits, batch, nheads, seqlen_q, bucket), then lse_partial; one
+        # counter per (sequence, kv head, row block) where the split kernel merges (null: the combine kernel does).
+        rows_out = splits * batch * nheads * seqlen_q if attend and splits > 1 else 0
+        merge_in_kernel = dplan.combine is None
+        n = q.itemsize  # = every array's (one dtype)
+        qs, ks = _elem_strides_of(q_strides, n), _elem_strides_of(k_strides, n)
+        vs, os_ = _elem_strides_of(v_strides, n), _elem_strides_of(o_strides, n)
+        kns, vns = (_elem_strides_of(kn_strides, n), _elem_strides_of(vn_strides, n)) if seqlen_new > 0 \
+            else ((0, 0, 0), (0, 0, 0))
+        group = max(nheads, nheads_kv) // nheads_kv
+        record = ctypes.create_string_buffer(_RECORD.size)
+        _pack(
+            record, q=0, k=0, v=0, k_new=0, v_new=0, o=0, lse=0, o_partial=0, lse_partial=0, split_counters=0,
+            seqlens=0, block_table=0,  # (the pointers: per call, _run)
+            q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
+            k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
+            v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
+            k_new_batch_stride=kns[0], k_new_row_stride=kns[1], k_new_head_stride=kns[2],
+            v_new_batch_stride=vns[0], v_new_row_stride=vns[1], v_new_head_stride=vns[2],
+            o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
+            block_table_batch_stride=bt_dev.strides[0] // bt_dev.itemsize if paged else 0,
+            batch=batch, nheads=nheads, nheads_kv=nheads_kv, group=group, seqlen_q=seqlen_q,
+            rows=group * seqlen_q, head_dim=head_dim, seqlen_const=0, seqlen_new=seqlen_new,
+            capacity=capacity, page_size=page_size, num_pages=cache_rows, num_splits=splits,
+            num_row_blocks=dplan.num_row_blocks, partial_stride=bucket, is_causal=int(bool(causal)),
+            split_tiles=dplan.split_tiles, split_major=int(dplan.split_major), tail_groups=dplan.tail_groups,
+            softmax_scale=softmax_scale, scale_log2=softmax_scale * _LOG2_E,
+        )  # fmt: skip
+        prep = _Prepared(
+            plan_args, dplan, fns, record.raw, attend, (batch, nheads, seqlen_q), capacity, seqlen_new, strides16, new_strides16,
+            aligned, append_aligned, rows_out * (bucket + 1), batch * nheads_kv * dplan.num_row_blocks
+            if rows_out and merge_in_kernel else 0, 4 * rows_out * bucket, merge_in_kernel,
+        )  # fmt: skip
+        if key is not None:
+            _prepared_calls()[key] = prep
+        return _run(prep, cupy, device_id, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, out, lse, seqlens_dev, bt_dev,
+                    seqlen_const, return_lse)  # fmt: skip
+
+        q_ptr, k_ptr, v_ptr, o_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, out.data.ptr
+        kn_ptr, vn_ptr = (k.data.ptr, v.data.ptr) if seqlen_new > 0 else (0, 0)
         rows16 = head_dim % 8 == 0  # whole 16-byte chunks per row
-        aligned = rows16 and _aligned16(q, q_ptr) and _aligned16(k_cache, k_ptr) and _aligned16(v_cache, v_ptr) \
-            and _aligned16(out, o_ptr)
-        append_aligned = seqlen_new > 0 and rows16 and _aligned16(k_cache, k_ptr) and _aligned16(v_cache, v_ptr) \
-            and _aligned16(k, kn_ptr) and _aligned16(v, vn_ptr)
+        kv_aligned = rows16 and _rows_aligned16(k_ptr, k_shape, k_strides) and _rows_aligned16(v_ptr, v_shape, v_strides)
+        aligned = kv_aligned and _rows_aligned16(q_ptr, q_shape, q_strides) and _rows_aligned16(o_ptr, q_shape, o_strides)
+        append_aligned = seqlen_new > 0 and kv_aligned and _rows_aligned16(kn_ptr, kn_shape, kn_strides) \
+            and _rows_aligned16(vn_ptr, vn_shape, vn_strides)
         if host_lengths is not None:
             max_len = min(int(host_lengths.max()) + seqlen_new, capacity)
         elif seqlens_dev is None:
@@ -282,7 +497,7 @@ def attention_with_kvcache(
             max_len = capacity  # lengths on the GPU: plan the splits for the longest possible sequence
         # One length for every sequence (no lengths on the GPU): the plan may fill the GPU's slots with tails.
         dplan, (fn_attn, fn_append, fn_combine) = _plan_and_load(
-            batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[q.dtype], aligned,
+            batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[dtype], aligned,
             -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id, _ctas_per_sm,
             seqlens_dev is None,
         )  # fmt: skip
@@ -300,8 +515,11 @@ def attention_with_kvcache(
             o_partial_ptr = partials.data.ptr
             counters_ptr = counters.data.ptr if merge_in_kernel else 0
             lse_partial_ptr = o_partial_ptr + 4 * rows_out * bucket  # bucket % 32 == 0: 128-byte aligned
-        qs, ks, vs, os_ = _elem_strides(q), _elem_strides(k_cache), _elem_strides(v_cache), _elem_strides(out)
-        kns, vns = (_elem_strides(k), _elem_strides(v)) if seqlen_new > 0 else ((0, 0, 0), (0, 0, 0))
+        n = q.itemsize  # = every array's (one dtype)
+        qs, ks = _elem_strides_of(q_strides, n), _elem_strides_of(k_strides, n)
+        vs, os_ = _elem_strides_of(v_strides, n), _elem_strides_of(o_strides, n)
+        kns, vns = (_elem_strides_of(kn_strides, n), _elem_strides_of(vn_strides, n)) if seqlen_new > 0 \
+            else ((0, 0, 0), (0, 0, 0))
         group = max(nheads, nheads_kv) // nheads_kv
         args = _ARGS
         _pack(

@@ -1164,6 +1164,124 @@ def test_deterministic():
         assert bool((lse.view(cupy.uint32) == lse0.view(cupy.uint32)).all())
 
 
+# ---------------------------------------------------------------------------------------------
+# The prepared path: a call signature seen before skips its checks and packing (kvcache._signature)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The (kernel function, Launch, DecodeParams bytes) of every decode launch, in order."""
+    from cuflash import jit, kvcache
+
+    made = []
+    real = jit.launch
+
+    def recording(fn, launch, argv_ptr, stream_ptr):
+        made.append((fn, launch, kvcache._ARGS.buf.raw))
+        return real(fn, launch, argv_ptr, stream_ptr)
+
+    monkeypatch.setattr(jit, "launch", recording)
+    kvcache._PREPARED.calls.clear()
+    yield made
+    kvcache._PREPARED.calls.clear()
+
+
+#: (what, call keywords) of repeated signatures: one length (int, device array, full caches), an
+#: append, a paged cache, lse, a given out or none, GQA rows with causal speculative tokens.
+PREPARED_CASES = [
+    ("int length", dict(num_splits=0)), ("device lengths", dict(device_lengths=True)),
+    ("full caches", dict(full=True)), ("append 2", dict(seqlen_new=2)), ("paged 32", dict(page_size=32)),
+    ("lse, no out", dict(return_lse=True, no_out=True)), ("causal 3 tokens", dict(seqlen_q=3, causal=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, kw", PREPARED_CASES)
+def test_prepared_path_against_the_reference_and_the_whole_way(launches, monkeypatch, what, kw):
+    """The second call of a signature takes the prepared path (no checks: _geometry is not called), with
+    new arrays (pointers) and another length in the same 64-token step: checked against the reference;
+    and it launches the same kernels with the same DecodeParams bytes as the whole way does for the same
+    call (the memo of prepared calls cleared; the lse pointer aside, a new array each call)."""
+    import cupy
+
+    import cuflash
+    from cuflash import kvcache
+    from cuflash.attention import _geometry as real_geometry
+
+    rng = np.random.default_rng(31)
+    kw = dict(kw)
+    seqlen_new, page_size = kw.pop("seqlen_new", 0), kw.pop("page_size", None)
+    device_lengths, full, no_out = kw.pop("device_lengths", False), kw.pop("full", False), kw.pop("no_out", False)
+    seqlen_q, causal, return_lse = kw.pop("seqlen_q", 1), kw.pop("causal", False), kw.pop("return_lse", False)
+    c = case(rng, batch=3, seqlen_q=seqlen_q, nheads=8, nheads_kv=2, head_dim=128, capacity=1500,
+             seqlen_new=seqlen_new, page_size=page_size)  # fmt: skip
+    if c["block_table"] is not None:  # on the GPU: a host table's values are checked every call (the whole way)
+        c["block_table"] = cupy.asarray(c["block_table"])
+    checked = []
+    monkeypatch.setattr(kvcache, "_geometry", lambda *args: checked.append(args[0]) or real_geometry(*args))
+
+    def lengths(L):
+        if full:
+            return None
+        return cupy.full(3, L, dtype=cupy.int32) if device_lengths else L
+
+    for step, L in enumerate((1000, 1003)):  # one 64-token step of the plan
+        del checked[:]
+        run_and_check(**dict(c, q=c["q"].copy(), cache_seqlens=lengths(L)), causal=causal, what=f"{what} step {step}")
+        assert bool(checked) == (step == 0), f"{what}: step {step} {'took' if checked else 'skipped'} the checks"
+    args = dict(k=c["k"], v=c["v"], block_table=c["block_table"], cache_seqlens=lengths(1001), causal=causal,
+                return_lse=return_lse)  # fmt: skip
+    out = None if no_out else cupy.empty_like(c["q"])
+    cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], out=out, **args)  # this signature's first
+    records = []
+    for prepared in (True, False):
+        if not prepared:
+            kvcache._PREPARED.calls.clear()
+        del checked[:], launches[:]
+        cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], out=out, **args)
+        assert bool(checked) != prepared
+        masked = []
+        for fn, launch, buf in launches:
+            buf = bytearray(buf)
+            buf[6 * 8 : 7 * 8] = bytes(8)  # lse: a new array every call
+            if no_out:
+                buf[5 * 8 : 6 * 8] = bytes(8)  # o: likewise
+            masked.append((fn.ptr, launch, bytes(buf)))
+        records.append(masked)
+    assert records[0] == records[1], f"{what}: the prepared path launched other kernels or other bytes"
+
+
+def test_prepared_path_follows_the_plan_memo_and_the_pointers(launches, plans_made):
+    """What sends a seen signature the whole way again: a cleared plan memo (plan constants changed,
+    as tests and tools do: the new plan is the one launched), a pointer off the 16-byte rows (the
+    element-wise kernels), a length past the capacity (the same error as the first time)."""
+    import cupy
+
+    import cuflash
+    from cuflash import kvcache
+
+    rng = np.random.default_rng(41)
+    c = case(rng, batch=2, nheads=8, nheads_kv=2, head_dim=128, capacity=2000, lengths=[1500, 1500])
+    with merge_of_the_splits("in kernel"):
+        run_and_check(**dict(c, cache_seqlens=1500), num_splits=6, what="merged in the kernel")
+        assert [launch for _, launch, _ in launches] == [plans_made[-1].attn] and plans_made[-1].combine is None
+    with merge_of_the_splits("combine"):  # the same signature: prepared, but its plan is gone
+        del launches[:]
+        run_and_check(**dict(c, cache_seqlens=1500), num_splits=6, what="after the plan memo was cleared")
+        assert [launch for _, launch, _ in launches] == [plans_made[-1].attn, plans_made[-1].combine]
+        assert plans_made[-1].combine is not None
+        # A view 8 bytes into the caches' allocation: rows no longer 16-byte aligned.
+        kc = cupy.empty(c["k_cache"].size + 8, dtype=c["k_cache"].dtype)[4 : 4 + c["k_cache"].size]
+        kc = kc.reshape(c["k_cache"].shape)
+        kc[...] = c["k_cache"]
+        del launches[:]
+        run_and_check(**dict(c, k_cache=kc, cache_seqlens=1500), num_splits=6, what="misaligned k_cache")
+        assert not launches[0][1].spec.aligned and launches[0][1] == plans_made[-1].attn
+    with pytest.raises(ValueError, match="exceeds the cache capacity"):
+        cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=2001, num_splits=6)
+    assert kvcache._PREPARED.calls, "nothing was kept"
+
+
 def test_empty_inputs():
     import cuflash
     import cupy

@@ -942,3 +942,54 @@ def test_long_splits_load_each_tile_as_a_cta():
     assert not _uniform_plan(8, 4096, 32, ctas_per_sm=1).attn.spec.cta_loads  # 1 per SM: not measured, column loads
     one_stage = plan.DecodeTile(64, 1, 3)
     assert not plan.decode_cta_loads(one_stage, 2)  # a one-stage ring always loads as a CTA (kCtaLoads in the kernel)
+
+
+def test_call_signature_of_the_prepared_path():
+    """kvcache._signature, the key under which a decode call's checks and plan are kept: pointers and a
+    length within the same 64-token step give the same key; every static property (strides, dtype,
+    device, flags, scale, new tokens, block table, the length's step) another; calls whose values must
+    be checked each time (host lengths or block table, check=True) or whose arguments would fail a
+    check get None (the whole way, which raises). A fake CuPy namespace, so it runs without a GPU."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cuflash.kvcache import _signature
+
+    class FakeArray(SimpleNamespace):
+        pass
+
+    def arr(shape, dtype=np.float16, device=0, ptr=4096, strides=None):
+        item = np.dtype(dtype).itemsize
+        if strides is None:
+            strides = tuple(int(np.prod(shape[i + 1:])) * item for i in range(len(shape)))
+        return FakeArray(shape=shape, strides=strides, dtype=np.dtype(dtype), data=SimpleNamespace(ptr=ptr, device_id=device))
+
+    cp = SimpleNamespace(ndarray=FakeArray)
+    q, kc, vc = arr((2, 1, 8, 64)), arr((2, 1000, 2, 64)), arr((2, 1000, 2, 64))
+    base = dict(k=None, v=None, cache_seqlens=700, block_table=None, causal=False, softmax_scale=0.125, num_splits=0,
+                return_lse=False, out=None, check=False, ctas_per_sm=0)  # fmt: skip
+
+    def sig(q=q, kc=kc, vc=vc, **kw):
+        return _signature(cp, q, kc, vc, **{**base, **kw})
+
+    key = sig()
+    assert key is not None and hash(key) is not None
+    assert sig(q=arr((2, 1, 8, 64), ptr=8192), cache_seqlens=704) == key  # pointers, the same step of 64
+    for changed in (dict(q=arr((2, 1, 8, 64), strides=(2048, 1024, 128, 2))), dict(q=arr((2, 1, 8, 64), device=1)),
+                    dict(kc=arr((2, 1000, 2, 64), dtype=np.float32)), dict(causal=True), dict(softmax_scale=0.1),
+                    dict(num_splits=3), dict(return_lse=True), dict(ctas_per_sm=2), dict(out=arr((2, 1, 8, 64))),
+                    dict(cache_seqlens=705), dict(cache_seqlens=None), dict(cache_seqlens=arr((2,), np.int32)),
+                    dict(k=arr((2, 1, 2, 64)), v=arr((2, 1, 2, 64))),
+                    dict(block_table=arr((2, 4), np.int32))):  # fmt: skip
+        other = sig(**changed)
+        assert other is not None and other != key, changed
+    for whole_way in (dict(check=True), dict(cache_seqlens=[700, 700]), dict(cache_seqlens=np.int32(700)),
+                      dict(cache_seqlens=True), dict(cache_seqlens=-1), dict(cache_seqlens=1001),
+                      dict(cache_seqlens=1000, k=arr((2, 1, 2, 64)), v=arr((2, 1, 2, 64))),
+                      dict(block_table=np.zeros((2, 4), np.int32)), dict(softmax_scale=np.float32(0.125)),
+                      dict(q=np.zeros((2, 1, 8, 64), np.float16)), dict(k=arr((2, 1, 2, 64))), dict(num_splits=True),
+                      dict(out=np.zeros((2, 1, 8, 64), np.float16))):  # fmt: skip
+        assert sig(**whole_way) is None, whole_way
+    # A paged cache's capacity is its pages per sequence x the page size: 4 x 1000 here.
+    assert sig(block_table=arr((2, 4), np.int32), cache_seqlens=3999) is not None
