@@ -425,9 +425,10 @@ def attention_with_kvcache(
         q_ptr, k_ptr, v_ptr, o_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, out.data.ptr
         kn_ptr, vn_ptr = (k.data.ptr, v.data.ptr) if seqlen_new > 0 else (0, 0)
         # Rows 16-byte aligned (_rows_aligned16): the strides' part here, the pointers' part per call.
-        strides16 = head_dim % 8 == 0 and all(_rows_aligned16(0, sh, st) for sh, st in (
-            (k_shape, k_strides), (v_shape, v_strides), (q_shape, q_strides), (q_shape, o_strides)))
-        new_strides16 = seqlen_new > 0 and strides16 and _rows_aligned16(0, kn_shape, kn_strides) \
+        # The attention reads the caches and q and writes out; the append reads k, v and writes the caches.
+        kv16 = head_dim % 8 == 0 and _rows_aligned16(0, k_shape, k_strides) and _rows_aligned16(0, v_shape, v_strides)
+        strides16 = kv16 and _rows_aligned16(0, q_shape, q_strides) and _rows_aligned16(0, q_shape, o_strides)
+        new_strides16 = seqlen_new > 0 and kv16 and _rows_aligned16(0, kn_shape, kn_strides) \
             and _rows_aligned16(0, vn_shape, vn_strides)
         aligned = strides16 and not (q_ptr | k_ptr | v_ptr | o_ptr) & 15
         append_aligned = new_strides16 and not (k_ptr | v_ptr | kn_ptr | vn_ptr) & 15
@@ -472,82 +473,16 @@ def attention_with_kvcache(
             split_tiles=dplan.split_tiles, split_major=int(dplan.split_major), tail_groups=dplan.tail_groups,
             softmax_scale=softmax_scale, scale_log2=softmax_scale * _LOG2_E,
         )  # fmt: skip
+        ws_counters = batch * nheads_kv * dplan.num_row_blocks if rows_out and merge_in_kernel else 0
         prep = _Prepared(
-            plan_args, dplan, fns, record.raw, attend, (batch, nheads, seqlen_q), capacity, seqlen_new, strides16, new_strides16,
-            aligned, append_aligned, rows_out * (bucket + 1), batch * nheads_kv * dplan.num_row_blocks
-            if rows_out and merge_in_kernel else 0, 4 * rows_out * bucket, merge_in_kernel,
+            plan_args, dplan, fns, record.raw, attend, (batch, nheads, seqlen_q), capacity, seqlen_new, strides16,
+            new_strides16, aligned, append_aligned, rows_out * (bucket + 1), ws_counters, 4 * rows_out * bucket,
+            merge_in_kernel,
         )  # fmt: skip
         if key is not None:
             _prepared_calls()[key] = prep
         return _run(prep, cupy, device_id, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, out, lse, seqlens_dev, bt_dev,
                     seqlen_const, return_lse)  # fmt: skip
-
-        q_ptr, k_ptr, v_ptr, o_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, out.data.ptr
-        kn_ptr, vn_ptr = (k.data.ptr, v.data.ptr) if seqlen_new > 0 else (0, 0)
-        rows16 = head_dim % 8 == 0  # whole 16-byte chunks per row
-        kv_aligned = rows16 and _rows_aligned16(k_ptr, k_shape, k_strides) and _rows_aligned16(v_ptr, v_shape, v_strides)
-        aligned = kv_aligned and _rows_aligned16(q_ptr, q_shape, q_strides) and _rows_aligned16(o_ptr, q_shape, o_strides)
-        append_aligned = seqlen_new > 0 and kv_aligned and _rows_aligned16(kn_ptr, kn_shape, kn_strides) \
-            and _rows_aligned16(vn_ptr, vn_shape, vn_strides)
-        if host_lengths is not None:
-            max_len = min(int(host_lengths.max()) + seqlen_new, capacity)
-        elif seqlens_dev is None:
-            max_len = min(seqlen_const + seqlen_new, capacity)
-        else:
-            max_len = capacity  # lengths on the GPU: plan the splits for the longest possible sequence
-        # One length for every sequence (no lengths on the GPU): the plan may fill the GPU's slots with tails.
-        dplan, (fn_attn, fn_append, fn_combine) = _plan_and_load(
-            batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, _DTYPE_NAMES[dtype], aligned,
-            -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id, _ctas_per_sm,
-            seqlens_dev is None,
-        )  # fmt: skip
-        splits = dplan.num_splits
-        bucket = dplan.attn.spec.head_dim
-        stream = cupy.cuda.get_current_stream().ptr
-        o_partial_ptr = lse_partial_ptr = counters_ptr = 0
-        if attend and splits > 1:
-            # o_partial (splits, batch, nheads, seqlen_q, bucket), then lse_partial; one counter per
-            # (sequence, kv head, row block) where the split kernel merges (null: the combine kernel does).
-            rows_out = splits * batch * nheads * seqlen_q
-            merge_in_kernel = dplan.combine is None
-            n_counters = batch * nheads_kv * dplan.num_row_blocks if merge_in_kernel else 0
-            partials, counters = _workspace(cupy, device_id, stream, rows_out * (bucket + 1), n_counters)
-            o_partial_ptr = partials.data.ptr
-            counters_ptr = counters.data.ptr if merge_in_kernel else 0
-            lse_partial_ptr = o_partial_ptr + 4 * rows_out * bucket  # bucket % 32 == 0: 128-byte aligned
-        n = q.itemsize  # = every array's (one dtype)
-        qs, ks = _elem_strides_of(q_strides, n), _elem_strides_of(k_strides, n)
-        vs, os_ = _elem_strides_of(v_strides, n), _elem_strides_of(o_strides, n)
-        kns, vns = (_elem_strides_of(kn_strides, n), _elem_strides_of(vn_strides, n)) if seqlen_new > 0 \
-            else ((0, 0, 0), (0, 0, 0))
-        group = max(nheads, nheads_kv) // nheads_kv
-        args = _ARGS
-        _pack(
-            args.buf, q=q_ptr, k=k_ptr, v=v_ptr, k_new=kn_ptr, v_new=vn_ptr, o=o_ptr, lse=0 if lse is None else lse.data.ptr,
-            o_partial=o_partial_ptr, lse_partial=lse_partial_ptr, split_counters=counters_ptr,
-            seqlens=0 if seqlens_dev is None else seqlens_dev.data.ptr,
-            block_table=0 if bt_dev is None else bt_dev.data.ptr,
-            q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
-            k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
-            v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
-            k_new_batch_stride=kns[0], k_new_row_stride=kns[1], k_new_head_stride=kns[2],
-            v_new_batch_stride=vns[0], v_new_row_stride=vns[1], v_new_head_stride=vns[2],
-            o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
-            block_table_batch_stride=bt_dev.strides[0] // bt_dev.itemsize if paged else 0,
-            batch=batch, nheads=nheads, nheads_kv=nheads_kv, group=group, seqlen_q=seqlen_q,
-            rows=group * seqlen_q, head_dim=head_dim, seqlen_const=seqlen_const, seqlen_new=seqlen_new,
-            capacity=capacity, page_size=page_size, num_pages=cache_rows, num_splits=splits,
-            num_row_blocks=dplan.num_row_blocks, partial_stride=bucket, is_causal=int(bool(causal)),
-            split_tiles=dplan.split_tiles, split_major=int(dplan.split_major), tail_groups=dplan.tail_groups,
-            softmax_scale=softmax_scale, scale_log2=softmax_scale * _LOG2_E,
-        )  # fmt: skip
-        if dplan.append is not None:  # the attention below reads the new tokens (same stream)
-            jit.launch(fn_append, dplan.append, args.argv_ptr, stream)
-        if attend:
-            jit.launch(fn_attn, dplan.attn, args.argv_ptr, stream)
-            if dplan.combine is not None:
-                jit.launch(fn_combine, dplan.combine, args.argv_ptr, stream)
-    return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1200,13 +1200,15 @@ PREPARED_CASES = [
 def test_prepared_path_against_the_reference_and_the_whole_way(launches, monkeypatch, what, kw):
     """The second call of a signature takes the prepared path (no checks: _geometry is not called), with
     new arrays (pointers) and another length in the same 64-token step: checked against the reference;
-    and it launches the same kernels with the same DecodeParams bytes as the whole way does for the same
-    call (the memo of prepared calls cleared; the lse pointer aside, a new array each call)."""
+    it launches the same kernels with the same DecodeParams bytes as the whole way does for the same
+    call (the memo of prepared calls cleared; the lse pointer aside, a new array each call); and the
+    fields it patches hold this call's pointers and length (read back through params.DECODE_DTYPE)."""
     import cupy
 
     import cuflash
     from cuflash import kvcache
     from cuflash.attention import _geometry as real_geometry
+    from cuflash.params import DECODE_DTYPE
 
     rng = np.random.default_rng(31)
     kw = dict(kw)
@@ -1248,13 +1250,26 @@ def test_prepared_path_against_the_reference_and_the_whole_way(launches, monkeyp
                 buf[5 * 8 : 6 * 8] = bytes(8)  # o: likewise
             masked.append((fn.ptr, launch, bytes(buf)))
         records.append(masked)
+        rec = np.frombuffer(launches[-1][2], dtype=DECODE_DTYPE)[0]
+        seqlens = args["cache_seqlens"]
+        want = dict(q=c["q"].data.ptr, k=c["k_cache"].data.ptr, v=c["v_cache"].data.ptr,
+                    k_new=0 if c["k"] is None else c["k"].data.ptr, v_new=0 if c["v"] is None else c["v"].data.ptr,
+                    seqlens=seqlens.data.ptr if device_lengths else 0,
+                    block_table=0 if c["block_table"] is None else c["block_table"].data.ptr,
+                    seqlen_const=1500 if full else (0 if device_lengths else 1001))  # fmt: skip
+        if not no_out:
+            want["o"] = out.data.ptr
+        got = {name: int(rec[name]) for name in want}
+        assert got == want, f"{what} (prepared={prepared}): the record's pointers or length"
+        assert (int(rec["lse"]) != 0) == return_lse
     assert records[0] == records[1], f"{what}: the prepared path launched other kernels or other bytes"
 
 
 def test_prepared_path_follows_the_plan_memo_and_the_pointers(launches, plans_made):
     """What sends a seen signature the whole way again: a cleared plan memo (plan constants changed,
     as tests and tools do: the new plan is the one launched), a pointer off the 16-byte rows (the
-    element-wise kernels), a length past the capacity (the same error as the first time)."""
+    element-wise kernels). And a length past the capacity, after the same call was prepared with a
+    good one, raises as before (such a call never gets a key: the whole way checks it)."""
     import cupy
 
     import cuflash
@@ -1277,9 +1292,30 @@ def test_prepared_path_follows_the_plan_memo_and_the_pointers(launches, plans_ma
         del launches[:]
         run_and_check(**dict(c, k_cache=kc, cache_seqlens=1500), num_splits=6, what="misaligned k_cache")
         assert not launches[0][1].spec.aligned and launches[0][1] == plans_made[-1].attn
+    for _ in range(2):  # the whole way, then prepared
+        cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=1500, num_splits=6)
+    args = (cupy, c["q"], c["k_cache"], c["v_cache"], None, None, 1500, None, False, None, 6, False, None, False, 0)
+    assert kvcache._signature(*args) in kvcache._PREPARED.calls
     with pytest.raises(ValueError, match="exceeds the cache capacity"):
         cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=2001, num_splits=6)
-    assert kvcache._PREPARED.calls, "nothing was kept"
+
+
+def test_append_path_follows_the_caches_not_q(launches):
+    """The append kernel's 16-byte path depends on the caches and the new tokens only: a q (and out)
+    whose rows are not 16-byte aligned sends the attention to the element-wise kernels but keeps the
+    16-byte append, the first call and the prepared second alike; both against the reference."""
+    import cupy
+
+    rng = np.random.default_rng(43)
+    c = case(rng, batch=2, nheads=8, nheads_kv=2, head_dim=128, capacity=700, seqlen_new=2, lengths=[600, 600])
+    padded = cupy.empty((2, 1, 8, 132), dtype=c["q"].dtype)[..., :128]  # head stride 264 bytes
+    padded[...] = c["q"]
+    for step in range(2):
+        del launches[:]
+        run_and_check(**dict(c, q=padded, cache_seqlens=600 + 2 * step), num_splits=3, what=f"padded q, call {step}")
+        append, attn = launches[0][1], launches[1][1]
+        assert append.spec.family == "flash_decode_append" and append.spec.aligned, append.spec
+        assert not attn.spec.aligned, attn.spec
 
 
 def test_empty_inputs():
