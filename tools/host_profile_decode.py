@@ -1,17 +1,16 @@
 """Where the host time of one decode call goes: host microseconds per call (cuflash.bench.host_us,
-the bench's measure) of cuflash and torch SDPA's peers on one `cuflash bench --decode` shape, then a
-cProfile of cuflash's calls (top functions by own time) and the cost of a few pieces on their own.
+the bench's measure, and runs of 100 calls from an idle GPU) of cuflash and torch SDPA's peers on
+one `cuflash bench --decode` shape, and the cost of a few pieces on their own (the launch with and
+without PDL, the plan memo, the device context). A cProfile of cuflash's calls:
+tools/profile_decode.py --cprofile FILE.
 
-    python tools/host_profile_decode.py [--shape 8,8192,8] [--calls 3000]
+    python tools/host_profile_decode.py [--shape 8,8192,8]
 
 Why it matters on the GPU side too: cuflash.bench.time_ms times 5 back-to-back calls from an idle
 GPU, so the first call's host time until its launch is in every sample (a fifth of it per call).
 """
 import argparse
-import cProfile
-import io
 import math
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,6 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8,8192,8", help="batch,cache_len,kv_heads (32 query heads, hd128, bf16)")
-    ap.add_argument("--calls", type=int, default=3000)
     a = ap.parse_args()
     b, L, hk = map(int, a.shape.split(","))
     rng = cupy.random.default_rng(0)
@@ -97,19 +95,6 @@ def main():
     for name, fn in pieces.items():
         fn()
         print(f"  {name:46s} {_per_call_us(fn):6.2f}")
-
-    prof = cProfile.Profile()
-    for _ in range(a.calls // 100):  # runs of 100 calls from an idle GPU, as above
-        cupy.cuda.Device().synchronize()
-        prof.enable()
-        for _ in range(100):
-            ours()
-        prof.disable()
-    cupy.cuda.Device().synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    print(f"cProfile of {a.calls} cuflash calls (own time):")
-    print(s.getvalue())
 
 
 if __name__ == "__main__":

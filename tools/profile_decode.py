@@ -155,10 +155,12 @@ def main():
                   f"per call {(prev_end - t0) / a.back_to_back:.1f}")
         if si == 0 and a.cprofile:
             pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(2000):
-                ours()
-            pr.disable()
+            for _ in range(20):  # runs of 100 calls from an idle GPU: 2000 queued at once fill the launch
+                cupy.cuda.get_current_stream().synchronize()  # queue, and the launches then block
+                pr.enable()
+                for _ in range(100):
+                    ours()
+                pr.disable()
             cupy.cuda.get_current_stream().synchronize()
             buf = io.StringIO()
             pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
