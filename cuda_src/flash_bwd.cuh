@@ -30,14 +30,14 @@
 //       sP, sdS [kBlockN][kBlockM+8] (rows = keys). Row pads keep ldmatrix conflict free (odd
 //       number of 16-byte units per row). kStages == 2: query block i+1 streams in during block i.
 //
-// Fragment layouts: common.cuh. Preconditions (checked in cuflash/backward.py): as the forward;
+// Fragment layouts: primitives.cuh. Preconditions (checked in cuflash/backward.py): as the forward;
 // lse is the forward's lse of these inputs; dq_accum, dq_turn zeroed; lse_log2 / dsum from the
 // preprocess kernel of the same call.
 #pragma once
 
-#include "common.cuh"
-#include "flash_fwd.cuh"  // load_tile
 #include "params.h"
+#include "primitives.cuh"
+#include "warp_tile.cuh"  // load_tile
 
 namespace cuflash {
 

@@ -34,8 +34,8 @@
 // off (it runs flash_bwd_kernel).
 #pragma once
 
-#include "flash_bwd.cuh"
-#include "flash_fwd_sm90.cuh"
+#include "flash_bwd.cuh"  // BwdQueryWalk, the dQ layout of flash_bwd_convert_kernel
+#include "sm90_tile.cuh"
 
 namespace cuflash {
 

@@ -79,14 +79,13 @@
 // capacity + seqlen_new < 2^31; softmax_scale > 0.
 #pragma once
 
-#include "common.cuh"
-#include "flash_fwd.cuh"  // WarpTile: the per-warp S = Q K^T, online softmax and O += P V steps
+#include "decode_common.cuh"
+#include "decode_merge.cuh"
 #include "params.h"
+#include "primitives.cuh"
+#include "warp_tile.cuh"  // WarpTile: the per-warp S = Q K^T, online softmax and O += P V steps
 
 namespace cuflash {
-
-constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cuflash/plan.py: DECODE_THREADS)
-constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS
 
 // Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
 template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kCtaLoads_,
@@ -149,59 +148,6 @@ struct DecodeWarpConfig {
     static constexpr bool kIsBF16 = Cfg::kIsBF16;
     static constexpr bool kQInRegs = false;  // Q is re-read from smem per tile (memory bound: free)
 };
-
-CUFLASH_DEVICE float decode_warp_max(float x) {
-#pragma unroll
-    for (int m = 16; m > 0; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
-    return x;
-}
-CUFLASH_DEVICE float decode_warp_sum(float x) {
-#pragma unroll
-    for (int m = 16; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
-    return x;
-}
-
-// Tokens already in the cache of sequence b, clamped into [0, capacity]; the append kernel and the
-// attention kernel clamp alike, so they agree on where the new tokens went.
-CUFLASH_DEVICE int decode_cached_len(const DecodeParams& p, int b) {
-    const int s = p.seqlens != nullptr ? p.seqlens[b] : p.seqlen_const;
-    return min(max(s, 0), p.capacity);
-}
-
-// Where token n of one sequence lives in the cache: (page, slot), the element offsets of the cache's
-// dims 0 and 1. Contiguous: (b, n). Paged: (block_table[b][n / page_size] clamped into [0, num_pages),
-// n % page_size). Callers only ask for n < L_b <= capacity = max_blocks * page_size.
-struct DecodeCacheRows {
-    const int* bt_row;  // block_table row of the sequence, or null for a contiguous cache
-    int b, page_size, num_pages;
-
-    CUFLASH_DEVICE void locate(int n, int& page, int& slot) const {
-        if (bt_row != nullptr) {
-            const int blk = n / page_size;
-            page = min(max(bt_row[blk], 0), num_pages - 1);
-            slot = n - blk * page_size;
-        } else {
-            page = b;
-            slot = n;
-        }
-    }
-};
-
-CUFLASH_DEVICE DecodeCacheRows decode_cache_rows(const DecodeParams& p, int b) {
-    const int* bt_row = p.block_table != nullptr ? p.block_table + b * p.block_table_batch_stride : nullptr;
-    return DecodeCacheRows{bt_row, b, p.page_size, p.num_pages};
-}
-
-// Packed query row r of kv head hk -> query token i and query head h.
-CUFLASH_DEVICE void decode_unpack_row(const DecodeParams& p, int hk, int r, int& i, int& h) {
-    i = r / p.group;
-    h = hk * p.group + (r - i * p.group);
-}
-
-// Index of (split, b, h, i) in lse_partial, of (b, h, i) in lse (split 0): (split, batch, nheads, seqlen_q).
-CUFLASH_DEVICE i64 decode_row_index(const DecodeParams& p, int split, int b, int h, int i) {
-    return (((i64)split * p.batch + b) * p.nheads + h) * p.seqlen_q + i;
-}
 
 // Copy 8 (or, on the last chunk of a row, fewer) 2-byte elements into smem as one 16-byte store,
 // zero-filling columns >= head_dim (element-wise path: rows not 16-byte aligned or odd head dims).
@@ -355,249 +301,6 @@ CUFLASH_DEVICE void decode_mask(float (&S)[1][kNB][4], int col0, const int (&lim
                 if (col0 + 8 * nb + e >= limit[h]) S[0][nb][2 * h + e] = -kInf;
 }
 
-// Timeline probe for tools/trace_decode.py, compiled only with -DCUFLASH_DECODE_TRACE=<entries>: thread 0
-// of CTA c (linear block index) writes %globaltimer (ns) to cuflash_decode_trace[8 c + e] at event e:
-// 1 start (after the wait for the kernel before), 2 first tile landed, 3 main loop done, 4 end, 5 partial rows
-// written (before the count), 6 count done, 7 first chunk of partial rows staged (merging CTA only);
-// entry 0 is the SM id.
-#ifdef CUFLASH_DECODE_TRACE
-extern "C" {  // unmangled, for cuModuleGetGlobal
-__device__ unsigned long long cuflash_decode_trace[CUFLASH_DECODE_TRACE];
-}
-CUFLASH_DEVICE void decode_trace(int e) {
-    const long long c = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-    if (threadIdx.x != 0 || 8 * c + 8 > CUFLASH_DECODE_TRACE) return;
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    cuflash_decode_trace[8 * c + e] = t;
-    if (e == 1) {
-        unsigned smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        cuflash_decode_trace[8 * c] = smid;
-    }
-}
-#define DECODE_TRACE(e) decode_trace(e)
-#else
-#define DECODE_TRACE(e)
-#endif
-
-// Output row `row` = (b * nheads + h) * seqlen_q + i of a merge of the splits: this lane's columns
-// [4 lane + 128 j, 4 lane + 128 j + 4) of acc / l in the output's dtype and, by lane 0, lse = m + ln l.
-// A row no split saw (l == 0) gets O = 0 and lse = -inf.
-template <bool kBF16, int kCC>
-CUFLASH_DEVICE void decode_store_merged_row(const DecodeParams& p, i64 row, const float4 (&acc)[kCC], float m, float l,
-                                            int lane) {
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
-    const int i = static_cast<int>(row % p.seqlen_q);
-    const i64 bh = row / p.seqlen_q;
-    const int h = static_cast<int>(bh % p.nheads), b = static_cast<int>(bh / p.nheads);
-    u16* g_o = static_cast<u16*>(p.o) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-#pragma unroll
-    for (int j = 0; j < kCC; ++j) {
-        const int c = 4 * lane + 128 * j;
-        const u32 lo = pack2<kBF16>(acc[j].x * inv_l, acc[j].y * inv_l);
-        const u32 hi = pack2<kBF16>(acc[j].z * inv_l, acc[j].w * inv_l);
-        if (c < p.head_dim) g_o[c] = static_cast<u16>(lo & 0xffffu);
-        if (c + 1 < p.head_dim) g_o[c + 1] = static_cast<u16>(lo >> 16);
-        if (c + 2 < p.head_dim) g_o[c + 2] = static_cast<u16>(hi & 0xffffu);
-        if (c + 3 < p.head_dim) g_o[c + 3] = static_cast<u16>(hi >> 16);
-    }
-    if (lane == 0 && p.lse != nullptr) p.lse[row] = l > 0.f ? m + __logf(l) : -kInf;
-}
-
-// Merge of the splits, by the CTA that finishes a group last (decode_merge_if_last):
-//   lse = m + ln l,  O = acc / l,  with m = max_s lse_s, l = sum_s e^{lse_s - m}, acc = sum_s e^{lse_s - m} O_s.
-// It runs at the very end of the kernel, where nothing hides its latency, so the partial rows are
-// staged: every warp copies the partial rows it needs into the free K/V stages with cp.async, as
-// many as fit, loads their lse meanwhile and waits once; the arithmetic then reads shared memory.
-// (With register loads each lane has only a handful of 16-byte loads in flight and the L2 round trips
-// queue up; index arithmetic per copy, or a shared-memory store between loads, also showed: a lone
-// warp per scheduler runs this. tools/trace_decode.py measured each on the H200.)
-//   Rows: rows_valid packed rows, in rounds of kNWarps / team rows; a team of `team` warps shares a
-//         row (team = kNWarps with one row, as in MHA decode, 2 with two or three rows, else 1). Warp
-//         `sub` of a team stages and folds splits sub, sub + team, ... of its row, on its own; the
-//         team's partial sums meet in shared memory at the end of the round.
-//   Chunks: the splits of a round, staged up to capacity (DecodeMergeLayout::kCap partial rows) at a
-//         time; a chunk is folded into the running (m, l, acc) with one max, one weight per split
-//         and FMAs.
-//   Lane l owns columns [4 l + 128 j, 4 l + 128 j + 4) of its row, j < kColChunks.
-constexpr int kMergeLseBatch = 4;  // lse values per thread in flight while the merge stages a chunk
-
-template <class Cfg>
-struct DecodeMergeLayout {
-    static constexpr int kColChunks = (Cfg::kHeadDim + 127) / 128;
-    static constexpr int kRedFloats = kColChunks * 128 + 4;  // a warp's acc row, then m and l (16-byte rows)
-    static constexpr int kTeamFloats = Cfg::kNWarps * kRedFloats;
-    static constexpr int kRowFloats = Cfg::kHeadDim;  // a partial row: the whole bucket (partial_stride)
-    static constexpr int kCap = (Cfg::kSmemPipeBytes / 4 - kTeamFloats) / (kRowFloats + 1);  // staged rows
-    static_assert(kCap >= Cfg::kNWarps, "a chunk holds at least one split of every row of a round");
-    static_assert(kMergeLseBatch * 32 >= kDecodeMaxSplits, "one batch of lse loads covers every split of a chunk");
-};
-
-// The running merge of one row, per lane: (m, l) and the lane's columns of acc.
-template <int kColChunks>
-struct DecodeMergeRow {
-    float m = -kInf, l = 0.f;  // max lse so far (natural log), sum of e^{lse_s - m}
-    float4 acc[kColChunks];
-
-    // Rescale to a new max m_new >= m (nothing to rescale while m is -inf: l and acc are still 0).
-    CUFLASH_DEVICE float rescale(float m_new) {
-        const float c = m == -kInf ? 0.f : fast_exp2((m - m_new) * kLog2e);
-        m = m_new;
-        l *= c;
-#pragma unroll
-        for (int j = 0; j < kColChunks; ++j) acc[j] = make_float4(acc[j].x * c, acc[j].y * c, acc[j].z * c, acc[j].w * c);
-        return c;
-    }
-    // acc += w * (this lane's columns of o, a row of kRowFloats); columns past the row stay 0 (the next
-    // slot of staged rows may be another warp's, still being filled).
-    template <int kRowFloats>
-    CUFLASH_DEVICE void add(float w, const float* o, int lane) {
-#pragma unroll
-        for (int j = 0; j < kColChunks; ++j) {
-            if (4 * lane + 128 * j >= kRowFloats) continue;
-            const float4 v = *reinterpret_cast<const float4*>(o + 4 * lane + 128 * j);
-            acc[j] = make_float4(fmaf(w, v.x, acc[j].x), fmaf(w, v.y, acc[j].y), fmaf(w, v.z, acc[j].z),
-                                 fmaf(w, v.w, acc[j].w));
-        }
-    }
-};
-
-// The CTA's merge of packed rows [row0, row0 + rows_valid) of (b, hk). Every thread of the CTA calls
-// it (it has block barriers); smem: the K/V stages (kSmemPipeBytes), free by now. The partial rows
-// were written by other CTAs: they are read through L2 (cp.async.cg, ld.global.cg), never from L1.
-template <class Cfg>
-CUFLASH_DEVICE void decode_merge_rows(const DecodeParams& p, int b, int hk, int row0, int rows_valid, int n_splits,
-                                      float* smem, int tid) {
-    using Lay = DecodeMergeLayout<Cfg>;
-    constexpr int kW = Cfg::kNWarps, kCC = Lay::kColChunks, kRowF = Lay::kRowFloats;
-    constexpr int kChunks16 = kRowF / 4;  // 16-byte pieces of a partial row
-    float* s_team = smem;                                   // [kW][kRedFloats]
-    float* s_rows = smem + Lay::kTeamFloats;                // [kCap][kRowF]: staged partial rows
-    float* s_w = s_rows + Lay::kCap * kRowF;                // [kCap]: their weights
-    const int warp = tid / 32, lane = tid % 32;
-    const int team = rows_valid >= kW ? 1 : (rows_valid >= 2 ? kW / 2 : kW);  // warps per row (divides kW)
-    const int sub = warp % team, rows_per_round = kW / team;
-    const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
-    const i64 split_stride = n_rows * p.partial_stride;  // floats from one split's partial rows to the next
-    // Splits staged at once per row. Row slot k of a round (k = warp / team) owns the same area in
-    // every round and chunk: with a warp per row nothing synchronizes the warps between rounds, so
-    // a warp ahead by a round must not reach into another's area.
-    const int per_chunk = min(n_splits, Lay::kCap / rows_per_round);
-    // Rounds are uniform over the CTA (the team meeting below has block barriers).
-    for (int r0 = 0; r0 < rows_valid; r0 += rows_per_round) {
-        const int r = r0 + warp / team;  // this warp's row (>= rows_valid: none this round)
-        i64 row = 0;
-        if (r < rows_valid) {
-            int i, h;
-            decode_unpack_row(p, hk, row0 + r, i, h);
-            row = decode_row_index(p, 0, b, h, i);
-        }
-        DecodeMergeRow<kCC> st;
-#pragma unroll
-        for (int j = 0; j < kCC; ++j) st.acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-        // Each warp stages and folds only its own splits of its own row: from here to the team's
-        // meeting below, its lanes synchronize among themselves only.
-        if (r < rows_valid) {
-            const int k = warp / team;
-            const float* g_rows = p.o_partial + row * p.partial_stride;
-            for (int s_lo = 0; s_lo < n_splits; s_lo += per_chunk) {
-                const int n_s = min(per_chunk, n_splits - s_lo);
-                // Row slot k's area: the staged partial row of split s_lo + s at rows_k[s * kRowF], its
-                // weight at w_k[s] (the team's warps take disjoint s).
-                float* rows_k = s_rows + k * per_chunk * kRowF;
-                float* w_k = s_w + k * per_chunk;
-                __syncwarp();  // this warp is done with its previous chunk
-                for (int s = sub; s < n_s; s += team) {
-                    const float* g = g_rows + (s_lo + s) * split_stride;
-#pragma unroll
-                    for (int c16 = lane; c16 < kChunks16; c16 += 32) {
-                        cp_async_16(smem_u32(rows_k + s * kRowF + 4 * c16), g + 4 * c16, true);
-                    }
-                }
-                cp_async_commit();
-                // The lse values into registers while the rows are on their way (n_s <= 128 splits).
-                float x[kMergeLseBatch];
-#pragma unroll
-                for (int u = 0; u < kMergeLseBatch; ++u) {
-                    const int s = sub + team * (lane + 32 * u);
-                    x[u] = s < n_s ? __ldcg(p.lse_partial + row + (s_lo + s) * n_rows) : -kInf;
-                }
-                // New max over this warp's splits of the chunk (s = sub + team t), then their weights.
-                float m_c = -kInf;
-#pragma unroll
-                for (int u = 0; u < kMergeLseBatch; ++u) m_c = fmaxf(m_c, x[u]);
-                m_c = decode_warp_max(m_c);
-                const float m_new = fmaxf(st.m, m_c);
-                st.rescale(m_new);
-                float l_c = 0.f;
-#pragma unroll
-                for (int u = 0; u < kMergeLseBatch; ++u) {
-                    const int s = sub + team * (lane + 32 * u);
-                    const float w = x[u] == -kInf ? 0.f : fast_exp2((x[u] - m_new) * kLog2e);  // m_new finite if x is
-                    if (s < n_s) w_k[s] = w;
-                    l_c += w;
-                }
-                st.l += decode_warp_sum(l_c);
-                cp_async_wait<0>();
-                __syncwarp();  // the warp's staged rows and weights visible to all its lanes
-                if (s_lo == 0 && r0 == 0 && warp == 0) DECODE_TRACE(7);
-                for (int s = sub; s < n_s; s += team) st.template add<kRowF>(w_k[s], rows_k + s * kRowF, lane);
-            }
-        }
-        if (team > 1) {  // the team's partial sums meet in shared memory; its first warp finishes the row
-            float* red = s_team + warp * Lay::kRedFloats;
-#pragma unroll
-            for (int j = 0; j < kCC; ++j) *reinterpret_cast<float4*>(red + 4 * lane + 128 * j) = st.acc[j];
-            if (lane == 0) {
-                red[Lay::kRedFloats - 4] = st.m;
-                red[Lay::kRedFloats - 3] = st.l;
-            }
-            __syncthreads();
-            if (sub == 0 && r < rows_valid) {
-                for (int w = 1; w < team; ++w) {
-                    const float* o = s_team + (warp + w) * Lay::kRedFloats;
-                    const float m_w = o[Lay::kRedFloats - 4], l_w = o[Lay::kRedFloats - 3];
-                    if (m_w == -kInf) continue;  // that warp's splits all saw no key
-                    // (m_w, l_w, acc_w) joins like one more split of weight e^{m_w - m} and sums l_w, acc_w.
-                    if (m_w > st.m) st.rescale(m_w);
-                    const float c_w = fast_exp2((m_w - st.m) * kLog2e);
-                    st.l = fmaf(c_w, l_w, st.l);
-                    st.template add<kRowF>(c_w, o, lane);
-                }
-            }
-            if (r0 + rows_per_round < rows_valid) __syncthreads();  // s_team read before the next round writes it
-        }
-        if (sub == 0 && r < rows_valid) decode_store_merged_row<Cfg::kIsBF16>(p, row, st.acc, st.m, st.l, lane);
-    }
-}
-
-// End of a split CTA when num_splits > 1: count it in the group (sequence b, kv head hk, row block
-// rb), and if it is the last of the group's num_splits CTAs to finish, merge the group's packed rows
-// [row0, row0 + rows_valid) (decode_merge_rows). The counter returns to 0 for the next launch. The
-// fence before the count publishes this CTA's partial rows; the last CTA sees every other count, so
-// it reads every partial row after it was written (threadfence reduction, CUDA programming guide).
-// smem: the K/V stages, s_flag: one int, both free shared memory by now.
-template <class Cfg>
-CUFLASH_DEVICE void decode_merge_if_last(const DecodeParams& p, int b, int hk, int rb, int row0, int rows_valid,
-                                         int n_splits, float* smem, int* s_flag, int tid) {
-    DECODE_TRACE(5);
-    __threadfence();  // this thread's partial rows reach device scope before the count
-    __syncthreads();  // ... for every thread of the CTA; and everyone is done with the smem reused below
-    if (tid == 0) {
-        int* counter = p.split_counters + ((i64)b * p.nheads_kv + hk) * p.num_row_blocks + rb;
-        const bool last = atomicAdd(counter, 1) == n_splits - 1;
-        if (last) *counter = 0;  // every split of the group has counted: reset for the next launch
-        *s_flag = last;
-    }
-    __syncthreads();
-    DECODE_TRACE(6);
-    if (!*s_flag) return;
-    __threadfence();
-    decode_merge_rows<Cfg>(p, b, hk, row0, rows_valid, n_splits, smem, tid);
-}
-
-
 // One split CTA: tiles [tile_begin, tile_end) of the L keys of (sequence b, kv head hk), packed query
 // rows of row block rb, as split `split` of the group's n_splits. One split: O and lse written
 // directly; several: this split's partial rows, then the merge by the last split CTA of the group to
@@ -717,9 +420,6 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
             } else {
                 loader_sync();
             }
-    #ifdef CUFLASH_DECODE_TRACE
-            if (tile == tile_begin) DECODE_TRACE(2);
-    #endif
             const int n0 = tile * kBlockN + wn * Cfg::kKeysPerWarp;  // first key of this warp's share
             if (warp_has_rows && n0 < L) {  // warp-uniform: a share wholly past the end is all masked
                 const u16* s_k = s_k0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
@@ -738,7 +438,6 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
         // this thread's copies (only empty groups remain) and for every warp to finish its last tile.
         cp_async_wait<0>();
         __syncthreads();  // all warps done reading sK / sV; no cp.async into them in flight
-        DECODE_TRACE(3);
         float l_own[2];
     #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -839,7 +538,6 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
     // after (the combine, or the next call's) may start its CTAs as slots free up.
     grid_dependency_wait();
     grid_launch_dependents();
-    DECODE_TRACE(1);
     // Split grids: CTA (x, hk, b) takes split x / num_row_blocks of the keys of (b, hk), row block x %
     // num_row_blocks; split_major grids are (hk, b, x), so the block scheduler starts the CTAs of
     // the last split (a short tail, see split_tiles) last. Tail-split grids (kTailGrid): below.
@@ -870,132 +568,5 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
         decode_split<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
     }
-    DECODE_TRACE(4);
 }
-
-// Combine kernel: one CTA (kDecodeThreads) per output row `row` = (b * nheads + h) * seqlen_q + i merges
-// its num_splits partial rows: lse = m + ln l, O = acc / l with m = max_s lse_s, w_s = e^{lse_s - m},
-// l = sum_s w_s, acc = sum_s w_s O_s. Thread s loads lse_s (num_splits <= kDecodeThreads); warp w adds
-// splits w, w + 4, ...; lane l owns columns [4 l + 128 j, 4 l + 128 j + 4) of the row (j < kCC). The
-// partial rows of a batch of kBatch splits per warp are all loaded into registers before the first is
-// used, and the first batch is on its way while the lse values give the weights: two L2 round trips
-// per CTA where each warp's splits fit one batch, one more per further batch. Two variants
-// (cuflash/plan.py DecodeCombineSpec, decode_combine_lean): wide, kBatch = 32 / kCC (at hd <= 128
-// every split in one batch; ~185 registers, 2 CTAs per SM), for calls of few output rows and many
-// splits; lean, kBatch = 4 (one batch up to 16 splits; ~52 registers, 8+ CTAs per SM), where the
-// splits fit that one batch or the rows are too many for one wave of the wide one. Each warp adds
-// its splits in the same order in both (a padded slot adds 0 * 0), so both give the same bits.
-template <int kHeadDim, bool kIsBF16, int kBatch>
-CUFLASH_DEVICE void flash_decode_combine_kernel(const DecodeParams& p) {
-    constexpr int kW = kDecodeThreads / 32;
-    constexpr int kCC = (kHeadDim + 127) / 128;  // float4 columns per lane
-    static_assert(kBatch >= 1 && kBatch * kCC <= 32, "splits in flight per warp: at most 32 float4 registers");
-    static_assert(kDecodeMaxSplits <= kDecodeThreads, "one lse per thread");
-    __shared__ float s_w[kDecodeMaxSplits];          // weight of each split
-    __shared__ float s_max[kW];
-    __shared__ __align__(16) float s_acc[kW - 1][kCC * 128];  // warps 1.. hand their sums to warp 0
-    grid_dependency_wait();  // the split kernel's partial rows are complete and visible
-    grid_launch_dependents();
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const i64 row = blockIdx.x;
-    const i64 n_rows = (i64)p.batch * p.nheads * p.seqlen_q;
-    const int n_splits = p.num_splits;
-    const int n_own = (n_splits - warp + kW - 1) / kW;  // this warp's splits: warp + kW q, q < n_own
-    const float* g_row = p.o_partial + row * p.partial_stride;
-    const i64 split_stride = n_rows * p.partial_stride;
-
-    float4 v[kBatch][kCC];
-    auto load = [&](int q0) {  // own splits [q0, q0 + kBatch) into v (zeros past the last)
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u)
-#pragma unroll
-            for (int j = 0; j < kCC; ++j) {
-                const int c = 4 * lane + 128 * j;
-                const bool ok = q0 + u < n_own && c < kHeadDim;
-                v[u][j] = ok ? __ldcg(reinterpret_cast<const float4*>(g_row + (warp + kW * (q0 + u)) * split_stride + c))
-                             : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-    };
-    load(0);
-    const float x = tid < n_splits ? __ldcg(p.lse_partial + row + tid * n_rows) : -kInf;
-    const float m_warp = decode_warp_max(x);
-    if (lane == 0) s_max[warp] = m_warp;
-    __syncthreads();
-    float m = s_max[0];
-#pragma unroll
-    for (int w = 1; w < kW; ++w) m = fmaxf(m, s_max[w]);
-    if (tid < n_splits) s_w[tid] = x == -kInf ? 0.f : fast_exp2((x - m) * kLog2e);  // m finite if x is
-    __syncthreads();
-
-    float4 acc[kCC];
-#pragma unroll
-    for (int j = 0; j < kCC; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int q0 = 0; q0 < n_own; q0 += kBatch) {
-        if (q0 > 0) load(q0);
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-            const float w = q0 + u < n_own ? s_w[warp + kW * (q0 + u)] : 0.f;
-#pragma unroll
-            for (int j = 0; j < kCC; ++j)
-                acc[j] = make_float4(fmaf(w, v[u][j].x, acc[j].x), fmaf(w, v[u][j].y, acc[j].y),
-                                     fmaf(w, v[u][j].z, acc[j].z), fmaf(w, v[u][j].w, acc[j].w));
-        }
-    }
-    if (warp > 0) {
-#pragma unroll
-        for (int j = 0; j < kCC; ++j) *reinterpret_cast<float4*>(&s_acc[warp - 1][4 * lane + 128 * j]) = acc[j];
-    }
-    __syncthreads();
-    if (warp != 0) return;
-    float l_lane = 0.f;
-    for (int s = lane; s < n_splits; s += 32) l_lane += s_w[s];
-    const float l = decode_warp_sum(l_lane);
-#pragma unroll
-    for (int j = 0; j < kCC; ++j)
-#pragma unroll
-        for (int w = 1; w < kW; ++w) {
-            const float4 o = *reinterpret_cast<const float4*>(&s_acc[w - 1][4 * lane + 128 * j]);
-            acc[j] = make_float4(acc[j].x + o.x, acc[j].y + o.y, acc[j].z + o.z, acc[j].w + o.w);
-        }
-    decode_store_merged_row<kIsBF16>(p, row, acc, m, l, lane);
-}
-
-// Append: k_new[b, t] -> cache position clamp(cache_seqlens[b], 0, capacity) + t of sequence b, and
-// the same for v; positions at or past capacity are dropped (Python rejects them where it can see
-// the lengths). One thread per 16-byte chunk (kAligned) or element of a new row, grid-stride.
-template <bool kAligned>
-CUFLASH_DEVICE void flash_decode_append_kernel(const DecodeParams& p) {
-    grid_dependency_wait();  // the kernel before on the stream (e.g. the previous call's) has finished
-    grid_launch_dependents();
-    constexpr int kElems = kAligned ? 8 : 1;
-    const int chunks = (p.head_dim + kElems - 1) / kElems;
-    const i64 total = (i64)p.batch * p.seqlen_new * p.nheads_kv * chunks;
-    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
-        const int c = static_cast<int>(idx % chunks);
-        i64 rest = idx / chunks;
-        const int hk = static_cast<int>(rest % p.nheads_kv);
-        rest /= p.nheads_kv;
-        const int tn = static_cast<int>(rest % p.seqlen_new);
-        const int b = static_cast<int>(rest / p.seqlen_new);
-        const int pos = decode_cached_len(p, b) + tn;
-        if (pos >= p.capacity) continue;
-        int page, slot;
-        decode_cache_rows(p, b).locate(pos, page, slot);
-        const int col = c * kElems;
-        u16* dst_k = static_cast<u16*>(p.k) + page * p.k_batch_stride + slot * p.k_row_stride + hk * p.k_head_stride + col;
-        u16* dst_v = static_cast<u16*>(p.v) + page * p.v_batch_stride + slot * p.v_row_stride + hk * p.v_head_stride + col;
-        const u16* src_k = static_cast<const u16*>(p.k_new) + b * p.k_new_batch_stride + tn * p.k_new_row_stride +
-                           hk * p.k_new_head_stride + col;
-        const u16* src_v = static_cast<const u16*>(p.v_new) + b * p.v_new_batch_stride + tn * p.v_new_row_stride +
-                           hk * p.v_new_head_stride + col;
-        if constexpr (kAligned) {
-            *reinterpret_cast<uint4*>(dst_k) = *reinterpret_cast<const uint4*>(src_k);
-            *reinterpret_cast<uint4*>(dst_v) = *reinterpret_cast<const uint4*>(src_v);
-        } else {
-            *dst_k = *src_k;
-            *dst_v = *src_v;
-        }
-    }
-}
-
 }  // namespace cuflash

@@ -11,7 +11,7 @@
 // The calls are asynchronous: bracket them with wgmma_fence() ... wgmma_commit(); wgmma_wait<n>().
 #pragma once
 
-#include "common.cuh"
+#include "primitives.cuh"
 
 namespace cuflash {
 

@@ -101,14 +101,14 @@ ENTRY_TEMPLATES = {
         "}}\n"
     ),
     "flash_decode_combine": (
-        '#include "flash_decode.cuh"\n'
+        '#include "flash_decode_combine.cuh"\n'
         'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
         "{name}(const cuflash::DecodeParams params) {{\n"
         "    cuflash::flash_decode_combine_kernel<{template_args}>(params);\n"
         "}}\n"
     ),
     "flash_decode_append": (
-        '#include "flash_decode.cuh"\n'
+        '#include "flash_decode_append.cuh"\n'
         'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
         "{name}(const cuflash::DecodeParams params) {{\n"
         "    cuflash::flash_decode_append_kernel<{template_args}>(params);\n"
@@ -145,7 +145,7 @@ def source_dir() -> Path:
     """Folder of the CUDA sources: cuflash/cuda_src in a wheel, <repo>/cuda_src in a checkout."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "cuda_src", here.parent / "cuda_src"):
-        if (candidate / "common.cuh").is_file():
+        if (candidate / "primitives.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"cuflash kernel sources not found next to {here}; the installation is incomplete")
 

@@ -31,7 +31,7 @@ HEADER = """\
 // The calls are asynchronous: bracket them with wgmma_fence() ... wgmma_commit(); wgmma_wait<n>().
 #pragma once
 
-#include "common.cuh"
+#include "primitives.cuh"
 
 namespace cuflash {
 
