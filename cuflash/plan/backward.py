@@ -1,0 +1,317 @@
+"""Backward planning: the three launches of one backward call (preprocess, main kernel, dQ convert;
+cuda_src/flash_bwd.cuh and, on Hopper, the main kernel of cuda_src/flash_bwd_sm90.cuh), their tiles,
+grids and shared memory. Pure Python: testable on a CPU machine."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .common import (
+    DTYPES, HEAD_DIM_BUCKETS, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
+    head_dim_bucket, load_tag, max_smem_bytes,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BwdTile:
+    """Tile shape of one backward main-kernel variant (see BWD_TILES for the reasons).
+
+    Each of the kernel's three phases spreads its output over the warps as a grid (BwdConfig in
+    cuda_src/flash_bwd.cuh): S^T (block_n x block_m) with s_key_warps warps along the keys, dK/dV
+    (block_n x d) with kv_key_warps along the keys, dQ (block_m x d) with dq_q_warps along the queries;
+    the other factor of ``warps`` runs along the second dimension.
+    """
+
+    block_m: int  # query rows per iteration
+    block_n: int  # keys per CTA
+    warps: int
+    stages: int  # buffers of the query-side tiles (Q, dO, lse, D): 2 = next block prefetched
+    s_key_warps: int
+    kv_key_warps: int
+    dq_q_warps: int
+    min_blocks: int = 1  # __launch_bounds__ minimum CTAs per SM
+
+    def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
+        """(rows, columns) of one warp's tile in each phase."""
+        w, d = self.warps, head_dim_bucket
+        return {
+            "scores": (self.block_n // self.s_key_warps, self.block_m // (w // self.s_key_warps)),
+            "dkdv": (self.block_n // self.kv_key_warps, d // (w // self.kv_key_warps)),
+            "dq": (self.block_m // self.dq_q_warps, d // (w // self.dq_q_warps)),
+        }
+
+    def valid_for(self, head_dim_bucket: int) -> bool:
+        """The layout rules BwdConfig static_asserts (whole 16-row slabs, 16-column pairs, full grids)."""
+        if self.stages not in (1, 2) or self.block_m % 16 or self.block_m // 2 > 32 * self.warps:
+            return False
+        if self.block_m * (head_dim_bucket + 8) > CONVERT_SMEM_ELEMS:  # the dQ convert stages one tile
+            return False
+        if any(self.warps % x for x in (self.s_key_warps, self.kv_key_warps, self.dq_q_warps)):
+            return False
+        for phase, (rows, cols) in self.warp_tiles(head_dim_bucket).items():
+            if rows < 16 or rows % 16 or cols < 16 or cols % 16:
+                return False
+        return True
+
+    def registers(self, head_dim_bucket: int) -> dict[str, int]:
+        """fp32 accumulator registers per thread: dK + dV (live all along), S^T + dP^T, dQ."""
+        tiles = self.warp_tiles(head_dim_bucket)
+        per_thread = lambda rc: rc[0] * rc[1] // 32  # noqa: E731
+        return {"dkdv": 2 * per_thread(tiles["dkdv"]), "scores": 2 * per_thread(tiles["scores"]),
+                "dq": per_thread(tiles["dq"])}  # fmt: skip
+
+
+#: Backward tiles per head-dim bucket. Warp tiles of R x C elements read (R + C) * 32 bytes of
+#: shared memory per 16-deep k-step for R * C / 128 MMAs, and mma.sync on Hopper is fed faster than
+#: shared memory can deliver 16-row tiles: the layouts aim for 32-row tiles in every phase. Registers
+#: per thread ~ dK + dV accumulators (kept all along) + S^T and dP^T (BwdTile.registers). Shared
+#: memory = 2 * (2 * block_n + 2 * stages * block_m) * (d + 8) + 4 * block_n * (block_m + 8) +
+#: 8 * stages * block_m bytes (K, V, Q, dO, P^T, dS^T, lse, D).
+BWD_TILES: dict[int, BwdTile] = {
+    # 128 keys x 128 queries (FA2's hd64 shape): scores 32 x 64, dK/dV 32 x 32 (hd64), dQ 32 x 32.
+    32: BwdTile(128, 128, 8, 2, s_key_warps=4, kv_key_warps=4, dq_q_warps=4),
+    64: BwdTile(128, 128, 8, 2, s_key_warps=4, kv_key_warps=4, dq_q_warps=4),
+    # 128 keys x 64 queries (FA2's hd128 shape): scores 32 x 32, dK/dV 32 x 64 (128 regs), dQ 32 x 32.
+    96: BwdTile(64, 128, 8, 2, s_key_warps=4, kv_key_warps=4, dq_q_warps=4),  # dQ 16 x 48 (48 / 4 splits)
+    128: BwdTile(64, 128, 8, 2, s_key_warps=4, kv_key_warps=4, dq_q_warps=2),
+    # 64 keys x 64 queries: dK/dV at most 128 regs; hd160 / hd224 split the head dim in halves of
+    # 80 / 112 columns (quarters would not be whole 16-column pairs).
+    160: BwdTile(64, 64, 8, 2, s_key_warps=2, kv_key_warps=4, dq_q_warps=4),
+    192: BwdTile(64, 64, 8, 2, s_key_warps=2, kv_key_warps=2, dq_q_warps=2),
+    224: BwdTile(64, 64, 8, 2, s_key_warps=2, kv_key_warps=4, dq_q_warps=4),
+    256: BwdTile(64, 64, 8, 2, s_key_warps=2, kv_key_warps=2, dq_q_warps=2),
+}
+
+#: Threads of the preprocess / convert kernels (one warp per query row / one CTA per query block).
+BWD_AUX_THREADS = 256
+#: Elements of the convert kernel's smem tile (flash_bwd.cuh kConvertSmemElems): every backward
+#: tile's block_m * (bucket + 8) must fit.
+CONVERT_SMEM_ELEMS = 64 * (256 + 8)
+
+
+def bwd_smem_bytes(head_dim_bucket: int, tile: BwdTile) -> int:
+    """Dynamic shared memory of the backward main kernel: must match BwdConfig::kSmemBytes."""
+    stride = head_dim_bucket + 8
+    kv, q, pp = tile.block_n * stride, tile.block_m * stride, tile.block_n * (tile.block_m + 8)
+    return 2 * (2 * kv + 2 * tile.stages * q + 2 * pp) + 4 * 2 * tile.stages * tile.block_m
+
+
+#: Smaller tiles for GPUs with less shared memory (tried in order; compile-tested only).
+BWD_FALLBACK_TILES = (
+    BwdTile(64, 64, 4, 1, s_key_warps=2, kv_key_warps=2, dq_q_warps=2),
+    BwdTile(32, 32, 4, 1, s_key_warps=2, kv_key_warps=2, dq_q_warps=2),
+)
+
+
+def bwd_tile(bucket: int, arch: str) -> BwdTile:
+    """The backward tile for ``bucket`` on ``arch``: the BWD_TILES row, or where that needs more shared
+    memory than the arch has, its single-buffered form, then BWD_FALLBACK_TILES (untuned)."""
+    t = BWD_TILES[bucket]
+    limit = max_smem_bytes(arch)
+    for c in (t, dataclasses.replace(t, stages=1)) + BWD_FALLBACK_TILES:
+        if bwd_smem_bytes(bucket, c) <= limit and c.valid_for(bucket) and c.registers(bucket)["dkdv"] <= 128:
+            return c
+    raise ValueError(f"no backward tile for head dim {bucket} fits the {limit // 1024} KB of shared memory of {arch}")
+
+
+@dataclass(frozen=True)
+class BwdSpec(TiledSpec):
+    """One backward main-kernel variant."""
+
+    head_dim: int  # bucket
+    dtype: str
+    causal: bool
+    aligned: bool
+    tile: BwdTile
+    arch: str
+    family: str = "flash_bwd"
+
+    @property
+    def name(self) -> str:
+        t = self.tile
+        return self._variant_name(f"_s{t.s_key_warps}kv{t.kv_key_warps}dq{t.dq_q_warps}")
+
+    @property
+    def smem_bytes(self) -> int:
+        return bwd_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        t, b = self.tile, cpp_bool
+        return (
+            f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, {b(self.causal)}, "
+            f"{b(self.aligned)}, {t.stages}, {t.s_key_warps}, {t.kv_key_warps}, {t.dq_q_warps}"
+        )
+
+
+@dataclass(frozen=True)
+class BwdAuxSpec(SpecBase):
+    """The preprocess (D, lse_log2) or dQ-convert kernel: one warp per row, any head dim."""
+
+    family: str  # "flash_bwd_pre" | "flash_bwd_convert"
+    dtype: str
+    aligned: bool
+    arch: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}_{self.dtype}_{load_tag(self.aligned)}_{arch_tag(self.arch)}"
+
+    threads = BWD_AUX_THREADS
+    min_blocks = 1
+    smem_bytes = 0
+
+    def template_args(self) -> str:
+        return f"{cpp_bool(self.dtype == 'bf16')}, {cpp_bool(self.aligned)}"
+
+
+@dataclass(frozen=True)
+class BwdSm90Tile:
+    """Tile of the Hopper (wgmma) backward main kernel (cuda_src/flash_bwd_sm90.cuh): two warpgroups,
+    query blocks of 64 rows, and block_n keys per CTA: 128 (one warpgroup per 64 keys) or 64 (the
+    warpgroups split the work and the head dim, for d = 256). Either way the dQ tile layout (what the
+    convert kernel reads) is 4 warps of 16 query rows x one head-dim half per warpgroup."""
+
+    block_n: int = 128
+    block_m: int = 64
+    stages: int = 2
+    min_blocks: int = 1
+
+    @property
+    def warps(self) -> int:
+        return 8
+
+    @property
+    def dq_q_warps(self) -> int:
+        return 4
+
+    def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
+        return {"dq": (16, head_dim_bucket // 2)}
+
+
+#: Hopper backward tiles. dK + dV accumulators of 64 keys x d per warpgroup take d registers per
+#: thread: d <= 128 gives each warpgroup its own 64 keys; d = 256 splits the head dim between the
+#: warpgroups instead (64 keys per CTA). Other buckets run the mma.sync kernel.
+BWD_SM90_TILES: dict[int, BwdSm90Tile] = {64: BwdSm90Tile(), 128: BwdSm90Tile(), 256: BwdSm90Tile(block_n=64)}
+
+
+def bwd_sm90_smem_bytes(head_dim_bucket: int, tile: BwdSm90Tile) -> int:
+    """Must match Sm90BwdConfig::kSmemBytes: K, V, 2 x (Q, dO), dS^T, the fp32 P^T exchange of the
+    split (64-key) kernel, 2 x (lse_log2, D), 1 KB alignment."""
+    d, n, m = head_dim_bucket, tile.block_n, tile.block_m
+    exchange = n * (m + 4) * 4 if n == 64 else 0
+    return 1024 + 2 * n * d * 2 + 4 * m * d * 2 + n * m * 2 + exchange + 2 * 2 * m * 4
+
+
+@dataclass(frozen=True)
+class BwdSm90Spec(HopperSpec):
+    """One Hopper backward main-kernel variant (sm_90a, 16-byte loads, atomic dQ)."""
+
+    tile: BwdSm90Tile
+    family: str = "flash_bwd_sm90"
+
+    @property
+    def smem_bytes(self) -> int:
+        return bwd_sm90_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        b = cpp_bool
+        return f"{self.head_dim}, {self.tile.block_n}, {b(self.dtype == 'bf16')}, {b(self.causal)}"
+
+
+def uses_sm90_backward(head_dim: int, aligned: bool, arch: str, deterministic: bool) -> bool:
+    """True when the backward's main kernel is the Hopper one: sm_90a, 16-byte loads, a bucket of
+    BWD_SM90_TILES, and atomic dQ (deterministic mode runs the mma.sync kernel's ordered additions)."""
+    return (arch == "sm_90a" and aligned and not deterministic and head_dim % 8 == 0
+            and head_dim_bucket(head_dim) in BWD_SM90_TILES)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    pre: Launch
+    main: Launch
+    convert: Launch
+    seqlen_q_pad: int  # rows of the lse_log2 / D / dq_accum buffers per (batch, head)
+    dq_accum_cols: int  # columns of dq_accum (the head-dim bucket)
+    num_m_blocks: int
+
+
+def bwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: BwdTile | None = None) -> BwdSpec:
+    bucket = head_dim_bucket(head_dim)
+    check_dtype(dtype)
+    if aligned and head_dim % 8 != 0:
+        raise ValueError("the 16-byte load path needs head_dim % 8 == 0")
+    tile = tile or bwd_tile(bucket, arch)
+    if not tile.valid_for(bucket):
+        raise ValueError(f"tile {tile} breaks the backward kernel's warp layout rules for head dim {bucket}")
+    if bwd_smem_bytes(bucket, tile) > max_smem_bytes(arch):
+        raise ValueError(
+            f"tile {tile} needs {bwd_smem_bytes(bucket, tile)} bytes of shared memory; {arch} allows {max_smem_bytes(arch)}"
+        )
+    return BwdSpec(bucket, dtype, bool(causal), bool(aligned), tile, arch)
+
+
+def plan_backward(
+    *,
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    nheads: int,
+    nheads_kv: int,
+    head_dim: int,
+    dtype: str,
+    causal: bool,
+    aligned: bool,
+    arch: str,
+    tile: BwdTile | BwdSm90Tile | None = None,
+    deterministic: bool = False,
+) -> BwdPlan:
+    """The three launches of one backward call (all sizes >= 1). The main kernel is the Hopper one
+    where uses_sm90_backward says so (or a BwdSm90Tile is given), else the mma.sync one."""
+    if min(batch, seqlen_q, seqlen_k, nheads, nheads_kv) < 1:
+        raise ValueError("plan_backward needs non-empty dimensions; empty inputs never launch")
+    if nheads % nheads_kv != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+    if isinstance(tile, BwdSm90Tile) or (tile is None and uses_sm90_backward(head_dim, aligned, arch, deterministic)):
+        if arch != "sm_90a" or not aligned or deterministic or head_dim % 8:
+            raise ValueError("the Hopper backward kernel needs sm_90a, 16-byte aligned inputs and deterministic=False")
+        spec = bwd_sm90_spec(head_dim, dtype, causal, tile)
+    else:
+        spec = bwd_spec(head_dim, dtype, causal, aligned, arch, tile)
+    num_m_blocks = -(-seqlen_q // spec.tile.block_m)
+    seqlen_q_pad = num_m_blocks * spec.tile.block_m
+    rows_per_cta = BWD_AUX_THREADS // 32
+    aux_block = (BWD_AUX_THREADS, 1, 1)
+    pre = Launch(BwdAuxSpec("flash_bwd_pre", dtype, aligned, arch), (-(-seqlen_q_pad // rows_per_cta), nheads, batch), aux_block, 0)
+    main = Launch(spec, (-(-seqlen_k // spec.tile.block_n), nheads_kv, batch), (spec.threads, 1, 1), spec.smem_bytes)
+    # One CTA per query block (its dQ tile is staged in CONVERT_SMEM_ELEMS of smem: BwdTile.valid_for).
+    convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch), (num_m_blocks, nheads, batch), aux_block, 0)
+    return BwdPlan(pre, main, convert, seqlen_q_pad, spec.head_dim, num_m_blocks)
+
+
+def bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90Tile | None = None) -> BwdSm90Spec:
+    bucket = head_dim_bucket(head_dim)
+    check_dtype(dtype)
+    if bucket not in BWD_SM90_TILES:
+        raise ValueError(f"no Hopper backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_TILES)})")
+    tile = tile or BWD_SM90_TILES[bucket]
+    if tile.block_n != (64 if bucket == 256 else 128) or tile.block_m != 64 or tile.stages != 2:
+        raise ValueError(
+            f"the Hopper backward kernel runs 128 keys (64 for head dim 256) x 64 queries, 2 stages; got {tile}"
+        )
+    return BwdSm90Spec(bucket, dtype, bool(causal), tile)
+
+
+def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False)):
+    """Every backward variant (main, preprocess, convert) for ``arch``; on sm_90a also the Hopper main
+    kernel for the aligned variants of its buckets."""
+    specs: list = []
+    for dt in dtypes:
+        for al in aligned:
+            specs += [BwdAuxSpec("flash_bwd_pre", dt, al, arch), BwdAuxSpec("flash_bwd_convert", dt, al, arch)]
+            for d in head_dims:
+                bucket = head_dim_bucket(d)
+                for c in causals:
+                    specs.append(BwdSpec(bucket, dt, c, al, bwd_tile(bucket, arch), arch))
+                    if al and uses_sm90_backward(bucket, True, arch, False):
+                        specs.append(bwd_sm90_spec(bucket, dt, c))
+    return list(dict.fromkeys(specs))

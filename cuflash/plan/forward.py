@@ -1,0 +1,250 @@
+"""Forward planning: shapes, dtype, flags and arch -> the kernel variant, its tile, grid and shared
+memory (cuda_src/flash_fwd.cuh, the mma.sync kernel; cuda_src/flash_fwd_sm90.cuh, the Hopper one).
+Pure Python: testable on a CPU machine."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .common import (
+    DTYPES, HEAD_DIM_BUCKETS, HopperSpec, Launch, TiledSpec, check_dtype, cpp_bool, head_dim_bucket, max_smem_bytes,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Tile shape of one forward variant (see FWD_TILES for the reason of each choice)."""
+
+    block_m: int  # query rows per CTA
+    block_n: int  # key rows per K/V tile
+    warps: int  # warps per CTA; each owns block_m / warps query rows
+    q_in_regs: bool  # Q MMA fragments held in registers for the whole loop (else re-read from smem)
+    min_blocks: int  # __launch_bounds__ minimum CTAs per SM (caps registers per thread)
+    stages: int = 2  # smem buffers per K and per V tile: 2 = double buffered, 1 = FA2's single buffer
+
+
+#: Forward tiles per head-dim bucket, one row each, with the reason (tuned on the H200 with
+#: tools/tune_fwd.py; ratios are against torch's FA2, median of 6 grid points; docs/history/forward.md).
+#: Register budget per thread ~ O accumulator (rows_per_warp * d / 32) + S accumulator
+#: (rows_per_warp * block_n / 32) + Q fragments if q_in_regs (rows_per_warp * d / 64).
+#: Shared memory = 2 * (block_m + 2 * stages * block_n) * (d + 8) bytes (Q + stages x (K, V)); KiB below.
+FWD_TILES: dict[int, Tile] = {
+    # 32 rows/warp: O 32 + S 128 + Q 16 regs; single-buffered 128-key tiles, 2 CTAs/SM (1.07x).
+    32: Tile(128, 128, 4, True, 2, stages=1),
+    # 32 rows/warp: O 64 + S 64 + Q 32 regs; single buffer (36 KiB) beat double (54 KiB; 0.99x vs 0.93x).
+    64: Tile(128, 64, 4, True, 2, stages=1),
+    # 32 rows/warp: O 96 + S 64 regs, Q re-read from smem; single buffer (0.85x vs 0.81x).
+    96: Tile(128, 64, 4, False, 2, stages=1),
+    # FA2's tile: 32 rows/warp, O 128 + S 64 regs, Q from smem, 2 CTAs/SM (102 KiB); double
+    # buffering 0.95x against 0.94x single, 0.87x for 32-key tiles.
+    128: Tile(128, 64, 4, False, 2, stages=2),
+    # 32 rows/warp with 32-key tiles: O 160 + S 32 regs fits; 63 KiB single buffer, 2 CTAs/SM (1.17x;
+    # 8 warps of 16 rows 1.01x).
+    160: Tile(128, 32, 4, False, 2, stages=1),
+    # 8 warps of 16 rows: O 96 + S 32 + Q 48 regs, 150 KiB double buffer, 1 CTA/SM (0.78x; 64x64 of 4 warps 0.75x).
+    192: Tile(128, 64, 8, True, 1, stages=2),
+    # 8 warps of 16 rows: O 112 + S 32 regs, Q from smem, 174 KiB, 1 CTA/SM (0.99x; 64x64 of 4 warps 0.76x).
+    224: Tile(128, 64, 8, False, 1, stages=2),
+    # Torch's FA2 tile for 256: 4 warps of 16 rows, single buffer (99 KiB) so 2 CTAs/SM (0.93x, against
+    # 0.82x for 128x64 of 8 warps double buffered at 1 CTA/SM).
+    256: Tile(64, 64, 4, False, 2, stages=1),
+}
+
+
+def fwd_smem_bytes(head_dim_bucket: int, tile: Tile) -> int:
+    """Dynamic shared memory of the forward kernel: must match FwdConfig::kSmemBytes."""
+    stride = head_dim_bucket + 8
+    return 2 * (tile.block_m * stride + 2 * tile.stages * tile.block_n * stride)
+
+
+@dataclass(frozen=True)
+class Sm90Tile:
+    """Tile shape of one Hopper (wgmma) forward variant: 64 query rows per warpgroup of 4 warps."""
+
+    block_m: int  # query rows per CTA (block_m / 64 warpgroups)
+    block_n: int  # key rows per K/V tile (the N of S = Q K^T)
+    stages: int = 2  # smem buffers per K and per V tile
+    min_blocks: int = 1  # __launch_bounds__ minimum CTAs per SM
+
+    @property
+    def warps(self) -> int:
+        return self.block_m // 16
+
+
+#: Hopper forward tiles (cuda_src/flash_fwd_sm90.cuh) per head-dim bucket; buckets not listed (and
+#: unaligned inputs) run the mma.sync kernel. Registers per thread ~ O (d / 2) + S (block_n / 2) + P
+#: fragments (block_n / 4). Shared memory = 1024 + 2 * (block_m + 2 * stages * block_n) * d bytes.
+#: The loader needs threads % (d / 8) == 0 with 8 | threads / (d / 8), so d = 192 waits for a
+#: 3-warpgroup tile. Tuned on the H200 with tools/tune_fwd.py --sm90 (median ratio to torch's FA2
+#: over 1k/4k/16k, causal and not, bf16).
+FWD_SM90_TILES: dict[int, Sm90Tile] = {
+    # 2 warpgroups x 64-key tiles: O 32 + S 32 regs, 50 KB (1.30x; 128-key tiles 1.09x, 192-row CTAs 1.14x).
+    64: Sm90Tile(128, 64),
+    # 2 warpgroups x 128-key tiles: O 64 + S 64 regs, 161 KB, 1 CTA/SM (1.34x; 64-key tiles 1.13x,
+    # 3 warpgroups x 64 keys 1.24x).
+    128: Sm90Tile(128, 128),
+    # 2 warpgroups x 64-key tiles: O 128 + S 32 regs, 193 KB, 1 CTA/SM (1.55x; the only shape that fits).
+    256: Sm90Tile(128, 64),
+}
+
+
+def fwd_sm90_smem_bytes(head_dim_bucket: int, tile: Sm90Tile) -> int:
+    """Dynamic shared memory of the Hopper forward kernel: must match Sm90FwdConfig::kSmemBytes."""
+    return 1024 + 2 * (tile.block_m + 2 * tile.stages * tile.block_n) * head_dim_bucket
+
+
+def fwd_tile(bucket: int, arch: str) -> Tile:
+    """The forward tile for a head-dim bucket on ``arch``: the FWD_TILES row (tuned on the H200),
+    or, where that needs more shared memory than the arch has, the first smaller shape that fits:
+    single-buffered, then 32-key tiles, then 64 query rows of 4 warps (untuned on those GPUs)."""
+    t = FWD_TILES[bucket]
+    candidates = (
+        t,
+        dataclasses.replace(t, stages=1),
+        dataclasses.replace(t, stages=1, block_n=32),
+        Tile(64, 32, 4, False, 1, stages=1),
+    )
+    limit = max_smem_bytes(arch)
+    for c in candidates:
+        if fwd_smem_bytes(bucket, c) <= limit:
+            return c
+    raise ValueError(f"no forward tile for head dim {bucket} fits the {limit // 1024} KB of shared memory of {arch}")
+
+
+@dataclass(frozen=True)
+class KernelSpec(TiledSpec):
+    """One compiled forward variant (mma.sync): every template argument, and the target arch."""
+
+    family: str  # "flash_fwd"
+    head_dim: int  # bucket
+    dtype: str  # "fp16" | "bf16"
+    causal: bool
+    aligned: bool  # 16-byte vector loads (else element-wise loads for odd head dims / strides)
+    tile: Tile
+    arch: str  # "sm_80", "sm_90a", ...
+
+    @property
+    def name(self) -> str:
+        """Human-readable name spelling every template argument; also the kernel's symbol."""
+        return self._variant_name(f"_{'qreg' if self.tile.q_in_regs else 'qsmem'}")
+
+    @property
+    def smem_bytes(self) -> int:
+        return fwd_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        """C++ template argument list of cuflash::FwdConfig for this variant."""
+        t, b = self.tile, cpp_bool
+        return (
+            f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, "
+            f"{b(self.causal)}, {b(self.aligned)}, {b(t.q_in_regs)}, {t.stages}"
+        )
+
+
+@dataclass(frozen=True)
+class Sm90KernelSpec(HopperSpec):
+    """One Hopper forward variant (wgmma, sm_90a, 16-byte loads only)."""
+
+    tile: Sm90Tile
+    family: str = "flash_fwd_sm90"
+
+    @property
+    def smem_bytes(self) -> int:
+        return fwd_sm90_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        """C++ template argument list of cuflash::Sm90FwdConfig for this variant."""
+        t, b = self.tile, cpp_bool
+        return f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.causal)}"
+
+
+def fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90Tile | None = None) -> Sm90KernelSpec:
+    """The Hopper forward variant for ``head_dim`` (its bucket must have a FWD_SM90_TILES row, or give ``tile``)."""
+    bucket = head_dim_bucket(head_dim)
+    check_dtype(dtype)
+    if head_dim % 8 != 0:
+        raise ValueError("the Hopper kernel loads 16-byte chunks: it needs head_dim % 8 == 0")
+    if tile is None:
+        if bucket not in FWD_SM90_TILES:
+            raise ValueError(f"no Hopper forward tile for head-dim bucket {bucket} (have {sorted(FWD_SM90_TILES)})")
+        tile = FWD_SM90_TILES[bucket]
+    if bucket % 64 or tile.block_m % 64 or tile.block_n % 64 or tile.stages != 2:
+        raise ValueError(f"Hopper tile {tile} for bucket {bucket}: needs multiples of 64 and 2 stages")
+    threads, chunks = tile.warps * 32, bucket // 8
+    if threads % chunks or (threads // chunks) % 8:
+        raise ValueError(f"Hopper tile {tile}: {threads} threads do not split {chunks}-chunk rows evenly")
+    if fwd_sm90_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
+        raise ValueError(f"Hopper tile {tile} needs {fwd_sm90_smem_bytes(bucket, tile)} bytes of shared memory")
+    return Sm90KernelSpec(bucket, dtype, bool(causal), tile)
+
+
+def uses_sm90_forward(head_dim: int, aligned: bool, arch: str) -> bool:
+    """True when the forward runs the Hopper wgmma kernel: sm_90a, 16-byte loads, a tuned bucket."""
+    return arch == "sm_90a" and aligned and head_dim % 8 == 0 and head_dim_bucket(head_dim) in FWD_SM90_TILES
+
+
+def fwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: Tile | None = None) -> KernelSpec:
+    bucket = head_dim_bucket(head_dim)
+    check_dtype(dtype)
+    if aligned and head_dim % 8 != 0:
+        raise ValueError("the 16-byte load path needs head_dim % 8 == 0")
+    tile = tile or fwd_tile(bucket, arch)
+    if fwd_smem_bytes(bucket, tile) > max_smem_bytes(arch):
+        raise ValueError(
+            f"tile {tile} needs {fwd_smem_bytes(bucket, tile)} bytes of shared memory; {arch} allows "
+            f"{max_smem_bytes(arch)}"
+        )
+    return KernelSpec("flash_fwd", bucket, dtype, bool(causal), bool(aligned), tile, arch)
+
+
+def plan_forward(
+    *,
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    nheads: int,
+    nheads_kv: int,
+    head_dim: int,
+    dtype: str,
+    causal: bool,
+    aligned: bool,
+    arch: str,
+    tile: Tile | Sm90Tile | None = None,
+) -> Launch:
+    """Kernel variant, grid, block and shared memory for one forward call (all sizes >= 1).
+
+    On sm_90a with 16-byte aligned inputs and a bucket of FWD_SM90_TILES the Hopper (wgmma) kernel
+    runs, else the mma.sync kernel; a given ``tile`` picks the kernel by its type."""
+    if min(batch, seqlen_q, seqlen_k, nheads, nheads_kv) < 1:
+        raise ValueError("plan_forward needs non-empty dimensions; empty inputs never launch")
+    if nheads % nheads_kv != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
+    if isinstance(tile, Sm90Tile) or (tile is None and uses_sm90_forward(head_dim, aligned, arch)):
+        if arch != "sm_90a" or not aligned:
+            raise ValueError("the Hopper forward kernel needs arch sm_90a and 16-byte aligned inputs")
+        spec = fwd_sm90_spec(head_dim, dtype, causal, tile)
+    else:
+        spec = fwd_spec(head_dim, dtype, causal, aligned, arch, tile)
+    num_m_blocks = -(-seqlen_q // spec.tile.block_m)
+    return Launch(spec, (num_m_blocks, nheads, batch), (spec.threads, 1, 1), spec.smem_bytes)
+
+
+def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False)):
+    """Every forward variant the library can launch for ``arch`` (what `cuflash precompile --all` builds):
+    the mma.sync kernel for every combination, and on sm_90a the Hopper kernel for the aligned ones
+    of its buckets."""
+    specs = []
+    for d in head_dims:
+        bucket = head_dim_bucket(d)
+        for dt in dtypes:
+            for c in causals:
+                for al in aligned:
+                    specs.append(KernelSpec("flash_fwd", bucket, dt, c, al, fwd_tile(bucket, arch), arch))
+                    if al and uses_sm90_forward(bucket, True, arch):
+                        specs.append(fwd_sm90_spec(bucket, dt, c))
+    return list(dict.fromkeys(specs))  # unique, order kept
+
+
+def with_tile(spec: KernelSpec, tile: Tile) -> KernelSpec:
+    """The same variant with another tile (for tuning sweeps)."""
+    return dataclasses.replace(spec, tile=tile)
