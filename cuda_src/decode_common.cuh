@@ -13,8 +13,8 @@
 
 namespace cuflash {
 
-constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cuflash/plan.py: DECODE_THREADS)
-constexpr int kDecodeMaxSplits = 128;  // cuflash/plan.py: MAX_DECODE_SPLITS
+constexpr int kDecodeThreads = 128;   // every decode kernel runs 4 warps (cuflash/plan/decode_kernels.py: DECODE_THREADS)
+constexpr int kDecodeMaxSplits = 128;  // cuflash/plan/decode_kernels.py: MAX_DECODE_SPLITS
 
 CUFLASH_DEVICE float decode_warp_max(float x) {
 #pragma unroll

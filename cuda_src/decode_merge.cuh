@@ -41,7 +41,7 @@ CUFLASH_DEVICE void decode_store_merged_row(const DecodeParams& p, i64 row, cons
 // many as fit, loads their lse meanwhile and waits once; the arithmetic then reads shared memory.
 // (With register loads each lane has only a handful of 16-byte loads in flight and the L2 round trips
 // queue up; index arithmetic per copy, or a shared-memory store between loads, also showed: a lone
-// warp per scheduler runs this. tools/trace_decode.py measured each on the H200.)
+// warp per scheduler runs this. A per-CTA timeline measured each on the H200: docs/history/decode.md.)
 //   Rows: rows_valid packed rows, in rounds of kNWarps / team rows; a team of `team` warps shares a
 //         row (team = kNWarps with one row, as in MHA decode, 2 with two or three rows, else 1). Warp
 //         `sub` of a team stages and folds splits sub, sub + team, ... of its row, on its own; the

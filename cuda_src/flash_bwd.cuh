@@ -41,7 +41,7 @@
 
 namespace cuflash {
 
-// Compile-time shape of one backward variant. Tile choices come from cuflash/plan.py (BWD_TILES).
+// Compile-time shape of one backward variant. Tile choices come from cuflash/plan/backward.py (BWD_TILES).
 // Each phase spreads its output tile over the kNWarps warps as a (rows x columns) grid of warps:
 //   scores  S^T (kBlockN x kBlockM): kSKeyWarps along the keys  x kNWarps / kSKeyWarps along the queries
 //   dK, dV  (kBlockN x kHeadDim):    kKVKeyWarps along the keys x kNWarps / kKVKeyWarps along head dim
@@ -436,7 +436,7 @@ CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
 // floats are rows (16 s + g, 16 s + g + 8) x columns (8 db + 2 t, + 1) of warp w's rows x cols dQ
 // tile (g = lane / 4, t = lane % 4). The tile is read in that order (coalesced), staged in smem as
 // rows, and written out row by row (16-byte stores on the aligned path). blockDim = 256.
-constexpr int kConvertSmemElems = 64 * (256 + 8);  // largest block_m * (bucket + 8) of any tile (plan.py checks)
+constexpr int kConvertSmemElems = 64 * (256 + 8);  // largest block_m * (bucket + 8) of any tile (cuflash/plan/backward.py checks)
 
 template <bool kIsBF16, bool kAligned>
 CUFLASH_DEVICE void flash_bwd_convert_kernel(const BwdParams& p) {

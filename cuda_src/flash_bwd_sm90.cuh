@@ -29,7 +29,7 @@
 // to warpgroup 1 through smem (fp32), which forms dS^T and shares it (bf16, swizzled); then each
 // warpgroup accumulates dV, dK and computes dQ for its half of the head dim (128 columns).
 //
-// Preconditions (cuflash/plan.py picks this kernel only then): sm_90a; 16-byte aligned rows and
+// Preconditions (cuflash/plan/backward.py picks this kernel only then): sm_90a; 16-byte aligned rows and
 // head_dim % 8 == 0; head-dim bucket 64 or 128 (kBlockN 128) or 256 (kBlockN 64); deterministic mode
 // off (it runs flash_bwd_kernel).
 #pragma once

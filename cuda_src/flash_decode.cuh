@@ -8,16 +8,17 @@
 // A query that sees no key gets O = 0 and lse = -inf.
 //
 // Up to three kernels, launched in this order on one stream (cuflash/kvcache.py):
-//   1. flash_decode_append_kernel: new k, v tokens -> cache positions cache_seqlens[b] + t (only
-//      when new tokens are given). One thread per 16-byte chunk (or element) of a new row.
-//   2. flash_decode_kernel: split s of the keys of (b, hk) -> partial O (fp32, normalized) and its
-//      lse, or, with one split, the final O and lse directly. With several splits, the partial rows
+//   1. flash_decode_append_kernel (flash_decode_append.cuh): new k, v tokens -> cache positions
+//      clamp(cache_seqlens[b], 0, capacity) + t, positions at or past capacity dropped (only when new
+//      tokens are given). One thread per 16-byte chunk (or element) of a new row.
+//   2. flash_decode_kernel (this file): split s of the keys of (b, hk) -> partial O (fp32,
+//      normalized) and its lse, or, with one split, the final O and lse directly. With several splits, the partial rows
 //      are merged: O = sum_s exp(lse_s - lse) O_s with lse = log sum_s exp(lse_s), either
 //      - in this kernel, by the last CTA of each (b, hk, row block) to finish, on the group's rows
-//        (decode_merge_rows; p.split_counters set). That saves a launch and the gap between two
-//        kernels, which a decode step of a few tens of microseconds feels; or
-//   3. flash_decode_combine_kernel (p.split_counters null): one CTA per output row, for groups with
-//      many partial rows (cuflash/plan.py decode_separate_combine): one CTA merging them all at the
+//        (decode_merge.cuh decode_merge_rows; p.split_counters set). That saves a launch and the
+//        gap between two kernels, which a decode step of a few tens of microseconds feels; or
+//   3. flash_decode_combine_kernel (flash_decode_combine.cuh; p.split_counters null): one CTA per output row, for groups with
+//      many partial rows (cuflash/plan/decode.py decode_separate_combine): one CTA merging them all at the
 //      end of the split kernel, on an SM still streaming other CTAs' tiles, is the longer wait.
 // On sm_90+ every one is launched with programmatic dependent launch: each waits (griddepcontrol)
 // for the kernel before it on the stream to finish before touching global memory, and lets the
@@ -32,12 +33,12 @@
 //           once per kv-head group, not once per query head. Decode is memory bound: padded rows cost
 //           tensor-core cycles that would idle anyway.
 //   Keys: L_b is cut into kBlockN-key tiles; split s takes tiles [s * T, (s + 1) * T), T = ceil(tiles
-//           / num_splits), so every split of a sequence has the same work (an empty split writes lse = -inf).
-//   Filled grid (p.split_tiles > 0, p.split_major; cuflash/plan.py _filled_grid): T = split_tiles, so
+//           / num_splits): the last splits may get fewer tiles or none (an empty split writes lse = -inf).
+//   Filled grid (p.split_tiles > 0, p.split_major; cuflash/plan/decode.py _filled_grid): T = split_tiles, so
 //           the last split is a short tail, and the grid is (nheads_kv, batch, num_splits): the long
 //           splits fill all but a few CTA slots at once and the tails stream through the rest meanwhile
 //           (a grid of 256 equal CTAs leaves 8 of the H200's 264 slots idle for the whole call).
-//   Tail-split grid (kTailGrid variants, one slab; cuflash/plan.py _tail_split): a 1-D grid for calls
+//   Tail-split grid (kTailGrid variants, one slab; cuflash/plan/decode.py _tail_split): a 1-D grid for calls
 //           of many unsplit groups in several waves. Group g = b * nheads_kv + hk (kv heads fastest, as
 //           in the regular grid); CTA c < G0 = batch * nheads_kv - tail_groups takes group c whole (no
 //           merge), CTA G0 + k split k / tail_groups of group G0 + k % tail_groups, one of num_splits
@@ -46,12 +47,12 @@
 //           running on after the rest have finished.
 //   block = 4 warps as kWarpsM x kWarpsN = kMSlabs x (4 / kMSlabs). Warp (wm, wn) owns the 16 rows of
 //           slab wm and keys [wn * kKeysPerWarp, (wn + 1) * kKeysPerWarp) of every tile: its own
-//           online softmax (m, l, O) over its keys, FA2's per-warp steps (flash_fwd.cuh WarpTile).
+//           online softmax (m, l, O) over its keys, FA2's per-warp steps (warp_tile.cuh WarpTile).
 //           The kWarpsN partial results of a row are merged once, at the end, through shared memory.
 //   smem  = sQ[kBlockM][kHeadDim+8] + m, l [kWarpsN][kBlockM] + kStages x (sK[kBlockN][kKVStride],
 //           sV[...]); the fp32 merge buffer [kWarpsN][kBlockM][kHeadDim+8] reuses the K/V stages.
 //           K/V rows are unpadded with XOR-swizzled 16-byte chunks for head dims that are multiples
-//           of 64 (kKVStride = kHeadDim), padded otherwise (flash_fwd.cuh kv_chunk_offset).
+//           of 64 (kKVStride = kHeadDim), padded otherwise (warp_tile.cuh kv_chunk_offset).
 //   Pipeline: kStages-deep cp.async ring of 16-byte chunks. A stage is refilled (with the tile kStages
 //           ahead) as soon as its readers are done with it, before the next tile is waited for: the
 //           whole ring is in flight during the wait, kStages - 1 tiles while one is used. Who loads:
@@ -61,7 +62,7 @@
 //             at 3 CTAs per SM;
 //           - CTA loads (kCtaLoads, or kStages == 1 on small-smem GPUs): the 128 threads load each tile
 //             together, 8 consecutive rows per pass, and sync with CTA barriers: faster for the long
-//             splits the plan launches 2 per SM (cuflash/plan.py decode_cta_loads).
+//             splits the plan launches 2 per SM (cuflash/plan/decode.py decode_cta_loads).
 //   Paged caches: key n of sequence b lives at page block_table[b][n / page_size], slot n % page_size;
 //           contiguous caches at (b, n). Every page index is clamped into [0, num_pages), every
 //           length into [0, capacity): whatever cache_seqlens and block_table hold, no access
@@ -87,7 +88,7 @@
 
 namespace cuflash {
 
-// Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan.py (DECODE_TILES).
+// Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan/decode_kernels.py (DECODE_TILES).
 template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kCtaLoads_,
           bool kTailGrid_ = false>
 struct DecodeConfig {
@@ -111,7 +112,7 @@ struct DecodeConfig {
     static constexpr int kKeysPerWarp = kBlockN / kWarpsN;
     static constexpr int kSmemStride = kHeadDim + 8;    // elements per Q smem row (16 bytes pad)
     // K/V rows: unpadded and XOR-swizzled where the head dim is whole 128-byte groups, else padded
-    // (flash_fwd.cuh kv_chunk_offset; the swizzle is what lets the cp.async stream reach HBM speed).
+    // (warp_tile.cuh kv_chunk_offset; the swizzle is what lets the cp.async stream reach HBM speed).
     // Not at hd256 with more than one slab: the swizzle's per-lane offsets make those spill.
     static constexpr bool kKVSwizzled = kHeadDim % 64 == 0 && !(kHeadDim == 256 && kMSlabs > 1);
     static constexpr int kKVStride = kKVSwizzled ? kHeadDim : kSmemStride;
@@ -134,7 +135,7 @@ struct DecodeConfig {
     static_assert(kSmemMLBytes >= 4, "the merge of the splits reuses m for its flag (and the stages, DecodeMergeLayout)");
 };
 
-// The per-warp view that flash_fwd.cuh's WarpTile expects: one 16-row slab, kKeysPerWarp keys.
+// The per-warp view that warp_tile.cuh's WarpTile expects: one 16-row slab, kKeysPerWarp keys.
 template <class Cfg>
 struct DecodeWarpConfig {
     static constexpr int kMSlabs = 1;

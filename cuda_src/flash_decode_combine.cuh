@@ -15,7 +15,7 @@ namespace cuflash {
 // partial rows of a batch of kBatch splits per warp are all loaded into registers before the first is
 // used, and the first batch is on its way while the lse values give the weights: two L2 round trips
 // per CTA where each warp's splits fit one batch, one more per further batch. Two variants
-// (cuflash/plan.py DecodeCombineSpec, decode_combine_lean): wide, kBatch = 32 / kCC (at hd <= 128
+// (cuflash/plan/decode_kernels.py DecodeCombineSpec, cuflash/plan/decode.py decode_combine_lean): wide, kBatch = 32 / kCC (at hd <= 128
 // every split in one batch; ~185 registers, 2 CTAs per SM), for calls of few output rows and many
 // splits; lean, kBatch = 4 (one batch up to 16 splits; ~52 registers, 8+ CTAs per SM), where the
 // splits fit that one batch or the rows are too many for one wave of the wide one. Each warp adds

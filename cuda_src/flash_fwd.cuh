@@ -16,8 +16,9 @@
 //   K/V tiles are walked from the last visible block down to block 0. The blocks that need a
 //   mask (causal diagonal, ragged end of seqlen_k) therefore come first; the rest run mask-free.
 //   kStages == 2: while tile j is used, cp.async brings tile j-1 into the other stage (one barrier
-//   per tile). kStages == 1 (FA2's order, for tiles whose two stages would not fit twice per SM):
-//   V_j streams in during S = Q K_j^T and K_{j-1} during the softmax and P V_j (two barriers).
+//   per tile). kStages == 1 (FA2's order; the tile table picks it where it measured faster, or where
+//   two stages would not fit twice per SM): V_j streams in during S = Q K_j^T and K_{j-1} during the
+//   softmax and P V_j (two barriers).
 //   Epilogue: each warp stages its normalized O rows in its own rows of sQ and writes them out in
 //   coalesced 16-byte chunks.
 //
@@ -31,7 +32,7 @@
 //   and only after the last tile: O /= l (the one division of FA2), lse = m * scale + ln(l).
 // P goes from the S accumulator registers straight into the A operand of P V (no smem round trip).
 //
-// Preconditions (checked in Python, cuflash/attention.py): head_dim <= kHeadDim; kAligned variants
+// Preconditions (checked in Python, cuflash/checks.py and cuflash/forward.py): head_dim <= kHeadDim; kAligned variants
 // need 16-byte aligned rows (base pointers % 16 == 0, strides % 8 elements, head_dim % 8 == 0);
 // softmax_scale > 0; seqlen_q, seqlen_k >= 1.
 #pragma once
@@ -43,7 +44,7 @@
 
 namespace cuflash {
 
-// Compile-time shape of one kernel variant. Tile choices come from cuflash/plan.py (FWD_TILES).
+// Compile-time shape of one kernel variant. Tile choices come from cuflash/plan/forward.py (FWD_TILES).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_,
           bool kAligned_, bool kQInRegs_, int kStages_>
 struct FwdConfig {

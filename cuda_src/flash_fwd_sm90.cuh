@@ -22,7 +22,7 @@
 //   Epilogue: after the loop the K/V buffers are free; each warp stages its normalized O rows there
 //   and writes 16-byte chunks (WarpTile::store).
 //
-// Preconditions (cuflash/plan.py picks this kernel only then): sm_90a; head_dim % 8 == 0 and 16-byte
+// Preconditions (cuflash/plan/forward.py picks this kernel only then): sm_90a; head_dim % 8 == 0 and 16-byte
 // aligned rows (the 16-byte cp.async path); head-dim bucket a multiple of 64.
 #pragma once
 
@@ -43,7 +43,7 @@ struct Sm90FwdConfig {
     static constexpr int kWarpGroups = kBlockM / 64;
     static constexpr int kNWarps = 4 * kWarpGroups;
     static constexpr int kNThreads = 32 * kNWarps;
-    // What WarpTile (flash_fwd.cuh) needs for the softmax and the epilogue.
+    // What WarpTile (warp_tile.cuh) needs for the softmax and the epilogue.
     static constexpr bool kAligned = true;
     static constexpr bool kQInRegs = false;
     static constexpr int kRowsPerWarp = 16;

@@ -88,7 +88,7 @@ struct BwdParams {
     float scale_log2;          // softmax_scale * log2(e)
 };
 
-// Parameter block shared by the three decode kernels (cuda_src/flash_decode.cuh): append, split-KV
+// Parameter block shared by the three decode kernels (cuda_src/flash_decode*.cuh): append, split-KV
 // attention and combine. Same units as FwdParams. Sequence b attends to its first
 // L_b = min(clamp(cached_b, 0, capacity) + seqlen_new, capacity) cache tokens, cached_b =
 // seqlens[b] (or seqlen_const when seqlens is null).

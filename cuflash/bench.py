@@ -71,7 +71,7 @@ def time_ms(fns: dict, repeats: int = 30, warmup_s: float = 0.3, calls: int = 5,
 
     What runs just before a sample changes it: on the H200 a decode kernel timed right after another
     library's calls measured 1.7% slower than the same kernel timed after its own
-    (tools/aa_decode.py). So no function keeps a fixed place: every other round runs in reverse
+    (an A/A experiment, docs/history/decode.md). So no function keeps a fixed place: every other round runs in reverse
     order, and with ``primer`` (the default; it only matters for more than one function) each sample
     follows one untimed, synchronized call of the same function.
     """
@@ -115,7 +115,7 @@ def host_us(fn, calls: int = 200) -> float:
     return (t1 - t0) / calls * 1e6
 
 
-def _torch():
+def torch_or_none():
     try:
         import torch
 
@@ -145,7 +145,7 @@ def environment() -> dict:
         "flop_model": FLOP_MODEL,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    torch = _torch()
+    torch = torch_or_none()
     if torch is not None:
         env["torch"] = torch.__version__
         env["cudnn"] = torch.backends.cudnn.version()
@@ -170,7 +170,7 @@ def _naive(q, k, v, causal: bool, scale: float):
     return cupy.matmul(p, vf).astype(q.dtype).transpose(0, 2, 1, 3)
 
 
-def _peak_extra_mb(fn) -> float:
+def peak_extra_mb(fn) -> float:
     """Peak device memory one call takes from CuPy's pool beyond what was in use before (MB).
 
     The pool's cached free blocks are released first, so every byte the call allocates (and frees
@@ -189,7 +189,7 @@ def _peak_extra_mb(fn) -> float:
     return (after - before) / 2**20
 
 
-def _torch_peak_mb(torch, fn) -> float:
+def torch_peak_mb(torch, fn) -> float:
     """Peak device memory one call takes from torch's caching allocator beyond what was in use (MB)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -203,12 +203,12 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
               repeats: int = 30, peers: bool = True, naive_max_gb: float = 4.0, tile=None, op: str = "fwd",
               bwd_tile=None) -> Row:  # fmt: skip
     import cupy
-    import numpy as np
 
-    from .attention import _BF16, _forward
-    from .backward import _backward
+    from . import backward as bwd_api
+    from . import forward as fwd_api
+    from .checks import numpy_dtype
 
-    dt = _BF16 if dtype == "bf16" else np.dtype(np.float16)
+    dt = numpy_dtype(dtype)
     rng = cupy.random.default_rng()
     shape = (batch, seqlen, nheads, head_dim)
     q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(dt) for _ in range(3))
@@ -220,10 +220,10 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
     grads = [cupy.empty_like(x) for x in (q, k, v)]
 
     def forward():
-        return _forward(q, k, v, causal=causal, softmax_scale=scale, return_lse=op != "fwd", out=out, tile=tile)
+        return fwd_api.run(q, k, v, causal=causal, softmax_scale=scale, return_lse=op != "fwd", out=out, tile=tile)
 
     def backward(o, lse):
-        return _backward(dout, q, k, v, o, lse, causal=causal, softmax_scale=scale, deterministic=False,
+        return bwd_api.run(dout, q, k, v, o, lse, causal=causal, softmax_scale=scale, deterministic=False,
                          dq=grads[0], dk=grads[1], dv=grads[2], tile=bwd_tile)  # fmt: skip
 
     if op == "fwd":
@@ -234,7 +234,7 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
     else:
         ours = lambda: backward(*forward())  # noqa: E731
     impls = {"cuflash": ours}
-    torch = _torch() if peers else None
+    torch = torch_or_none() if peers else None
     if peers and torch is None:
         row.notes["torch"] = "torch with CUDA not importable"
     if torch is not None:
@@ -281,18 +281,18 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
     for name, fn in runnable.items():
         row.tflops[name] = flops / (row.ms[name] * 1e-3) / 1e12
         if name in ("cuflash", "naive"):
-            row.mem_mb[name] = round(_peak_extra_mb(fn), 1)
+            row.mem_mb[name] = round(peak_extra_mb(fn), 1)
         else:
-            row.mem_mb[name] = round(_torch_peak_mb(torch, fn), 1)
+            row.mem_mb[name] = round(torch_peak_mb(torch, fn), 1)
     return row
 
 
-def _release_memory() -> None:
+def release_memory() -> None:
     """Give the previous point's buffers back so peak memory stays that of one point."""
     import cupy
 
     cupy.get_default_memory_pool().free_all_blocks()
-    torch = _torch()
+    torch = torch_or_none()
     if torch is not None:
         torch.cuda.empty_cache()
 
@@ -347,39 +347,72 @@ def format_table(rows: list[Row], env: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[Row], env: dict, path: str) -> None:
-    """FA2-paper-style grouped bars: one panel per (op, dtype, head dim, causal), bars per seqlen."""
+#: One color per implementation in every figure.
+IMPL_COLORS = {"naive": "tab:gray", "flash": "tab:orange", "cudnn": "tab:green", "cuflash": "tab:red"}
+
+
+def grouped_bars(panels: list, impls: list, title: str, ylabel: str, path: str, digits: int = 0) -> None:
+    """A figure in the FA2 paper's style, written to ``path``: one panel per (panel title, [(x label,
+    {impl: value})]), a bar per implementation at each x, its value printed on top."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r.op, r.dtype, r.head_dim, r.causal) for r in rows})
-    impls = [i for i in ("naive", "flash", "cudnn", "cuflash") if any(i in r.tflops for r in rows)]
-    ncol = min(3, len(panels))
-    nrow = math.ceil(len(panels) / ncol)
+    ncol = max(1, min(3, len(panels)))
+    nrow = max(1, math.ceil(len(panels) / ncol))
     fig, axes = plt.subplots(nrow, ncol, figsize=(5.5 * ncol, 3.6 * nrow), squeeze=False)
-    for ax, (op, dt, hd, causal) in zip(axes.flat, panels):
-        sel = sorted((r for r in rows if (r.op, r.dtype, r.head_dim, r.causal) == (op, dt, hd, causal)),
-                     key=lambda r: r.seqlen)  # fmt: skip
-        width = 0.8 / len(impls)
+    width = 0.8 / max(1, len(impls))
+    for ax, (panel_title, points) in zip(axes.flat, panels):
         for i, impl in enumerate(impls):
-            xs = [j + i * width for j in range(len(sel))]
-            ys = [r.tflops.get(impl, 0.0) for r in sel]
-            ax.bar(xs, ys, width, label=impl)
+            xs = [j + i * width for j in range(len(points))]
+            ys = [values.get(impl, 0.0) for _, values in points]
+            ax.bar(xs, ys, width, label=impl, color=IMPL_COLORS.get(impl))
             for x, y in zip(xs, ys):
                 if y:
-                    ax.text(x, y, f"{y:.0f}", ha="center", va="bottom", fontsize=6)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sel))])
-        ax.set_xticklabels([f"{r.seqlen // 1024}k" if r.seqlen >= 1024 else str(r.seqlen) for r in sel])
-        ax.set_title(f"{op} {dt} hd{hd} {'causal' if causal else 'non-causal'}", fontsize=9)
-        ax.set_ylabel("TFLOP/s")
+                    ax.text(x, y, f"{y:.{digits}f}", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(points))])
+        ax.set_xticklabels([label for label, _ in points])
+        ax.set_title(panel_title, fontsize=9)
+        ax.set_ylabel(ylabel)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"Attention, {env['gpu']} ({FLOP_MODEL})", fontsize=10)
-    fig.tight_layout()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))  # room for the title above the panels
     fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def plot(rows: list[Row], env: dict, path: str) -> None:
+    """FA2-paper-style grouped bars: one panel per (op, dtype, head dim, causal), bars per seqlen."""
+    keys = sorted({(r.op, r.dtype, r.head_dim, r.causal) for r in rows}, key=lambda p: (OPS.index(p[0]), *p[1:]))
+    impls = [i for i in ("naive", "flash", "cudnn", "cuflash") if any(i in r.tflops for r in rows)]
+    panels = []
+    for op, dt, hd, causal in keys:
+        sel = sorted((r for r in rows if (r.op, r.dtype, r.head_dim, r.causal) == (op, dt, hd, causal)),
+                     key=lambda r: r.seqlen)  # fmt: skip
+        points = [(f"{r.seqlen // 1024}k" if r.seqlen >= 1024 else str(r.seqlen), r.tflops) for r in sel]
+        panels.append((f"{op} {dt} hd{hd} {'causal' if causal else 'non-causal'}", points))
+    grouped_bars(panels, impls, f"Attention, {env['gpu']}, {env.get('date', '')[:10]} ({FLOP_MODEL})", "TFLOP/s",
+                 path)  # fmt: skip
+
+
+def replot(json_path: str, plot_path: str | None = None, echo=None, ops=None) -> list[Row]:
+    """The table of a run saved with --json (and its figure, with ``plot_path``), without a GPU.
+    ops: only these operations ("fwd", "bwd", "fwd+bwd"); None: all in the file."""
+    echo = echo or _echo
+    with open(json_path) as f:
+        data = json.load(f)
+    rows = [Row(**r) for r in data["rows"]]
+    if ops is not None:
+        rows = [r for r in rows if r.op in ops]
+        if not rows:
+            raise ValueError(f"no {'/'.join(ops)} rows in the file")
+    echo(format_table(rows, data["environment"]))
+    if plot_path:
+        plot(rows, data["environment"], plot_path)
+    return rows
 
 
 def _echo(msg: str, err: bool = False) -> None:
@@ -399,7 +432,7 @@ def cli_main(head_dim, seqlen, tokens, hidden, dtype, causal, repeats, peers, js
     for i, (o, dt, hd, c, s, b, h) in enumerate(points):
         echo(f"[{i + 1}/{len(points)}] {o} {dt} hd{hd} causal={c} seqlen={s} batch={b} heads={h}", err=True)
         rows.append(run_point(dt, hd, c, s, b, h, repeats=repeats, peers=peers, op=o))
-        _release_memory()
+        release_memory()
     table = format_table(rows, env)
     echo(table)
     echo(f"({len(points)} points in {time.time() - t0:.0f} s)", err=True)

@@ -27,7 +27,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from .bench import _peak_extra_mb, _torch, _torch_peak_mb, environment, fwd_flops, host_us, time_ms
+from .bench import (
+    environment, fwd_flops, grouped_bars, host_us, peak_extra_mb, release_memory, time_ms, torch_or_none,
+    torch_peak_mb,
+)
 
 BYTES_MODEL = "KV bytes = 2*b*L*h_kv*d*2 B; TB/s = KV bytes / time"
 DEFAULT_BATCHES = (1, 8, 64)
@@ -52,8 +55,8 @@ class DecodeRow:
     kv_gb: float  # KV bytes read per call, GB (10^9)
     num_splits: int = 0  # cuflash's split count (num_splits=0 heuristic)
     ctas_per_sm: int = 0  # cuflash's split CTAs resident per SM (the plan's choice)
-    filled: bool = False  # cuflash's last split is a short tail filling the free CTA slots (plan._filled_grid)
-    tail_groups: int = 0  # cuflash's groups split num_splits ways, the rest whole (plan._tail_split)
+    filled: bool = False  # cuflash's last split is a short tail filling the free CTA slots (plan/decode.py _filled_grid)
+    tail_groups: int = 0  # cuflash's groups split num_splits ways, the rest whole (plan/decode.py _tail_split)
     ms: dict = field(default_factory=dict)  # impl -> median ms per call
     tbps: dict = field(default_factory=dict)  # impl -> KV TB/s
     mem_mb: dict = field(default_factory=dict)  # impl -> peak extra device memory of one call (MB)
@@ -76,11 +79,9 @@ class PrefillDecodeRow:
 
 
 def _dtype(dtype: str):
-    import numpy as np
+    from .checks import numpy_dtype
 
-    from .attention import _BF16
-
-    return _BF16 if dtype == "bf16" else np.dtype(np.float16)
+    return numpy_dtype(dtype)
 
 
 def _random(shape, dtype: str, rng):
@@ -97,17 +98,8 @@ def _random(shape, dtype: str, rng):
 def _free_bytes() -> int:
     import cupy
 
-    _release_memory()
+    release_memory()
     return cupy.cuda.runtime.memGetInfo()[0]
-
-
-def _release_memory() -> None:
-    import cupy
-
-    cupy.get_default_memory_pool().free_all_blocks()
-    torch = _torch()
-    if torch is not None:
-        torch.cuda.empty_cache()
 
 
 def _sdpa_peer(torch, backend, tq, tk, tv, scale: float, gqa: bool, causal: bool = False):
@@ -142,7 +134,7 @@ def run_decode_point(dtype: str, head_dim: int, batch: int, cache_len: int, nhea
         return kvcache.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_len, softmax_scale=scale, out=out)
 
     impls = {"cuflash": ours}
-    torch = _torch() if peers else None
+    torch = torch_or_none() if peers else None
     if peers and torch is None:
         row.notes["torch"] = "torch with CUDA not importable"
     if torch is not None:
@@ -169,28 +161,27 @@ def run_decode_point(dtype: str, head_dim: int, batch: int, cache_len: int, nhea
         row.tbps[name] = nbytes / (row.ms[name] * 1e-3) / 1e12
     if "cuflash" in runnable:
         row.host_us = round(host_us(ours, calls=50), 1)
-        row.mem_mb["cuflash"] = round(_peak_extra_mb(ours), 1)
+        row.mem_mb["cuflash"] = round(peak_extra_mb(ours), 1)
         p = _plan_used(q, k_cache.shape[2], cache_len)
         row.num_splits, row.ctas_per_sm, row.filled = p.num_splits, p.ctas_per_sm, p.split_major
         row.tail_groups = p.tail_groups
     for name in runnable:
         if name != "cuflash":
-            row.mem_mb[name] = round(_torch_peak_mb(torch, runnable[name]), 1)
+            row.mem_mb[name] = round(torch_peak_mb(torch, runnable[name]), 1)
     return row
 
 
 def _plan_used(q, nheads_kv: int, cache_len: int):
     """The decode plan cuflash picks for this call (the same plan the call used): split count, CTAs per SM."""
     from . import jit, plan
-    from .attention import _DTYPE_NAMES
-    from .kvcache import _num_sms
+    from .checks import DTYPE_NAMES
 
     batch, seqlen_q, nheads, head_dim = q.shape
     dev = q.device.id
     p = plan.plan_decode(
         batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
-        dtype=_DTYPE_NAMES[q.dtype], aligned=head_dim % 8 == 0, max_seqlen=-(-cache_len // 64) * 64, num_splits=0,
-        num_sms=_num_sms(dev), arch=jit.device_arch(dev), uniform_lengths=True,
+        dtype=DTYPE_NAMES[q.dtype], aligned=head_dim % 8 == 0, max_seqlen=-(-cache_len // 64) * 64, num_splits=0,
+        num_sms=jit.device_sm_count(dev), arch=jit.device_arch(dev), uniform_lengths=True,
     )  # fmt: skip
     return p
 
@@ -200,7 +191,7 @@ def run_prefill_vs_decode(dtype: str, head_dim: int, cache_len: int, nheads: int
     import cupy
 
     from . import kvcache
-    from .attention import attention  # the function: `from . import attention` gets it too, not the module
+    from .forward import attention
 
     rng = cupy.random.default_rng()
     row = PrefillDecodeRow(dtype, head_dim, cache_len, nheads, nheads_kv)
@@ -302,12 +293,44 @@ def format_prefill_table(rows: list[PrefillDecodeRow]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[DecodeRow], env: dict, path: str) -> None:
+    """Grouped bars in the FA2 paper's style: one panel per (dtype, head dim, kv heads, batch), bars of
+    KV TB/s per cache length for each implementation."""
+    rows = [r for r in rows if r.tbps]
+    keys = sorted({(r.dtype, r.head_dim, r.nheads_kv, r.batch) for r in rows}, key=lambda p: (p[0], p[1], -p[2], p[3]))
+    impls = [i for i in ("flash", "cudnn", "cuflash") if any(i in r.tbps for r in rows)]
+    panels = []
+    for dt, hd, hk, b in keys:
+        sel = sorted((r for r in rows if (r.dtype, r.head_dim, r.nheads_kv, r.batch) == (dt, hd, hk, b)),
+                     key=lambda r: r.cache_len)  # fmt: skip
+        panels.append((f"decode {dt} hd{hd}, batch {b}, {sel[0].nheads}/{hk} heads",
+                       [(f"{r.cache_len // 1024}k", r.tbps) for r in sel]))
+    grouped_bars(panels, impls, f"Decode, 1 query token, {env['gpu']}, {env.get('date', '')[:10]} ({BYTES_MODEL})",
+                 "KV TB/s", path, digits=1)  # fmt: skip
+
+
+def replot(json_path: str, plot_path: str | None = None, echo=None):
+    """The tables of a run saved with --json (and its figure, with ``plot_path``), without a GPU."""
+    echo = echo or _echo
+    with open(json_path) as f:
+        data = json.load(f)
+    rows = [DecodeRow(**r) for r in data["decode"]]
+    pd_rows = [PrefillDecodeRow(**r) for r in data.get("prefill_vs_decode", [])]
+    echo(format_decode_table(rows, data["environment"]))
+    if pd_rows:
+        echo("")
+        echo(format_prefill_table(pd_rows))
+    if plot_path:
+        plot(rows, data["environment"], plot_path)
+    return rows, pd_rows
+
+
 def _echo(msg: str, err: bool = False) -> None:
     print(msg, file=sys.stderr if err else sys.stdout, flush=True)
 
 
 def cli_main(head_dim=None, cache_len=None, batch=None, kv_heads=None, dtype="bf16", repeats=30, peers=True,
-             json_path=None, nheads=NHEADS, prefill=True, echo=_echo):  # fmt: skip
+             json_path=None, nheads=NHEADS, prefill=True, echo=_echo, plot_path=None):  # fmt: skip
     """Entry point of `cuflash bench --decode` (see cuflash/cli.py for the options). None = the issue's grid."""
     env = environment()
     head_dims = tuple(head_dim or DEFAULT_HEAD_DIMS)
@@ -329,7 +352,7 @@ def cli_main(head_dim=None, cache_len=None, batch=None, kv_heads=None, dtype="bf
             continue
         echo(f"[{i + 1}/{len(points)}] {dt} hd{hd} b={b} L={L} h={nheads} h_kv={h} ({row_gb(b, L, h, hd):.2f} GB of KV)", err=True)
         rows.append(run_decode_point(dt, hd, b, L, nheads, h, repeats=repeats, peers=peers))
-        _release_memory()
+        release_memory()
     echo(format_decode_table(rows, env))
     pd_rows: list[PrefillDecodeRow] = []
     if prefill:
@@ -339,7 +362,7 @@ def cli_main(head_dim=None, cache_len=None, batch=None, kv_heads=None, dtype="bf
                     for L in lens:
                         echo(f"[prefill vs decode] {dt} hd{hd} L={L} h_kv={h}", err=True)
                         pd_rows.append(run_prefill_vs_decode(dt, hd, L, nheads, h, repeats=repeats))
-                        _release_memory()
+                        release_memory()
         echo("")
         echo(format_prefill_table(pd_rows))
     echo(f"({len(points)} decode shapes, {len(pd_rows)} prefill/decode pairs in {time.time() - t0:.0f} s)", err=True)
@@ -350,6 +373,8 @@ def cli_main(head_dim=None, cache_len=None, batch=None, kv_heads=None, dtype="bf
                  "prefill_vs_decode": [asdict(r) for r in pd_rows]},
                 f, indent=1,
             )  # fmt: skip
+    if plot_path:
+        plot(rows, env, plot_path)
     return rows, pd_rows
 
 

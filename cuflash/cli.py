@@ -1,13 +1,14 @@
-"""Command line: ``cuflash info | precompile | cache list | cache clear | bench``.
+"""Command line: ``cuflash info | precompile | cache list | cache prune | cache clear | bench``.
 
     cuflash info                                     versions, GPU, arch, kernel cache
     cuflash precompile --arch sm_90a --all -j 8      fill the kernel cache (no GPU needed)
     cuflash cache list                               one line per cached kernel variant
+    cuflash cache prune [--max-size 2GiB]            remove entries that can no longer be used
     cuflash cache clear --yes                        empty the kernel cache
     cuflash bench --head-dim 128 --seqlen 4096       forward speed next to the peers
 
-The kernel pipeline (cache, NVRTC, logging) is cuflash/jit.py; this module only parses options,
-selects variants through cuflash/plan.py and prints.
+The kernel pipeline (NVRTC, logging) is cuflash/jit.py, the disk cache cuflash/cache.py; this module
+only parses options, selects variants through cuflash/plan and prints.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 
 import click
 
+from . import cache as kcache
 from . import jit, plan
 from ._version import __version__
 
@@ -27,9 +29,11 @@ from ._version import __version__
 CAUSAL_CHOICES = {"causal": (True,), "no-causal": (False,), "both": (False, True)}
 DTYPE_CHOICES = {"fp16": ("fp16",), "bf16": ("bf16",), "both": ("fp16", "bf16")}
 #: Kernel families `precompile --kernels` selects, each with the plan function listing its variants.
-KERNEL_FAMILIES = {"fwd": plan.all_fwd_specs, "bwd": plan.all_bwd_specs, "decode": plan.all_decode_specs}
+KERNEL_FAMILIES = plan.ALL_SPECS
 #: Options of `cuflash bench` that only --decode reads (they never reach cuflash.bench.cli_main).
 DECODE_ONLY_OPTIONS = ("decode", "batch", "kv_heads")
+#: Options of `cuflash bench` handled here (redrawing a saved run), not by the benchmark modules.
+REPLOT_OPTIONS = ("from_json",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,6 +49,22 @@ def human_size(n: int) -> str:
             return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '500 MB', '1.5G', '123456' -> bytes (binary units for KiB/MiB/GiB and K/M/G)."""
+    t = text.strip().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+             "g": 1024**3, "gb": 1000**3, "gib": 1024**3}  # fmt: skip
+    num = t.rstrip("bBkKmMgGiI")
+    unit = t[len(num):].lower()
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 2GiB, 500MB, 1048576)") from None
+    if unit not in units or value < 0:
+        raise ValueError(f"not a size: {text!r} (e.g. 2GiB, 500MB, 1048576)")
+    return int(value * units[unit])
 
 
 def _format_driver_version(v: int) -> str:
@@ -74,6 +94,7 @@ def _normalized(ctx, param, values, normalize):
 
 
 def _parse_archs(ctx, param, values):
+    """Each --arch through plan.parse_arch: known targets only (sm_90 means sm_90a)."""
     return _normalized(ctx, param, values, plan.parse_arch)
 
 
@@ -173,17 +194,18 @@ def info():
     else:
         click.echo("GPU            no GPU (kernels can still be compiled: cuflash precompile --arch sm_90a ...)")
 
-    entries = jit.list_cache()
+    entries = kcache.list_entries()
     damaged = sum(e.header is None for e in entries)
     total = sum(e.size for e in entries)
     extra = f", {damaged} damaged" if damaged else ""
-    click.echo(f"Kernel cache   {jit.cache_dir()}")
+    click.echo(f"Kernel cache   {kcache.cache_dir()}")
     click.echo(f"               {len(entries)} entries, {human_size(total)}{extra}")
 
 
 @main.command()
 @click.option("--arch", "archs", multiple=True, callback=_parse_archs, metavar="ARCH",
-              help="Target arch, e.g. sm_80, sm_86, sm_90a (repeatable). Default: the current GPU's.")
+              help="Target GPU arch (repeatable): sm_80 (A100), sm_86, sm_87, sm_89 (L4, RTX 40xx), sm_90a "
+                   "(H100, H200; sm_90 means sm_90a), sm_100, sm_103, sm_120. Default: the current GPU's.")
 @click.option("--head-dim", "head_dims", multiple=True, type=int, callback=_parse_head_dims, metavar="D",
               help="Head dim 1..256, compiled as its bucket (repeatable).")
 @click.option("--dtype", type=click.Choice(list(DTYPE_CHOICES)), default="both", show_default=True)
@@ -195,9 +217,11 @@ def info():
               help="Parallel NVRTC compiles (separate processes).")
 @click.option("-v", "--verbose", is_flag=True, help="Log each compile and print registers / spills.")
 def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
-    """Compile forward, backward and decode kernel variants into the disk cache (no GPU needed with --arch).
+    """Compile kernels ahead of time into the disk cache, so the first calls on a GPU load instead of
+    compiling. Needs no GPU with --arch (e.g. in a container build or CI).
 
-    Both load paths (16-byte vector and element-wise) are built for every selection.
+    Both load paths (16-byte vector and element-wise) are built for every selection. Exits non-zero
+    if a kernel fails to compile or the cache cannot be written.
     """
     if not archs:
         try:
@@ -212,6 +236,10 @@ def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
     if not all_ and not head_dims:
         raise click.UsageError("say which kernels to build: --head-dim D (repeatable) or --all")
     dims = plan.HEAD_DIM_BUCKETS if all_ else head_dims
+    try:
+        kcache.check_writable()
+    except kcache.CacheWriteError as exc:
+        raise click.ClickException(str(exc)) from None
 
     specs = []
     for arch in archs:
@@ -226,7 +254,7 @@ def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
     ) as bar:
         try:
             results = jit.precompile(specs, jobs=jobs, on_done=lambda r: bar.update(1))
-        except jit.CompileError as exc:
+        except (jit.CompileError, kcache.CacheWriteError) as exc:
             raise click.ClickException(str(exc)) from None
     seconds = time.perf_counter() - t0
 
@@ -241,20 +269,20 @@ def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
             )
     click.echo(
         f"{len(results)} variants: {len(compiled)} compiled, {n_cached} already cached, "
-        f"{seconds:.1f}s, cache {jit.cache_dir()}"
+        f"{seconds:.1f}s, cache {kcache.cache_dir()}"
     )
 
 
 @main.group()
 def cache():
-    """Inspect or empty the kernel cache."""
+    """Inspect, prune or empty the kernel cache (CUFLASH_CACHE_DIR, default ~/.cache/cuflash)."""
 
 
 @cache.command("list")
 def cache_list():
     """One line per cache entry: variant, arch, registers, spills, size, NVRTC version."""
-    entries = jit.list_cache()
-    d = jit.cache_dir()
+    entries = kcache.list_entries()
+    d = kcache.cache_dir()
     if not entries:
         click.echo(f"The kernel cache is empty ({d}).")
         return
@@ -277,69 +305,131 @@ def cache_list():
     click.echo(f"{len(entries)} entries ({damaged} damaged), {total}, in {d}")
 
 
+@cache.command("prune")
+@click.option("--max-size", "max_size", default=None, metavar="SIZE",
+              help="Then also remove the least recently used entries until the rest fit, e.g. 2GiB.")
+@click.option("-v", "--verbose", is_flag=True, help="List each removed file and why.")
+def cache_prune(max_size, verbose):
+    """Remove the entries this installation can never load again: damaged ones, ones built by another
+    cuflash or NVRTC version, and temporary files of interrupted compiles."""
+    try:
+        max_bytes = None if max_size is None else parse_size(max_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-size") from None
+    try:
+        nvrtc = jit.nvrtc_version()
+    except Exception:  # noqa: BLE001 - no NVRTC here: keep entries of every NVRTC version
+        nvrtc = None
+    r = kcache.prune(version=__version__, nvrtc=nvrtc, max_bytes=max_bytes)
+    if verbose:
+        for name, why in r.removed:
+            click.echo(f"  removed {name}: {why}")
+    click.echo(
+        f"Removed {len(r.removed)} file{'s' if len(r.removed) != 1 else ''} ({human_size(r.freed_bytes)}); "
+        f"kept {r.kept} entries ({human_size(r.kept_bytes)}) in {kcache.cache_dir()}."
+    )
+
+
 @cache.command("clear")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 def cache_clear(yes):
     """Delete every cached kernel."""
-    d = jit.cache_dir()
+    d = kcache.cache_dir()
     if not yes:
         click.confirm(f"Delete every cached kernel in {d}?", abort=True)
-    n = jit.clear_cache()
+    n = kcache.clear()
     click.echo(f"Removed {n} file{'s' if n != 1 else ''} from {d}.")
 
 
+def gpu_problem() -> str | None:
+    """Why no CUDA GPU can run kernels here (None: one can)."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA GPU is visible"
+        jit.device_arch(cupy.cuda.Device().id)
+    except Exception as exc:  # noqa: BLE001 - no CuPy, no driver, no device, too old a GPU: say which
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return None
+
+
 @main.command()
-@click.option("--head-dim", multiple=True, type=int, default=(64, 128, 256), show_default=True)
-@click.option("--seqlen", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384), show_default=True)
-@click.option("--tokens", type=int, default=16384, show_default=True, help="batch = tokens // seqlen.")
-@click.option("--hidden", type=int, default=2048, show_default=True, help="nheads = hidden // headdim.")
+@click.option("--head-dim", multiple=True, type=int, default=(64, 128, 256), show_default=True,
+              help="Head dims (repeatable); --decode: default 128.")
+@click.option("--seqlen", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384), show_default=True,
+              help="Sequence lengths (repeatable); --decode: cache lengths, default 4k..128k.")
+@click.option("--tokens", type=int, default=16384, show_default=True, help="Prefill: batch = tokens // seqlen.")
+@click.option("--hidden", type=int, default=2048, show_default=True, help="Prefill: nheads = hidden // headdim.")
 @click.option("--dtype", type=click.Choice(list(DTYPE_CHOICES)), default="bf16", show_default=True)
 @_causal_options
 @click.option("--op", type=click.Choice(["fwd", "bwd", "fwd+bwd", "all"]), default="fwd", show_default=True,
-              help="Forward, backward alone, forward+backward, or all three.")
+              help="Prefill: forward, backward alone, forward+backward, or all three.")
 @click.option("--repeats", type=int, default=30, show_default=True, help="Timed runs per point (median).")
-@click.option("--peers/--no-peers", default=True, show_default=True, help="Also time torch SDPA FA2 and cuDNN.")
+@click.option("--peers/--no-peers", default=True, show_default=True,
+              help="Also time torch SDPA FlashAttention-2 and cuDNN (needs torch).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a plot (needs matplotlib).")
+              help="Write a figure, grouped bars per shape (needs matplotlib: the plot extra).")
+@click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Print the table of a saved --json run (and draw --plot; an explicit --op picks one operation) "
+                   "instead of running: no GPU needed.")
 @click.option("--decode", is_flag=True,
-              help="Decode with a KV cache instead (cuflash.bench_decode): one query token against caches of "
-                   "--seqlen tokens (default 4k..128k), head dim 128 unless --head-dim; reads --dtype, --repeats, "
-                   "--peers, --json.")
+              help="Decode with a KV cache instead: one query token against caches of --seqlen tokens, KV bytes "
+                   "read per second.")
 @click.option("--batch", "batch", multiple=True, type=int, help="--decode: batch sizes (default 1, 8, 64).")
 @click.option("--kv-heads", "kv_heads", multiple=True, type=int,
               help="--decode: kv heads next to 32 query heads (default 32 and 8).")
 @click.pass_context
 def bench(ctx, **options):
-    """Prefill speed (forward, backward) on the FA2 paper's grid, side by side with the peers.
+    """Time cuflash next to torch's FlashAttention-2 and cuDNN, in one run on the same GPU and inputs,
+    and print TFLOP/s (prefill) or KV TB/s (--decode) with the ratios.
 
-    The options reach cuflash.bench.cli_main as keywords: ``causal`` is "causal", "no-causal" or
-    "both"; ``dtype`` is "fp16", "bf16" or "both"; --json / --plot are ``json_path`` / ``plot_path``.
+    Prefill runs the FlashAttention-2 paper's grid (batch x seqlen = 16k tokens, 2048 hidden, head
+    dims 64/128/256, causal and not). Needs a CUDA GPU, except --from-json.
     """
     decode, batch, kv_heads = (options.pop(name) for name in DECODE_ONLY_OPTIONS)
-    if decode:
-        _bench_decode(ctx, options, batch, kv_heads)
-        return
-    if batch or kv_heads:
+    from_json = options.pop("from_json")
+    if not decode and (batch or kv_heads):
         raise click.UsageError("--batch and --kv-heads apply to --decode only")
+    module = "cuflash.bench_decode" if decode else "cuflash.bench"
+    if options["plot_path"]:
+        try:
+            import matplotlib  # noqa: F401 - checked before a run that would end without its figure
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install 'cuflash[plot]'") from None
+    if from_json is None:
+        problem = gpu_problem()
+        if problem is not None:
+            raise click.ClickException(f"cuflash bench needs a CUDA GPU ({problem}); --from-json redraws a saved run")
     try:
-        bench_mod = importlib.import_module("cuflash.bench")
+        mod = importlib.import_module(module)
     except ImportError as exc:
-        raise click.ClickException(f"the benchmark module cuflash.bench could not be imported: {exc}") from None
-    if not hasattr(bench_mod, "cli_main"):
-        raise click.ClickException("cuflash.bench has no cli_main(); the installation is incomplete")
-    bench_mod.cli_main(**options)
+        raise click.ClickException(f"the benchmark module {module} could not be imported: {exc}") from None
+    if from_json is not None:
+        from click.core import ParameterSource
+
+        kw = {}
+        if not decode and ctx.get_parameter_source("op") is not ParameterSource.DEFAULT and options["op"] != "all":
+            kw["ops"] = (options["op"],)  # an explicit --op picks that operation out of the saved run
+        try:
+            mod.replot(from_json, options["plot_path"], **kw)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise click.ClickException(f"{from_json} is not a saved `cuflash bench{' --decode' if decode else ''} "
+                                       f"--json` run ({type(exc).__name__}: {exc})") from None
+        return
+    if decode:
+        _bench_decode(ctx, mod, options, batch, kv_heads)
+        return
+    mod.cli_main(**options)
 
 
-def _bench_decode(ctx, options, batch, kv_heads):
+def _bench_decode(ctx, mod, options, batch, kv_heads):
     """`cuflash bench --decode`: hand the decode grid to cuflash.bench_decode.cli_main (None = its default)."""
     from click.core import ParameterSource
 
     given = lambda name: ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)  # noqa: E731
-    try:
-        mod = importlib.import_module("cuflash.bench_decode")
-    except ImportError as exc:
-        raise click.ClickException(f"the benchmark module cuflash.bench_decode could not be imported: {exc}") from None
     mod.cli_main(
         head_dim=options["head_dim"] if given("head_dim") else None,
         cache_len=options["seqlen"] if given("seqlen") else None,
@@ -349,6 +439,7 @@ def _bench_decode(ctx, options, batch, kv_heads):
         repeats=options["repeats"],
         peers=options["peers"],
         json_path=options["json_path"],
+        plot_path=options["plot_path"],
     )
 
 

@@ -1,122 +1,53 @@
-"""Kernel pipeline: KernelSpec -> source text -> NVRTC -> cubin -> disk cache -> loaded function.
+"""Kernel pipeline: spec -> source text -> NVRTC -> cubin -> disk cache -> loaded function.
 
-The one place for compile flags, cache paths, environment variables and compile logging.
+The one place for compile flags, sources, NVRTC and compile logging; the cache format lives in
+cuflash/cache.py, the launches in cuflash/launch.py. A spec (cuflash/plan) names its family (whose
+header, entry kernel and parameter struct the registry plan.KERNEL_FAMILIES gives), its template
+arguments, threads, CTAs per SM and shared memory: that is all this module needs to build it.
 
 Environment
-    CUFLASH_CACHE_DIR   cache folder (default: $XDG_CACHE_HOME/cuflash or ~/.cache/cuflash)
+    CUFLASH_CACHE_DIR   cache folder (cuflash/cache.py)
     CUFLASH_LOG_LEVEL   level of the "cuflash" logger (default INFO: one line per compile)
-    CUFLASH_PDL         0 turns off programmatic dependent launch of the decode kernels (default on
-                        from sm_90; see launch)
 
-Cache entries are single files ``<variant name>-<key>.cubin`` holding a checksum, a JSON header
-(variant, arch, NVRTC version, ptxas register/spill report, compile seconds) and the cubin. The
-key hashes every byte NVRTC sees (the generated entry source and every header it includes, which
-are handed to NVRTC from memory, never read again from disk), the NVRTC version, the options, the
-arch and the cuflash version. Entries are written to a temporary file and renamed into place, so
-concurrent compiles of one variant both succeed and the last rename wins; there are no locks to
-go stale. An entry whose checksum does not match is deleted and rebuilt.
+The cache key hashes every byte NVRTC sees (the generated entry source and every header it
+includes, which are handed to NVRTC from memory, never read again from disk), the NVRTC version,
+the options, the arch and the cuflash version.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
 import hashlib
-import json
 import logging
 import multiprocessing
 import os
 import re
-import struct
-import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from . import plan
+from . import cache, plan
 from ._version import __version__
 
 logger = logging.getLogger("cuflash")
 
 # ---------------------------------------------------------------------------------------------
-# Environment and flags
+# Flags, logging, sources
 # ---------------------------------------------------------------------------------------------
 
 #: Options every compile gets; the arch is added per variant. -Xptxas=-v puts ptxas's register /
 #: spill report into the NVRTC log, which is parsed into each cache entry's header.
 BASE_OPTIONS = ("-std=c++17", "-Xptxas=-v")
 
-#: Generated entry point per kernel family: an extern "C" wrapper named after the variant, which
-#: instantiates the templated kernel with the variant's arguments. A spec of any family provides
-#: family, name, arch, threads, min_blocks, smem_bytes and template_args() (see plan.KernelSpec).
-ENTRY_TEMPLATES = {
-    "flash_fwd": (
-        '#include "flash_fwd.cuh"\n'
-        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-        "{name}(const cuflash::FwdParams params) {{\n"
-        "    cuflash::flash_fwd_kernel<cuflash::FwdConfig<{template_args}>>(params);\n"
-        "}}\n"
-    ),
-    "flash_fwd_sm90": (
-        '#include "flash_fwd_sm90.cuh"\n'
-        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-        "{name}(const cuflash::FwdParams params) {{\n"
-        "    cuflash::flash_fwd_sm90_kernel<cuflash::Sm90FwdConfig<{template_args}>>(params);\n"
-        "}}\n"
-    ),
-    "flash_bwd": (
-        '#include "flash_bwd.cuh"\n'
-        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-        "{name}(const cuflash::BwdParams params) {{\n"
-        "    cuflash::flash_bwd_kernel<cuflash::BwdConfig<{template_args}>>(params);\n"
-        "}}\n"
-    ),
-    "flash_bwd_sm90": (
-        '#include "flash_bwd_sm90.cuh"\n'
-        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-        "{name}(const cuflash::BwdParams params) {{\n"
-        "    cuflash::flash_bwd_sm90_kernel<cuflash::Sm90BwdConfig<{template_args}>>(params);\n"
-        "}}\n"
-    ),
-    "flash_bwd_pre": (
-        '#include "flash_bwd.cuh"\n'
-        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-        "{name}(const cuflash::BwdParams params) {{\n"
-        "    cuflash::flash_bwd_pre_kernel<{template_args}>(params);\n"
-        "}}\n"
-    ),
-    "flash_bwd_convert": (
-        '#include "flash_bwd.cuh"\n'
-        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-        "{name}(const cuflash::BwdParams params) {{\n"
-        "    cuflash::flash_bwd_convert_kernel<{template_args}>(params);\n"
-        "}}\n"
-    ),
-    "flash_decode": (
-        '#include "flash_decode.cuh"\n'
-        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-        "{name}(const cuflash::DecodeParams params) {{\n"
-        "    cuflash::flash_decode_kernel<cuflash::DecodeConfig<{template_args}>>(params);\n"
-        "}}\n"
-    ),
-    "flash_decode_combine": (
-        '#include "flash_decode_combine.cuh"\n'
-        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-        "{name}(const cuflash::DecodeParams params) {{\n"
-        "    cuflash::flash_decode_combine_kernel<{template_args}>(params);\n"
-        "}}\n"
-    ),
-    "flash_decode_append": (
-        '#include "flash_decode_append.cuh"\n'
-        'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-        "{name}(const cuflash::DecodeParams params) {{\n"
-        "    cuflash::flash_decode_append_kernel<{template_args}>(params);\n"
-        "}}\n"
-    ),
-}
-
-_MAGIC = b"CUFLASH-CUBIN-1\n"
+#: The generated entry point of every variant: an extern "C" kernel named after the variant that
+#: instantiates its family's templated kernel with the variant's template arguments.
+ENTRY_TEMPLATE = (
+    '#include "{header}"\n'
+    'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
+    "{name}(const cuflash::{params} params) {{\n"
+    "    cuflash::{kernel}(params);\n"
+    "}}\n"
+)
 
 
 def _configure_logging() -> None:
@@ -130,15 +61,6 @@ def _configure_logging() -> None:
 
 
 _configure_logging()
-
-
-def cache_dir() -> Path:
-    """Folder of the disk cache (created on first write)."""
-    env = os.environ.get("CUFLASH_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cuflash"
 
 
 def source_dir() -> Path:
@@ -160,17 +82,13 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(nvrtc.getVersion())
 
 
-# ---------------------------------------------------------------------------------------------
-# Source text and cache key
-# ---------------------------------------------------------------------------------------------
-
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
-def entry_source(spec: plan.KernelSpec) -> str:
-    return ENTRY_TEMPLATES[spec.family].format(
-        threads=spec.threads, min_blocks=spec.min_blocks, name=spec.name, template_args=spec.template_args()
-    )
+def entry_source(spec) -> str:
+    family = spec.kernel_family
+    return ENTRY_TEMPLATE.format(header=family.header, threads=spec.threads, min_blocks=spec.min_blocks,
+                                 name=spec.name, params=family.params, kernel=spec.entry_kernel())  # fmt: skip
 
 
 def included_headers(text: str, src_dir: Path | None = None) -> dict[str, str]:
@@ -190,18 +108,14 @@ def included_headers(text: str, src_dir: Path | None = None) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
-def source_bundle(spec: plan.KernelSpec, src_dir: Path | None = None) -> tuple[str, dict[str, str]]:
+def source_bundle(spec, src_dir: Path | None = None) -> tuple[str, dict[str, str]]:
     """(entry source, {header name: text}): everything NVRTC will see for ``spec``, read once."""
     text = entry_source(spec)
     return text, included_headers(text, src_dir)
 
 
-def cache_key(
-    spec: plan.KernelSpec,
-    src_dir: Path | None = None,
-    nvrtc: tuple[int, int] | None = None,
-    bundle: tuple[str, dict[str, str]] | None = None,
-) -> str:
+def cache_key(spec, src_dir: Path | None = None, nvrtc: tuple[int, int] | None = None,
+              bundle: tuple[str, dict[str, str]] | None = None) -> str:  # fmt: skip
     text, headers = bundle or source_bundle(spec, src_dir)
     h = hashlib.sha256()
     for part in (
@@ -218,8 +132,8 @@ def cache_key(
     return h.hexdigest()[:24]
 
 
-def entry_path(spec: plan.KernelSpec, key: str) -> Path:
-    return cache_dir() / f"{spec.name}-{key}.cubin"
+def entry_path(spec, key: str) -> Path:
+    return cache.cache_dir() / f"{spec.name}-{key}.cubin"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,11 +213,11 @@ def _nv_info_resources(cubin: bytes) -> dict[str, int]:
 
 
 def compile_cubin(
-    spec: plan.KernelSpec, src_dir: Path | None = None, bundle: tuple[str, dict[str, str]] | None = None,
+    spec, src_dir: Path | None = None, bundle: tuple[str, dict[str, str]] | None = None,
     extra_options: tuple[str, ...] = (),
 ) -> tuple[bytes, dict]:
     """Compile ``spec`` with NVRTC (no GPU needed). Returns (cubin, header dict). ``extra_options``
-    (e.g. a -D for a diagnostic build, tools/trace_decode.py) go after the usual ones; such cubins
+    (e.g. a -D for a diagnostic build) go after the usual ones; such cubins
     are never written to the cache."""
     from cupy.cuda import nvrtc
 
@@ -342,48 +256,8 @@ def compile_cubin(
 
 
 # ---------------------------------------------------------------------------------------------
-# Disk cache
+# Compile or load from the disk cache
 # ---------------------------------------------------------------------------------------------
-
-
-def _encode_entry(cubin: bytes, header: dict) -> bytes:
-    meta = json.dumps(header, sort_keys=True).encode()
-    payload = struct.pack("<I", len(meta)) + meta + cubin
-    return _MAGIC + hashlib.sha256(payload).digest() + payload
-
-
-def _decode_entry(blob: bytes) -> tuple[bytes, dict]:
-    """(cubin, header); raises ValueError on a truncated or corrupted entry."""
-    n = len(_MAGIC)
-    if len(blob) < n + 36 or blob[:n] != _MAGIC:
-        raise ValueError("not a cuflash cache entry")
-    digest, payload = blob[n : n + 32], blob[n + 32 :]
-    if hashlib.sha256(payload).digest() != digest:
-        raise ValueError("checksum mismatch (truncated or corrupted)")
-    (meta_len,) = struct.unpack("<I", payload[:4])
-    header = json.loads(payload[4 : 4 + meta_len])
-    cubin = payload[4 + meta_len :]
-    if not cubin:
-        raise ValueError("empty cubin")
-    return cubin, header
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
 
 _stats_lock = threading.Lock()
 _stats = {"compiles": 0, "disk_loads": 0, "module_loads": 0, "corrupt_entries": 0}
@@ -406,18 +280,21 @@ def reset_stats() -> None:
             _stats[k] = 0
 
 
-def get_cubin(spec: plan.KernelSpec) -> tuple[bytes, dict, str]:
+def get_cubin(spec, *, require_cache_write: bool = False) -> tuple[bytes, dict, str]:
     """Cubin of ``spec`` from the disk cache, compiling (and caching) it if absent or damaged.
 
-    Returns (cubin, header, how) with how in {"cache", "compiled"}.
+    Returns (cubin, header, how) with how in {"cache", "compiled"}. A cache that cannot be written
+    is a warning (the process still runs), or cache.CacheWriteError with ``require_cache_write``
+    (precompile: its whole point is the cache).
     """
     bundle = source_bundle(spec)  # read once: the key hashes exactly the bytes that get compiled
     key = cache_key(spec, bundle=bundle)
     path = entry_path(spec, key)
     if path.exists():
         try:
-            cubin, header = _decode_entry(path.read_bytes())
+            cubin, header = cache.decode_entry(path.read_bytes())
             _count("disk_loads")
+            cache.touch(path)
             return cubin, header, "cache"
         except (ValueError, OSError) as exc:
             _count("corrupt_entries")
@@ -426,77 +303,32 @@ def get_cubin(spec: plan.KernelSpec) -> tuple[bytes, dict, str]:
                 path.unlink()
             except OSError:  # gone already, or a read-only cache: the rewrite below will say so
                 pass
-    logger.info("compiling %s ...", spec.name)
+    logger.debug("compiling %s ...", spec.name)
     cubin, header = compile_cubin(spec, bundle=bundle)
     _count("compiles")
-    try:
-        _write_atomic(path, _encode_entry(cubin, header))
-    except OSError as exc:  # a read-only cache still lets the process run
-        logger.warning("could not write cache entry %s: %s", path, exc)
     p = header["ptxas"]
-    logger.info(
-        "compiled %s in %.1fs (%s registers, %s bytes spilled)",
-        spec.name,
-        header["compile_seconds"],
-        p.get("registers", "?"),
-        p.get("spill_stores", "?"),
-    )
+    logger.info("compiled %s in %.1fs (%s registers, %s bytes spilled)", spec.name, header["compile_seconds"],
+                p.get("registers", "?"), p.get("spill_stores", "?"))  # fmt: skip
+    try:
+        cache.write_atomic(path, cache.encode_entry(cubin, header))
+    except OSError as exc:
+        if require_cache_write:
+            raise cache.CacheWriteError(
+                f"could not write the kernel cache entry {path} ({exc.strerror or exc}); set CUFLASH_CACHE_DIR to a "
+                "writable folder"
+            ) from None
+        logger.warning("could not write cache entry %s: %s", path, exc)  # a read-only cache still lets the process run
     return cubin, header, "compiled"
 
 
-@dataclass
-class CacheEntry:
-    path: Path
-    header: dict | None  # None when the entry is damaged
-    size: int
-    error: str | None = None
-
-
-def list_cache() -> list[CacheEntry]:
-    entries = []
-    d = cache_dir()
-    if not d.is_dir():
-        return entries
-    for path in sorted(d.glob("*.cubin")):
-        try:
-            blob = path.read_bytes()
-        except FileNotFoundError:  # removed by another process since the listing
-            continue
-        try:
-            _, header = _decode_entry(blob)
-            entries.append(CacheEntry(path, header, len(blob)))
-        except ValueError as exc:
-            entries.append(CacheEntry(path, None, len(blob), str(exc)))
-    return entries
-
-
-def clear_cache() -> int:
-    """Delete every cache entry (and stray temporary files); returns the number of files removed."""
-    d = cache_dir()
-    if not d.is_dir():
-        return 0
-    n = 0
-    for path in list(d.glob("*.cubin")) + list(d.glob("*.tmp")):
-        try:
-            path.unlink()
-            n += 1
-        except FileNotFoundError:
-            pass
-    return n
-
-
-# ---------------------------------------------------------------------------------------------
-# Ahead-of-time compilation
-# ---------------------------------------------------------------------------------------------
-
-
-def _precompile_one(spec: plan.KernelSpec) -> tuple[str, str, dict]:
-    _, header, how = get_cubin(spec)
+def _precompile_one(spec) -> tuple[str, str, dict]:
+    _, header, how = get_cubin(spec, require_cache_write=True)
     return spec.name, how, header
 
 
 def precompile(specs, jobs: int = 1, on_done=None) -> list[tuple[str, str, dict]]:
     """Compile ``specs`` into the disk cache (no GPU needed). ``on_done(result)`` is called after each.
+    A cache entry that cannot be written raises cache.CacheWriteError.
 
     With jobs > 1 the compiles run in separate processes (NVRTC holds the interpreter otherwise).
     """
@@ -542,102 +374,15 @@ def device_arch(device_id: int) -> str:
     return plan.arch_for_capability(int(cc[:-1]), int(cc[-1]))
 
 
-_driver = None
+@functools.lru_cache(maxsize=None)
+def device_sm_count(device_id: int) -> int:
+    """Streaming multiprocessors of the device (the decode plan fills them)."""
+    import cupy
 
-#: Programmatic dependent launch of the launches that allow it (plan.Launch.pdl); CUFLASH_PDL=0: never.
-PDL_ENABLED = os.environ.get("CUFLASH_PDL", "1").strip() != "0"
-
-
-class CULaunchAttribute(ctypes.Structure):
-    """cuda.h CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value union (8-aligned)."""
-
-    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_int32),
-                ("value_pad", ctypes.c_uint32), ("value_rest", ctypes.c_uint64 * 7)]  # fmt: skip
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
-class CULaunchConfig(ctypes.Structure):
-    """cuda.h CUlaunchConfig, the first argument of cuLaunchKernelEx."""
-
-    _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3), ("shared_mem_bytes", ctypes.c_uint32),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(CULaunchAttribute)),
-                ("num_attrs", ctypes.c_uint32)]  # fmt: skip
-
-
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h CUlaunchAttributeID
-_PDL_ATTRIBUTE = CULaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-
-
-#: (id(launch), stream handle) -> (launch, its CULaunchConfig). Keyed by identity: the plans are
-#: memoized, so a decode loop hands the same Launch every step, and hashing the dataclass (its spec,
-#: grid, ...) cost more than the rest of the lookup. The entry holds the Launch, so its id stays its own.
-_PDL_CONFIGS: dict = {}
-
-
-def pdl_config(launch: plan.Launch, stream_ptr: int) -> CULaunchConfig:
-    """The launch configuration cuLaunchKernelEx reads for ``launch`` on a stream, with the attribute
-    that allows programmatic dependent launch (built once per launch and stream)."""
-    hit = _PDL_CONFIGS.get((id(launch), stream_ptr))
-    if hit is not None and hit[0] is launch:
-        return hit[1]
-    g, b = launch.grid, launch.block
-    cfg = CULaunchConfig((ctypes.c_uint32 * 3)(*g), (ctypes.c_uint32 * 3)(*b), launch.smem_bytes, stream_ptr,
-                         ctypes.pointer(_PDL_ATTRIBUTE), 1)  # fmt: skip
-    if len(_PDL_CONFIGS) >= 256:
-        _PDL_CONFIGS.clear()
-    _PDL_CONFIGS[(id(launch), stream_ptr)] = (launch, cfg)
-    return cfg
-
-
-@functools.lru_cache(maxsize=1)
-def _cu_launch_kernel_ex():
-    """The driver's cuLaunchKernelEx through ctypes (CuPy does not wrap it), or None without one."""
-    for lib in ("libcuda.so.1", "nvcuda.dll"):
-        try:
-            f = ctypes.CDLL(lib).cuLaunchKernelEx
-        except (OSError, AttributeError):
-            continue
-        f.argtypes = [ctypes.POINTER(CULaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        f.restype = ctypes.c_int
-        return f
-    return None
-
-
-def launch(fn, launch: plan.Launch, argv_ptr: int, stream_ptr: int) -> None:
-    """Launch a loaded function on the current device: ``argv_ptr`` is the address of the kernel's
-    argument array (void*[1] pointing at the parameter struct's bytes, which the driver copies),
-    ``stream_ptr`` the stream handle. Straight to the driver: CuPy's generic argument packing costs
-    microseconds per launch, and a decode step is only a few microseconds of GPU time.
-
-    Launches with ``launch.pdl`` go through cuLaunchKernelEx with programmatic stream serialization:
-    the kernel may start while the one before it on the stream finishes, and waits for it in
-    griddepcontrol.wait before touching global memory (the decode kernels do; the launch gap then
-    overlaps the tail of the grid before). Where the driver refuses such a launch, the kernel is
-    launched plainly and PDL stays off for the rest of the process (one warning)."""
-    global _driver, PDL_ENABLED
-    if _driver is None:
-        from cupy.cuda import driver as _driver
-    if launch.pdl and PDL_ENABLED:
-        launch_ex = _cu_launch_kernel_ex()
-        if launch_ex is not None:
-            rc = launch_ex(pdl_config(launch, stream_ptr), fn.ptr, argv_ptr, None)
-            if rc == 0:
-                return
-            # Refused (a driver, a stream capture or a virtualized GPU without programmatic launches):
-            # launch it plainly below; if that works, stop asking for the rest of the process (the
-            # kernels' griddepcontrol.wait is a no-op without it). If it fails too, its error is raised.
-            _plain_launch(fn, launch, argv_ptr, stream_ptr)
-            PDL_ENABLED = False
-            logger.warning("programmatic dependent launch refused (CUresult %d): decode kernels launch without it", rc)
-            return
-    _plain_launch(fn, launch, argv_ptr, stream_ptr)
-
-
-def _plain_launch(fn, launch: plan.Launch, argv_ptr: int, stream_ptr: int) -> None:
-    g, b = launch.grid, launch.block
-    _driver.launchKernel(fn.ptr, g[0], g[1], g[2], b[0], b[1], b[2], launch.smem_bytes, stream_ptr, argv_ptr, 0)
-
-
-def get_function(spec: plan.KernelSpec, device_id: int):
+def get_function(spec, device_id: int):
     """Loaded kernel of ``spec`` on ``device_id``: memoized per process and device."""
     key = (spec, device_id)
     fn = _functions.get(key)
@@ -655,7 +400,7 @@ def get_function(spec: plan.KernelSpec, device_id: int):
             module = function.Module()
             module.load(cubin)
             fn = module.get_function(spec.name)
-            limit = plan.max_launch_smem(spec)
+            limit = spec.launch_smem_limit
             if limit > 48 * 1024:  # above 48 KB the dynamic limit must be raised first
                 driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, limit)
         _count("module_loads")

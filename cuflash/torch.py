@@ -19,8 +19,9 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "the CuPy API (cuflash.attention, cuflash.attention_backward) works without it"
     ) from exc
 
-from .attention import _cupy, attention as _attention
 from .backward import attention_backward as _attention_backward
+from .checks import cupy_module as _cupy
+from .forward import attention as _attention
 
 __all__ = ["attention"]
 

@@ -2,8 +2,6 @@
 import os
 import tempfile
 
-import pytest
-
 
 def _gpu_skip_reason():
     try:
@@ -26,10 +24,25 @@ def pytest_configure(config):
         os.environ["CUFLASH_CACHE_DIR"] = tempfile.mkdtemp(prefix="cuflash-test-cache-")
 
 
+def pytest_report_header(config):
+    return f"GPU tests: {'run' if GPU_SKIP_REASON is None else 'skipped, ' + GPU_SKIP_REASON}"
+
+
+_GPU_DESELECTED = []
+
+
 def pytest_collection_modifyitems(config, items):
+    """Without a usable GPU the GPU tests are deselected (not run, not failed), and one line at the end
+    says how many and why, instead of a skip line per test location."""
     if GPU_SKIP_REASON is None:
         return
-    skip = pytest.mark.skip(reason=f"GPU test skipped: {GPU_SKIP_REASON}")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if gpu:
+        items[:] = [item for item in items if "gpu" not in item.keywords]
+        config.hook.pytest_deselected(items=gpu)
+        _GPU_DESELECTED.extend(gpu)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _GPU_DESELECTED:
+        terminalreporter.write_line(f"{len(_GPU_DESELECTED)} GPU tests not run: {GPU_SKIP_REASON}")

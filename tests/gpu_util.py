@@ -1,12 +1,12 @@
 """Helpers for the GPU tests: random inputs, poisoned outputs, comparison against the reference."""
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 
 import ml_dtypes
 import numpy as np
 
-from cuflash import reference
+from cuflash import plan, reference
 
 DTYPES = {"fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -63,13 +63,13 @@ def check_forward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", t
     """Run cuflash.attention with a NaN-poisoned `out` and apply DESIGN.md's pass rule. A `tile`
     (plan.Tile or plan.Sm90Tile) forces that kernel and tile instead of the planner's choice."""
     import cuflash
-    from cuflash.attention import _forward
+    from cuflash import forward  # cuflash.forward.run: attention plus the tile to force
 
     out = poisoned(q.shape, dtype)
     if tile is None:
         ret, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out)
     else:
-        ret, lse = _forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out, tile=tile)
+        ret, lse = forward.run(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out, tile=tile)
     assert ret is out
     ref, ref_lse = reference.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
     plain = reference.plain_attention_bar(q, k, v, ref, causal=causal, softmax_scale=softmax_scale, dtype=DTYPES[dtype])
@@ -89,13 +89,13 @@ def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", 
     import cupy
 
     import cuflash
-    from cuflash.backward import _backward  # attention_backward plus the tile to force
+    from cuflash import backward  # cuflash.backward.run: attention_backward plus the tile to force
 
     out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
     rng = rng if rng is not None else np.random.default_rng()  # pass the case's rng to make a failure replayable
     dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES[dtype]))
     grads = [poisoned(x.shape, dtype) for x in (q, k, v)]
-    ret = _backward(
+    ret = backward.run(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
         dq=grads[0], dk=grads[1], dv=grads[2], tile=tile,
     )  # fmt: skip
@@ -121,18 +121,9 @@ def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", 
     return errors
 
 
-@contextlib.contextmanager
-def merge_of_the_splits(where: str):
-    """Force who merges the decode splits: "in kernel" (the last split CTA of each group) or "combine"
-    (the combine kernel after the split kernel), whatever plan.DECODE_IN_KERNEL_MERGE_MAX picks."""
-    from cuflash import kvcache, plan
-
+def merge_policy(where: str, **fields) -> plan.DecodePolicy:
+    """A decode policy that forces who merges the splits: "in kernel" (the last split CTA of each group)
+    or "combine" (the combine kernel after the split kernel), whatever the default in_kernel_merge_max
+    would pick; ``fields``: other DecodePolicy fields (e.g. combine="lean")."""
     cap = {"in kernel": 1 << 30, "combine": 0}[where]
-    old = plan.DECODE_IN_KERNEL_MERGE_MAX
-    plan.DECODE_IN_KERNEL_MERGE_MAX = cap
-    kvcache._plan_and_load.cache_clear()
-    try:
-        yield
-    finally:
-        plan.DECODE_IN_KERNEL_MERGE_MAX = old
-        kvcache._plan_and_load.cache_clear()
+    return dataclasses.replace(plan.DEFAULT_DECODE_POLICY, in_kernel_merge_max=cap, **fields)

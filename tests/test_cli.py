@@ -1,21 +1,26 @@
-"""CPU tests of the command line (cuflash/cli.py): info, precompile, cache list/clear, bench.
+"""CPU tests of the command line (cuflash/cli.py): info, precompile, cache list/prune/clear, bench.
 
 No GPU needed: the GPU queries are replaced by fakes where a test needs a definite answer, and
 NVRTC compiles for an explicit --arch on the CPU. Every test uses a temporary kernel cache.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 import types
+from dataclasses import asdict
 from pathlib import Path
 
 import cupy
 import pytest
 from click.testing import CliRunner
 
+from cuflash import cache as kcache
 from cuflash import cli, jit, plan
+from cuflash._version import __version__
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -53,7 +58,7 @@ def invoke(args, **kwargs):
 
 
 def entry_names(d: Path) -> set[str]:
-    return {e.header["name"] for e in jit.list_cache() if e.header} if d.is_dir() else set()
+    return {e.header["name"] for e in kcache.list_entries() if e.header} if d.is_dir() else set()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +160,7 @@ def test_precompile_in_parallel(cache):
 def test_precompile_verbose_prints_registers(cache):
     r = invoke(SMALL + ["-v"])
     assert r.exit_code == 0, r.output
-    entries = jit.list_cache()
+    entries = kcache.list_entries()
     assert {e.header["name"] for e in entries} == SMALL_NAMES
     for e in entries:
         p = e.header["ptxas"]
@@ -180,7 +185,7 @@ def test_precompile_verbose_without_the_ptxas_report(cache, nvrtc_log_empty):
     r = invoke(SMALL + ["-v"])
     assert r.exit_code == 0, r.output
     assert f"{N_SMALL} variants: {N_SMALL} compiled, 0 already cached" in r.output
-    entries = jit.list_cache()
+    entries = kcache.list_entries()
     assert {e.header["name"] for e in entries} == SMALL_NAMES
     for e in entries:
         p = e.header["ptxas"]
@@ -280,6 +285,10 @@ def test_precompile_needs_head_dim_or_all(cache, recorder):
     "args, word",
     [
         (["--arch", "sm_70", "--head-dim", "64"], "sm_70"),
+        (["--arch", "sm_75", "--head-dim", "64"], "sm_75"),
+        (["--arch", "sm_99", "--head-dim", "64"], "sm_99"),
+        (["--arch", "sm_100a", "--head-dim", "64"], "sm_100a"),
+        (["--arch", "sm_80", "--arch", "sm_99", "--head-dim", "64"], "sm_99"),
         (["--arch", "foo", "--head-dim", "64"], "foo"),
         (["--arch", "sm_80", "--head-dim", "300"], "300"),
         (["--arch", "sm_80", "--head-dim", "0"], "head dim"),
@@ -293,6 +302,84 @@ def test_precompile_bad_options_are_usage_errors(cache, recorder, args, word):
     assert r.exit_code == 2, r.output
     assert "Usage:" in r.output and word in r.output
     assert recorder.specs == []
+
+
+@pytest.mark.parametrize("arch", ["sm_99", "sm_75", "sm_100a", "9.9"])
+def test_precompile_unknown_arch_names_the_known_targets(cache, recorder, arch):
+    """An arch NVRTC might accept but cuflash never loads is refused before anything is compiled, with
+    the list of the targets cuflash builds."""
+    r = invoke(["precompile", "--arch", arch, "--head-dim", "64"])
+    assert r.exit_code == 2, r.output
+    assert "Invalid value for '--arch'" in r.output and f"unsupported arch {arch!r}" in r.output
+    for known in ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90a", "sm_100", "sm_103", "sm_120"):
+        assert known in r.output
+    assert recorder.specs == [] and not cache.exists()
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "90", "9.0", "compute_90", "sm_90a"])
+def test_precompile_sm_90_builds_the_sm_90a_variants(cache, recorder, arch):
+    """A Hopper GPU loads sm_90a cubins (plan.arch_for_capability): --arch sm_90 builds those, never
+    a cache of sm_90 entries no process would load."""
+    r = invoke(["precompile", "--arch", arch, "--head-dim", "64", "--dtype", "bf16", "--no-causal"])
+    assert r.exit_code == 0, r.output
+    assert recorder.specs and {s.arch for s in recorder.specs} == {"sm_90a"}
+    assert recorder.specs == [s for family in cli.KERNEL_FAMILIES.values()
+                              for s in family("sm_90a", head_dims=(64,), dtypes=("bf16",), causals=(False,))]  # fmt: skip
+    assert {"flash_fwd_sm90", "flash_bwd_sm90"} <= {s.family for s in recorder.specs}  # the Hopper kernels too
+    assert all(s.name.endswith("_sm90a") for s in recorder.specs)
+
+
+@pytest.fixture
+def cache_below_a_file(tmp_path, monkeypatch):
+    """CUFLASH_CACHE_DIR pointing below a regular file: no process can create it (root included, whom a
+    read-only mode would not stop). Returns (the file, its bytes)."""
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"a regular file")
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(afile / "cache"))
+    monkeypatch.delenv("CUFLASH_LOG_LEVEL", raising=False)
+    jit.reset_stats()
+    return afile
+
+
+def test_precompile_into_an_unwritable_cache_fails_first(cache_below_a_file, tmp_path):
+    """precompile checks the cache before compiling anything: a clear error, exit code 1, no NVRTC run,
+    nothing written anywhere."""
+    r = invoke(SMALL)
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: the kernel cache "), r.output
+    assert str(cache_below_a_file / "cache") in lines[0]
+    assert "is not writable" in lines[0] and "set CUFLASH_CACHE_DIR to a writable folder" in lines[0]
+    assert "Traceback" not in r.output and "Compiling kernels" not in r.output
+    assert jit.stats()["compiles"] == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"] and cache_below_a_file.read_bytes() == b"a regular file"
+
+
+def test_precompile_into_an_unwritable_cache_never_calls_the_compiler(cache_below_a_file, recorder):
+    r = invoke(["precompile", "--arch", "sm_80", "--all", "-j", "4"])
+    assert r.exit_code == 1 and "is not writable" in r.output
+    assert recorder.specs == []
+
+
+def test_precompile_stops_when_the_cache_fills_up(cache, monkeypatch):
+    """An entry that cannot be written (the disk filled up after the first) is an error: exit code 1
+    with the reason, not a warning and a run that leaves the cache incomplete."""
+    real = kcache.write_atomic
+    written = []
+
+    def full_after_one(path, data):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        real(path, data)
+
+    monkeypatch.setattr(kcache, "write_atomic", full_after_one)
+    r = invoke(["precompile", "--arch", "sm_80", "--head-dim", "32", "--dtype", "fp16", "--no-causal", "--kernels",
+                "fwd"])  # fmt: skip
+    assert r.exit_code == 1, r.output
+    assert "Error: could not write the kernel cache entry" in r.output and "No space left on device" in r.output
+    assert "variants:" not in r.output  # no summary claiming success
+    assert len(list(cache.glob("*.cubin"))) == 1 and not list(cache.glob("*.tmp"))
 
 
 def test_precompile_reports_compile_errors(cache, monkeypatch):
@@ -337,7 +424,7 @@ def test_cache_list_and_clear(cache):
     assert r.exit_code == 0, r.output
     rows = _list_rows(r.output)
     assert set(rows) == SMALL_NAMES
-    headers = {e.header["name"]: e.header for e in jit.list_cache()}
+    headers = {e.header["name"]: e.header for e in kcache.list_entries()}
     major, minor = jit.nvrtc_version()
     for name in SMALL_NAMES:
         cols = rows[name]
@@ -355,7 +442,7 @@ def test_cache_list_and_clear(cache):
 
 def test_cache_list_does_not_claim_zero_spills_without_the_ptxas_report(cache, nvrtc_log_empty):
     assert invoke(SMALL).exit_code == 0
-    assert all("spill_stores" not in e.header["ptxas"] for e in jit.list_cache())
+    assert all("spill_stores" not in e.header["ptxas"] for e in kcache.list_entries())
     rows = _list_rows(invoke(["cache", "list"]).output)
     assert set(rows) == SMALL_NAMES
     assert {cols[3] for cols in rows.values()} == {"?"}
@@ -384,16 +471,115 @@ def test_cache_clear_asks_first(cache):
 
 
 # ---------------------------------------------------------------------------------------------
+# cache prune
+# ---------------------------------------------------------------------------------------------
+
+
+def _entry(d: Path, name: str, *, version=__version__, nvrtc=None, age_s=0.0) -> Path:
+    """A cache entry of 2000 "cubin" bytes (prune never loads it) written age_s seconds ago."""
+    header = {"name": name, "arch": "sm_80", "nvrtc": list(nvrtc or jit.nvrtc_version()), "cuflash": version}
+    path = d / f"{name}-0123456789abcdef01234567.cubin"
+    kcache.write_atomic(path, kcache.encode_entry(b"\x7fELF" + bytes(2000), header))
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+    return path
+
+
+@pytest.fixture
+def pruneable(cache):
+    """Two good entries, a damaged one, one of another cuflash version, one of another NVRTC version,
+    a temporary file left by a killed compile two hours ago and one being written now."""
+    good = [_entry(cache, "good_one"), _entry(cache, "good_two")]
+    bad = {"version": _entry(cache, "old_version", version="0.0.1"),
+           "nvrtc": _entry(cache, "old_nvrtc", nvrtc=(11, 8))}  # fmt: skip
+    bad["damaged"] = cache / "damaged-0123.cubin"
+    bad["damaged"].write_bytes(good[0].read_bytes()[:300])
+    bad["tmp"] = cache / "good_one-0123.cubin.abc123.tmp"
+    bad["tmp"].write_bytes(b"half")
+    os.utime(bad["tmp"], (time.time() - 7200, time.time() - 7200))
+    fresh = cache / "good_two-0123.cubin.def456.tmp"
+    fresh.write_bytes(b"being written")
+    return good, bad, fresh
+
+
+def test_cache_prune(cache, pruneable):
+    good, bad, fresh = pruneable
+    freed = sum(p.stat().st_size for k, p in bad.items() if k != "tmp")
+    r = invoke(["cache", "prune"])
+    assert r.exit_code == 0, r.output
+    kept = cli.human_size(sum(p.stat().st_size for p in good))
+    assert r.output.strip() == f"Removed 4 files ({cli.human_size(freed)}); kept 2 entries ({kept}) in {cache}."
+    assert sorted(p.name for p in cache.iterdir()) == sorted([good[0].name, good[1].name, fresh.name])
+    r = invoke(["cache", "prune"])
+    assert r.output.startswith("Removed 0 files (0 B); kept 2 entries")
+    assert "2 entries (0 damaged)" in invoke(["cache", "list"]).output
+
+
+def test_cache_prune_verbose_says_why(cache, pruneable):
+    _, bad, _ = pruneable
+    r = invoke(["cache", "prune", "-v"])
+    assert r.exit_code == 0, r.output
+    why = {}
+    for line in r.output.splitlines():
+        if line.startswith("  removed "):
+            name, reason = line[len("  removed "):].split(": ", 1)
+            why[name] = reason
+    assert why[bad["version"].name] == "built by cuflash 0.0.1"
+    assert why[bad["nvrtc"].name] == "built by NVRTC 11.8"
+    assert why[bad["damaged"].name].startswith("damaged (checksum mismatch")
+    assert why[bad["tmp"].name] == "temporary file of an interrupted compile"
+    assert len(why) == 4 and r.output.splitlines()[-1].startswith("Removed 4 files")
+
+
+def test_cache_prune_to_a_size_removes_the_least_recently_used(cache):
+    entries = {age: _entry(cache, f"entry_{age:05d}", age_s=age) for age in (10, 100, 1000, 10000)}  # one size
+    size = entries[10].stat().st_size
+    r = invoke(["cache", "prune", "--max-size", str(2 * size + 100), "-v"])
+    assert r.exit_code == 0, r.output
+    assert f"  removed {entries[1000].name}: least recently used beyond the size cap" in r.output
+    assert f"  removed {entries[10000].name}: least recently used beyond the size cap" in r.output
+    assert sorted(p.name for p in cache.iterdir()) == sorted([entries[10].name, entries[100].name])
+    r = invoke(["cache", "prune", "--max-size", "1KiB"])
+    assert r.exit_code == 0 and r.output.startswith("Removed 2 files") and not list(cache.iterdir())
+
+
+@pytest.mark.parametrize("size", ["lots", "-1", "5 XB", "GiB", ""])
+def test_cache_prune_bad_size_is_a_usage_error(cache, size):
+    _entry(cache, "good_one")
+    r = invoke(["cache", "prune", "--max-size", size])
+    assert r.exit_code == 2, r.output
+    assert "Invalid value for --max-size: not a size" in r.output
+    assert len(list(cache.glob("*.cubin"))) == 1
+
+
+@pytest.mark.parametrize("text, n", [
+    ("123456", 123456), ("0", 0), ("512B", 512), ("10k", 10 * 1024), ("10K", 10 * 1024), ("10kb", 10_000),
+    ("10KiB", 10 * 1024), ("500 MB", 500_000_000), ("3M", 3 * 2**20), ("3MiB", 3 * 2**20), ("2GiB", 2 * 2**30),
+    ("1.5G", int(1.5 * 2**30)), ("2 gb", 2 * 10**9),
+])  # fmt: skip
+def test_parse_size(text, n):
+    assert cli.parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["lots", "-1", "5 XB", "GiB", "", "1.2.3M", "10 KiBs"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="not a size"):
+        cli.parse_size(text)
+
+
+# ---------------------------------------------------------------------------------------------
 # bench (the benchmark itself is cuflash/bench.py; only the hand-over is tested here)
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def fake_bench(monkeypatch):
+    """A stand-in cuflash.bench recording cli_main's keywords, on a machine that claims a usable GPU."""
     calls = []
     mod = types.ModuleType("cuflash.bench")
     mod.cli_main = lambda **kw: calls.append(kw)
     monkeypatch.setitem(sys.modules, "cuflash.bench", mod)
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
     return calls
 
 
@@ -425,17 +611,188 @@ def test_bench_signature_matches_the_benchmark_module():
 
     bench = pytest.importorskip("cuflash.bench")
     params = inspect.signature(bench.cli_main).parameters
-    passed = {p.name for p in cli.bench.params} - set(cli.DECODE_ONLY_OPTIONS)  # --decode's go to bench_decode
+    # --decode's options go to bench_decode, --from-json's are handled by the CLI (replot)
+    passed = {p.name for p in cli.bench.params} - set(cli.DECODE_ONLY_OPTIONS) - set(cli.REPLOT_OPTIONS)
     assert passed <= set(params)
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
     assert required <= passed
+    assert {p.name for p in cli.bench.params} >= set(cli.DECODE_ONLY_OPTIONS) | set(cli.REPLOT_OPTIONS)
+    from cuflash import bench_decode
+
+    for mod in (bench, bench_decode):  # the CLI calls replot(json_path, plot_path)
+        replot = inspect.signature(mod.replot).parameters
+        assert list(replot)[:2] == ["json_path", "plot_path"], mod.__name__
+        assert all(p.default is not inspect.Parameter.empty for p in list(replot.values())[2:])
 
 
 def test_bench_without_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuflash.bench", None)  # makes the import fail
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
     r = invoke(["bench"])
     assert r.exit_code == 1
     assert "cuflash.bench" in r.output
+
+
+# ---------------------------------------------------------------------------------------------
+# bench without a GPU: one line, exit code 1, no traceback (and --from-json, which needs none)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_bench_modules(monkeypatch):
+    """Benchmark modules that fail the test if the CLI hands over to them."""
+    for name in ("cuflash.bench", "cuflash.bench_decode"):
+        mod = types.ModuleType(name)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the benchmark ran without a GPU")
+
+        mod.cli_main = mod.replot = refuse
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def _assert_needs_a_gpu(r, reason=None):
+    assert r.exit_code == 1, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1, r.output
+    assert lines[0].startswith("Error: cuflash bench needs a CUDA GPU ("), lines[0]
+    assert "Traceback" not in r.output and isinstance(r.exception, SystemExit)  # click's exit, nothing raised
+    if reason is not None:
+        assert f"({reason})" in lines[0]
+
+
+@pytest.mark.parametrize("decode", [[], ["--decode"]])
+def test_bench_on_this_machine_without_a_gpu(decode, no_bench_modules):
+    """The real gpu_problem on this machine (no GPU, or no driver for it)."""
+    if cli.gpu_problem() is None:
+        pytest.skip("this machine has a usable GPU")
+    _assert_needs_a_gpu(invoke(["bench", *decode]))
+
+
+@pytest.mark.parametrize("decode", [[], ["--decode"]])
+def test_bench_without_a_device(decode, no_gpu, no_bench_modules):
+    """gpu_problem itself, with the CUDA runtime reporting no device (as on any GPU-less machine)."""
+    r = invoke(["bench", *decode, "--head-dim", "128"])
+    _assert_needs_a_gpu(r, "CUDARuntimeError: cudaErrorNoDevice: no CUDA-capable device is detected")
+
+
+@pytest.mark.parametrize("decode", [[], ["--decode"]])
+def test_bench_with_a_gpu_problem(decode, monkeypatch, no_bench_modules):
+    monkeypatch.setattr(cli, "gpu_problem", lambda: "no CUDA GPU is visible")
+    _assert_needs_a_gpu(invoke(["bench", *decode]), "no CUDA GPU is visible")
+
+
+def test_gpu_problem(monkeypatch):
+    rt = cupy.cuda.runtime
+    monkeypatch.setattr(rt, "getDeviceCount", lambda: 0)
+    assert cli.gpu_problem() == "no CUDA GPU is visible"
+    monkeypatch.setattr(rt, "getDeviceCount", lambda: 1)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(id=0))
+    monkeypatch.setattr(jit, "device_arch", lambda i: plan.arch_for_capability(7, 5))  # a Turing GPU
+    assert cli.gpu_problem().startswith("RuntimeError: cuflash needs a GPU of compute capability 8.0 or newer")
+    monkeypatch.setattr(jit, "device_arch", lambda i: "sm_90a")
+    assert cli.gpu_problem() is None
+
+
+ENV = {"gpu": "NVIDIA H200", "compute_capability": "90", "sm_count": 132, "cuflash": __version__, "cupy": "14.0.0",
+       "nvrtc": "12.9", "driver": 12080, "python": "3.11.9", "date": "2026-12-01 12:00:00"}  # fmt: skip
+
+
+def _saved_prefill_run(path: Path) -> Path:
+    """What `cuflash bench --json` writes (cuflash.bench.cli_main): the environment and the rows."""
+    from cuflash import bench
+
+    rows = [bench.Row("bf16", 128, True, 4096, 4, 16, ms={"cuflash": 1.234, "flash": 1.5},
+                      tflops={"cuflash": 333.3, "flash": 277.7}, mem_mb={"cuflash": 0.0}, host_us=12.5),
+            bench.Row("fp16", 64, False, 512, 32, 32, op="fwd+bwd", ms={"cuflash": 0.5},
+                      tflops={"cuflash": 150.0}, notes={"cudnn": "not supported"}, host_us=20.0)]  # fmt: skip
+    path.write_text(json.dumps({"environment": ENV, "rows": [asdict(r) for r in rows]}, indent=1))
+    return path
+
+
+def _saved_decode_run(path: Path) -> Path:
+    """What `cuflash bench --decode --json` writes (cuflash.bench_decode.cli_main)."""
+    from cuflash import bench_decode as bd
+
+    rows = [bd.DecodeRow("bf16", 128, 8, 32768, 32, 8, kv_gb=bd.row_gb(8, 32768, 8, 128), num_splits=4,
+                         ctas_per_sm=2, ms={"cuflash": 0.05, "cudnn": 0.06}, tbps={"cuflash": 4.321, "cudnn": 3.6},
+                         host_us=15.0),
+            bd.DecodeRow("bf16", 128, 1, 4096, 32, 32, kv_gb=bd.row_gb(1, 4096, 32, 128), num_splits=12,
+                         ms={"cuflash": 0.01}, tbps={"cuflash": 3.21}, notes={"flash": "out of memory"})]  # fmt: skip
+    pd = [bd.PrefillDecodeRow("bf16", 128, 4096, 32, 8, prefill_ms=1.0, prefill_tflops=300.0, decode_ms=0.01,
+                              decode_tbps=3.5)]  # fmt: skip
+    path.write_text(json.dumps({"environment": ENV, "bytes_model": bd.BYTES_MODEL, "decode": [asdict(r) for r in rows],
+                                "prefill_vs_decode": [asdict(r) for r in pd]}, indent=1))  # fmt: skip
+    return path
+
+
+@pytest.fixture
+def gpu_never_asked(monkeypatch):
+    def fail():
+        raise AssertionError("--from-json must not look for a GPU")
+
+    monkeypatch.setattr(cli, "gpu_problem", fail)
+
+
+def test_bench_from_json_prints_the_saved_table(tmp_path, gpu_never_asked):
+    from cuflash import bench
+
+    path = _saved_prefill_run(tmp_path / "run.json")
+    r = invoke(["bench", "--from-json", str(path)])
+    assert r.exit_code == 0, r.output
+    rows = [bench.Row(**x) for x in json.loads(path.read_text())["rows"]]
+    assert r.output.strip() == bench.format_table(rows, ENV).strip()
+    assert "GPU NVIDIA H200 (sm 90, 132 SMs)" in r.output and "  333.3   277.7" in r.output
+    assert "fwd+bwd" in r.output and "note: cudnn at fwd+bwd fp16 hd64 causal=False s=512: not supported" in r.output
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_bench_decode_from_json_prints_the_saved_tables(tmp_path, gpu_never_asked):
+    from cuflash import bench_decode as bd
+
+    path = _saved_decode_run(tmp_path / "decode.json")
+    r = invoke(["bench", "--decode", "--from-json", str(path)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(path.read_text())
+    rows = [bd.DecodeRow(**x) for x in data["decode"]]
+    pd = [bd.PrefillDecodeRow(**x) for x in data["prefill_vs_decode"]]
+    assert bd.format_decode_table(rows, ENV) in r.output and bd.format_prefill_table(pd) in r.output
+    assert "4.321" in r.output or "4.32" in r.output
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_bench_from_json_with_plot(tmp_path, gpu_never_asked, decode):
+    pytest.importorskip("matplotlib")
+    path = (_saved_decode_run if decode else _saved_prefill_run)(tmp_path / "run.json")
+    png = tmp_path / "run.png"
+    r = invoke(["bench", *(["--decode"] if decode else []), "--from-json", str(path), "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"environment": {}}', '{"rows": [{"dtype": "bf16"}]}',
+                                     "{}"])  # fmt: skip
+def test_bench_from_json_of_something_else(tmp_path, gpu_never_asked, decode, content):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    r = invoke(["bench", *(["--decode"] if decode else []), "--from-json", str(path)])
+    assert r.exit_code == 1, r.output
+    assert r.output.startswith(f"Error: {path} is not a saved `cuflash bench{' --decode' if decode else ''} --json` run")
+    assert "Traceback" not in r.output
+
+
+def test_bench_from_json_of_the_other_kind(tmp_path, gpu_never_asked):
+    """A decode run read as a prefill run (and the other way round) is refused, not half printed."""
+    r = invoke(["bench", "--from-json", str(_saved_decode_run(tmp_path / "d.json"))])
+    assert r.exit_code == 1 and "is not a saved `cuflash bench --json` run" in r.output
+    r = invoke(["bench", "--decode", "--from-json", str(_saved_prefill_run(tmp_path / "p.json"))])
+    assert r.exit_code == 1 and "is not a saved `cuflash bench --decode --json` run" in r.output
+
+
+def test_bench_from_json_needs_an_existing_file(tmp_path, gpu_never_asked):
+    r = invoke(["bench", "--from-json", str(tmp_path / "missing.json")])
+    assert r.exit_code == 2 and "does not exist" in r.output
 
 
 # ---------------------------------------------------------------------------------------------

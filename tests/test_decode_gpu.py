@@ -18,12 +18,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cuflash import reference
-from gpu_util import DTYPES, merge_of_the_splits, poisoned, randn, to_f64
+from cuflash import plan, reference
+from gpu_util import DTYPES, merge_policy, poisoned, randn, to_f64
 
 pytestmark = pytest.mark.gpu
 
 EXAMPLES = int(os.environ.get("CUFLASH_HYPOTHESIS_EXAMPLES", "60"))
+
+
+def forced_per_sm(n: int) -> plan.DecodePolicy:
+    """The default decode policy with the split kernel's CTAs per SM forced to n."""
+    return plan.DecodePolicy(ctas_per_sm=n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,10 +81,11 @@ def gather(cache64: np.ndarray, b: int, L: int, block_table, page_size: int) -> 
 
 
 def run_and_check(q, k_cache, v_cache, *, dtype, k=None, v=None, cache_seqlens=None, block_table=None, causal=False,
-                  softmax_scale=None, num_splits=0, check=False, ref_lengths=None, what="", ctas_per_sm=0):  # fmt: skip
+                  softmax_scale=None, num_splits=0, check=False, ref_lengths=None, what="", policy=None):  # fmt: skip
     """Call attention_with_kvcache (NaN-poisoned out and pool) and check out, lse and the caches after
     the append against the reference. ref_lengths: the lengths the reference should use (the clamped
-    ones when the call passes out-of-range values unchecked). Returns (out, lse, err, bound)."""
+    ones when the call passes out-of-range values unchecked); policy: the call's plan.DecodePolicy
+    (None: the defaults). Returns (out, lse, err, bound)."""
     import cuflash
 
     kc0, vc0 = to_f64(k_cache), to_f64(v_cache)
@@ -89,8 +95,7 @@ def run_and_check(q, k_cache, v_cache, *, dtype, k=None, v=None, cache_seqlens=N
     poison_pool()
     ret, lse = cuflash.attention_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal,
-        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True, out=out, check=check,
-        _ctas_per_sm=ctas_per_sm,
+        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True, out=out, check=check, policy=policy,
     )  # fmt: skip
     assert ret is out
     bt = host(block_table)
@@ -238,8 +243,8 @@ def test_merge_of_the_splits_every_row_arrangement(where, group, num_splits, hea
     128 columns."""
     rng = np.random.default_rng()
     c = case(rng, batch=2, nheads=2 * group, nheads_kv=2, head_dim=head_dim, capacity=70 * 64, lengths=[70 * 64, 900])
-    with merge_of_the_splits(where):
-        run_and_check(**c, num_splits=num_splits, what=f"{where} group={group} splits={num_splits} hd{head_dim}")
+    run_and_check(**c, num_splits=num_splits, policy=merge_policy(where),
+                  what=f"{where} group={group} splits={num_splits} hd{head_dim}")  # fmt: skip
 
 
 @pytest.mark.parametrize("head_dim", [256, 96])
@@ -250,35 +255,30 @@ def test_combine_kernel_wide_and_ragged_rows(head_dim, num_splits):
     rng = np.random.default_rng()
     c = case(rng, batch=3, seqlen_q=2, nheads=6, nheads_kv=2, head_dim=head_dim, capacity=128 * 64,
              lengths=[128 * 64, 0, 1000])  # fmt: skip
-    with merge_of_the_splits("combine"):
-        run_and_check(**c, causal=True, num_splits=num_splits, what=f"hd{head_dim} splits={num_splits}")
+    run_and_check(**c, causal=True, num_splits=num_splits, policy=merge_policy("combine"),
+                  what=f"hd{head_dim} splits={num_splits}")  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [128, 256, 64])
 @pytest.mark.parametrize("num_splits", [3, 17, 70, 128])
-def test_combine_kernel_lean_equals_wide(plans_made, monkeypatch, dtype, head_dim, num_splits):
+def test_combine_kernel_lean_equals_wide(plans_made, dtype, head_dim, num_splits):
     """The combine kernel's lean variant (4 partial rows per warp in flight: one batch up to 16 splits,
     several past it) and its wide one (up to 32 per warp, 16 at hd256) on the same call: both against
     the reference, and the same output bits (each warp adds its splits in the same order in both; the
     fp32 sums are seen rounded to the 16-bit dtype, fp16 keeping 3 more bits; lse does not depend on
-    the variant's batch)."""
-    from cuflash import kvcache, plan
-
+    the variant's batch). The policy's combine field picks the variant."""
     rng = np.random.default_rng(5)
     c = case(rng, batch=3, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=head_dim, dtype=dtype, capacity=128 * 64,
              lengths=[128 * 64, 0, 1000])  # fmt: skip
     got = {}
     for lean in (False, True):
-        monkeypatch.setattr(plan, "decode_combine_lean", lambda *args, lean=lean: lean)
-        kvcache._plan_and_load.cache_clear()
-        with merge_of_the_splits("combine"):
-            out, lse, _, _ = run_and_check(**c, causal=True, num_splits=num_splits,
-                                           what=f"lean={lean} {dtype} hd{head_dim} splits={num_splits}")  # fmt: skip
+        policy = merge_policy("combine", combine="lean" if lean else "wide")
+        out, lse, _, _ = run_and_check(**c, causal=True, num_splits=num_splits, policy=policy,
+                                       what=f"lean={lean} {dtype} hd{head_dim} splits={num_splits}")  # fmt: skip
         launched = plans_made[-1]
         assert launched.combine is not None and launched.combine.spec.lean == lean, launched.combine
         got[lean] = (to_f64(out), to_f64(lse))
-    kvcache._plan_and_load.cache_clear()
     for a, b in zip(got[False], got[True]):
         assert np.array_equal(a, b, equal_nan=True), "lean and wide combine kernels differ"
 
@@ -313,22 +313,23 @@ def test_fewer_ctas_per_sm_same_bits(ctas_per_sm):
     args = (c["q"], c["k_cache"], c["v_cache"])
     dev = c["q"].device.id
     spec = plan.plan_decode(batch=3, seqlen_q=1, nheads=32, nheads_kv=2, head_dim=128, dtype="bf16", aligned=True,
-                            max_seqlen=3008, num_splits=4, num_sms=kvcache._num_sms(dev),
+                            max_seqlen=3008, num_splits=4, num_sms=jit.device_sm_count(dev),
                             arch=jit.device_arch(dev)).attn.spec  # fmt: skip
     if ctas_per_sm >= spec.min_blocks:
         pytest.skip(f"the {spec.name} tile holds {spec.min_blocks} CTAs per SM on this GPU: nothing to space out")
     for splits in (1, 4, 16, 6):
         want = cuflash.attention_with_kvcache(*args, cache_seqlens=c["cache_seqlens"], num_splits=splits)
         got = cuflash.attention_with_kvcache(*args, cache_seqlens=c["cache_seqlens"], num_splits=splits,
-                                             _ctas_per_sm=ctas_per_sm)  # fmt: skip
+                                             policy=forced_per_sm(ctas_per_sm))  # fmt: skip
         assert bool((got.view(cupy.uint16) == want.view(cupy.uint16)).all()), f"num_splits={splits}"
+        # the memo entry of that call (host lengths: not uniform), the policy part of its key by value
         dplan, (fn, _, _) = kvcache._plan_and_load(3, 1, 32, 2, 128, "bf16", True, 3008, splits, 0, False, dev,
-                                                   ctas_per_sm)  # fmt: skip
+                                                   forced_per_sm(ctas_per_sm), False)  # fmt: skip
         assert dplan.ctas_per_sm == ctas_per_sm
         assert dplan.attn.spec == dataclasses.replace(spec, cta_loads=plan.decode_cta_loads(spec.tile, ctas_per_sm))
         resident = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, 128, dplan.attn.smem_bytes)
         assert resident == ctas_per_sm, f"{resident} CTAs per SM with {dplan.attn.smem_bytes} B of shared memory"
-    run_and_check(**c, what=f"heuristic splits at {ctas_per_sm} CTAs per SM", ctas_per_sm=ctas_per_sm)
+    run_and_check(**c, what=f"heuristic splits at {ctas_per_sm} CTAs per SM", policy=forced_per_sm(ctas_per_sm))
 
 
 #: (dtype, head_dim, nheads, nheads_kv, seqlen_q, causal, layout, num_splits): the hd128 tiles that the
@@ -348,8 +349,8 @@ def test_cta_loads_same_bits_as_column_loads(plans_made, dtype, head_dim, nheads
     paths); and the CTA-load call is checked against the reference."""
     import cupy
 
-    from cuflash import jit, plan
-    from cuflash.attention import _DTYPE_NAMES
+    from cuflash import jit
+    from cuflash.checks import DTYPE_NAMES
 
     rng = np.random.default_rng(head_dim + 7 * num_splits)
     new = 3 if layout == "append 3" else 0
@@ -359,14 +360,14 @@ def test_cta_loads_same_bits_as_column_loads(plans_made, dtype, head_dim, nheads
     dev = c["q"].device.id
     rows = seqlen_q * (nheads // nheads_kv)
     arch = jit.device_arch(dev)
-    spec = plan.decode_spec(head_dim, _DTYPE_NAMES[c["q"].dtype], head_dim % 8 == 0, plan.decode_m_slabs(rows, 128, arch),
+    spec = plan.decode_spec(head_dim, DTYPE_NAMES[c["q"].dtype], head_dim % 8 == 0, plan.decode_m_slabs(rows, 128, arch),
                             arch)  # fmt: skip
     if not plan.decode_cta_loads(spec.tile, 2):
         pytest.skip(f"the {spec.name} tile is not spaced to 2 CTAs per SM on this GPU: no CTA loads")
     outs = {}
     for per_sm in (2, spec.tile.min_blocks):
         cc = dict(c, k_cache=c["k_cache"].copy(), v_cache=c["v_cache"].copy(), cache_seqlens=c["cache_seqlens"].copy())
-        outs[per_sm] = run_and_check(**cc, causal=causal, num_splits=num_splits, ctas_per_sm=per_sm,
+        outs[per_sm] = run_and_check(**cc, causal=causal, num_splits=num_splits, policy=forced_per_sm(per_sm),
                                      what=f"{per_sm} CTAs per SM")  # fmt: skip
         launched = plans_made[-1]
         assert launched.ctas_per_sm == per_sm and launched.attn.spec.cta_loads == (per_sm == 2), launched
@@ -506,7 +507,7 @@ def test_a_decode_loop_without_syncs():
     bits."""
     import cupy
 
-    from cuflash import jit
+    from cuflash import launch
 
     # 16 packed rows per kv head: 16 splits merge in the combine kernel, 4 and 3 in the split kernel.
     splits, length0 = [0, 1, 16, 4, 0, 1, 16, 4, 3], _LOOP_LENGTH0
@@ -516,13 +517,12 @@ def test_a_decode_loop_without_syncs():
 
     _check_decode_loop(got, q_steps, k_steps, v_steps, kc, vc, length0, splits)
 
-    saved = jit.PDL_ENABLED
-    jit.PDL_ENABLED = False
+    saved = launch.set_pdl_enabled(False)
     try:
         kc2, vc2 = kc0.copy(), vc0.copy()
         again = _decode_loop(q_steps, kc2, vc2, k_steps, v_steps, length0, splits)
     finally:
-        jit.PDL_ENABLED = saved
+        launch.set_pdl_enabled(saved)
     for a, b in ((kc2, kc), (vc2, vc)):  # bits: the slots never appended to are still NaN
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
     for s in range(len(splits)):
@@ -541,14 +541,14 @@ def test_a_decode_step_captured_in_a_cuda_graph(num_splits):
     import cupy
 
     import cuflash
-    from cuflash import jit
+    from cuflash import launch
 
     steps, batch, length0 = 5, _LOOP_BATCH, _LOOP_LENGTH0
     q_steps, k_steps, v_steps, kc, vc = _decode_loop_inputs(steps)
     q_buf, k_buf, v_buf = (x.copy() for x in (q_steps[0], k_steps[0], v_steps[0]))
     out = poisoned(q_buf.shape, "bf16")
     cupy.cuda.Device().synchronize()  # the inputs were made on the null stream, which a non-blocking one ignores
-    saved = jit.PDL_ENABLED
+    saved = launch.pdl_enabled()  # a launch refused under capture turns PDL off for the process: restored below
     stream = cupy.cuda.Stream(non_blocking=True)
     try:
         with stream:
@@ -572,7 +572,7 @@ def test_a_decode_step_captured_in_a_cuda_graph(num_splits):
                 seqlens += 1
             stream.synchronize()
     finally:
-        jit.PDL_ENABLED = saved
+        launch.set_pdl_enabled(saved)
     _check_decode_loop([to_f64(o) for o in outs], q_steps, k_steps, v_steps, kc, vc, length0, [num_splits] * steps)
 
 
@@ -630,7 +630,7 @@ def test_paged_cta_loads_across_page_boundaries(plans_made):
     cont = _contiguous_case(c, page_size)
     outs = []
     for cc, what in ((c, "paged P=80"), (cont, "contiguous")):
-        outs.append(run_and_check(**cc, num_splits=1, ctas_per_sm=2, what=what))
+        outs.append(run_and_check(**cc, num_splits=1, policy=forced_per_sm(2), what=what))
         if not plans_made[-1].attn.spec.cta_loads:
             pytest.skip(f"one split at 2 per SM does not load as a CTA on this GPU ({plans_made[-1].attn.spec.name})")
     (po, pl, _, _), (co, cl, _, _) = outs
@@ -684,14 +684,14 @@ def _offset_view(x):
 
 
 def test_element_wise_path_for_misaligned_rows():
-    from cuflash.attention import _aligned16
+    from cuflash.checks import aligned16
 
     rng = np.random.default_rng()
     c = case(rng, batch=3, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=64, capacity=400, seqlen_new=2,
              lengths=[0, 200, 398])  # fmt: skip
     for name in ("q", "k_cache", "v_cache", "k", "v"):
         c[name] = _offset_view(c[name])
-        assert not _aligned16(c[name])
+        assert not aligned16(c[name])
     run_and_check(**c, causal=True, what="misaligned")
     paged = case(rng, batch=2, nheads=4, nheads_kv=2, head_dim=64, capacity=96, page_size=32, seqlen_new=1)
     paged["k_cache"] = _offset_view(paged["k_cache"])
@@ -710,25 +710,25 @@ def _padded_rows_view(x):
 
 
 def test_element_wise_path_for_rows_off_by_8_bytes():
-    from cuflash.attention import _aligned16
+    from cuflash.checks import aligned16
 
     rng = np.random.default_rng()
     c = case(rng, batch=2, seqlen_q=2, nheads=8, nheads_kv=2, head_dim=64, capacity=300, seqlen_new=1)
     for name in ("q", "k_cache", "v_cache", "k", "v"):
         c[name] = _padded_rows_view(c[name])
-        assert c[name].data.ptr % 16 == 0 and not _aligned16(c[name])
+        assert c[name].data.ptr % 16 == 0 and not aligned16(c[name])
     run_and_check(**c, causal=True, what="rows off by 8 bytes")
 
 
 def test_16_byte_path_and_strided_layouts():
     """(b, h, s, d) storage seen through transposed views: non-contiguous strides, 16-byte aligned."""
-    from cuflash.attention import _aligned16
+    from cuflash.checks import aligned16
 
     rng = np.random.default_rng()
     c = case(rng, batch=2, seqlen_q=3, nheads=8, nheads_kv=2, head_dim=128, capacity=700, layout="bhsd",
              seqlen_new=2)  # fmt: skip
     assert not c["k_cache"].flags.c_contiguous
-    assert all(_aligned16(c[n]) for n in ("q", "k_cache", "v_cache", "k", "v"))
+    assert all(aligned16(c[n]) for n in ("q", "k_cache", "v_cache", "k", "v"))
     run_and_check(**c, causal=True, softmax_scale=0.25, what="bhsd views")
 
 
@@ -738,14 +738,15 @@ def test_16_byte_path_and_strided_layouts():
 
 
 # ---------------------------------------------------------------------------------------------
-# The filled grid: long splits plus a short tail per sequence in the free CTA slots (plan._filled_grid)
+# The filled grid: long splits plus a short tail per sequence in the free CTA slots (plan/decode.py _filled_grid)
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def plans_made(monkeypatch):
     """The decode plans attention_with_kvcache makes (plan.plan_decode's results, in order), with the
-    plan memo cleared before and after, so every call signature plans afresh."""
+    plan memo cleared before and after, so every call signature plans afresh (kvcache calls
+    plan.plan_decode through the package, where it is recorded)."""
     from cuflash import kvcache, plan
 
     made = []
@@ -761,35 +762,31 @@ def plans_made(monkeypatch):
     kvcache._plan_and_load.cache_clear()
 
 
-@pytest.fixture
-def filled_on_small_caches(monkeypatch, plans_made):
-    """Lets the plan fill the free slots on small caches (no minimum of keys per split), so the tests
-    reach the filled grid with many groups and short splits. Yields the plans the calls make."""
-    from cuflash import plan
-
-    monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES", 1)
-    monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES_FULL", 1)
-    monkeypatch.setattr(plan, "DECODE_LONG_CTA_KEYS", 1)
-    yield plans_made
+#: The policy of the filled-grid tests: the plan fills the free slots on small caches (no minimum of
+#: tiles per long split, every split "long"), so they reach the filled grid with many groups and
+#: short splits.
+FILLED_POLICY = dataclasses.replace(plan.DEFAULT_DECODE_POLICY, fill_min_unsplit_tiles=1, fill_min_unsplit_tiles_full=1,
+                                    long_cta_keys=1)  # fmt: skip
 
 
-def _plan_of_call(q, k_cache, L: int, seqlen_new: int = 0):
-    """The plan of this call (uniform length L after the append) on this GPU."""
-    from cuflash import jit, kvcache, plan
-    from cuflash.attention import _DTYPE_NAMES
+def _plan_of_call(q, k_cache, L: int, seqlen_new: int = 0, policy=plan.DEFAULT_DECODE_POLICY):
+    """The plan of this call (uniform length L after the append, ``policy``) on this GPU."""
+    from cuflash import jit
+    from cuflash.checks import DTYPE_NAMES
 
     batch, seqlen_q, nheads, head_dim = q.shape
     dev = q.device.id
     return plan.plan_decode(batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=k_cache.shape[2],
-                            head_dim=head_dim, dtype=_DTYPE_NAMES[q.dtype], aligned=head_dim % 8 == 0,
-                            max_seqlen=-(-L // 64) * 64, num_splits=0, num_sms=kvcache._num_sms(dev),
-                            arch=jit.device_arch(dev), seqlen_new=seqlen_new, uniform_lengths=True)  # fmt: skip
+                            head_dim=head_dim, dtype=DTYPE_NAMES[q.dtype], aligned=head_dim % 8 == 0,
+                            max_seqlen=-(-L // 64) * 64, num_splits=0, num_sms=jit.device_sm_count(dev),
+                            arch=jit.device_arch(dev), seqlen_new=seqlen_new, uniform_lengths=True,
+                            policy=policy)  # fmt: skip
 
 
-def _require_filled(q, k_cache, L: int, seqlen_new: int = 0):
-    """The plan of this call; skips where it does not take the filled grid (another SM count or
-    architecture), so a pass means the filled grid ran."""
-    p = _plan_of_call(q, k_cache, L, seqlen_new)
+def _require_filled(q, k_cache, L: int, seqlen_new: int = 0, policy=FILLED_POLICY):
+    """The plan of this call under ``policy``; skips where it does not take the filled grid (another SM
+    count or architecture), so a pass means the filled grid ran."""
+    p = _plan_of_call(q, k_cache, L, seqlen_new, policy)
     if not p.split_major:
         pytest.skip(f"the plan does not fill the slots for this call on this GPU (grid {p.attn.grid})")
     return p
@@ -814,7 +811,7 @@ def _assert_launched_filled(plans):
 
 
 #: (batch, nheads, nheads_kv, seqlen_q, causal, L) that take the filled grid on the H200 (132 SMs) with
-#: the fixture's thresholds (tests/test_decode_plan.py checks that on the CPU).
+#: FILLED_POLICY (tests/test_decode_plan.py checks that on the CPU).
 FILLED_CASES = [
     (12, 8, 8, 1, False, 919), (12, 8, 8, 3, True, 919), (4, 32, 8, 1, False, 7686), (4, 16, 8, 2, True, 3601),
     (1, 32, 32, 1, False, 3603), (23, 8, 4, 1, True, 901),
@@ -826,28 +823,28 @@ FILLED_REPEAT_CASE = (12, 32, 8, 901)
 
 
 @pytest.mark.parametrize("batch, nheads, nheads_kv, seqlen_q, causal, L", FILLED_CASES)
-def test_filled_grid_against_the_reference(filled_on_small_caches, batch, nheads, nheads_kv, seqlen_q, causal, L):
+def test_filled_grid_against_the_reference(plans_made, batch, nheads, nheads_kv, seqlen_q, causal, L):
     """Long splits and a tail per (sequence, kv head), split-major grid: out and lse within the error
     bar, for MHA and GQA, causal with several query tokens; the group counters back to 0."""
     rng = np.random.default_rng(L + 7 * nheads)
     c = case(rng, batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=L + 5)
     c["cache_seqlens"] = L  # one length for all: the filled grid's condition
     _require_filled(c["q"], c["k_cache"], L)
-    run_and_check(**c, causal=causal, what=f"filled grid, L={L}")
-    _assert_launched_filled(filled_on_small_caches)
+    run_and_check(**c, causal=causal, policy=FILLED_POLICY, what=f"filled grid, L={L}")
+    _assert_launched_filled(plans_made)
     assert _all_counters_zero(), "a group counter was left non-zero by the filled grid"
 
 
 @pytest.mark.parametrize("dtype, head_dim", [("fp16", 64), ("bf16", 96), ("bf16", 128)])
 @pytest.mark.parametrize("layout", ["contiguous", "paged 48", "append 3", "full caches"])
-def test_filled_grid_paged_append_and_dtypes(filled_on_small_caches, dtype, head_dim, layout):
+def test_filled_grid_paged_append_and_dtypes(plans_made, dtype, head_dim, layout):
     c, L, new = _layout_case(np.random.default_rng(head_dim), FILLED_LAYOUT_CASE, dtype, head_dim, layout)
     _require_filled(c["q"], c["k_cache"], L, new)
-    run_and_check(**c, what=f"filled grid, {layout}")
-    _assert_launched_filled(filled_on_small_caches)
+    run_and_check(**c, policy=FILLED_POLICY, what=f"filled grid, {layout}")
+    _assert_launched_filled(plans_made)
 
 
-def test_filled_grid_repeats_and_matches_the_split_grid(filled_on_small_caches):
+def test_filled_grid_repeats_and_matches_the_split_grid(plans_made):
     """Two identical calls give the same bits (the counters reset); the equal splits agree within the bar."""
     import cuflash
 
@@ -856,11 +853,12 @@ def test_filled_grid_repeats_and_matches_the_split_grid(filled_on_small_caches):
     c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=L)
     args = (c["q"], c["k_cache"], c["v_cache"])
     _require_filled(c["q"], c["k_cache"], L)
-    filled = [to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L)) for _ in range(2)]
-    _assert_launched_filled(filled_on_small_caches)
+    filled = [to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L, policy=FILLED_POLICY)) for _ in range(2)]
+    _assert_launched_filled(plans_made)
     assert (filled[0] == filled[1]).all(), "two identical filled-grid calls differ"
     assert _all_counters_zero()
-    split = to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L, num_splits=4))
+    split = to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L, num_splits=4, policy=FILLED_POLICY))
+    assert not plans_made[-1].split_major
     ref = reference.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=L)[0]
     assert reference.max_abs_error(filled[0], split) <= 2 * reference.max_abs_error(split, ref) + 1e-5
 
@@ -871,31 +869,20 @@ def test_filled_grid_at_a_bench_shape(plans_made):
     rng = np.random.default_rng(11)
     c = case(rng, batch=1, nheads=32, nheads_kv=32, head_dim=128, capacity=32768)
     c["cache_seqlens"] = 32768
-    _require_filled(c["q"], c["k_cache"], 32768)
+    _require_filled(c["q"], c["k_cache"], 32768, policy=plan.DEFAULT_DECODE_POLICY)
     run_and_check(**c, what="filled grid at b=1 L=32k h_kv=32")
     _assert_launched_filled(plans_made)
 
 
 # ---------------------------------------------------------------------------------------------
-# The tail-split grid: whole groups, then the last wave's groups in splits (plan._tail_split)
+# The tail-split grid: whole groups, then the last wave's groups in splits (plan/decode.py _tail_split)
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def tail_on_small_caches(monkeypatch, plans_made):
-    """Lets the plan take the tail-split grid wherever it can (no minimum gain; splits down to one
-    64-key tile), so small caches reach it. Yields the plans the calls make."""
-    from cuflash import plan
-
-    for name, value in TAIL_THRESHOLDS.items():
-        monkeypatch.setattr(plan, name, value)
-    yield plans_made
-
-
-def _require_tail(q, k_cache, L: int, seqlen_new: int = 0):
-    """The plan of this call; skips where it does not take the tail-split grid (another SM count or
-    architecture), so a pass means it ran."""
-    p = _plan_of_call(q, k_cache, L, seqlen_new)
+def _require_tail(q, k_cache, L: int, seqlen_new: int = 0, policy=None):
+    """The plan of this call under ``policy`` (None: TAIL_POLICY); skips where it does not take the
+    tail-split grid (another SM count or architecture), so a pass means it ran."""
+    p = _plan_of_call(q, k_cache, L, seqlen_new, TAIL_POLICY if policy is None else policy)
     if not p.tail_groups:
         pytest.skip(f"the plan does not split the last wave's groups for this call on this GPU (grid {p.attn.grid})")
     return p
@@ -906,7 +893,7 @@ def _assert_launched_tail(plans):
 
 
 #: (batch, nheads, nheads_kv, seqlen_q, causal, L) that take the tail-split grid on the H200 (132 SMs)
-#: with the fixture's thresholds (tests/test_decode_plan.py checks that on the CPU): column loads at 3
+#: with TAIL_POLICY (tests/test_decode_plan.py checks that on the CPU): column loads at 3
 #: per SM, CTA loads at 2 per SM, GQA with 12 and 8 packed rows, causal with several query tokens.
 TAIL_CASES = [(19, 32, 32, 1, False, 500), (15, 32, 32, 1, False, 3100), (58, 32, 8, 3, True, 3100),
               (149, 16, 4, 2, True, 333)]  # fmt: skip
@@ -914,35 +901,36 @@ TAIL_CASES = [(19, 32, 32, 1, False, 500), (15, 32, 32, 1, False, 3100), (58, 32
 #: and their (dtype, head dim): the 16-byte and the element-wise (head dim 100) load paths.
 TAIL_LAYOUT_CASE = (21, 32, 32, 470, 520)
 TAIL_DTYPES = [("fp16", 128), ("bf16", 100), ("bf16", 128)]
-#: The fixture's plan constants: the tail split wherever it can be taken (any gain, fill, waves, tiles).
-TAIL_THRESHOLDS = {"DECODE_TAIL_SPLIT_MIN_GAIN": -math.inf, "DECODE_TAIL_SPLIT_MAX_FILL": 1.0,
-                   "DECODE_TAIL_SPLIT_MIN_WAVES": 1, "DECODE_TAIL_SPLIT_MIN_TILES": 1, "MIN_DECODE_KEYS_PER_SPLIT": 64}
+#: The policy of the tail-split tests: the tail split wherever it can be taken (any gain, fill, waves,
+#: tiles; splits down to one 64-key tile), so small caches reach it.
+TAIL_POLICY = dataclasses.replace(plan.DEFAULT_DECODE_POLICY, tail_split_min_gain=-math.inf, tail_split_max_fill=1.0,
+                                  tail_split_min_waves=1, tail_split_min_tiles=1, min_keys_per_split=64)  # fmt: skip
 
 
 @pytest.mark.parametrize("batch, nheads, nheads_kv, seqlen_q, causal, L", TAIL_CASES)
-def test_tail_split_grid_against_the_reference(tail_on_small_caches, batch, nheads, nheads_kv, seqlen_q, causal, L):
+def test_tail_split_grid_against_the_reference(plans_made, batch, nheads, nheads_kv, seqlen_q, causal, L):
     """Whole groups (final rows written directly) and the last wave's groups in splits (merged in the
     kernel): out and lse within the error bar; the group counters back to 0."""
     rng = np.random.default_rng(L + 3 * batch)
     c = case(rng, batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=L + 7)
     c["cache_seqlens"] = L
     _require_tail(c["q"], c["k_cache"], L)
-    run_and_check(**c, causal=causal, what=f"tail-split grid, L={L}")
-    _assert_launched_tail(tail_on_small_caches)
+    run_and_check(**c, causal=causal, policy=TAIL_POLICY, what=f"tail-split grid, L={L}")
+    _assert_launched_tail(plans_made)
     assert _all_counters_zero(), "a group counter was left non-zero by the tail-split grid"
 
 
 @pytest.mark.parametrize("dtype, head_dim", TAIL_DTYPES)
 @pytest.mark.parametrize("layout", ["contiguous", "paged 48", "append 3", "full caches"])
-def test_tail_split_grid_paged_append_and_dtypes(tail_on_small_caches, dtype, head_dim, layout):
+def test_tail_split_grid_paged_append_and_dtypes(plans_made, dtype, head_dim, layout):
     c, L, new = _layout_case(np.random.default_rng(head_dim + 1), TAIL_LAYOUT_CASE, dtype, head_dim, layout)
     _require_tail(c["q"], c["k_cache"], L, new)
-    run_and_check(**c, what=f"tail-split grid, {layout}")
-    _assert_launched_tail(tail_on_small_caches)
+    run_and_check(**c, policy=TAIL_POLICY, what=f"tail-split grid, {layout}")
+    _assert_launched_tail(plans_made)
     assert _all_counters_zero(), "a group counter was left non-zero by the tail-split grid"
 
 
-def test_tail_split_grid_repeats_and_matches_whole_groups(tail_on_small_caches):
+def test_tail_split_grid_repeats_and_matches_whole_groups(plans_made):
     """Two identical calls give the same bits (the counters reset); one split for every group (a given
     num_splits=1 never takes the tail split) gives the same rows for the groups the tail split leaves
     whole, and agrees within the bar on the split ones."""
@@ -953,12 +941,12 @@ def test_tail_split_grid_repeats_and_matches_whole_groups(tail_on_small_caches):
     c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_dim=128, capacity=L)
     args = (c["q"], c["k_cache"], c["v_cache"])
     p = _require_tail(c["q"], c["k_cache"], L)
-    tail = [cuflash.attention_with_kvcache(*args, cache_seqlens=L) for _ in range(2)]
-    _assert_launched_tail(tail_on_small_caches)
+    tail = [cuflash.attention_with_kvcache(*args, cache_seqlens=L, policy=TAIL_POLICY) for _ in range(2)]
+    _assert_launched_tail(plans_made)
     assert (tail[0] == tail[1]).all(), "two identical tail-split calls differ"
     assert _all_counters_zero()
-    whole = cuflash.attention_with_kvcache(*args, cache_seqlens=L, num_splits=1)
-    assert tail_on_small_caches[-1].tail_groups == 0
+    whole = cuflash.attention_with_kvcache(*args, cache_seqlens=L, num_splits=1, policy=TAIL_POLICY)
+    assert plans_made[-1].tail_groups == 0
     # Group g = b * nheads_kv + hk; the first batch * nheads_kv - tail_groups are whole in both calls.
     n_whole = batch * nheads_kv - p.tail_groups
     t, w = to_f64(tail[0]), to_f64(whole)
@@ -970,7 +958,7 @@ def test_tail_split_grid_repeats_and_matches_whole_groups(tail_on_small_caches):
 
 def test_deep_grid_at_a_bench_like_shape(plans_made):
     """The plan's own choice (no thresholds changed) at b=64, 32 kv heads, 2048 tokens: on the H200 the
-    deep grid (plan._deep_grid), 1980 whole groups at 3 CTAs per SM and the 68 of the last wave in
+    deep grid (plan/decode.py _deep_grid), 1980 whole groups at 3 CTAs per SM and the 68 of the last wave in
     splits, where the split model alone planned 2 splits a group. The whole groups give the bits of
     the one-split grid; the rows of the split ones agree with the reference."""
     import cuflash
@@ -978,11 +966,14 @@ def test_deep_grid_at_a_bench_like_shape(plans_made):
     rng = np.random.default_rng(13)
     batch, nheads, L = 64, 32, 2048
     c = case(rng, batch=batch, nheads=nheads, nheads_kv=nheads, head_dim=128, capacity=L, lengths=[L] * batch)
-    from cuflash import kvcache, plan
+    from cuflash import jit
+    from cuflash.plan import decode as pdecode
 
-    p = _require_tail(c["q"], c["k_cache"], L)
-    if not plan._deep_grid(batch * nheads, -(-L // p.attn.spec.tile.block_n), 1, 1, p.attn.spec,
-                           kvcache._num_sms(c["q"].device.id)) or p.ctas_per_sm != p.attn.spec.min_blocks:  # fmt: skip
+    default = plan.DEFAULT_DECODE_POLICY
+    p = _require_tail(c["q"], c["k_cache"], L, policy=default)
+    if not pdecode._deep_grid(batch * nheads, -(-L // p.attn.spec.tile.block_n), 1, 1, p.attn.spec,
+                              jit.device_sm_count(c["q"].device.id), default) \
+            or p.ctas_per_sm != p.attn.spec.min_blocks:  # fmt: skip
         pytest.skip(f"the plan does not take the deep grid here (grid {p.attn.grid} at {p.ctas_per_sm} per SM)")
     args = (c["q"], c["k_cache"], c["v_cache"])
     deep = to_f64(cuflash.attention_with_kvcache(*args, cache_seqlens=L))
@@ -1002,7 +993,7 @@ def test_deep_grid_at_a_bench_like_shape(plans_made):
 
 def test_unsplit_wave_at_a_bench_like_shape(plans_made):
     """The plan's own choice (no thresholds changed) at b=16, 8 kv heads, 4059 tokens in every sequence:
-    on the H200 the unsplit wave (plan._unsplit_wave), 128 whole groups, one CTA per SM, whose loads
+    on the H200 the unsplit wave (plan/decode.py _unsplit_wave), 128 whole groups, one CTA per SM, whose loads
     take the stepped path (63 full tiles and the first share of the last) and the per-row one (the rest
     of the ragged last tile). Checked against the reference; the same bits as one split launched 2 per
     SM (CTA loads) and as the element-wise load path (misaligned caches) on the same grid."""
@@ -1018,10 +1009,10 @@ def test_unsplit_wave_at_a_bench_like_shape(plans_made):
     launched = plans_made[-1]
     assert (launched.num_splits, launched.ctas_per_sm, launched.combine) == (1, 1, None), launched
     assert launched.attn.spec.aligned
-    out2, lse2, _, _ = run_and_check(**c, num_splits=1, ctas_per_sm=2, what="one split at 2 per SM")
+    out2, lse2, _, _ = run_and_check(**c, num_splits=1, policy=forced_per_sm(2), what="one split at 2 per SM")
     assert plans_made[-1].ctas_per_sm == 2 and plans_made[-1].attn.spec.cta_loads
     misaligned = dict(c, k_cache=_offset_view(c["k_cache"]), v_cache=_offset_view(c["v_cache"]))
-    out3, lse3, _, _ = run_and_check(**misaligned, num_splits=1, ctas_per_sm=1, what="element-wise loads")
+    out3, lse3, _, _ = run_and_check(**misaligned, num_splits=1, policy=forced_per_sm(1), what="element-wise loads")
     assert not plans_made[-1].attn.spec.aligned and plans_made[-1].attn.grid == launched.attn.grid
     for out, lse, what in ((out2, lse2, "one split at 2 per SM"), (out3, lse3, "the element-wise loads")):
         assert bool((wave_out.view(cupy.uint16) == out.view(cupy.uint16)).all()), f"unsplit wave and {what} differ"
@@ -1035,7 +1026,7 @@ def test_ragged_or_device_lengths_keep_equal_splits(plans_made):
 
     rng = np.random.default_rng(12)
     c = case(rng, batch=1, nheads=32, nheads_kv=32, head_dim=128, capacity=32768)
-    _require_filled(c["q"], c["k_cache"], 32768)
+    _require_filled(c["q"], c["k_cache"], 32768, policy=plan.DEFAULT_DECODE_POLICY)
     for lengths in ([32768], cupy.asarray(np.array([32768], dtype=np.int32))):
         run_and_check(**dict(c, cache_seqlens=lengths), what=f"lengths {type(lengths).__name__}")
         assert plans_made and not plans_made[-1].split_major and plans_made[-1].split_tiles == 0
@@ -1171,17 +1162,18 @@ def test_deterministic():
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The (kernel function, Launch, DecodeParams bytes) of every decode launch, in order."""
-    from cuflash import jit, kvcache
+    """The (kernel function, Launch, DecodeParams bytes) of every decode launch, in order (kvcache
+    launches through cuflash.launch.launch, looked up on the module at each call)."""
+    from cuflash import kvcache, launch
 
     made = []
-    real = jit.launch
+    real = launch.launch
 
-    def recording(fn, launch, argv_ptr, stream_ptr):
-        made.append((fn, launch, kvcache._ARGS.buf.raw))
-        return real(fn, launch, argv_ptr, stream_ptr)
+    def recording(fn, how, argv_ptr, stream_ptr):
+        made.append((fn, how, kvcache._ARGS.buf.raw))
+        return real(fn, how, argv_ptr, stream_ptr)
 
-    monkeypatch.setattr(jit, "launch", recording)
+    monkeypatch.setattr(launch, "launch", recording)
     kvcache._PREPARED.calls.clear()
     yield made
     kvcache._PREPARED.calls.clear()
@@ -1198,7 +1190,7 @@ PREPARED_CASES = [
 
 @pytest.mark.parametrize("what, kw", PREPARED_CASES)
 def test_prepared_path_against_the_reference_and_the_whole_way(launches, monkeypatch, what, kw):
-    """The second call of a signature takes the prepared path (no checks: _geometry is not called), with
+    """The second call of a signature takes the prepared path (no checks: checks.geometry is not called), with
     new arrays (pointers) and another length in the same 64-token step: checked against the reference;
     it launches the same kernels with the same DecodeParams bytes as the whole way does for the same
     call (the memo of prepared calls cleared; the lse pointer aside, a new array each call); and the
@@ -1206,8 +1198,7 @@ def test_prepared_path_against_the_reference_and_the_whole_way(launches, monkeyp
     import cupy
 
     import cuflash
-    from cuflash import kvcache
-    from cuflash.attention import _geometry as real_geometry
+    from cuflash import checks, kvcache
     from cuflash.params import DECODE_DTYPE
 
     rng = np.random.default_rng(31)
@@ -1220,7 +1211,8 @@ def test_prepared_path_against_the_reference_and_the_whole_way(launches, monkeyp
     if c["block_table"] is not None:  # on the GPU: a host table's values are checked every call (the whole way)
         c["block_table"] = cupy.asarray(c["block_table"])
     checked = []
-    monkeypatch.setattr(kvcache, "_geometry", lambda *args: checked.append(args[0]) or real_geometry(*args))
+    real_geometry = checks.geometry  # kvcache calls it as checks.geometry
+    monkeypatch.setattr(checks, "geometry", lambda *args: checked.append(args[0]) or real_geometry(*args))
 
     def lengths(L):
         if full:
@@ -1265,10 +1257,11 @@ def test_prepared_path_against_the_reference_and_the_whole_way(launches, monkeyp
     assert records[0] == records[1], f"{what}: the prepared path launched other kernels or other bytes"
 
 
-def test_prepared_path_follows_the_plan_memo_and_the_pointers(launches, plans_made):
-    """What sends a seen signature the whole way again: a cleared plan memo (plan constants changed,
-    as tests and tools do: the new plan is the one launched), a pointer off the 16-byte rows (the
-    element-wise kernels). And a length past the capacity, after the same call was prepared with a
+def test_prepared_path_follows_the_plan_memo_and_the_pointers(launches, plans_made, monkeypatch):
+    """What sends a seen signature the whole way again: a cleared plan memo whose planner now plans
+    otherwise (as a tool swapping plan.plan_decode does: the new plan is the one launched), a pointer
+    off the 16-byte rows (the element-wise kernels). Another policy is another signature (its own
+    prepared call and plan). And a length past the capacity, after the same call was prepared with a
     good one, raises as before (such a call never gets a key: the whole way checks it)."""
     import cupy
 
@@ -1277,24 +1270,37 @@ def test_prepared_path_follows_the_plan_memo_and_the_pointers(launches, plans_ma
 
     rng = np.random.default_rng(41)
     c = case(rng, batch=2, nheads=8, nheads_kv=2, head_dim=128, capacity=2000, lengths=[1500, 1500])
-    with merge_of_the_splits("in kernel"):
-        run_and_check(**dict(c, cache_seqlens=1500), num_splits=6, what="merged in the kernel")
-        assert [launch for _, launch, _ in launches] == [plans_made[-1].attn] and plans_made[-1].combine is None
-    with merge_of_the_splits("combine"):  # the same signature: prepared, but its plan is gone
+    in_kernel = merge_policy("in kernel")
+    run_and_check(**dict(c, cache_seqlens=1500), num_splits=6, policy=in_kernel, what="merged in the kernel")
+    assert [how for _, how, _ in launches] == [plans_made[-1].attn] and plans_made[-1].combine is None
+    n_prepared = len(kvcache._PREPARED.calls)
+    del launches[:]
+    run_and_check(**dict(c, cache_seqlens=1500), num_splits=6, policy=merge_policy("combine"), what="another policy")
+    assert [how for _, how, _ in launches] == [plans_made[-1].attn, plans_made[-1].combine]
+    assert len(kvcache._PREPARED.calls) == n_prepared + 1  # a signature of its own
+    recording = plan.plan_decode  # plans_made's recorder
+    with monkeypatch.context() as mp:
+        # The in-kernel policy's signature again: prepared, but its plan is gone and the planner now
+        # merges in the combine kernel.
+        mp.setattr(plan, "plan_decode", lambda **kw: recording(**{**kw, "policy": merge_policy("combine")}))
+        kvcache._plan_and_load.cache_clear()
         del launches[:]
-        run_and_check(**dict(c, cache_seqlens=1500), num_splits=6, what="after the plan memo was cleared")
-        assert [launch for _, launch, _ in launches] == [plans_made[-1].attn, plans_made[-1].combine]
+        run_and_check(**dict(c, cache_seqlens=1500), num_splits=6, policy=in_kernel,
+                      what="after the plan memo was cleared")  # fmt: skip
+        assert [how for _, how, _ in launches] == [plans_made[-1].attn, plans_made[-1].combine]
         assert plans_made[-1].combine is not None
         # A view 8 bytes into the caches' allocation: rows no longer 16-byte aligned.
         kc = cupy.empty(c["k_cache"].size + 8, dtype=c["k_cache"].dtype)[4 : 4 + c["k_cache"].size]
         kc = kc.reshape(c["k_cache"].shape)
         kc[...] = c["k_cache"]
         del launches[:]
-        run_and_check(**dict(c, k_cache=kc, cache_seqlens=1500), num_splits=6, what="misaligned k_cache")
+        run_and_check(**dict(c, k_cache=kc, cache_seqlens=1500), num_splits=6, policy=in_kernel,
+                      what="misaligned k_cache")  # fmt: skip
         assert not launches[0][1].spec.aligned and launches[0][1] == plans_made[-1].attn
+    kvcache._plan_and_load.cache_clear()  # drop the plans the swapped planner made
     for _ in range(2):  # the whole way, then prepared
         cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=1500, num_splits=6)
-    args = (cupy, c["q"], c["k_cache"], c["v_cache"], None, None, 1500, None, False, None, 6, False, None, False, 0)
+    args = (cupy, c["q"], c["k_cache"], c["v_cache"], None, None, 1500, None, False, None, 6, False, None, False, None)
     assert kvcache._signature(*args) in kvcache._PREPARED.calls
     with pytest.raises(ValueError, match="exceeds the cache capacity"):
         cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=2001, num_splits=6)
@@ -1435,3 +1441,9 @@ def test_bad_inputs_have_clear_errors():
         f(q, kc, vc, cache_seqlens=1, softmax_scale=0.0)
     with pytest.raises(ValueError, match="out must have"):
         f(q, kc, vc, cache_seqlens=1, out=poisoned((2, 1, 4, 32), "bf16"))
+    # The tuning policy: a DecodePolicy or None, whose forced CTAs per SM the variant's tile must hold.
+    with pytest.raises(TypeError, match="policy must be a cuflash.plan.DecodePolicy or None, got dict"):
+        f(q, kc, vc, cache_seqlens=1, policy={"ctas_per_sm": 1})
+    with pytest.raises(ValueError, match="ctas_per_sm must be 0"):
+        f(q, kc, vc, cache_seqlens=1, policy=forced_per_sm(9))
+    f(q, kc, vc, cache_seqlens=1, policy=forced_per_sm(1))  # 1 per SM fits every tile

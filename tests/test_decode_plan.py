@@ -1,7 +1,8 @@
-"""CPU tests of decode with a KV cache: tiles, specs, launch plans, the split heuristic, the argument
-checks that need no GPU, the CLI hand-over, and a float64 model of the kernels' decomposition.
+"""CPU tests of decode with a KV cache: tiles, specs, launch plans, the split heuristic and its
+DecodePolicy, the argument checks that need no GPU, the CLI hand-over, and a float64 model of the
+kernels' decomposition.
 
-No GPU: plan.py is pure; one test compiles a static_assert snippet with NVRTC on the CPU.
+No GPU: cuflash/plan is pure; one test compiles a static_assert snippet with NVRTC on the CPU.
 """
 from __future__ import annotations
 
@@ -18,11 +19,19 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cuflash import cli, jit, kvcache, plan, reference
+from cuflash import checks, cli, jit, kvcache, params, plan, reference
+from cuflash.plan import decode as pdecode
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 SMEM_PER_SM = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "sm_90a": 228 * 1024}
 H200_SMS = 132
+#: The decode plan's tunables as the planner uses them by default.
+P = plan.DEFAULT_DECODE_POLICY
+
+
+def _per_sm(n: int) -> plan.DecodePolicy:
+    """The default policy with the split kernel's CTAs per SM forced to n."""
+    return plan.DecodePolicy(ctas_per_sm=n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,12 +130,12 @@ def test_filled_grid_where_the_split_grid_leaves_slots_empty():
     classic = _uniform_plan(1, 131072, 32, uniform_lengths=False)
     assert not classic.split_major and classic.split_tiles == 0 and classic.attn.grid == (8, 32, 1)
     assert classic.attn.spec == p.attn.spec  # the same kernel, another grid and split length
-    # one split per sequence: only from DECODE_FILL_MIN_UNSPLIT_TILES tiles (the tail adds a merge)
+    # one split per sequence: only from policy.fill_min_unsplit_tiles tiles (the tail adds a merge)
     p = _uniform_plan(8, 16384, 32)
     assert p.split_major and p.num_splits == 2 and p.attn.grid == (32, 8, 2) and p.split_tiles == 249
     assert not _uniform_plan(8, 4096, 32).split_major
     # ... and where its last wave is nearly full (8 of 264 slots free at b=8 L=8k h_kv=32, 16 at b=64
-    # L=8k h_kv=8: under DECODE_FILL_UNSPLIT_MIN_FREE) only from DECODE_FILL_MIN_UNSPLIT_TILES_FULL tiles
+    # L=8k h_kv=8: under policy.fill_unsplit_min_free) only from policy.fill_min_unsplit_tiles_full tiles
     assert not _uniform_plan(8, 8192, 32).split_major and not _uniform_plan(64, 8192, 8).split_major
     assert _uniform_plan(64, 16384, 8).split_major and _uniform_plan(64, 8192, 32).split_major  # 249 tiles; 64 free
     assert _uniform_plan(8, 8192, 32).attn.grid == (1, 32, 8)  # one whole split per group, cuDNN's grid
@@ -145,7 +154,7 @@ def test_filled_grid_where_the_split_grid_leaves_slots_empty():
     # whole waves, short CTAs, a given split count or CTAs per SM, ragged lengths, sm_80
     assert _uniform_plan(33, 8192, 8, uniform_lengths=False).attn.grid == (1, 8, 33)  # 264 CTAs: no free slot
     for p in (_uniform_plan(33, 8192, 8), _uniform_plan(1, 16384, 32),
-              _uniform_plan(1, 131072, 32, num_splits=8), _uniform_plan(1, 131072, 32, ctas_per_sm=2),
+              _uniform_plan(1, 131072, 32, num_splits=8), _uniform_plan(1, 131072, 32, policy=_per_sm(2)),
               _uniform_plan(1, 131072, 32, uniform_lengths=False), _uniform_plan(1, 0, 32),
               _uniform_plan(1, 131072, 32, arch="sm_80", num_sms=108)):  # fmt: skip
         assert not p.split_major and p.split_tiles == 0
@@ -169,8 +178,8 @@ def test_no_filled_grid_where_every_tail_has_a_free_slot():
     more equal split; the plan keeps equal splits there (b=1 L=32k h_kv=32 with 7 splits: 224 CTAs,
     40 free slots for 32 tails)."""
     spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
-    assert plan._filled_grid(32, 512, 7, 2, 1, 1, spec, 132) is None
-    assert plan._filled_grid(32, 512, 8, 2, 1, 1, spec, 132) == (9, 63)
+    assert pdecode._filled_grid(32, 512, 7, 2, 1, 1, spec, 132, P) is None
+    assert pdecode._filled_grid(32, 512, 8, 2, 1, 1, spec, 132, P) == (9, 63)
 
 
 @pytest.mark.parametrize("groups, n_tiles, splits, num_sms", [
@@ -180,7 +189,7 @@ def test_filled_grid_tails_end_before_the_long_splits(groups, n_tiles, splits, n
     """Every tile in one split (the long ones, then the tail with the rest), and the tails, started in
     rounds in the free slots, need no more tiles than one long split."""
     spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
-    got = plan._filled_grid(groups, n_tiles, splits, 2, 1, 1, spec, num_sms)
+    got = pdecode._filled_grid(groups, n_tiles, splits, 2, 1, 1, spec, num_sms, P)
     assert got is not None
     total, long_tiles = got
     assert total == splits + 1
@@ -191,30 +200,30 @@ def test_filled_grid_tails_end_before_the_long_splits(groups, n_tiles, splits, n
     assert -(-groups // free) * tail <= long_tiles
 
 
-def test_the_gpu_tests_shapes_take_the_filled_grid_on_the_h200(monkeypatch):
+def test_the_gpu_tests_shapes_take_the_filled_grid_on_the_h200():
     """tests/test_decode_gpu.py's filled-grid cases skip where the plan does not fill the slots: on the
-    H200 (132 SMs, sm_90a) with the fixture's lowered thresholds, every one of them does."""
+    H200 (132 SMs, sm_90a) with the tests' policy (FILLED_POLICY: lowered thresholds), every one of
+    them does; with the default policy, none of the small ones would (the policy is what gets there)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import test_decode_gpu as g
 
-    monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES", 1)
-    monkeypatch.setattr(plan, "DECODE_FILL_MIN_UNSPLIT_TILES_FULL", 1)
-    monkeypatch.setattr(plan, "DECODE_LONG_CTA_KEYS", 1)
+    assert g.FILLED_POLICY == dataclasses.replace(P, fill_min_unsplit_tiles=1, fill_min_unsplit_tiles_full=1,
+                                                  long_cta_keys=1)  # fmt: skip
 
-    def filled(batch, seqlen_q, nheads, nheads_kv, head_dim, L, new=0, dtype="bf16"):
+    def filled(batch, seqlen_q, nheads, nheads_kv, head_dim, L, new=0, dtype="bf16", policy=g.FILLED_POLICY):
         return _uniform_plan(batch, L, nheads_kv, nheads=nheads, seqlen_q=seqlen_q, head_dim=head_dim, dtype=dtype,
-                             seqlen_new=new).split_major  # fmt: skip
+                             seqlen_new=new, policy=policy).split_major  # fmt: skip
 
     for batch, nheads, nheads_kv, seqlen_q, _, L in g.FILLED_CASES:
         assert filled(batch, seqlen_q, nheads, nheads_kv, 128, L), (batch, nheads, nheads_kv, seqlen_q, L)
+        assert not filled(batch, seqlen_q, nheads, nheads_kv, 128, L, policy=P), (batch, nheads, nheads_kv, L)
     batch, nheads, nheads_kv, cached, capacity = g.FILLED_LAYOUT_CASE
     for dtype, hd in (("fp16", 64), ("bf16", 96), ("bf16", 128)):
         for L, new in ((cached, 0), (cached + 3, 3), (capacity, 0), (-(-capacity // 48) * 48, 0)):
             assert filled(batch, 1, nheads, nheads_kv, hd, L, new, dtype), (dtype, hd, L, new)
     batch, nheads, nheads_kv, L = g.FILLED_REPEAT_CASE
     assert filled(batch, 1, nheads, nheads_kv, 128, L)
-    monkeypatch.undo()
-    assert filled(1, 1, 32, 32, 128, 32768)  # test_filled_grid_at_a_bench_shape, default thresholds
+    assert filled(1, 1, 32, 32, 128, 32768, policy=P)  # test_filled_grid_at_a_bench_shape, default policy
 
 
 def test_tail_split_where_the_last_wave_of_whole_groups_is_partial():
@@ -231,13 +240,13 @@ def test_tail_split_where_the_last_wave_of_whole_groups_is_partial():
     # Not where the lengths are not one known length, nor with a given split count or CTAs per SM, nor
     # before sm_90, nor at other head dims (no variant measured).
     for q in (_uniform_plan(46, 4096, 32, uniform_lengths=False), _uniform_plan(46, 4096, 32, num_splits=1),
-              _uniform_plan(46, 4096, 32, ctas_per_sm=2), _uniform_plan(46, 4096, 32, arch="sm_80", num_sms=108),
+              _uniform_plan(46, 4096, 32, policy=_per_sm(2)), _uniform_plan(46, 4096, 32, arch="sm_80", num_sms=108),
               _uniform_plan(46, 4096, 32, head_dim=64)):
         assert q.tail_groups == 0 and not q.attn.spec.tail_grid and q.attn.grid[1:] != (1, 1), q
-    # The last wave fuller than DECODE_TAIL_SPLIT_MAX_FILL: b=72 L=4k h_kv=32 (192 of 264, 73%; at 3 per
+    # The last wave fuller than policy.tail_split_max_fill: b=72 L=4k h_kv=32 (192 of 264, 73%; at 3 per
     # SM 324 of 396), b=60 L=4k h_kv=8 (216, 82%, after one whole wave).
     assert _uniform_plan(72, 4096, 32).tail_groups == 0 and _uniform_plan(60, 4096, 8).tail_groups == 0
-    assert _uniform_plan(128, 1024, 32).tail_groups == 0  # 16 tiles a group: below DECODE_TAIL_SPLIT_MIN_TILES
+    assert _uniform_plan(128, 1024, 32).tail_groups == 0  # 16 tiles a group: below policy.tail_split_min_tiles
 
 
 def test_deep_grid_runs_whole_groups_at_three_per_sm_with_a_tail_split():
@@ -252,68 +261,69 @@ def test_deep_grid_runs_whole_groups_at_three_per_sm_with_a_tail_split():
     assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (16, 16, 3)
     with_model = _uniform_plan(200, 4096, 8, uniform_lengths=False)  # no tail split: the split model's plan
     assert with_model.num_splits == 4 and with_model.tail_groups == 0
-    # Not taken: fewer than DECODE_DEEP_MIN_WAVES waves at 3 per SM (b=40: 1280 groups = 3 waves of 396 and
-    # 92, which the tail split would take), groups over DECODE_DEEP_MAX_KEYS (b=64 L=8k: the filled grid
+    # Not taken: fewer than policy.deep_min_waves waves at 3 per SM (b=40: 1280 groups = 3 waves of 396 and
+    # 92, which the tail split would take), groups over policy.deep_max_keys (b=64 L=8k: the filled grid
     # stays), no tail split at 3 per SM (b=72 L=4k: 324 of 396 left), a given split count or CTAs per SM,
     # sm_80 (its hd128 tile holds 2 CTAs per SM, and it has no kTailGrid), a tile of 2 per SM (hd64).
     spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
-    assert plan._tail_split(1280, 64, 3, 1, 1, spec, 132) == (4, 92) and not plan._deep_grid(1280, 64, 1, 1, spec, 132)
+    assert pdecode._tail_split(1280, 64, 3, 1, 1, spec, 132, P) == (4, 92) and not pdecode._deep_grid(1280, 64, 1, 1, spec, 132, P)
     assert _uniform_plan(40, 4096, 32).ctas_per_sm == 2 and _uniform_plan(64, 8192, 32).split_major
     assert _uniform_plan(72, 4096, 32).ctas_per_sm == 2
     # Nor where the split model's plan is already whole groups with a tail split: b=128 L=4k h_kv=32 keeps
     # 15 waves of 264 and 136 groups in 5 splits at 2 per SM, though the deep grid's test holds there.
     p = _uniform_plan(128, 4096, 32)
     assert (p.num_splits, p.tail_groups, p.ctas_per_sm) == (5, 136, 2)
-    assert plan._deep_grid(128 * 32, 64, 1, 1, plan.decode_spec(128, "bf16", True, 1, "sm_90a"), 132)
-    for q in (_uniform_plan(64, 4096, 32, num_splits=1), _uniform_plan(64, 4096, 32, ctas_per_sm=2),
+    assert pdecode._deep_grid(128 * 32, 64, 1, 1, plan.decode_spec(128, "bf16", True, 1, "sm_90a"), 132, P)
+    for q in (_uniform_plan(64, 4096, 32, num_splits=1), _uniform_plan(64, 4096, 32, policy=_per_sm(2)),
               _uniform_plan(64, 4096, 32, arch="sm_80", num_sms=108), _uniform_plan(64, 4096, 32, head_dim=64)):
         assert q.tail_groups == 0 and q.ctas_per_sm == 2, q
-    assert plan._deep_grid(2048, 64, 1, 1, spec, 132) and not plan._deep_grid(2048, 65, 1, 1, spec, 132)
-    assert plan._deep_grid(1584 + 1, 64, 1, 1, spec, 132) and not plan._deep_grid(1583, 64, 1, 1, spec, 132)
-    assert not plan._deep_grid(1584 * 2, 64, 1, 1, spec, 132)  # whole waves: nothing for a tail split
+    assert pdecode._deep_grid(2048, 64, 1, 1, spec, 132, P) and not pdecode._deep_grid(2048, 65, 1, 1, spec, 132, P)
+    assert pdecode._deep_grid(1584 + 1, 64, 1, 1, spec, 132, P) and not pdecode._deep_grid(1583, 64, 1, 1, spec, 132, P)
+    assert not pdecode._deep_grid(1584 * 2, 64, 1, 1, spec, 132, P)  # whole waves: nothing for a tail split
 
 
 def test_tail_split_model():
     spec = plan.decode_spec(128, "bf16", True, 1, "sm_90a")
     # 1856 groups = 7 waves of 264 + 8: the 8 go into 16 splits of 4 tiles (the fewest keys a split gets).
-    assert plan._tail_split(1856, 64, 2, 1, 1, spec, 132) == (16, 8)
-    assert plan._tail_split(2112, 64, 2, 1, 1, spec, 132) is None  # 8 whole waves: nothing left over
-    assert plan._tail_split(400, 64, 2, 1, 1, spec, 132) is None  # one whole wave before: too few
-    assert plan._tail_split(1856, 64, 2, 2, 1, spec, 132) is None  # row blocks
-    assert plan._tail_split(1856, 31, 2, 1, 1, spec, 132) is None  # below DECODE_TAIL_SPLIT_MIN_TILES
-    assert plan._tail_split(1848 + 185, 64, 2, 1, 1, spec, 132) is None  # 185 > 0.7 x 264 left over
-    assert plan._tail_split(1848 + 184, 64, 2, 1, 1, spec, 132) is not None
+    assert pdecode._tail_split(1856, 64, 2, 1, 1, spec, 132, P) == (16, 8)
+    assert pdecode._tail_split(2112, 64, 2, 1, 1, spec, 132, P) is None  # 8 whole waves: nothing left over
+    assert pdecode._tail_split(400, 64, 2, 1, 1, spec, 132, P) is None  # one whole wave before: too few
+    assert pdecode._tail_split(1856, 64, 2, 2, 1, spec, 132, P) is None  # row blocks
+    assert pdecode._tail_split(1856, 31, 2, 1, 1, spec, 132, P) is None  # below policy.tail_split_min_tiles
+    assert pdecode._tail_split(1848 + 185, 64, 2, 1, 1, spec, 132, P) is None  # 185 > 0.7 x 264 left over
+    assert pdecode._tail_split(1848 + 184, 64, 2, 1, 1, spec, 132, P) is not None
     # Merged in the kernel only: 12 packed rows x at most 5 splits (64 partial rows).
-    assert plan._tail_split(1856, 64, 2, 1, 12, spec, 132) == (5, 8)
+    assert pdecode._tail_split(1856, 64, 2, 1, 12, spec, 132, P) == (5, 8)
     for other in (plan.decode_spec(128, "bf16", True, 1, "sm_80"), plan.decode_spec(64, "bf16", True, 1, "sm_90a"),
                   plan.decode_spec(128, "bf16", True, 2, "sm_90a")):
-        assert plan._tail_split(1856, 64, 2, 1, 1, other, 132) is None  # no kTailGrid variant
+        assert pdecode._tail_split(1856, 64, 2, 1, 1, other, 132, P) is None  # no kTailGrid variant
     # Every candidate's split CTAs cover the tail groups' tiles, and the rules hold.
     for groups, n_tiles, per_sm in ((1856, 64, 2), (1984, 64, 2), (5000, 33, 3), (700, 200, 2), (1000, 40, 3)):
-        got = plan._tail_split(groups, n_tiles, per_sm, 1, 1, spec, 132)
+        got = pdecode._tail_split(groups, n_tiles, per_sm, 1, 1, spec, 132, P)
         if got is None:
             continue
         s, tail = got
         slots = 132 * per_sm
         assert tail == groups % slots and 2 <= s <= n_tiles // 4 and s * -(-n_tiles // s) >= n_tiles
-        assert tail <= plan.DECODE_TAIL_SPLIT_MAX_FILL * slots and groups // slots >= plan.DECODE_TAIL_SPLIT_MIN_WAVES
-        waves, over = groups // slots, plan.DECODE_CTA_OVERHEAD_TILES
+        assert tail <= P.tail_split_max_fill * slots and groups // slots >= P.tail_split_min_waves
+        waves, over = groups // slots, P.cta_overhead_tiles
         split_cost = waves * (n_tiles + over) + -(-tail * s // slots) * (-(-n_tiles // s) + over) + over
-        assert split_cost <= (1 - plan.DECODE_TAIL_SPLIT_MIN_GAIN) * (waves + 1) * (n_tiles + over)
+        assert split_cost <= (1 - P.tail_split_min_gain) * (waves + 1) * (n_tiles + over)
 
 
-def test_the_gpu_tests_shapes_take_the_tail_split_on_the_h200(monkeypatch):
+def test_the_gpu_tests_shapes_take_the_tail_split_on_the_h200():
     """tests/test_decode_gpu.py's tail-split cases skip where the plan does not take it: on the H200
-    (132 SMs, sm_90a) with the fixture's lowered thresholds, every one of them does."""
+    (132 SMs, sm_90a) with the tests' policy (TAIL_POLICY: lowered thresholds), every one of them does."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import test_decode_gpu as g
 
-    for name, value in g.TAIL_THRESHOLDS.items():
-        monkeypatch.setattr(plan, name, value)
+    assert g.TAIL_POLICY == dataclasses.replace(P, tail_split_min_gain=-math.inf, tail_split_max_fill=1.0,
+                                                tail_split_min_waves=1, tail_split_min_tiles=1,
+                                                min_keys_per_split=64)  # fmt: skip
 
-    def tail(batch, seqlen_q, nheads, nheads_kv, head_dim, L, new=0, dtype="bf16"):
+    def tail(batch, seqlen_q, nheads, nheads_kv, head_dim, L, new=0, dtype="bf16", policy=g.TAIL_POLICY):
         return _uniform_plan(batch, L, nheads_kv, nheads=nheads, seqlen_q=seqlen_q, head_dim=head_dim, dtype=dtype,
-                             seqlen_new=new)  # fmt: skip
+                             seqlen_new=new, policy=policy)  # fmt: skip
 
     loads = set()
     for batch, nheads, nheads_kv, seqlen_q, _, L in g.TAIL_CASES:
@@ -321,6 +331,7 @@ def test_the_gpu_tests_shapes_take_the_tail_split_on_the_h200(monkeypatch):
         assert p.tail_groups > 0, (batch, nheads, nheads_kv, seqlen_q, L)
         loads.add(p.attn.spec.cta_loads)
     assert loads == {False, True}  # both load paths
+    assert not any(tail(b, sq, h, hk, 128, L, policy=P).tail_groups for b, h, hk, sq, _, L in g.TAIL_CASES)
     batch, nheads, nheads_kv, cached, capacity = g.TAIL_LAYOUT_CASE
     for dtype, hd in g.TAIL_DTYPES:
         for L, new in ((cached, 0), (cached + 3, 3), (capacity, 0), (-(-capacity // 48) * 48, 0)):
@@ -358,8 +369,9 @@ def test_decode_names_spell_every_template_argument():
     assert lean.min_blocks == plan.DECODE_COMBINE_LEAN_CTAS_PER_SM
     assert plan.DecodeCombineSpec(256, "bf16", "sm_80").template_args() == "256, true, 16"  # two float4 columns a lane
     for spec in (s, cta, plan.DecodeAppendSpec(False, "sm_90a"), c, lean):
-        assert spec.family in jit.ENTRY_TEMPLATES
-        assert spec.name in jit.entry_source(spec)
+        assert spec.kernel_family is plan.KERNEL_FAMILIES[spec.family]
+        assert spec.name in jit.entry_source(spec) and spec.entry_kernel() in jit.entry_source(spec)
+        assert f"cuflash::{spec.kernel_family.params} params" in jit.entry_source(spec)
         assert spec.threads == 128 and spec.min_blocks >= 1 and spec.smem_bytes >= 0
         hash(spec)
 
@@ -432,18 +444,18 @@ def test_auto_splits_fill_the_h200(batch, nheads_kv, seqlen):
     slots = H200_SMS * p.ctas_per_sm
     keys_per_split = -(-seqlen // p.num_splits)
     assert 1 <= p.num_splits <= plan.MAX_DECODE_SPLITS
-    assert keys_per_split >= plan.MIN_DECODE_KEYS_PER_SPLIT or p.num_splits == 1
-    assert keys_per_split <= plan.MAX_DECODE_KEYS_PER_SPLIT
+    assert keys_per_split >= P.min_keys_per_split or p.num_splits == 1
+    assert keys_per_split <= P.max_keys_per_split
     # Spaced out (2 CTAs per SM at hd128) only with long splits; short ones run as many per SM as fit
     # (3). The count is chosen for the CTAs per SM it runs at (the wave checks below use those slots).
-    assert (plan.DECODE_LONG_CTAS_PER_SM, p.attn.spec.min_blocks) == (2, 3) and p.ctas_per_sm in (2, 3)
+    assert (P.long_ctas_per_sm, p.attn.spec.min_blocks) == (2, 3) and p.ctas_per_sm in (2, 3)
     if p.ctas_per_sm == 2:
-        assert keys_per_split >= plan.DECODE_LONG_CTA_KEYS
-    if keys_per_split < plan.DECODE_LONG_CTA_KEYS:
+        assert keys_per_split >= P.long_cta_keys
+    if keys_per_split < P.long_cta_keys:
         assert p.ctas_per_sm == 3
     # Nearly every resident CTA slot gets work (the wave model may trade the last few slots for one tile
     # less per split), unless the minimum keys per split forbid more splits ...
-    assert ctas >= 0.85 * slots or p.num_splits >= seqlen // plan.MIN_DECODE_KEYS_PER_SPLIT
+    assert ctas >= 0.85 * slots or p.num_splits >= seqlen // P.min_keys_per_split
     # ... and the last wave is not mostly empty.
     waves = ctas / slots
     assert waves <= 1 or waves / math.ceil(waves) >= 0.75
@@ -491,7 +503,7 @@ def test_unsplit_wave_runs_whole_groups_one_per_sm():
     # Only with the plan's own split count and CTAs per SM, on sm_90+, for hd128 aligned one-slab calls.
     base = dict(batch=16, nheads_kv=8, max_seqlen=4096, uniform_lengths=True)
     assert _plan(**base, num_splits=1).ctas_per_sm == 2
-    assert _plan(**base, ctas_per_sm=3).ctas_per_sm == 3
+    assert _plan(**base, policy=_per_sm(3)).ctas_per_sm == 3
     assert _plan(**base, arch="sm_80", num_sms=128).ctas_per_sm != 1
     assert _plan(**base, head_dim=64).ctas_per_sm != 1
     assert _plan(**base, aligned=False).ctas_per_sm != 1
@@ -508,9 +520,9 @@ def test_ctas_per_sm_pads_the_split_kernels_shared_memory():
     arch = "sm_90a"
     p3 = _plan(num_splits=4, max_seqlen=8192)  # splits of 2048 keys: short, as many per SM as fit
     assert p3.ctas_per_sm == 3 == p3.attn.spec.min_blocks and p3.attn.smem_bytes == p3.attn.spec.smem_bytes
-    assert _plan(num_splits=4, max_seqlen=8192, ctas_per_sm=3) == p3
+    assert _plan(num_splits=4, max_seqlen=8192, policy=_per_sm(3)) == p3
     for c in (1, 2):
-        p = _plan(num_splits=4, max_seqlen=8192, ctas_per_sm=c)
+        p = _plan(num_splits=4, max_seqlen=8192, policy=_per_sm(c))
         smem = p.attn.smem_bytes
         assert p.ctas_per_sm == c and p.attn.grid == p3.attn.grid
         # spaced to 2 per SM (the long-split rule's count) the CTAs load each tile together
@@ -518,18 +530,18 @@ def test_ctas_per_sm_pads_the_split_kernels_shared_memory():
         assert p.attn.spec.smem_bytes <= smem <= plan.max_smem_bytes(arch)
         assert c * (smem + 1024) <= plan.smem_per_sm_bytes(arch) < (c + 1) * (smem + 1024)
     # the split heuristic fills the slots there are: 32 (sequence, kv head) CTAs at 2 per SM -> 8 splits
-    assert _plan(ctas_per_sm=2, max_seqlen=8192).num_splits == 8 and _plan(max_seqlen=8192).num_splits == 12
-    assert _plan(ctas_per_sm=3).ctas_per_sm == 3 and _plan(ctas_per_sm=3).num_splits == 12
-    for bad in (4, -1, True):
+    assert _plan(policy=_per_sm(2), max_seqlen=8192).num_splits == 8 and _plan(max_seqlen=8192).num_splits == 12
+    assert _plan(policy=_per_sm(3)).ctas_per_sm == 3 and _plan(policy=_per_sm(3)).num_splits == 12
+    for bad in (4, -1, True):  # 4: more than the tile holds (the plan says); -1, True: the policy refuses them
         with pytest.raises(ValueError, match="ctas_per_sm"):
-            _plan(ctas_per_sm=bad)
+            _plan(policy=_per_sm(bad))
     with pytest.raises(ValueError, match="ctas_per_sm"):
         plan.decode_launch_smem(1000, 0, arch)
     assert plan.decode_launch_smem(200_000, 2, arch) == 200_000  # already fewer per SM: unchanged
     # a loaded split kernel may be launched with up to the per-CTA maximum; other kernels their own
-    assert plan.max_launch_smem(p3.attn.spec) == plan.max_smem_bytes(arch) >= _plan(num_splits=4, ctas_per_sm=1).attn.smem_bytes
+    assert p3.attn.spec.launch_smem_limit == plan.max_smem_bytes(arch) >= _plan(num_splits=4, policy=_per_sm(1)).attn.smem_bytes
     fwd = plan.fwd_spec(128, "bf16", False, True, "sm_80")
-    assert plan.max_launch_smem(fwd) == fwd.smem_bytes
+    assert fwd.launch_smem_limit == fwd.smem_bytes
 
 
 def test_explicit_splits():
@@ -548,7 +560,7 @@ def test_heuristic_bounds(ctas, n_tiles, slots, min_tiles, max_tiles):
     s_min = min(s_max, -(-n_tiles // max_tiles)) if max_tiles else 1
     assert s_min <= s <= s_max
     assert max_tiles == 0 or s == s_max or -(-n_tiles // s) <= max_tiles
-    cost = lambda x: -(-ctas * x // slots) * (-(-n_tiles // x) + plan.DECODE_CTA_OVERHEAD_TILES)  # noqa: E731
+    cost = lambda x: -(-ctas * x // slots) * (-(-n_tiles // x) + P.cta_overhead_tiles)  # noqa: E731
     assert cost(s) <= 1.02 * min(cost(x) for x in range(s_min, s_max + 1))
     if ctas % slots == 0 and s_min == 1:  # whole waves already: a split only adds per-CTA cost
         assert s == 1
@@ -596,9 +608,9 @@ def test_which_combine_kernel():
 
 
 def test_who_merges_the_splits():
-    """The last split CTA of a group merges up to DECODE_IN_KERNEL_MERGE_MAX partial rows (its rows x
+    """The last split CTA of a group merges up to policy.in_kernel_merge_max partial rows (its rows x
     the splits); beyond, the combine kernel runs after the split kernel, one CTA per output row."""
-    cap = plan.DECODE_IN_KERNEL_MERGE_MAX
+    cap = P.in_kernel_merge_max
     assert not plan.decode_separate_combine(1, 1) and not plan.decode_separate_combine(cap, 1)
     assert not plan.decode_separate_combine(1, cap) and plan.decode_separate_combine(1, cap + 1)
     assert not plan.decode_separate_combine(4, cap // 4) and plan.decode_separate_combine(4, cap // 4 + 1)
@@ -634,48 +646,254 @@ def test_plan_decode_rejects():
 
 
 # ---------------------------------------------------------------------------------------------
+# DecodePolicy: every decode tunable, passed explicitly
+# ---------------------------------------------------------------------------------------------
+
+#: Module globals the decode tunables used to be (patched by tests and tools); DecodePolicy's fields now.
+_OLD_TUNABLE_PREFIXES = ("DECODE_FILL", "DECODE_TAIL", "DECODE_DEEP", "DECODE_ONE_WAVE", "DECODE_LONG", "DECODE_IN_KERNEL",
+                         "DECODE_CTA_OVERHEAD", "DECODE_COMBINE_WIDE")  # fmt: skip
+
+
+def test_the_policy_holds_every_decode_tunable():
+    """No decode tunable is left as a module global of the planner (a global patched by one caller
+    would change every other caller's plans): the constants left are the kernels' own."""
+    from cuflash.plan import decode_kernels
+
+    for mod in (plan, pdecode, decode_kernels):
+        names = [n for n in dir(mod) if n.startswith(_OLD_TUNABLE_PREFIXES)
+                 or n in ("MIN_DECODE_KEYS_PER_SPLIT", "MAX_DECODE_KEYS_PER_SPLIT")]  # fmt: skip
+        assert names == [], (mod.__name__, names)
+    kernel_constants = {"DECODE_THREADS", "DECODE_M_SLABS", "MAX_DECODE_SPLITS", "DECODE_COMBINE_LEAN_BATCH",
+                        "DECODE_COMBINE_LEAN_CTAS_PER_SM", "DECODE_TILES"}  # fmt: skip
+    assert {n for n in plan.__all__ if "DECODE" in n and n.isupper()} == kernel_constants | {"DEFAULT_DECODE_POLICY"}
+    fields = {f.name for f in dataclasses.fields(plan.DecodePolicy)}
+    assert {"min_keys_per_split", "max_keys_per_split", "cta_overhead_tiles", "long_cta_keys", "long_ctas_per_sm",
+            "ctas_per_sm", "in_kernel_merge_max", "combine_wide_ctas_per_sm", "combine", "fill_min_unsplit_tiles",
+            "fill_unsplit_min_free", "fill_min_unsplit_tiles_full", "tail_split_buckets", "tail_split_max_fill",
+            "tail_split_min_waves", "tail_split_min_tiles", "tail_split_min_gain", "deep_min_waves", "deep_max_keys",
+            "one_wave_buckets", "one_wave_min_fill"} == fields  # fmt: skip
+
+
+def test_the_default_policy():
+    assert P == plan.DecodePolicy() and hash(P) == hash(plan.DecodePolicy())
+    assert (P.ctas_per_sm, P.combine) == (0, "auto")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        P.ctas_per_sm = 2  # shared by every call: it cannot be changed in place
+    q = dataclasses.replace(P, in_kernel_merge_max=0)
+    assert q != P and q.in_kernel_merge_max == 0 and P.in_kernel_merge_max == 64
+    assert {q: 1}[dataclasses.replace(P, in_kernel_merge_max=0)] == 1  # hashable by value (a memo key)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(combine="fast"), "combine must be 'auto', 'lean' or 'wide'"), (dict(combine=None), "combine"),
+    (dict(combine="Lean"), "combine"), (dict(ctas_per_sm=-1), "ctas_per_sm must be an int >= 0"),
+    (dict(ctas_per_sm=True), "ctas_per_sm"), (dict(ctas_per_sm=False), "ctas_per_sm"),
+    (dict(ctas_per_sm=1.0), "ctas_per_sm"), (dict(ctas_per_sm="2"), "ctas_per_sm"),
+    (dict(min_keys_per_split=0), "min_keys_per_split must be an int >= 1"),
+    (dict(long_ctas_per_sm=0), "long_ctas_per_sm"), (dict(cta_overhead_tiles=-1), "cta_overhead_tiles must be an int >= 0"),
+    (dict(max_keys_per_split=-1), "max_keys_per_split"), (dict(deep_max_keys=2.5), "deep_max_keys"),
+    (dict(tail_split_max_fill=1.5), r"tail_split_max_fill must be a number in \[0, 1\]"),
+    (dict(one_wave_min_fill=float("nan")), "one_wave_min_fill"), (dict(tail_split_min_gain=2), "tail_split_min_gain"),
+    (dict(tail_split_min_gain=float("nan")), "tail_split_min_gain"),
+    (dict(tail_split_buckets=128), "tail_split_buckets must be a sequence"),
+    (dict(one_wave_buckets=("128",)), "one_wave_buckets"),
+])  # fmt: skip
+def test_policy_rejects(fields, match):
+    with pytest.raises(ValueError, match=match):
+        plan.DecodePolicy(**fields)
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(P, **fields)
+
+
+def test_policy_bucket_lists_become_tuples():
+    """Buckets given as a list are stored as a tuple, so the policy stays hashable (it keys the plan memo
+    and the prepared calls); a negative minimum gain takes the tail split whatever the model says."""
+    p = plan.DecodePolicy(tail_split_buckets=[128, 64], one_wave_buckets=[], tail_split_min_gain=-float("inf"))
+    assert p.tail_split_buckets == (128, 64) and p.one_wave_buckets == () and hash(p) == hash(dataclasses.replace(p))
+
+
+def test_forced_ctas_per_sm_is_checked_against_the_tile():
+    """A policy can ask for any CTAs per SM; the plan refuses more than the variant's tile holds."""
+    p = _plan(policy=_per_sm(3))
+    assert p.attn.spec.tile.min_blocks == 3 and p.ctas_per_sm == 3
+    with pytest.raises(ValueError, match=r"ctas_per_sm must be 0 \(the tile's\) or 1\.\.3, got 4"):
+        _plan(policy=_per_sm(4))
+    with pytest.raises(ValueError, match=r"1\.\.2, got 3"):
+        _plan(head_dim=64, policy=_per_sm(3))  # the hd64 tile holds 2
+
+
+def test_the_policy_decides_who_merges_and_which_combine_kernel_runs():
+    """in_kernel_merge_max and combine, as the GPU tests force them (tests/gpu_util.py merge_policy)."""
+    in_kernel, combine = plan.DecodePolicy(in_kernel_merge_max=1 << 30), plan.DecodePolicy(in_kernel_merge_max=0)
+    assert not plan.decode_separate_combine(1, 2) and plan.decode_separate_combine(1, 2, combine)
+    assert plan.decode_separate_combine(16, 70) and not plan.decode_separate_combine(16, 70, in_kernel)
+    assert not plan.decode_separate_combine(16, 1, combine)  # one split: nothing to merge
+    assert _plan(num_splits=12).combine is None and _plan(num_splits=12, policy=combine).combine is not None
+    big = dict(batch=3, nheads=32, nheads_kv=8, seqlen_q=2, num_splits=49)  # 8 rows x 49 splits
+    assert _plan(**big).combine is not None and _plan(**big, policy=in_kernel).combine is None
+    # the combine kernel's variant: auto (the plan's), forced lean, forced wide
+    lean, wide = (dataclasses.replace(combine, combine=c) for c in ("lean", "wide"))
+    assert not plan.decode_combine_lean(1, 100, 132) and plan.decode_combine_lean(1, 100, 132, lean)
+    assert plan.decode_combine_lean(10**6, 1, 132) and not plan.decode_combine_lean(10**6, 1, 132, wide)
+    assert plan.decode_combine_lean(265, 17, 132) and not plan.decode_combine_lean(265, 17, 132, plan.DecodePolicy(
+        combine_wide_ctas_per_sm=3))  # 3 wide CTAs per SM: 396 rows in one wave
+    for policy, want in ((combine, False), (lean, True), (wide, False)):
+        p = _plan(**big, policy=policy)
+        assert p.combine.spec.lean == want and p.combine.spec.min_blocks == (8 if want else 1), policy.combine
+    assert _uniform_plan(128, 4096, 1).combine.spec.lean and not _uniform_plan(128, 4096, 1, policy=wide).combine.spec.lean
+
+
+def test_the_policy_reaches_every_planning_rule():
+    """Each group of tunables changes the plans it names (the planner reads the policy it is given,
+    nothing else): split counts, CTAs per SM, CTA loads, the filled, tail-split, deep and unsplit grids."""
+    r = dataclasses.replace
+    # split count: fewer keys per split allowed -> more splits; a cap on keys per split -> more splits too
+    assert _plan(max_seqlen=4096, batch=1, nheads_kv=8).num_splits == 16
+    assert _plan(max_seqlen=4096, batch=1, nheads_kv=8, policy=r(P, min_keys_per_split=128)).num_splits > 16
+    assert _plan(max_seqlen=131072, batch=8, policy=r(P, max_keys_per_split=4096)).num_splits >= 32
+    # CTAs per SM: long splits spaced to long_ctas_per_sm, with CTA loads where that is below the tile's
+    p = _plan(max_seqlen=32768)
+    assert (p.ctas_per_sm, p.attn.spec.cta_loads) == (2, True)
+    p = _plan(max_seqlen=32768, policy=r(P, long_cta_keys=1 << 20))  # never long: as many per SM as fit
+    assert (p.ctas_per_sm, p.attn.spec.cta_loads) == (3, False)
+    tile = plan.decode_spec(128, "bf16", True, 1, "sm_90a").tile
+    assert plan.decode_cta_loads(tile, 2) and not plan.decode_cta_loads(tile, 1)
+    assert plan.decode_cta_loads(tile, 1, r(P, long_ctas_per_sm=1)) and not plan.decode_cta_loads(tile, 2, r(P, long_ctas_per_sm=1))
+    # the grids of one length for all
+    assert _uniform_plan(8, 16384, 32).split_major
+    assert not _uniform_plan(8, 16384, 32, policy=r(P, fill_min_unsplit_tiles=1000,
+                                                    fill_min_unsplit_tiles_full=1000)).split_major  # fmt: skip
+    assert _uniform_plan(8, 8192, 32, policy=r(P, fill_min_unsplit_tiles_full=96)).split_major  # 124 tiles
+    assert _uniform_plan(46, 4096, 32).tail_groups == 152
+    assert _uniform_plan(46, 4096, 32, policy=r(P, tail_split_buckets=())).tail_groups == 0
+    assert _uniform_plan(46, 4096, 32, policy=r(P, tail_split_min_gain=0.9)).tail_groups == 0
+    assert not plan.decode_tail_grid_variant(64, 1, "sm_90a") and plan.decode_tail_grid_variant(
+        64, 1, "sm_90a", r(P, tail_split_buckets=(64, 128)))  # fmt: skip
+    assert _uniform_plan(64, 4096, 32).ctas_per_sm == 3  # the deep grid
+    assert _uniform_plan(64, 4096, 32, policy=r(P, deep_min_waves=100)).ctas_per_sm == 2
+    base = dict(batch=16, nheads=32, nheads_kv=8, max_seqlen=4096, uniform_lengths=True)
+    assert _plan(**base).ctas_per_sm == 1  # the unsplit wave
+    assert _plan(**base, policy=r(P, one_wave_buckets=())).ctas_per_sm != 1
+    assert _plan(**base, policy=r(P, one_wave_min_fill=1.0)).ctas_per_sm != 1  # 128 of 132 SMs is not all
+
+
+def test_all_decode_specs_follow_the_policy():
+    """precompile builds what a policy can launch: the tail-grid variants for its tail_split_buckets,
+    the CTA-load variants for its long_ctas_per_sm."""
+    default = set(plan.all_decode_specs("sm_90a", dtypes=("bf16",)))
+    wider = set(plan.all_decode_specs("sm_90a", dtypes=("bf16",), policy=dataclasses.replace(
+        P, tail_split_buckets=(64, 128))))  # fmt: skip
+    extra = wider - default
+    assert extra and {(s.head_dim, s.m_slabs, s.tail_grid) for s in extra} == {(64, 1, True)} and default < wider
+    none = set(plan.all_decode_specs("sm_90a", dtypes=("bf16",), policy=dataclasses.replace(P, tail_split_buckets=())))
+    assert not any(s.family == "flash_decode" and s.tail_grid for s in none)
+    spaced = set(plan.all_decode_specs("sm_90a", dtypes=("bf16",), policy=dataclasses.replace(P, long_ctas_per_sm=1)))
+    assert {s.head_dim for s in spaced if s.family == "flash_decode" and s.cta_loads} == set(plan.HEAD_DIM_BUCKETS) - {
+        224, 256}  # every tile of 2+ CTAs per SM and 2+ stages, spaced to 1  # fmt: skip
+
+
+def test_attention_with_kvcache_policy_must_be_a_decode_policy():
+    """The policy is checked before anything else is looked at (no GPU needed: the arrays are not even
+    CuPy arrays, which the next check would refuse)."""
+    import cuflash
+
+    q = np.zeros((1, 1, 4, 64), np.float16)
+    kc = np.zeros((1, 64, 2, 64), np.float16)
+    for bad in ({"ctas_per_sm": 2}, "lean", 2, dataclasses.asdict(P)):
+        with pytest.raises(TypeError, match="policy must be a cuflash.plan.DecodePolicy or None, got"):
+            cuflash.attention_with_kvcache(q, kc, kc, cache_seqlens=1, policy=bad)
+    for good in (None, P, _per_sm(1), _PolicySubclass()):  # accepted: the array checks come next
+        with pytest.raises(TypeError, match="q must be a cupy.ndarray, got numpy.ndarray"):
+            cuflash.attention_with_kvcache(q, kc, kc, cache_seqlens=1, policy=good)
+
+
+def test_the_policy_is_part_of_the_plan_memo(monkeypatch):
+    """kvcache._plan_and_load keeps one plan per policy (by value): two calls differing only in their
+    policy get their own plans, equal policies share one (device queries and kernel loads faked)."""
+    monkeypatch.setattr(jit, "device_arch", lambda dev: "sm_90a")
+    monkeypatch.setattr(jit, "device_sm_count", lambda dev: H200_SMS)
+    monkeypatch.setattr(jit, "get_function", lambda spec, dev: ("loaded", spec.name))
+    kvcache._plan_and_load.cache_clear()
+    try:
+        args = (3, 1, 32, 8, 128, "bf16", True, 8192, 49, 0, False, 0)
+        merged_in_kernel = plan.DecodePolicy(in_kernel_merge_max=1 << 30)
+        p_default, fns = kvcache._plan_and_load(*args, P, False)  # (as kvcache calls it: every argument)
+        assert p_default.combine is not None and fns[2] == ("loaded", p_default.combine.spec.name)
+        p_kernel, fns = kvcache._plan_and_load(*args, merged_in_kernel, False)
+        assert p_kernel.combine is None and fns[2] is None
+        assert kvcache._plan_and_load(*args, plan.DecodePolicy(in_kernel_merge_max=1 << 30), False)[0] is p_kernel
+        assert kvcache._plan_and_load(*args, plan.DecodePolicy(), False)[0] is p_default
+        assert p_default == plan.plan_decode(batch=3, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128, dtype="bf16",
+                                             aligned=True, max_seqlen=8192, num_splits=49, num_sms=H200_SMS,
+                                             arch="sm_90a")  # fmt: skip
+    finally:
+        kvcache._plan_and_load.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
 # Argument checks that need no GPU (kvcache's host-side helpers)
 # ---------------------------------------------------------------------------------------------
 
 
 def test_validate_lengths():
-    kvcache.validate_lengths(np.array([0, 5, 100]), 0, 100)
-    kvcache.validate_lengths(np.array([0, 5, 97]), 3, 100)
+    checks.validate_lengths(np.array([0, 5, 100]), 0, 100)
+    checks.validate_lengths(np.array([0, 5, 97]), 3, 100)
     with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0, got cache_seqlens\[1\] = -1"):
-        kvcache.validate_lengths(np.array([0, -1]), 0, 100)
+        checks.validate_lengths(np.array([0, -1]), 0, 100)
     with pytest.raises(ValueError, match=r"cache_seqlens\[2\] = 101 exceeds the cache capacity of 100"):
-        kvcache.validate_lengths(np.array([0, 5, 101]), 0, 100)
+        checks.validate_lengths(np.array([0, 5, 101]), 0, 100)
     with pytest.raises(ValueError, match=r"3 new tokens do not fit: cache_seqlens\[0\] = 98 \+ 3"):
-        kvcache.validate_lengths(np.array([98, 0]), 3, 100)
+        checks.validate_lengths(np.array([98, 0]), 3, 100)
 
 
 def test_validate_block_table():
     bt = np.array([[3, 1, -1, 99], [0, 2, 2, 7]])
-    kvcache.validate_block_table(bt, np.array([32, 48]), page_size=16, num_pages=4)  # padding past the end is fine
+    checks.validate_block_table(bt, np.array([32, 48]), page_size=16, num_pages=4)  # padding past the end is fine
     with pytest.raises(ValueError, match=r"block_table\[0, 2\] = -1 is not a page of the cache \(k_cache has 4 pages"):
-        kvcache.validate_block_table(bt, np.array([33, 0]), page_size=16, num_pages=4)
+        checks.validate_block_table(bt, np.array([33, 0]), page_size=16, num_pages=4)
     with pytest.raises(ValueError, match=r"block_table\[1, 3\] = 7"):
-        kvcache.validate_block_table(bt, np.array([0, 64]), page_size=16, num_pages=4)
+        checks.validate_block_table(bt, np.array([0, 64]), page_size=16, num_pages=4)
 
 
 def test_host_seqlens():
-    assert kvcache._host_seqlens(5, 3).tolist() == [5, 5, 5]
-    assert kvcache._host_seqlens([1, 2, 3], 3).tolist() == [1, 2, 3]
-    assert kvcache._host_seqlens(np.array([1, 2], dtype=np.int16), 2).dtype == np.int64
+    assert checks.host_seqlens(5, 3).tolist() == [5, 5, 5]
+    assert checks.host_seqlens([1, 2, 3], 3).tolist() == [1, 2, 3]
+    assert checks.host_seqlens(np.array([1, 2], dtype=np.int16), 2).dtype == np.int64
     with pytest.raises(ValueError, match=r"shape \(batch,\) = \(3,\)"):
-        kvcache._host_seqlens([1, 2], 3)
+        checks.host_seqlens([1, 2], 3)
     with pytest.raises(TypeError, match="integers"):
-        kvcache._host_seqlens([1.5, 2.0], 2)
+        checks.host_seqlens([1.5, 2.0], 2)
+
+
+def test_dtype_names_scale_and_ints():
+    """The small host checks of cuflash/checks.py the API modules share."""
+    import ml_dtypes
+
+    assert checks.BF16 == np.dtype(ml_dtypes.bfloat16)
+    assert checks.DTYPE_NAMES == {np.dtype(np.float16): "fp16", checks.BF16: "bf16"}
+    assert checks.numpy_dtype("fp16") == np.float16 and checks.numpy_dtype("bf16") == checks.BF16
+    for name in ("fp32", "float16", "", "BF16"):
+        with pytest.raises(ValueError, match=r"dtype must be one of \['bf16', 'fp16'\]"):
+            checks.numpy_dtype(name)
+    assert checks.resolve_scale(None, 64) == 0.125 and checks.resolve_scale(2, 64) == 2.0
+    assert type(checks.resolve_scale(np.float32(0.5), 64)) is float
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+            checks.resolve_scale(bad, 64)
+    for yes in (0, 3, np.int32(3), np.int64(-1)):
+        assert checks.is_int(yes), yes
+    for no in (True, np.bool_(True), 3.0, "3", None, np.float32(3)):
+        assert not checks.is_int(no), no
 
 
 def test_api_signature_is_flash_attn_compatible():
-    params = inspect.signature(kvcache.attention_with_kvcache).parameters
-    assert list(params)[:3] == ["q", "k_cache", "v_cache"]
-    # flash-attn's keywords and cuflash's out / check; tuning-only ones are private (_ctas_per_sm)
-    defaults = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-                and not n.startswith("_")}  # fmt: skip
+    sig = inspect.signature(kvcache.attention_with_kvcache).parameters
+    assert list(sig)[:3] == ["q", "k_cache", "v_cache"]
+    # flash-attn's keywords, cuflash's out / check, and the tuning-only policy (None: the defaults)
+    defaults = {n: p.default for n, p in sig.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert defaults == dict(k=None, v=None, cache_seqlens=None, block_table=None, causal=False, softmax_scale=None,
-                            num_splits=0, return_lse=False, out=None, check=False)  # fmt: skip
+                            num_splits=0, return_lse=False, out=None, check=False, policy=None)  # fmt: skip
+    assert not any(n.startswith("_") for n in sig)  # no private keywords (the old _ctas_per_sm is policy now)
     import cuflash
 
     assert cuflash.attention_with_kvcache is kvcache.attention_with_kvcache
@@ -704,10 +922,12 @@ def test_precompile_builds_decode_variants(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fake_decode_bench(monkeypatch):
+    """A stand-in cuflash.bench_decode recording cli_main's keywords, on a machine that claims a GPU."""
     calls = []
     mod = types.ModuleType("cuflash.bench_decode")
     mod.cli_main = lambda **kw: calls.append(kw)
     monkeypatch.setitem(sys.modules, "cuflash.bench_decode", mod)
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
     return calls
 
 
@@ -715,17 +935,19 @@ def test_bench_decode_defaults(fake_decode_bench):
     r = CliRunner().invoke(cli.main, ["bench", "--decode"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert fake_decode_bench == [dict(head_dim=None, cache_len=None, batch=None, kv_heads=None, dtype="bf16",
-                                      repeats=30, peers=True, json_path=None)]  # fmt: skip
+                                      repeats=30, peers=True, json_path=None, plot_path=None)]  # fmt: skip
 
 
 def test_bench_decode_options(fake_decode_bench, tmp_path):
     r = CliRunner().invoke(cli.main, ["bench", "--decode", "--batch", "2", "--batch", "4", "--kv-heads", "8",
                                       "--seqlen", "1024", "--head-dim", "64", "--dtype", "fp16", "--no-peers",
-                                      "--repeats", "3", "--json", str(tmp_path / "d.json")],
+                                      "--repeats", "3", "--json", str(tmp_path / "d.json"), "--plot",
+                                      str(tmp_path / "d.png")],
                            catch_exceptions=False)  # fmt: skip
     assert r.exit_code == 0, r.output
     assert fake_decode_bench == [dict(head_dim=(64,), cache_len=(1024,), batch=(2, 4), kv_heads=(8,), dtype="fp16",
-                                      repeats=3, peers=False, json_path=str(tmp_path / "d.json"))]  # fmt: skip
+                                      repeats=3, peers=False, json_path=str(tmp_path / "d.json"),
+                                      plot_path=str(tmp_path / "d.png"))]  # fmt: skip
 
 
 def test_bench_decode_only_options_need_decode(fake_decode_bench):
@@ -738,7 +960,8 @@ def test_bench_decode_signature_matches_the_module():
     from cuflash import bench_decode
 
     params = inspect.signature(bench_decode.cli_main).parameters
-    assert {"head_dim", "cache_len", "batch", "kv_heads", "dtype", "repeats", "peers", "json_path"} <= set(params)
+    assert {"head_dim", "cache_len", "batch", "kv_heads", "dtype", "repeats", "peers", "json_path",
+            "plot_path"} <= set(params)  # fmt: skip
     assert all(p.default is not inspect.Parameter.empty for p in params.values())
     assert bench_decode.kv_bytes(8, 32768, 32, 128) == 2 * 8 * 32768 * 32 * 128 * 2
 
@@ -838,21 +1061,36 @@ def test_model_of_the_decomposition_matches_the_reference(data):
     np.testing.assert_allclose(lse[fin], ref_lse[fin], atol=1e-12)
 
 
-def test_packed_record_matches_make_record():
-    """kvcache's struct-packed DecodeParams has exactly the bytes of params.make_record."""
-    from cuflash.params import DECODE_DTYPE, make_record
-
+@pytest.mark.parametrize("packer, dtype", [(params.DECODE_PACKER, params.DECODE_DTYPE),
+                                           (params.FWD_PACKER, params.FWD_DTYPE), (params.BWD_PACKER, params.BWD_DTYPE)])
+def test_packed_record_matches_make_record(packer, dtype):
+    """The struct-packed records (params.RecordPacker: what forward, backward and kvcache launch with)
+    have exactly the bytes of params.make_record, padding included, for values that fill every field's
+    width; a missing or unknown field is a KeyError, as in make_record."""
     rng = np.random.default_rng(0)
-    values = {}
-    for name in DECODE_DTYPE.names:
-        kind = DECODE_DTYPE.fields[name][0]
-        values[name] = float(rng.uniform(0.1, 2)) if kind.kind == "f" else int(rng.integers(0, 2**31 - 1))
-    assert kvcache._record(**values).tobytes() == make_record(DECODE_DTYPE, **values).tobytes()
-    assert kvcache._record(**values).dtype == DECODE_DTYPE
-    with pytest.raises(TypeError, match="missing .*seqlens"):
-        kvcache._record(**{k: v for k, v in values.items() if k != "seqlens"})
-    with pytest.raises(TypeError, match="unexpected keyword argument 'seqlen'"):
-        kvcache._record(**values, seqlen=3)
+    limits = {np.dtype(np.uint64): (0, 2**64), np.dtype(np.int64): (-(2**63), 2**63), np.dtype(np.int32): (-(2**31), 2**31)}
+    for _ in range(3):
+        values = {}
+        for name in dtype.names:
+            kind = dtype.fields[name][0]
+            if kind.kind == "f":
+                values[name] = float(rng.uniform(-1e6, 1e6))
+            else:
+                lo, hi = limits[kind]
+                values[name] = int(rng.integers(lo, hi, dtype=np.uint64 if lo == 0 else np.int64))
+        packed = packer.pack(**values)
+        assert type(packed) is bytes and len(packed) == packer.size == dtype.itemsize
+        assert packed == params.make_record(dtype, **values).tobytes()
+        assert np.frombuffer(packed, dtype=dtype)[0].tolist() == params.make_record(dtype, **values).tolist()
+    assert packer.names == dtype.names and all(packer.offset(n) == dtype.fields[n][1] for n in dtype.names)
+    first = dtype.names[0]
+    for bad in ({k: v for k, v in values.items() if k != first}, {**values, "seqlen_extra": 3}):
+        with pytest.raises(KeyError, match="missing|unknown"):
+            packer.pack(**bad)
+        with pytest.raises(KeyError):
+            params.make_record(dtype, **bad)
+    with pytest.raises(KeyError, match=f"missing \\['{first}'\\] / unknown \\['seqlen_extra'\\]"):
+        packer.pack(**{k: v for k, v in values.items() if k != first}, seqlen_extra=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -869,16 +1107,19 @@ def _fake_array(ptr, shape, strides):
 def test_aligned16_reads_byte_strides():
     """CuPy strides are bytes: a row stride of 8 bytes is misaligned even though 8 elements of a
     2-byte dtype would not be (the check once multiplied the byte strides by the item size)."""
-    from cuflash.attention import _aligned16
-
     d = 64
     dense = _fake_array(4096, (2, 5, 3, d), (5 * 3 * d * 2, 3 * d * 2, d * 2, 2))
-    assert _aligned16(dense)
+    assert checks.aligned16(dense)
     padded = _fake_array(4096, (2, 5, 3, d), (5 * 3 * (d + 4) * 2, 3 * (d + 4) * 2, (d + 4) * 2, 2))  # 136-byte heads
-    assert not _aligned16(padded)
-    assert not _aligned16(dense, ptr=4096 + 8)  # the base pointer counts too
+    assert not checks.aligned16(padded)
+    assert not checks.aligned16(dense, ptr=4096 + 8)  # the base pointer counts too
     one_head = _fake_array(4096, (2, 5, 1, d), (5 * (d + 4) * 2 * 2, (d + 4) * 2 * 2, 8, 2))  # size-1 dim: any stride
-    assert _aligned16(one_head)
+    assert checks.aligned16(one_head)
+    # rows_aligned16: the same rule from a pointer, a shape and strides (kvcache checks the strides once
+    # per signature with pointer 0 and the pointers per call)
+    for x in (dense, padded, one_head):
+        assert checks.rows_aligned16(0, x.shape, x.strides) == checks.aligned16(x)
+    assert not checks.rows_aligned16(8, dense.shape, dense.strides)
 
 
 @pytest.mark.parametrize("nheads, nheads_kv, forward_ok, decode_ok", [
@@ -886,24 +1127,20 @@ def test_aligned16_reads_byte_strides():
 ])  # fmt: skip
 def test_head_ratio_check(nheads, nheads_kv, forward_ok, decode_ok):
     """The forward accepts an empty problem with no heads at all; decode always needs kv heads."""
-    from cuflash.attention import _check_head_ratio
-
     for allow, ok in ((True, forward_ok), (False, decode_ok)):
         if ok:
-            _check_head_ratio(nheads, nheads_kv, allow_no_heads=allow)
+            checks.check_head_ratio(nheads, nheads_kv, allow_no_heads=allow)
         else:
             with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
-                _check_head_ratio(nheads, nheads_kv, allow_no_heads=allow)
+                checks.check_head_ratio(nheads, nheads_kv, allow_no_heads=allow)
 
 
-def test_output_like_q_allocates_or_checks():
+def test_output_like_allocates_or_checks():
     """The forward and decode share one rule for ``out``: None gives a new array like q, anything
     else must match q (a fake CuPy namespace, so the rule runs without a GPU)."""
     from types import SimpleNamespace
 
     import numpy as np
-
-    from cuflash.attention import _output_like_q
 
     class FakeArray(SimpleNamespace):
         pass
@@ -915,16 +1152,20 @@ def test_output_like_q_allocates_or_checks():
     fake_cupy = SimpleNamespace(ndarray=FakeArray, empty=empty)
     q = FakeArray(shape=(2, 1, 4, 64), dtype=np.dtype(np.float16), device=SimpleNamespace(id=0), size=512,
                   strides=(512, 512, 128, 2), itemsize=2)  # fmt: skip
-    new = _output_like_q(None, q, 0, fake_cupy)
+    new = checks.output_like(None, q, 0, fake_cupy)
     assert new.made and new.shape == q.shape and new.dtype == q.dtype
     same = FakeArray(**vars(q))
-    assert _output_like_q(same, q, 0, fake_cupy) is same
+    assert checks.output_like(same, q, 0, fake_cupy) is same
     with pytest.raises(TypeError, match="out must be a cupy.ndarray"):
-        _output_like_q(np.zeros(q.shape, np.float16), q, 0, fake_cupy)
+        checks.output_like(np.zeros(q.shape, np.float16), q, 0, fake_cupy)
     with pytest.raises(ValueError, match="out must have q's shape"):
-        _output_like_q(FakeArray(**{**vars(q), "shape": (2, 1, 4, 32)}), q, 0, fake_cupy)
+        checks.output_like(FakeArray(**{**vars(q), "shape": (2, 1, 4, 32)}), q, 0, fake_cupy)
     with pytest.raises(ValueError, match="out is on device 1"):
-        _output_like_q(FakeArray(**{**vars(q), "device": SimpleNamespace(id=1)}), q, 0, fake_cupy)
+        checks.output_like(FakeArray(**{**vars(q), "device": SimpleNamespace(id=1)}), q, 0, fake_cupy)
+    with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):
+        checks.output_like(FakeArray(**{**vars(q), "strides": (1024, 1024, 256, 4)}), q, 0, fake_cupy)
+    with pytest.raises(ValueError, match="dk must have k's shape"):  # the backward's names
+        checks.output_like(FakeArray(**{**vars(q), "shape": (2, 1, 4, 32)}), q, 0, fake_cupy, "dk", "k")
 
 
 def test_long_splits_load_each_tile_as_a_cta():
@@ -939,22 +1180,24 @@ def test_long_splits_load_each_tile_as_a_cta():
         assert p.ctas_per_sm == 3 == p.attn.spec.min_blocks and not p.attn.spec.cta_loads, (b, L, h_kv, p)
     p = _uniform_plan(8, 4096, 32, head_dim=64)  # the hd64 tile holds 2 per SM: never spaced
     assert p.ctas_per_sm == 2 == p.attn.spec.min_blocks and not p.attn.spec.cta_loads
-    assert not _uniform_plan(8, 4096, 32, ctas_per_sm=1).attn.spec.cta_loads  # 1 per SM: not measured, column loads
+    assert not _uniform_plan(8, 4096, 32, policy=_per_sm(1)).attn.spec.cta_loads  # 1 per SM: not measured, column loads
     one_stage = plan.DecodeTile(64, 1, 3)
     assert not plan.decode_cta_loads(one_stage, 2)  # a one-stage ring always loads as a CTA (kCtaLoads in the kernel)
+
+
+class _PolicySubclass(plan.DecodePolicy):
+    """A DecodePolicy of another type: valid for the planner, but not a key kvcache trusts by value."""
 
 
 def test_call_signature_of_the_prepared_path():
     """kvcache._signature, the key under which a decode call's checks and plan are kept: pointers and a
     length within the same 64-token step give the same key; every static property (strides, dtype,
-    device, flags, scale, new tokens, block table, the length's step) another; calls whose values must
-    be checked each time (host lengths or block table, check=True) or whose arguments would fail a
-    check get None (the whole way, which raises). A fake CuPy namespace, so it runs without a GPU."""
+    device, flags, scale, new tokens, block table, the length's step, the policy) another; calls whose
+    values must be checked each time (host lengths or block table, check=True) or whose arguments would
+    fail a check get None (the whole way, which raises). A fake CuPy namespace, so it runs without a GPU."""
     from types import SimpleNamespace
 
     import numpy as np
-
-    from cuflash.kvcache import _signature
 
     class FakeArray(SimpleNamespace):
         pass
@@ -968,17 +1211,19 @@ def test_call_signature_of_the_prepared_path():
     cp = SimpleNamespace(ndarray=FakeArray)
     q, kc, vc = arr((2, 1, 8, 64)), arr((2, 1000, 2, 64)), arr((2, 1000, 2, 64))
     base = dict(k=None, v=None, cache_seqlens=700, block_table=None, causal=False, softmax_scale=0.125, num_splits=0,
-                return_lse=False, out=None, check=False, ctas_per_sm=0)  # fmt: skip
+                return_lse=False, out=None, check=False, policy=None)  # fmt: skip
 
     def sig(q=q, kc=kc, vc=vc, **kw):
-        return _signature(cp, q, kc, vc, **{**base, **kw})
+        return kvcache._signature(cp, q, kc, vc, **{**base, **kw})
 
     key = sig()
     assert key is not None and hash(key) is not None
     assert sig(q=arr((2, 1, 8, 64), ptr=8192), cache_seqlens=704) == key  # pointers, the same step of 64
+    # a policy is part of the key by value: an equal one built anew finds the same prepared call
+    assert sig(policy=_per_sm(2)) == sig(policy=plan.DecodePolicy(ctas_per_sm=2)) != sig(policy=_per_sm(1))
     for changed in (dict(q=arr((2, 1, 8, 64), strides=(2048, 1024, 128, 2))), dict(q=arr((2, 1, 8, 64), device=1)),
                     dict(kc=arr((2, 1000, 2, 64), dtype=np.float32)), dict(causal=True), dict(softmax_scale=0.1),
-                    dict(num_splits=3), dict(return_lse=True), dict(ctas_per_sm=2), dict(out=arr((2, 1, 8, 64))),
+                    dict(num_splits=3), dict(return_lse=True), dict(policy=_per_sm(2)), dict(out=arr((2, 1, 8, 64))),
                     dict(cache_seqlens=705), dict(cache_seqlens=None), dict(cache_seqlens=arr((2,), np.int32)),
                     dict(k=arr((2, 1, 2, 64)), v=arr((2, 1, 2, 64))),
                     dict(block_table=arr((2, 4), np.int32))):  # fmt: skip
@@ -989,7 +1234,8 @@ def test_call_signature_of_the_prepared_path():
                       dict(cache_seqlens=1000, k=arr((2, 1, 2, 64)), v=arr((2, 1, 2, 64))),
                       dict(block_table=np.zeros((2, 4), np.int32)), dict(softmax_scale=np.float32(0.125)),
                       dict(q=np.zeros((2, 1, 8, 64), np.float16)), dict(k=arr((2, 1, 2, 64))), dict(num_splits=True),
-                      dict(out=np.zeros((2, 1, 8, 64), np.float16))):  # fmt: skip
+                      dict(out=np.zeros((2, 1, 8, 64), np.float16)), dict(policy={"ctas_per_sm": 2}),
+                      dict(policy=_PolicySubclass())):  # fmt: skip
         assert sig(**whole_way) is None, whole_way
     # A paged cache's capacity is its pages per sequence x the page size: 4 x 1000 here.
     assert sig(block_table=arr((2, 4), np.int32), cache_seqlens=3999) is not None

@@ -81,7 +81,7 @@ def test_rows_off_by_8_bytes():
     """Head strides of head_dim + 4 elements: a 16-byte aligned base, rows 8 bytes off (element-wise loads)."""
     import cupy
 
-    from cuflash.attention import _aligned16
+    from cuflash.checks import aligned16
 
     rng = np.random.default_rng()
     q, k, v = random_qkv(rng, 2, 300, 257, 4, 2, 64, "fp16")
@@ -89,7 +89,7 @@ def test_rows_off_by_8_bytes():
     for x in (q, k, v):
         y = cupy.empty(x.shape[:3] + (x.shape[3] + 4,), dtype=x.dtype)[..., : x.shape[3]]
         y[...] = x
-        assert not _aligned16(y)
+        assert not aligned16(y)
         views.append(y)
     check_forward(*views, causal=True, dtype="fp16")
 

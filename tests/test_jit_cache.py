@@ -1,4 +1,6 @@
-"""CPU tests of the kernel cache in cuflash/jit.py: key, entry format, damage, concurrency, logging.
+"""CPU tests of the kernel pipeline (cuflash/jit.py: key, compile log, ptxas report) and its disk
+cache (cuflash/cache.py: entry format, atomic writes, damage, concurrency, pruning), and of the launch
+path (cuflash/launch.py, driver calls faked).
 
 NVRTC compiles on the CPU (no GPU, no driver). Every test uses a temporary cache folder.
 """
@@ -9,6 +11,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 import shutil
 import stat
 import subprocess
@@ -20,7 +23,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cuflash import jit, plan
+from cuflash import cache as kcache
+from cuflash import jit, launch, plan
+from cuflash._version import __version__
 
 REPO = Path(__file__).resolve().parent.parent
 NVRTC = (12, 9)  # a fixed version for key tests: the key must not depend on the machine's NVRTC
@@ -60,7 +65,7 @@ def compiled_with_log():
 def compiled(compiled_with_log):
     """(cubin, header, encoded entry) of CHEAP, compiled once for the module."""
     cubin, header, _ = compiled_with_log
-    return cubin, header, jit._encode_entry(cubin, header)
+    return cubin, header, kcache.encode_entry(cubin, header)
 
 
 @pytest.fixture
@@ -220,7 +225,7 @@ def test_included_headers_missing_file(tmp_path):
 def test_entry_round_trip():
     header = {"name": "x", "ptxas": {"registers": 3}, "nvrtc": [12, 9]}
     cubin = bytes(range(256)) * 3
-    assert jit._decode_entry(jit._encode_entry(cubin, header)) == (cubin, header)
+    assert kcache.decode_entry(kcache.encode_entry(cubin, header)) == (cubin, header)
 
 
 @pytest.mark.parametrize(
@@ -229,37 +234,37 @@ def test_entry_round_trip():
         b"",
         b"garbage",
         b"\x7fELF" + b"\0" * 200,  # a bare cubin is not an entry
-        jit._MAGIC,
-        jit._MAGIC + b"\0" * 36,
-        jit._MAGIC + b"\0" * 400,
-        jit._encode_entry(b"", {"name": "no cubin"}),
+        kcache._MAGIC,
+        kcache._MAGIC + b"\0" * 36,
+        kcache._MAGIC + b"\0" * 400,
+        kcache.encode_entry(b"", {"name": "no cubin"}),
     ],
 )
 def test_decode_rejects_garbage(blob):
     with pytest.raises(ValueError):
-        jit._decode_entry(blob)
+        kcache.decode_entry(blob)
 
 
 @settings(deadline=None, max_examples=200)
 @given(prefix=st.sampled_from([b"", b"CUFLASH-CUBIN-1\n"]), body=st.binary(max_size=300))
 def test_decode_rejects_random_bytes(prefix, body):
     with pytest.raises(ValueError):
-        jit._decode_entry(prefix + body)
+        kcache.decode_entry(prefix + body)
 
 
 @settings(deadline=None, max_examples=150)
 @given(data=st.data())
 def test_decode_detects_every_single_byte_change(data):
-    blob = jit._encode_entry(b"\x7fELF" + bytes(range(100)), {"name": "v", "arch": "sm_80"})
+    blob = kcache.encode_entry(b"\x7fELF" + bytes(range(100)), {"name": "v", "arch": "sm_80"})
     i = data.draw(st.integers(0, len(blob) - 1), label="position")
     delta = data.draw(st.integers(1, 255), label="xor")
     bad = bytearray(blob)
     bad[i] ^= delta
     with pytest.raises(ValueError):
-        jit._decode_entry(bytes(bad))
+        kcache.decode_entry(bytes(bad))
     cut = data.draw(st.integers(0, len(blob) - 1), label="truncate to")
     with pytest.raises(ValueError):
-        jit._decode_entry(blob[:cut])
+        kcache.decode_entry(blob[:cut])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +295,7 @@ def test_compile_then_hit(cache, compiled, records):
 
 
 def _damage(kind: str, blob: bytes) -> bytes:
-    n = len(jit._MAGIC)
+    n = len(kcache._MAGIC)
     if kind == "empty":
         return b""
     if kind == "truncated":
@@ -317,7 +322,7 @@ def test_damaged_entry_is_recompiled(cache, compiled, records, kind):
     s = jit.stats()
     assert s["corrupt_entries"] == 1 and s["compiles"] == 1 and s["disk_loads"] == 0
     assert any(r.levelno == logging.WARNING and "damaged" in r.getMessage() for r in records)
-    assert jit._decode_entry(path.read_bytes())[0] == cubin  # rewritten whole
+    assert kcache.decode_entry(path.read_bytes())[0] == cubin  # rewritten whole
     assert [p.name for p in cache.iterdir()] == [path.name]
     assert jit.get_cubin(CHEAP)[2] == "cache"
 
@@ -330,7 +335,7 @@ def test_damaged_entry_is_deleted_even_if_rewrite_fails(cache, compiled, monkeyp
     def refuse(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(jit, "_write_atomic", refuse)
+    monkeypatch.setattr(kcache, "write_atomic", refuse)
     cubin, _, how = jit.get_cubin(CHEAP)
     assert how == "compiled" and cubin == compiled[0]
     assert not path.exists()
@@ -345,7 +350,7 @@ def test_failed_write_leaves_no_partial_file(cache, monkeypatch):
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
-        jit._write_atomic(path, b"data")
+        kcache.write_atomic(path, b"data")
     assert list(cache.iterdir()) == []
 
 
@@ -355,8 +360,8 @@ def test_stale_temporary_files_are_harmless(cache, compiled):
     stale.write_bytes(compiled[2][:50])  # what a writer killed mid-write leaves behind
     assert jit.get_cubin(CHEAP)[2] == "compiled"
     assert jit.get_cubin(CHEAP)[2] == "cache"
-    assert len(jit.list_cache()) == 1  # temporary files are not entries
-    assert jit.clear_cache() == 2
+    assert len(kcache.list_entries()) == 1  # temporary files are not entries
+    assert kcache.clear() == 2
     assert list(cache.iterdir()) == []
 
 
@@ -385,7 +390,7 @@ def test_unwritable_cache_dir_simulated(cache, compiled, records, monkeypatch):
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(cache))
 
-    monkeypatch.setattr(jit.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(kcache.tempfile, "mkstemp", denied)
     _check_read_only_result(cache, compiled, records, jit.get_cubin(CHEAP))
 
 
@@ -406,12 +411,188 @@ def test_damaged_entry_in_read_only_cache(cache, compiled, records, monkeypatch)
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(cache))
 
-    monkeypatch.setattr(jit.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(kcache.tempfile, "mkstemp", denied)
     cubin, _, how = jit.get_cubin(CHEAP)
     assert how == "compiled" and cubin == compiled[0]
     assert jit.stats()["corrupt_entries"] == 1
     assert any(r.levelno == logging.WARNING and "could not write" in r.getMessage() for r in records)
     assert path.read_bytes() == b"junk"  # left alone: nothing could be done about it
+
+
+# ---------------------------------------------------------------------------------------------
+# Writes that fail: a warning for a process that only needs the kernel, an error for precompile
+# ---------------------------------------------------------------------------------------------
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def test_failed_cache_write_is_only_a_warning_without_require(cache, compiled, records, monkeypatch):
+    monkeypatch.setattr(kcache, "write_atomic", _no_space)
+    cubin, header, how = jit.get_cubin(CHEAP)
+    assert how == "compiled" and cubin == compiled[0] and header["name"] == CHEAP.name
+    warnings = [r for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "could not write" in warnings[0].getMessage()
+    assert "No space left" in warnings[0].getMessage()
+
+
+def test_failed_cache_write_raises_with_require_cache_write(cache, compiled, records, monkeypatch):
+    monkeypatch.setattr(kcache, "write_atomic", _no_space)
+    with pytest.raises(kcache.CacheWriteError, match="No space left on device") as info:
+        jit.get_cubin(CHEAP, require_cache_write=True)
+    assert "CUFLASH_CACHE_DIR" in str(info.value) and CHEAP.name in str(info.value)
+    assert isinstance(info.value, OSError)
+    assert not [r for r in records if r.levelno >= logging.WARNING]  # an error, not a warning as well
+
+
+def test_precompile_raises_when_a_write_fails_midway(cache, monkeypatch):
+    """jit.precompile's whole point is the cache: the first entry that cannot be written (the disk
+    filled up after the first variant) stops it with cache.CacheWriteError; what was written stays."""
+    other = plan.fwd_spec(32, "fp16", False, False, "sm_80")  # CHEAP's element-wise twin
+    real = kcache.write_atomic
+    writes = []
+
+    def full_after_one(path, data):
+        if writes:
+            raise OSError(28, "No space left on device")
+        writes.append(path)
+        real(path, data)
+
+    monkeypatch.setattr(kcache, "write_atomic", full_after_one)
+    done = []
+    with pytest.raises(kcache.CacheWriteError, match="could not write the kernel cache entry"):
+        jit.precompile([CHEAP, other], on_done=done.append)
+    assert [r[0] for r in done] == [CHEAP.name]  # the first one was reported done, the second never
+    assert [e.header["name"] for e in kcache.list_entries()] == [CHEAP.name]
+    assert not list(cache.glob("*.tmp"))
+
+
+def test_check_writable(tmp_path):
+    d = tmp_path / "new" / "cache"
+    assert kcache.check_writable(d) == d and d.is_dir()
+    assert list(d.iterdir()) == []  # the probe file is gone
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    for bad in (afile, afile / "cache"):  # a file, and a folder that would have to live inside one
+        with pytest.raises(kcache.CacheWriteError, match="is not writable") as info:
+            kcache.check_writable(bad)
+        assert str(bad) in str(info.value) and "CUFLASH_CACHE_DIR" in str(info.value)
+    assert afile.read_text() == "not a folder" and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "new"]
+
+
+def test_check_writable_defaults_to_the_cache_dir(cache):
+    assert kcache.cache_dir() == cache and not cache.exists()
+    assert kcache.check_writable() == cache and cache.is_dir()
+
+
+def test_loading_an_entry_marks_it_used(cache, compiled):
+    """A cache hit refreshes the entry's mtime: prune(max_bytes=...) removes the least recently used."""
+    path = jit.entry_path(CHEAP, jit.cache_key(CHEAP))
+    kcache.write_atomic(path, compiled[2])
+    old = time.time() - 30 * 86400
+    os.utime(path, (old, old))
+    assert jit.get_cubin(CHEAP)[2] == "cache"
+    assert path.stat().st_mtime > old + 29 * 86400
+    (entry,) = kcache.list_entries()
+    assert entry.mtime == path.stat().st_mtime
+
+
+# ---------------------------------------------------------------------------------------------
+# cache.prune: entries that can never be loaded again, stale temporary files, a size cap
+# ---------------------------------------------------------------------------------------------
+
+_NVRTC_HERE = (12, 9)
+
+
+def _entry(d: Path, name: str, *, version=__version__, nvrtc=_NVRTC_HERE, size=1000, age_s=0.0) -> Path:
+    """A cache entry file (any non-empty bytes serve as its cubin) written age_s seconds ago."""
+    header = {"name": name, "arch": "sm_80", "nvrtc": list(nvrtc), "cuflash": version}
+    path = d / f"{name}-0123456789abcdef01234567.cubin"
+    kcache.write_atomic(path, kcache.encode_entry(b"\x7fELF" + bytes(size), header))
+    t = time.time() - age_s
+    os.utime(path, (t, t))
+    return path
+
+
+def _prune(d, **kw):
+    return kcache.prune(version=__version__, nvrtc=_NVRTC_HERE, d=d, **kw)
+
+
+def test_prune_removes_what_can_never_be_loaded(tmp_path):
+    d = tmp_path / "c"
+    good = [_entry(d, "good_a"), _entry(d, "good_b", age_s=86400 * 400)]  # old but loadable: kept
+    other_version = _entry(d, "other_version", version="0.0.1")
+    other_nvrtc = _entry(d, "other_nvrtc", nvrtc=(11, 8))
+    other_minor = _entry(d, "other_minor", nvrtc=(12, 8))
+    damaged = d / "damaged-0123.cubin"
+    damaged.write_bytes(good[0].read_bytes()[:-5])
+    garbage = d / "garbage-0123.cubin"
+    garbage.write_bytes(b"junk")
+    stale_tmp = d / "good_a-0123.cubin.k2j3h4.tmp"
+    stale_tmp.write_bytes(b"half an entry")
+    os.utime(stale_tmp, (time.time() - 7200, time.time() - 7200))
+    fresh_tmp = d / "good_b-0123.cubin.x9y8z7.tmp"  # a compile writing right now
+    fresh_tmp.write_bytes(b"being written")
+    unrelated = d / "README.txt"
+    unrelated.write_text("not ours")
+    sizes = {p.name: p.stat().st_size for p in d.iterdir()}
+
+    r = _prune(d)
+    reasons = dict(r.removed)
+    assert set(reasons) == {other_version.name, other_nvrtc.name, other_minor.name, damaged.name, garbage.name,
+                            stale_tmp.name}  # fmt: skip
+    assert reasons[other_version.name] == "built by cuflash 0.0.1"
+    assert reasons[other_nvrtc.name] == "built by NVRTC 11.8" and reasons[other_minor.name] == "built by NVRTC 12.8"
+    assert reasons[damaged.name].startswith("damaged (checksum") and reasons[garbage.name].startswith("damaged (")
+    assert reasons[stale_tmp.name] == "temporary file of an interrupted compile"
+    assert sorted(p.name for p in d.iterdir()) == sorted([good[0].name, good[1].name, fresh_tmp.name, unrelated.name])
+    assert (r.kept, r.kept_bytes) == (2, sizes[good[0].name] + sizes[good[1].name])
+    entries_bytes = sum(sizes[n] for n in reasons if n != stale_tmp.name)
+    assert entries_bytes <= r.freed_bytes <= entries_bytes + sizes[stale_tmp.name]
+    assert _prune(d).removed == []  # nothing left to do
+    assert kcache.prune(version="0.0.1", nvrtc=_NVRTC_HERE, d=d).kept == 0  # another installation's view
+
+
+def test_prune_without_an_nvrtc_version_keeps_every_nvrtc(tmp_path):
+    d = tmp_path / "c"
+    _entry(d, "a", nvrtc=(11, 8))
+    _entry(d, "b", nvrtc=(13, 0))
+    r = kcache.prune(version=__version__, nvrtc=None, d=d)
+    assert r.removed == [] and r.kept == 2
+
+
+def test_prune_to_a_size_removes_the_least_recently_used(tmp_path):
+    d = tmp_path / "c"
+    # names of one length: entries of one size (written in another order than their last use)
+    old, new, oldest, mid = (_entry(d, n, size=1000, age_s=a) for n, a in (("e_c", 1000), ("e_a", 10),
+                                                                          ("e_d", 10000), ("e_b", 100)))  # fmt: skip
+    size = new.stat().st_size
+    assert all(p.stat().st_size == size for p in (mid, old, oldest))
+    r = _prune(d, max_bytes=2 * size + size // 2)
+    assert r.removed == [(old.name, "least recently used beyond the size cap"),
+                         (oldest.name, "least recently used beyond the size cap")]  # fmt: skip
+    assert (r.kept, r.kept_bytes, r.freed_bytes) == (2, 2 * size, 2 * size)
+    assert sorted(p.name for p in d.iterdir()) == sorted([new.name, mid.name])
+    assert _prune(d, max_bytes=2 * size).removed == []  # exactly at the cap
+    r = _prune(d, max_bytes=0)
+    assert r.kept == 0 and {p.name for p in d.iterdir()} == set()
+
+
+def test_prune_to_a_size_keeps_a_smaller_older_entry_that_fits(tmp_path):
+    d = tmp_path / "c"
+    big_new = _entry(d, "big_new", size=5000, age_s=1)
+    bigger_mid = _entry(d, "bigger_mid", size=8000, age_s=50)
+    small_old = _entry(d, "small_old", size=100, age_s=500)
+    r = _prune(d, max_bytes=big_new.stat().st_size + small_old.stat().st_size)
+    assert [n for n, _ in r.removed] == [bigger_mid.name]
+    assert r.kept == 2
+
+
+def test_prune_of_a_missing_folder(tmp_path):
+    r = _prune(tmp_path / "nowhere", max_bytes=10)
+    assert (r.removed, r.kept, r.kept_bytes, r.freed_bytes) == ([], 0, 0, 0)
+    assert not (tmp_path / "nowhere").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,7 +647,7 @@ def test_concurrent_compiles_of_one_variant(cache, tmp_path, compiled):
     assert "compiled" in hows
     files = sorted(p.name for p in cache.iterdir())
     assert files == [jit.entry_path(CHEAP, jit.cache_key(CHEAP)).name]
-    assert jit._decode_entry((cache / files[0]).read_bytes())[0] == compiled[0]
+    assert kcache.decode_entry((cache / files[0]).read_bytes())[0] == compiled[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,6 +667,56 @@ def test_log_level_from_environment(monkeypatch):
         assert len(jit.logger.handlers) >= 1 and jit.logger.propagate is False
     finally:
         jit.logger.setLevel(old)
+
+
+@pytest.fixture
+def all_records():
+    """Every record the "cuflash" logger lets through at its own level (set from CUFLASH_LOG_LEVEL by
+    jit._configure_logging, as at import); the handler itself takes every level."""
+
+    class ListHandler(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    h = ListHandler()
+    old = jit.logger.level
+    jit.logger.addHandler(h)
+    yield h.records
+    jit.logger.removeHandler(h)
+    jit.logger.setLevel(old)
+
+
+_COMPILED_LINE = r"compiled {name} in \d+\.\ds \((\d+|\?) registers, (\d+|\?) bytes spilled\)"
+
+
+def test_one_info_line_per_compile_at_the_default_level(cache, all_records, monkeypatch):
+    """The compile log at the default level: exactly one INFO record per compile, "compiled <name> in
+    X.Xs (R registers, S bytes spilled)"; a cache hit logs nothing. With CUFLASH_LOG_LEVEL=DEBUG the
+    "compiling ..." line comes first."""
+    monkeypatch.delenv("CUFLASH_LOG_LEVEL", raising=False)
+    jit._configure_logging()
+    cubin, header, how = jit.get_cubin(CHEAP)
+    assert how == "compiled"
+    assert [r.levelno for r in all_records] == [logging.INFO]
+    msg = all_records[0].getMessage()
+    m = re.fullmatch(_COMPILED_LINE.format(name=re.escape(CHEAP.name)), msg)
+    assert m, msg
+    assert m.group(1) == str(header["ptxas"]["registers"])
+    assert m.group(2) == str(header["ptxas"].get("spill_stores", "?"))
+    del all_records[:]
+    assert jit.get_cubin(CHEAP)[2] == "cache" and all_records == []
+
+    monkeypatch.setenv("CUFLASH_LOG_LEVEL", "DEBUG")
+    jit._configure_logging()
+    jit.entry_path(CHEAP, jit.cache_key(CHEAP)).unlink()
+    assert jit.get_cubin(CHEAP)[2] == "compiled"
+    assert [r.levelno for r in all_records] == [logging.DEBUG, logging.INFO]
+    assert all_records[0].getMessage().startswith(f"compiling {CHEAP.name}")
+    assert re.fullmatch(_COMPILED_LINE.format(name=re.escape(CHEAP.name)), all_records[1].getMessage())
 
 
 _LOGGED = plan.fwd_spec(64, "bf16", False, False, "sm_80").name
@@ -607,7 +838,7 @@ def test_cubin_resources_of_a_kernel_variant(compiled_with_log):
         b"garbage bytes, not an ELF file at all",
         b"//\n// Generated by NVIDIA NVVM Compiler\n.version 8.5\n.target sm_80\n",  # PTX text
         b"\x7fELF\x01\x01\x01" + b"\0" * 100,  # a 32-bit ELF
-        jit._MAGIC + b"\0" * 100,  # a cache entry is not a bare cubin
+        kcache._MAGIC + b"\0" * 100,  # a cache entry is not a bare cubin
     ],
 )
 def test_cubin_resources_rejects_non_elf_bytes(blob):
@@ -671,7 +902,8 @@ def test_kernel_rejects_other_stage_counts(stages):
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch path: programmatic dependent launch and its fallback (driver calls faked, no GPU needed)
+# Launch path (cuflash/launch.py): programmatic dependent launch and its fallback (driver calls
+# faked, no GPU needed)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -698,8 +930,23 @@ class _Fn:
     ptr = 0x1234
 
 
+@pytest.fixture
+def pdl_setting():
+    """launch.set_pdl_enabled, with the process's setting restored after the test."""
+    saved = launch.pdl_enabled()
+    yield launch.set_pdl_enabled
+    launch.set_pdl_enabled(saved)
+
+
+def test_set_pdl_enabled_returns_the_previous_setting(pdl_setting):
+    assert pdl_setting(True) in (True, False)
+    assert launch.pdl_enabled() is True
+    assert pdl_setting(False) is True and launch.pdl_enabled() is False
+    assert pdl_setting(1) is False and launch.pdl_enabled() is True
+
+
 @pytest.mark.parametrize("rc, plain_ok", [(0, True), (801, True), (801, False)])
-def test_pdl_launch_and_its_fallback(monkeypatch, caplog, rc, plain_ok):
+def test_pdl_launch_and_its_fallback(monkeypatch, caplog, pdl_setting, rc, plain_ok):
     """A PDL launch goes to cuLaunchKernelEx with the launch's grid, block, shared memory and stream;
     a refused one (CUresult != 0) is launched plainly and turns PDL off for the process with one
     warning; if the plain launch fails too, its error is raised and PDL stays as it was."""
@@ -711,43 +958,68 @@ def test_pdl_launch_and_its_fallback(monkeypatch, caplog, rc, plain_ok):
         return rc
 
     drv = _FakeDriver(fail=not plain_ok)
-    monkeypatch.setattr(jit, "_driver", drv)
-    monkeypatch.setattr(jit, "_cu_launch_kernel_ex", lambda: fake_ex)
-    monkeypatch.setattr(jit, "PDL_ENABLED", True)
-    launch = _decode_launch(pdl=True)
+    monkeypatch.setattr(launch, "_driver", drv)
+    monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: fake_ex)
+    pdl_setting(True)
+    how = _decode_launch(pdl=True)
     caplog.set_level(logging.WARNING, logger="cuflash")
     if not plain_ok:
         with pytest.raises(_FakeDriver.CUDADriverError):
-            jit.launch(_Fn(), launch, 0xABC, 77)
-        assert jit.PDL_ENABLED and not drv.plain
+            launch.launch(_Fn(), how, 0xABC, 77)
+        assert launch.pdl_enabled() and not drv.plain
         return
-    jit.launch(_Fn(), launch, 0xABC, 77)
-    assert ex_calls == [(launch.grid, launch.block, launch.smem_bytes, 77, 1,
-                         jit.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1, _Fn.ptr, 0xABC)]  # fmt: skip
+    launch.launch(_Fn(), how, 0xABC, 77)
+    assert ex_calls == [(how.grid, how.block, how.smem_bytes, 77, 1,
+                         launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1, _Fn.ptr, 0xABC)]  # fmt: skip
     if rc == 0:
-        assert not drv.plain and jit.PDL_ENABLED and not caplog.records
+        assert not drv.plain and launch.pdl_enabled() and not caplog.records
         return
-    assert drv.plain == [(launch.grid, launch.block, launch.smem_bytes, 77)]
-    assert not jit.PDL_ENABLED
+    assert drv.plain == [(how.grid, how.block, how.smem_bytes, 77)]
+    assert not launch.pdl_enabled()
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "801" in caplog.records[0].getMessage()
-    jit.launch(_Fn(), launch, 0xABC, 78)  # from now on plain, without asking the driver again
+    launch.launch(_Fn(), how, 0xABC, 78)  # from now on plain, without asking the driver again
     assert len(ex_calls) == 1 and drv.plain[-1][3] == 78
 
 
-def test_launches_without_pdl_never_ask_for_it(monkeypatch):
+def test_launches_without_pdl_never_ask_for_it(monkeypatch, pdl_setting):
     """Launches that do not allow PDL (every non-decode kernel, and decode before sm_90), CUFLASH_PDL=0
     and a driver without cuLaunchKernelEx all take the plain cuLaunchKernel path."""
     def fail_ex(*a):
         raise AssertionError("cuLaunchKernelEx must not be called")
 
     drv = _FakeDriver()
-    monkeypatch.setattr(jit, "_driver", drv)
-    monkeypatch.setattr(jit, "_cu_launch_kernel_ex", lambda: fail_ex)
-    monkeypatch.setattr(jit, "PDL_ENABLED", True)
-    jit.launch(_Fn(), _decode_launch(pdl=False), 0, 1)
-    monkeypatch.setattr(jit, "PDL_ENABLED", False)
-    jit.launch(_Fn(), _decode_launch(pdl=True), 0, 2)
-    monkeypatch.setattr(jit, "PDL_ENABLED", True)
-    monkeypatch.setattr(jit, "_cu_launch_kernel_ex", lambda: None)
-    jit.launch(_Fn(), _decode_launch(pdl=True), 0, 3)
+    monkeypatch.setattr(launch, "_driver", drv)
+    monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: fail_ex)
+    pdl_setting(True)
+    launch.launch(_Fn(), _decode_launch(pdl=False), 0, 1)
+    pdl_setting(False)
+    launch.launch(_Fn(), _decode_launch(pdl=True), 0, 2)
+    pdl_setting(True)
+    monkeypatch.setattr(launch, "_cu_launch_kernel_ex", lambda: None)
+    launch.launch(_Fn(), _decode_launch(pdl=True), 0, 3)
     assert [c[3] for c in drv.plain] == [1, 2, 3]
+
+
+def test_launch_record_hands_the_record_bytes_by_address(monkeypatch):
+    """launch_record (the forward's and backward's launches) copies the parameter record into this
+    thread's buffer and launches with the address of a void*[1] that points at it; a record larger
+    than the buffer is refused before anything is launched."""
+    import ctypes
+
+    seen = []
+
+    def fake_launch(fn, how, argv_ptr, stream_ptr):
+        buf_addr = ctypes.cast(argv_ptr, ctypes.POINTER(ctypes.c_void_p))[0]
+        seen.append((fn, how, stream_ptr, ctypes.string_at(buf_addr, 40)))
+
+    monkeypatch.setattr(launch, "launch", fake_launch)
+    how = _decode_launch(pdl=False)
+    record = bytes(range(40))
+    launch.launch_record(_Fn, how, record, 55)
+    assert seen == [(_Fn, how, 55, record)]
+    launch.launch_record(_Fn, how, bytes(range(100, 140)), 56)  # the buffer is reused: the new bytes
+    assert seen[-1][3] == bytes(range(100, 140))
+    too_big = bytes(len(launch._ARGS.buf) + 1)
+    with pytest.raises(ValueError, match="exceeds"):
+        launch.launch_record(_Fn, how, too_big, 57)
+    assert len(seen) == 2

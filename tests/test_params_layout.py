@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from cuflash import jit, params
+from cuflash import jit, launch, params
 
 CC = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
@@ -51,16 +51,16 @@ LAUNCH_STRUCTS = {
 
 @pytest.mark.parametrize("struct", sorted(LAUNCH_STRUCTS))
 def test_launch_ex_structs_match_cuda_h(struct, tmp_path):
-    """The ctypes structs jit.launch hands to cuLaunchKernelEx have cuda.h's layout: checked against the
+    """The ctypes structs launch.launch hands to cuLaunchKernelEx have cuda.h's layout: checked against the
     header itself where a CUDA toolkit is installed, and always against its documented offsets."""
     import ctypes
 
     c_name, size, fields = LAUNCH_STRUCTS[struct]
-    py = getattr(jit, struct)
+    py = getattr(launch, struct)
     assert ctypes.sizeof(py) == size and ctypes.alignment(py) == 8
     for py_field, (_, offset) in fields.items():
         assert getattr(py, py_field).offset == offset, f"{struct}.{py_field}"
-    assert jit.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert launch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == 6
     include = next((d for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda") if d and
                     os.path.exists(os.path.join(d, "include", "cuda.h"))), None)  # fmt: skip
     if CC is None or include is None:

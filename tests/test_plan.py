@@ -1,4 +1,5 @@
-"""CPU tests of cuflash/plan.py: head-dim buckets, arch names, tiles, kernel specs, launch plans.
+"""CPU tests of cuflash/plan (common, forward): head-dim buckets, arch names, tiles, kernel specs, the
+kernel registry, launch plans.
 
 Pure Python: no CuPy, no NVRTC, no GPU.
 """
@@ -64,7 +65,18 @@ def test_head_dim_bucket_rejects(d):
         ("80", "sm_80"),
         (" sm_86 ", "sm_86"),
         ("8.9", "sm_89"),
-        ("sm_100a", "sm_100a"),
+        ("sm_87", "sm_87"),
+        # sm_90 is not a target of its own: a Hopper GPU loads sm_90a cubins
+        ("sm_90", "sm_90a"),
+        ("90", "sm_90a"),
+        ("9.0", "sm_90a"),
+        ("compute_90", "sm_90a"),
+        ("SM90", "sm_90a"),
+        ("sm_100", "sm_100"),
+        ("10.0", "sm_100"),
+        ("sm_103", "sm_103"),
+        ("120", "sm_120"),
+        ("12.0", "sm_120"),
     ],
 )
 def test_parse_arch(given_, want):
@@ -72,10 +84,25 @@ def test_parse_arch(given_, want):
     assert plan.parse_arch(want) == want  # idempotent
 
 
-@pytest.mark.parametrize("bad", ["sm_70", "7.5", "sm_75", "compute_61", "foo", "", "sm_", "sm_8", "a", "sm_90b", "sm_8.0"])
+#: The targets cuflash compiles for, as the error message lists them.
+KNOWN_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90a", "sm_100", "sm_103", "sm_120")
+
+
+@pytest.mark.parametrize("bad", ["sm_70", "7.5", "sm_75", "compute_61", "foo", "", "sm_", "sm_8", "a", "sm_90b", "sm_8.0",
+                                 "sm_99", "9.9", "sm_100a", "sm_120a", "sm_80a", "sm_101", "sm_110", "sm_1000"])  # fmt: skip
 def test_parse_arch_rejects(bad):
-    with pytest.raises(ValueError, match="arch"):
+    """Only the known targets: an arch NVRTC may compile but no cuflash process would load (sm_99,
+    sm_100a) is refused before NVRTC runs, with the list of the targets."""
+    with pytest.raises(ValueError, match=f"unsupported arch {bad!r}: cuflash compiles for ") as info:
         plan.parse_arch(bad)
+    assert str(info.value).endswith(", ".join(KNOWN_ARCHS))
+
+
+def test_every_known_arch_parses_and_has_its_limits():
+    for arch in KNOWN_ARCHS:
+        assert plan.parse_arch(arch) == arch
+        assert plan.max_smem_bytes(arch) <= plan.smem_per_sm_bytes(arch)
+    assert {plan.arch_for_capability(cc // 10, cc % 10) for cc in plan.MAX_SMEM_KB} == set(KNOWN_ARCHS)
 
 
 @pytest.mark.parametrize(
@@ -122,16 +149,21 @@ def test_tile_defaults_to_double_buffering():
 
 
 def test_static_asserts_in_the_source_are_the_ones_checked_here():
-    """If the kernel gains or changes an invariant, the test above must be revisited."""
-    src = (jit.source_dir() / "flash_fwd.cuh").read_text()
-    conditions = re.findall(r"static_assert\((.*?),\s*\"", src)
-    assert conditions == [
+    """If the kernel gains or changes an invariant, the test above must be revisited: FwdConfig's in
+    flash_fwd.cuh, and WarpTile's (the per-warp tile it runs) in warp_tile.cuh."""
+    def conditions(header):
+        return re.findall(r"static_assert\((.*?),\s*\"", (jit.source_dir() / header).read_text())
+
+    assert conditions("flash_fwd.cuh") == [
         "kHeadDim % 32 == 0 && kHeadDim <= 256",
         "kBlockM % (16 * kNWarps) == 0",
         "kBlockN % 16 == 0",
         "(kSmemStride / 8) % 2 == 1",
         "kStages == 1 || kStages == 2",
-        "!kSwizzled || (kKVStride % 64 == 0)",  # WarpTile; FwdConfig keeps padded K/V rows (kKVSwizzled false)
+    ]
+    assert "warp_tile.cuh" in jit.included_headers(jit.entry_source(plan.fwd_spec(64, "bf16", False, True, "sm_80")))
+    assert conditions("warp_tile.cuh") == [
+        "!kSwizzled || (kKVStride % 64 == 0)",  # FwdConfig keeps padded K/V rows (kKVSwizzled false)
     ]
 
 
@@ -302,6 +334,53 @@ def test_specs_are_hashable_and_compare_by_value():
     b = plan.fwd_spec(60 + 4, "fp16", 0, 1, "sm_80")  # flags are normalized to bool
     assert a == b and hash(a) == hash(b) and a.name == b.name
     assert plan.with_tile(a, a.tile) == a
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel registry: family -> header, entry kernel, parameter struct (what the JIT needs of a spec)
+# ---------------------------------------------------------------------------------------------
+
+
+def _every_spec():
+    return [s for arch in ("sm_80", "sm_90a") for family in plan.ALL_SPECS.values() for s in family(arch)]
+
+
+def test_every_spec_names_a_registered_family():
+    specs = _every_spec()
+    assert {s.family for s in specs} == set(plan.KERNEL_FAMILIES)  # every family is built, none is unknown
+    for name, fam in plan.KERNEL_FAMILIES.items():
+        assert isinstance(fam, plan.KernelFamily)
+        assert (jit.source_dir() / fam.header).is_file(), (name, fam.header)
+        assert "{args}" in fam.kernel and fam.params in ("FwdParams", "BwdParams", "DecodeParams")
+        assert f"struct {fam.params}" in (jit.source_dir() / "params.h").read_text()
+
+
+@pytest.mark.parametrize("family", sorted(plan.KERNEL_FAMILIES))
+def test_entry_source_of_every_family(family):
+    """jit.entry_source is the registry's template filled in: the family's header, the variant's extern
+    "C" kernel under its launch bounds, taking the family's parameter struct, calling its entry kernel."""
+    spec = next(s for s in _every_spec() if s.family == family)
+    fam = spec.kernel_family
+    assert fam is plan.KERNEL_FAMILIES[family]
+    assert spec.entry_kernel() == fam.kernel.format(args=spec.template_args())
+    text = jit.entry_source(spec)
+    assert text == jit.ENTRY_TEMPLATE.format(header=fam.header, threads=spec.threads, min_blocks=spec.min_blocks,
+                                             name=spec.name, params=fam.params, kernel=spec.entry_kernel())  # fmt: skip
+    assert text.splitlines()[0] == f'#include "{fam.header}"'
+    assert f"__launch_bounds__({spec.threads}, {spec.min_blocks})" in text
+    assert f"{spec.name}(const cuflash::{fam.params} params)" in text
+    assert f"cuflash::{spec.entry_kernel()}(params);" in text
+
+
+def test_launch_smem_limit():
+    """The most dynamic shared memory a launch of a variant may ask for (the limit its loaded function
+    gets): its own size, except the split-KV decode kernel, whose launches may be padded to space its
+    CTAs out (plan.decode_launch_smem), up to the GPU's per-CTA maximum."""
+    for s in _every_spec():
+        if s.family == "flash_decode":
+            assert s.launch_smem_limit == plan.max_smem_bytes(s.arch) >= s.smem_bytes, s.name
+        else:
+            assert s.launch_smem_limit == s.smem_bytes, s.name
 
 
 # ---------------------------------------------------------------------------------------------

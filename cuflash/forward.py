@@ -1,0 +1,83 @@
+"""The forward: ``cuflash.attention``. Argument checks (cuflash/checks.py), output allocation, the plan
+(cuflash/plan/forward.py) and the launch of cuda_src/flash_fwd.cuh (or, on Hopper, flash_fwd_sm90.cuh).
+
+The kernels assume their preconditions (see the header comment of cuda_src/flash_fwd.cuh); every
+check happens here, once, with a message that says what to do.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from . import checks, jit, launch, plan
+from .params import FWD_PACKER
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, out=None):
+    """Exact attention ``softmax(scale * q k^T) v`` with FlashAttention-2 on CuPy arrays.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim); float16 or
+    bfloat16, all the same dtype, on one device; any strides with a contiguous last dimension.
+    nheads must be a multiple of nheads_kv (GQA / MQA). headdim from 1 to 256.
+
+    causal: mask aligned to the bottom-right corner: query i sees keys j <= i + seqlen_k - seqlen_q;
+    a query that sees no key gets 0 (and lse -inf).
+    softmax_scale: defaults to 1 / sqrt(headdim); must be positive.
+    return_lse: also return lse, float32 (batch, nheads, seqlen_q), natural log of the softmax sum.
+    out: optional output array (shape and dtype of q, last dim contiguous) written in place.
+
+    Runs on CuPy's current stream and never synchronizes.
+    """
+    return run(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out)
+
+
+def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, out=None,
+        tile: plan.Tile | plan.Sm90Tile | None = None):  # fmt: skip
+    """``attention`` with a forced tile (a plan.Tile runs the mma.sync kernel with it, a plan.Sm90Tile
+    the Hopper one); for tuning tools and tests. tile=None is exactly ``attention``."""
+    cupy = checks.cupy_module()
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = checks.check_qkv(q, k, v, cupy)
+    softmax_scale = checks.resolve_scale(softmax_scale, head_dim)
+
+    with cupy.cuda.Device(device_id):
+        out = checks.output_like(out, q, device_id, cupy)
+        lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32)
+
+        if batch == 0 or seqlen_q == 0 or nheads == 0 or head_dim == 0:
+            return (out, lse) if return_lse else out
+        if seqlen_k == 0:  # no query sees any key
+            out.fill(0)
+            lse.fill(-np.inf)
+            return (out, lse) if return_lse else out
+
+        aligned = head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q, k, v, out))
+        how, fn = _plan_and_load(
+            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, checks.DTYPE_NAMES[q.dtype], bool(causal), aligned,
+            device_id, tile,
+        )  # fmt: skip
+        qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q, k, v, out))
+        record = FWD_PACKER.pack(
+            q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+            q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
+            k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
+            v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
+            o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
+            batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_ratio=nheads // nheads_kv,
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, num_m_blocks=how.grid[0],
+            softmax_scale=softmax_scale, scale_log2=softmax_scale * math.log2(math.e),
+        )  # fmt: skip
+        launch.launch_record(fn, how, record, cupy.cuda.get_current_stream().ptr)
+    return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, causal, aligned, device_id, tile):
+    """Launch plan and loaded kernel for one call signature (memoized: the host side of a repeated
+    call is then a dictionary lookup, not a re-plan)."""
+    how = plan.plan_forward(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
+        dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
+    )  # fmt: skip
+    return how, jit.get_function(how.spec, device_id)
