@@ -9,26 +9,23 @@ For each Hopper head-dim bucket and one tile of keys:
 Prints the max abs error per check; exit status 1 if any exceeds the DESIGN.md bound.
 """
 import sys
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> int:
     import cupy
 
-    from cuflash import plan, reference
-    from cuflash.attention import _BF16, _forward
+    from cuflash import forward, plan, reference
+    from cuflash.checks import BF16
 
     rng = np.random.default_rng(0)
     bad = 0
     for hd, tile in sorted(plan.FWD_SM90_TILES.items()):
-        for dtname, dt in (("bf16", _BF16), ("fp16", np.dtype(np.float16))):
+        for dtname, dt in (("bf16", BF16), ("fp16", np.dtype(np.float16))):
             def run(q, k, v, causal=False):
                 args = [cupy.asarray(x.astype(dt)) for x in (q, k, v)]
-                out, lse = _forward(*args, causal=causal, softmax_scale=None, return_lse=True, out=None, tile=tile)
+                out, lse = forward.run(*args, causal=causal, return_lse=True, tile=tile)
                 ref, ref_lse = reference.attention_forward(*args, causal=causal)
                 plain = reference.plain_attention_bar(*args, ref, causal=causal, dtype=dt)
                 got = out.get().astype(np.float64)

@@ -6,10 +6,6 @@ backward of each after them), for ncu:
     ncu --clock-control none -k regex:flash_bwd ... python tools/profile_pair.py --bwd
 """
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main():
@@ -25,7 +21,7 @@ def main():
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import cuflash
-    from cuflash.attention import _BF16
+    from cuflash.checks import BF16 as _BF16
 
     b, h = 16384 // a.seqlen, 2048 // a.hd
     rng = cupy.random.default_rng(0)

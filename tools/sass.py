@@ -7,12 +7,10 @@ No GPU needed. nvcc reads the same entry source and headers that cuflash hands t
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cuflash import jit, plan  # noqa: E402
+from cuflash import jit, plan
 
 
 def main():

@@ -1,4 +1,4 @@
-"""Sweep backward tile shapes (cuflash/plan.py BwdTile) on the GPU, side by side with torch's
+"""Sweep backward tile shapes (cuflash/plan/backward.py BwdTile) on the GPU, side by side with torch's
 FlashAttention-2 backward, to choose the rows of BWD_TILES.
 
     python tools/tune_bwd.py --hd 128 [--seqlen 1024 4096] [--tiles "64,128,8,2,4,4,2" ...]
@@ -8,29 +8,24 @@ seqlen) and, last, the median ratio per tile.
 """
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cuflash import bench, plan  # noqa: E402
+from cuflash import bench, plan
 
 
 def check_tile(hd, tile, dtype):
     import cupy
     import numpy as np
 
-    from cuflash import reference
-    from cuflash.attention import _BF16, _forward
-    from cuflash.backward import _backward
+    from cuflash import backward, forward, reference
+    from cuflash.checks import numpy_dtype
 
-    dt = _BF16 if dtype == "bf16" else np.dtype(np.float16)
+    dt = numpy_dtype(dtype)
     rng = np.random.default_rng()
     for causal in (False, True):
         q, k, v, do = (cupy.asarray(rng.standard_normal(sh, dtype=np.float32).astype(dt))
                        for sh in ((2, 211, 2, hd), (2, 333, 1, hd), (2, 333, 1, hd), (2, 211, 2, hd)))
-        out, lse = _forward(q, k, v, causal=causal, softmax_scale=None, return_lse=True, out=None)
-        got = _backward(do, q, k, v, out, lse, causal=causal, softmax_scale=None, deterministic=False,
-                        dq=None, dk=None, dv=None, tile=tile)
+        out, lse = forward.run(q, k, v, causal=causal, return_lse=True)
+        got = backward.run(do, q, k, v, out, lse, causal=causal, tile=tile)
         refs = reference.attention_backward(do, q, k, v, causal=causal)
         plains = reference.plain_attention_backward_bar(do, q, k, v, refs, causal=causal, dtype=dt, out=out)
         for g, r, pl in zip(got, refs, plains):
@@ -68,7 +63,7 @@ def main():
                 b, h = max(1, 16384 // s), 2048 // a.hd
                 row = bench.run_point(a.dtype, a.hd, causal, s, b, h, repeats=a.repeats, peers=True, naive_max_gb=0,
                                       op="bwd", bwd_tile=tile)
-                bench._release_memory()
+                bench.release_memory()
                 t = row.tflops
                 r = t["cuflash"] / t["flash"] if "flash" in t and "cuflash" in t else float("nan")
                 ratios.append(r)

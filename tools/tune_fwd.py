@@ -1,5 +1,5 @@
 """Sweep forward tile shapes on the GPU at a few points of the paper grid, side by side with
-torch's FlashAttention-2, to choose the rows of cuflash/plan.py FWD_TILES.
+torch's FlashAttention-2, to choose the rows of cuflash/plan/forward.py FWD_TILES.
 
     python tools/tune_fwd.py [--hd 64 128 256] [--seqlen 2048 8192] [--dtype bf16] [--sm90]
 --sm90 sweeps the Hopper (wgmma) kernel's tiles (FWD_SM90_TILES) instead of the mma.sync kernel's.
@@ -7,12 +7,9 @@ Prints one line per (head dim, tile, causal, seqlen) and, last, the best tile pe
 """
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cuflash import bench  # noqa: E402
-from cuflash.plan import Sm90Tile, Tile  # noqa: E402
+from cuflash import bench
+from cuflash.plan import Sm90Tile, Tile
 
 T = Tile
 CANDIDATES = {  # (block_m, block_n, warps, q_in_regs, min_blocks, stages)
@@ -46,15 +43,15 @@ def check_tile(hd, tile, dtype):
     import cupy
     import numpy as np
 
-    from cuflash import reference
-    from cuflash.attention import _BF16, _forward
+    from cuflash import forward, reference
+    from cuflash.checks import numpy_dtype
 
-    dt = _BF16 if dtype == "bf16" else np.dtype(np.float16)
+    dt = numpy_dtype(dtype)
     rng = np.random.default_rng()
     for causal in (False, True):
         q, k, v = (cupy.asarray(rng.standard_normal(sh, dtype=np.float32).astype(dt))
                    for sh in ((2, 211, 2, hd), (2, 333, 1, hd), (2, 333, 1, hd)))
-        out = _forward(q, k, v, causal=causal, softmax_scale=None, return_lse=False, out=None, tile=tile)
+        out = forward.run(q, k, v, causal=causal, tile=tile)
         ref, _ = reference.attention_forward(q, k, v, causal=causal)
         plain = reference.plain_attention_bar(q, k, v, ref, causal=causal, dtype=dt)
         if not reference.within_tolerance(out.get().astype(np.float64), ref, plain):
@@ -85,7 +82,7 @@ def main():
                     try:
                         row = bench.run_point(a.dtype, hd, causal, s, b, h, repeats=a.repeats, peers=True,
                                               naive_max_gb=0, tile=tile)
-                        bench._release_memory()
+                        bench.release_memory()
                     except Exception as exc:  # e.g. too much shared memory for this tile
                         print(f"hd{hd} {tile} causal={causal} s={s}: FAILED {type(exc).__name__}: {exc}", flush=True)
                         continue

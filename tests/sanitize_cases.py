@@ -1,23 +1,22 @@
 """Small ragged forward, backward and decode cases for compute-sanitizer (memcheck / racecheck) on the GPU.
 
 CuPy's memory pool hides out-of-bounds accesses inside its big blocks, so the pool is disabled
-and every array is its own cudaMalloc. Exits non-zero if a result is wrong.
-    compute-sanitizer --tool memcheck python tools/sanitize_cases.py [--only filled]
+and every array is its own cudaMalloc. Exits non-zero if a result is wrong. A script next to the
+test helpers it uses (run from the repository root after pip install -e .):
+    compute-sanitizer --tool memcheck python tests/sanitize_cases.py [--only filled]
 --only filled: just the decode cases on the unsplit wave, the filled and tail-split grids and with CTA loads
 (a short run).
 """
+import dataclasses
 import sys
-from pathlib import Path
 
 import cupy
 
 cupy.cuda.set_allocator(None)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
-from gpu_util import check_backward, check_forward, merge_of_the_splits, random_qkv  # noqa: E402
+from gpu_util import check_backward, check_forward, merge_policy, random_qkv  # noqa: E402
 from test_decode_gpu import (  # noqa: E402
-    FILLED_LAYOUT_CASE, TAIL_CASES, TAIL_LAYOUT_CASE, TAIL_THRESHOLDS, case, run_and_check,
+    FILLED_LAYOUT_CASE, FILLED_POLICY, TAIL_CASES, TAIL_LAYOUT_CASE, TAIL_POLICY, case, run_and_check,
 )
 
 from cuflash import jit, plan  # noqa: E402
@@ -77,27 +76,19 @@ def main():
     ):
         c = case(rng, **kw)
         for where in ("in kernel", "combine"):  # both merges of the splits (one split: neither runs)
-            with merge_of_the_splits(where):
-                _, _, err, bound = run_and_check(**c, **call)
+            _, _, err, bound = run_and_check(**c, **call, policy=merge_policy(where))
             print(f"ok decode {kw} {call} merge {where}: err {err:.2e} <= {bound:.2e}")
     # The filled grid (one length for all; thresholds lowered so small caches take it, as in
     # tests/test_decode_gpu.py): long splits and a tail per group, split-major; causal GQA rows, a paged
     # cache with an append, long splits in 2 waves.
-    from cuflash import kvcache
-
     made, real = [], plan.plan_decode
     plan.plan_decode = lambda **kw: made.append(real(**kw)) or made[-1]  # the plans the calls make
     # The lean combine kernel (forced) past one batch per warp: 384 output rows of 70 splits, 18 per
     # warp in 5 batches of 4, one sequence empty.
     if not filled_only:
-        real_lean, plan.decode_combine_lean = plan.decode_combine_lean, lambda *args: True
         c = case(rng, batch=12, seqlen_q=1, nheads=32, nheads_kv=1, head_dim=128, capacity=4480,
                  lengths=[4480] * 11 + [0])  # fmt: skip
-        try:
-            with merge_of_the_splits("combine"):
-                _, _, err, bound = run_and_check(**c, num_splits=70)
-        finally:
-            plan.decode_combine_lean = real_lean
+        _, _, err, bound = run_and_check(**c, num_splits=70, policy=merge_policy("combine", combine="lean"))
         if made[-1].combine is None or not made[-1].combine.spec.lean:
             sys.exit(f"decode b=12 h_kv=1 70 splits did not run the lean combine kernel ({made[-1].combine})")
         print(f"ok decode lean combine kernel, 384 rows x 70 splits: err {err:.2e} <= {bound:.2e}")
@@ -108,16 +99,10 @@ def main():
         num_sms = cupy.cuda.Device(0).attributes["MultiProcessorCount"]
         c = dict(case(rng, batch=num_sms, seqlen_q=1, nheads=4, nheads_kv=1, head_dim=128, capacity=4096,
                       page_size=16), cache_seqlens=4059)  # fmt: skip
-        kvcache._plan_and_load.cache_clear()
         _, _, err, bound = run_and_check(**c)
         if (made[-1].num_splits, made[-1].ctas_per_sm) != (1, 1):
             sys.exit(f"decode b={num_sms} L=4059 h_kv=1 did not take the unsplit wave (grid {made[-1].attn.grid})")
         print(f"ok decode unsplit wave, paged P=16: err {err:.2e} <= {bound:.2e}")
-    names = "DECODE_FILL_MIN_UNSPLIT_TILES", "DECODE_FILL_MIN_UNSPLIT_TILES_FULL", "DECODE_LONG_CTA_KEYS"
-    thresholds = {name: getattr(plan, name) for name in names}
-    for name in names:
-        setattr(plan, name, 1)
-    kvcache._plan_and_load.cache_clear()
     batch, nheads, nheads_kv, cached, capacity = FILLED_LAYOUT_CASE
     for kw, L, call in (
         (dict(batch=12, seqlen_q=1, nheads=8, nheads_kv=8, head_dim=128, capacity=920), 919, {}),
@@ -127,7 +112,7 @@ def main():
               seqlen_new=3), cached, {}),
     ):
         c = dict(case(rng, **kw), cache_seqlens=L)
-        _, _, err, bound = run_and_check(**c, **call)
+        _, _, err, bound = run_and_check(**c, **call, policy=FILLED_POLICY)
         if not made[-1].split_major:
             sys.exit(f"decode {kw} L={L} did not take the filled grid on this GPU (grid {made[-1].attn.grid})")
         print(f"ok decode filled grid {kw} L={L} {call}: err {err:.2e} <= {bound:.2e}")
@@ -135,18 +120,14 @@ def main():
     for head_dim in (128, 100):
         c = case(rng, batch=3, seqlen_q=2, nheads=32, nheads_kv=2, head_dim=head_dim, capacity=2000,
                  lengths=[1990, 0, 777])  # fmt: skip
-        _, _, err, bound = run_and_check(**c, causal=True, num_splits=5, ctas_per_sm=2)
+        _, _, err, bound = run_and_check(**c, causal=True, num_splits=5, policy=dataclasses.replace(FILLED_POLICY,
+                                                                                                       ctas_per_sm=2))
         if not made[-1].attn.spec.cta_loads:
             sys.exit(f"decode hd{head_dim} at 2 CTAs per SM did not load as a CTA ({made[-1].attn.spec.name})")
         print(f"ok decode CTA loads hd{head_dim}, 2 slabs: err {err:.2e} <= {bound:.2e}")
     # The tail-split grid (thresholds lowered as in tests/test_decode_gpu.py): column loads at 3 per SM,
     # CTA loads at 2 per SM, causal GQA with 12 packed rows x 5 splits, a paged cache with an append on
     # the element-wise path (head dim 100).
-    for name, value in thresholds.items():
-        setattr(plan, name, value)
-    for name, value in TAIL_THRESHOLDS.items():
-        setattr(plan, name, value)
-    kvcache._plan_and_load.cache_clear()
     batch, nheads, nheads_kv, cached, capacity = TAIL_LAYOUT_CASE
     for kw, L, call in [
         (dict(batch=b, seqlen_q=sq, nheads=h, nheads_kv=hk, head_dim=128, capacity=L + 7), L, dict(causal=causal))
@@ -154,7 +135,7 @@ def main():
     ] + [(dict(batch=batch, seqlen_q=1, nheads=nheads, nheads_kv=nheads_kv, head_dim=100, capacity=capacity,
                page_size=48, seqlen_new=3), cached + 3, {})]:  # fmt: skip
         c = dict(case(rng, **kw), cache_seqlens=L - kw.get("seqlen_new", 0))
-        _, _, err, bound = run_and_check(**c, **call)
+        _, _, err, bound = run_and_check(**c, **call, policy=TAIL_POLICY)
         if not made[-1].tail_groups:
             sys.exit(f"decode {kw} L={L} did not take the tail-split grid on this GPU (grid {made[-1].attn.grid})")
         print(f"ok decode tail-split grid {kw} L={L} {call}: err {err:.2e} <= {bound:.2e}")

@@ -1,0 +1,114 @@
+"""Markdown tables of the saved benchmark runs in docs/results (for README.md and docs/results/README.md),
+so the numbers in the docs are read from the result files, never typed.
+
+    python tools/results_tables.py [docs/results] [--dtype bf16]
+
+Prefill (forward, backward, forward+backward; files written by `cuflash bench --op ... --json`): one
+row per head dim and causal flag with the TFLOP/s of cuflash, FlashAttention-2 (torch SDPA
+FLASH_ATTENTION) and cuDNN at the longest sequence, and the median and lowest ratio cuflash / peer over
+all sequence lengths. Decode (`cuflash bench --decode --json`): one row per kv heads and batch with
+cuflash's KV TB/s over the cache lengths and the ratios to the peers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+OPS = {"fwd": "Forward", "bwd": "Backward", "fwd+bwd": "Forward + backward"}
+
+
+def _env_line(env: dict) -> str:
+    cudnn = env.get("cudnn")
+    cudnn = f"{cudnn // 10000}.{cudnn // 100 % 100}" if isinstance(cudnn, int) else cudnn
+    return (f"{env['gpu']} ({env['sm_count']} SMs), {env['date'][:10]}; cuflash {env['cuflash']}, NVRTC {env['nvrtc']}, "
+            f"CuPy {env['cupy']}, torch {env.get('torch', '-')}, cuDNN {cudnn}")
+
+
+def _ratio_cells(ratios):
+    return (f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}") if ratios else ("-", "-")
+
+
+def prefill_table(op: str, rows: list, env: dict, dtype: str, source: str) -> list[str]:
+    out = []
+    title = OPS[op]
+    sel = [r for r in rows if r.get("op", "fwd") == op and r["dtype"] == dtype and "cuflash" in r["tflops"]]
+    if sel:
+        longest = max(r["seqlen"] for r in sel)
+        out += [f"**{title}** ({dtype}, TFLOP/s at {longest // 1024}k tokens; ratios cuflash / peer over "
+                f"{len({r['seqlen'] for r in sel})} lengths {min(r['seqlen'] for r in sel)}-{longest}; `{source}`)", "",
+                "| head dim | causal | cuflash | FA2 | cuDNN | vs FA2 median (min) | vs cuDNN median (min) |",
+                "|---|---|---|---|---|---|---|"]
+        all_f, all_c = [], []
+        for hd, causal in sorted({(r["head_dim"], r["causal"]) for r in sel}):
+            group = [r for r in sel if (r["head_dim"], r["causal"]) == (hd, causal)]
+            top = max(group, key=lambda r: r["seqlen"])["tflops"]
+            rf = [r["tflops"]["cuflash"] / r["tflops"]["flash"] for r in group if "flash" in r["tflops"]]
+            rc = [r["tflops"]["cuflash"] / r["tflops"]["cudnn"] for r in group if "cudnn" in r["tflops"]]
+            all_f += rf
+            all_c += rc
+            mf, lf = _ratio_cells(rf)
+            mc, lc = _ratio_cells(rc)
+            out.append(f"| {hd} | {'yes' if causal else 'no'} | {top['cuflash']:.0f} | {top.get('flash', 0):.0f} | "
+                       f"{top.get('cudnn', 0):.0f} | {mf} ({lf}) | {mc} ({lc}) |")
+        mf, lf = _ratio_cells(all_f)
+        mc, lc = _ratio_cells(all_c)
+        out += [f"| all | | | | | **{mf}** ({lf}) | **{mc}** ({lc}) |", ""]
+    return out
+
+
+def decode_table(rows: list, env: dict, source: str) -> list[str]:
+    sel = [r for r in rows if "cuflash" in r.get("tbps", {})]
+    if not sel:
+        return []
+    lens = sorted({r["cache_len"] for r in sel})
+    hd = sorted({r["head_dim"] for r in sel})
+    out = [f"**Decode** (one query token, {'/'.join(sorted({r['dtype'] for r in sel}))}, head dim "
+           f"{'/'.join(map(str, hd))}, {sel[0]['nheads']} query heads, caches of {lens[0] // 1024}k-{lens[-1] // 1024}k "
+           f"tokens; KV bytes read per second; ratios cuflash / peer over the cache lengths; `{source}`)", "",
+           "| kv heads | batch | cuflash TB/s | vs FA2 median (min) | vs cuDNN median (min) |", "|---|---|---|---|---|"]
+    all_f, all_c = [], []
+    for hk, b in sorted({(r["nheads_kv"], r["batch"]) for r in sel}, key=lambda x: (-x[0], x[1])):
+        group = [r for r in sel if (r["nheads_kv"], r["batch"]) == (hk, b)]
+        t = [r["tbps"]["cuflash"] for r in group]
+        rf = [r["tbps"]["cuflash"] / r["tbps"]["flash"] for r in group if "flash" in r["tbps"]]
+        rc = [r["tbps"]["cuflash"] / r["tbps"]["cudnn"] for r in group if "cudnn" in r["tbps"]]
+        all_f += rf
+        all_c += rc
+        mf, lf = _ratio_cells(rf)
+        mc, lc = _ratio_cells(rc)
+        out.append(f"| {hk} | {b} | {min(t):.2f}-{max(t):.2f} | {mf} ({lf}) | {mc} ({lc}) |")
+    mf, lf = _ratio_cells(all_f)
+    mc, lc = _ratio_cells(all_c)
+    n_ahead = sum(x >= 1.0 for x in all_c)
+    out += [f"| all | | | **{mf}** ({lf}) | **{mc}** ({lc}); {n_ahead} of {len(all_c)} >= 1 |", "",
+            f"Decode measured on {_env_line(env)}.", ""]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", nargs="?", default="docs/results")
+    ap.add_argument("--dtype", default="bf16")
+    a = ap.parse_args()
+    runs = [(path, json.loads(path.read_text())) for path in sorted(Path(a.folder).glob("*.json"))]
+    lines, envs = [], []
+    for op in OPS:  # the newest file holding each operation
+        have = [(d["environment"]["date"], str(p), d) for p, d in runs
+                if "rows" in d and any(r.get("op", "fwd") == op for r in d["rows"])]
+        if have:
+            _, path, d = max(have, key=lambda x: x[0])
+            lines += prefill_table(op, d["rows"], d["environment"], a.dtype, path)
+            envs.append(_env_line(d["environment"]))
+    for env in dict.fromkeys(envs):  # one line per run the tables come from
+        lines += [f"Prefill measured on {env}.", ""]
+    for path, d in runs:
+        if "decode" in d:
+            lines += decode_table(d["decode"], d["environment"], str(path))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
