@@ -130,10 +130,12 @@ def list_entries(d: Path | None = None) -> list[CacheEntry]:
 
 
 def _remove(path: Path) -> int:
+    """1 if ``path`` was removed; 0 if it was gone already or cannot be removed (a read-only cache:
+    prune and clear report what they removed, they do not fail on the rest)."""
     try:
         path.unlink()
         return 1
-    except FileNotFoundError:
+    except OSError:
         return 0
 
 
@@ -155,10 +157,15 @@ class PruneResult:
 
 def prune(*, version: str, nvrtc: tuple[int, int] | None, max_bytes: int | None = None,
           tmp_age_s: float = 3600.0, d: Path | None = None) -> PruneResult:  # fmt: skip
-    """Remove the entries that can never be loaded again: damaged ones, and ones built by another
-    cuflash ``version`` or another ``nvrtc`` version (None: keep any) than this process would use
-    (their key can no longer match); temporary files older than ``tmp_age_s`` (left by a compile that
-    was killed). With ``max_bytes``, then also the least recently used entries until the rest fit."""
+    """Remove the entries this installation can never load again: damaged ones, and ones built by
+    another cuflash ``version`` or another ``nvrtc`` version (None: keep any) than this process would
+    use (their key can no longer match); temporary files older than ``tmp_age_s`` (left by a compile
+    that was killed). With ``max_bytes``, then keep the most recently used entries that fit in it
+    (newest first; an entry that does not fit is removed, an older smaller one may still fit).
+
+    The default folder is shared by every environment of a user: entries another environment (another
+    cuflash or NVRTC version) still loads are removed too, and rebuilt there on first use. Entries of
+    this version compiled from sources since changed are not recognized as stale (only by the cap)."""
     d = d or cache_dir()
     removed, freed = [], 0
     keep = []

@@ -33,6 +33,7 @@ def numpy_dtype(name: str) -> np.dtype:
     raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES.values())}, got {name!r}")
 
 
+_FLT_MAX = float(np.finfo(np.float32).max)
 #: Grid limits of the forward and backward launches (gridDim.y = heads, gridDim.z = batch).
 MAX_GRID_YZ = 65535
 INT32_MAX = 2**31 - 1
@@ -150,8 +151,9 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     softmax_scale = float(softmax_scale)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    # The kernels take scale and scale * log2(e) as float32: both must be finite there.
+    if not (math.isfinite(softmax_scale) and 0 < softmax_scale * math.log2(math.e) < _FLT_MAX):
+        raise ValueError(f"softmax_scale must be a positive finite number (float32), got {softmax_scale}")
     return softmax_scale
 
 

@@ -3,7 +3,7 @@
     cuflash info                                     versions, GPU, arch, kernel cache
     cuflash precompile --arch sm_90a --all -j 8      fill the kernel cache (no GPU needed)
     cuflash cache list                               one line per cached kernel variant
-    cuflash cache prune [--max-size 2GiB]            remove entries that can no longer be used
+    cuflash cache prune [--max-size 2GiB]            remove entries this installation cannot load
     cuflash cache clear --yes                        empty the kernel cache
     cuflash bench --head-dim 128 --seqlen 4096       forward speed next to the peers
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import os
 import sys
 import time
@@ -62,7 +63,7 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         raise ValueError(f"not a size: {text!r} (e.g. 2GiB, 500MB, 1048576)") from None
-    if unit not in units or value < 0:
+    if unit not in units or not math.isfinite(value) or value < 0:
         raise ValueError(f"not a size: {text!r} (e.g. 2GiB, 500MB, 1048576)")
     return int(value * units[unit])
 
@@ -93,9 +94,33 @@ def _normalized(ctx, param, values, normalize):
     return tuple(out)
 
 
+def _known_arch(arch: str) -> str:
+    """plan.parse_arch, then refused unless this NVRTC can compile for it (where NVRTC says which it can):
+    an arch NVRTC does not know fails here, not in the middle of a compile."""
+    a = plan.parse_arch(arch)
+    try:
+        from cupy.cuda import nvrtc
+
+        supported = tuple(nvrtc.getSupportedArchs())
+    except Exception:  # noqa: BLE001 - no NVRTC here: parse_arch's list decides alone
+        return a
+    if plan.arch_number(a) not in supported:
+        major, minor = nvrtc_version_text()
+        known = ", ".join(f"sm_{n}" for n in supported)
+        raise ValueError(f"NVRTC {major}.{minor} cannot compile for {a} (it knows {known})")
+    return a
+
+
+def nvrtc_version_text() -> tuple[int, int]:
+    try:
+        return jit.nvrtc_version()
+    except Exception:  # noqa: BLE001
+        return (0, 0)
+
+
 def _parse_archs(ctx, param, values):
-    """Each --arch through plan.parse_arch: known targets only (sm_90 means sm_90a)."""
-    return _normalized(ctx, param, values, plan.parse_arch)
+    """Each --arch through _known_arch: known targets only (sm_90 means sm_90a)."""
+    return _normalized(ctx, param, values, _known_arch)
 
 
 def _parse_head_dims(ctx, param, values):
@@ -236,10 +261,6 @@ def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
     if not all_ and not head_dims:
         raise click.UsageError("say which kernels to build: --head-dim D (repeatable) or --all")
     dims = plan.HEAD_DIM_BUCKETS if all_ else head_dims
-    try:
-        kcache.check_writable()
-    except kcache.CacheWriteError as exc:
-        raise click.ClickException(str(exc)) from None
 
     specs = []
     for arch in archs:
@@ -247,6 +268,11 @@ def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
             specs += KERNEL_FAMILIES[family](
                 arch, head_dims=dims, dtypes=DTYPE_CHOICES[dtype], causals=CAUSAL_CHOICES[causal], aligned=(True, False)
             )
+    if not all(jit.is_cached(s) for s in specs):  # something to compile: the cache must take it (a full,
+        try:  # read-only cache, e.g. baked into an image, only reports)
+            kcache.check_writable()
+        except kcache.CacheWriteError as exc:
+            raise click.ClickException(str(exc)) from None
 
     t0 = time.perf_counter()
     with _quiet_compile_log(not verbose), click.progressbar(
@@ -307,11 +333,12 @@ def cache_list():
 
 @cache.command("prune")
 @click.option("--max-size", "max_size", default=None, metavar="SIZE",
-              help="Then also remove the least recently used entries until the rest fit, e.g. 2GiB.")
+              help="Then keep only the most recently used entries that fit in SIZE, e.g. 2GiB.")
 @click.option("-v", "--verbose", is_flag=True, help="List each removed file and why.")
 def cache_prune(max_size, verbose):
     """Remove the entries this installation can never load again: damaged ones, ones built by another
-    cuflash or NVRTC version, and temporary files of interrupted compiles."""
+    cuflash or NVRTC version (in a folder several environments share, those of the others too), and
+    temporary files of interrupted compiles."""
     try:
         max_bytes = None if max_size is None else parse_size(max_size)
     except ValueError as exc:
@@ -355,6 +382,18 @@ def gpu_problem() -> str | None:
     return None
 
 
+def plot_problem(path: str) -> str | None:
+    """Why --plot PATH cannot be drawn (None: it can): matplotlib missing, or a folder that is not there."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib: pip install 'cuflash[plot]'"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--plot {path}: the folder {folder} does not exist"
+    return None
+
+
 @main.command()
 @click.option("--head-dim", multiple=True, type=int, default=(64, 128, 256), show_default=True,
               help="Head dims (repeatable); --decode: default 128.")
@@ -394,11 +433,12 @@ def bench(ctx, **options):
     if not decode and (batch or kv_heads):
         raise click.UsageError("--batch and --kv-heads apply to --decode only")
     module = "cuflash.bench_decode" if decode else "cuflash.bench"
-    if options["plot_path"]:
-        try:
-            import matplotlib  # noqa: F401 - checked before a run that would end without its figure
-        except ImportError:
-            raise click.UsageError("--plot needs matplotlib: pip install 'cuflash[plot]'") from None
+    if options["plot_path"]:  # checked before a run that would end without its figure
+        problem = plot_problem(options["plot_path"])
+        if problem is not None:
+            raise click.UsageError(problem)
+    if from_json is not None and options["json_path"]:
+        raise click.UsageError("--from-json redraws a saved run; --json writes a new one: use one of them")
     if from_json is None:
         problem = gpu_problem()
         if problem is not None:

@@ -136,6 +136,11 @@ def entry_path(spec, key: str) -> Path:
     return cache.cache_dir() / f"{spec.name}-{key}.cubin"
 
 
+def is_cached(spec) -> bool:
+    """Whether the disk cache holds an entry for ``spec`` as this installation would compile it."""
+    return entry_path(spec, cache_key(spec)).exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # NVRTC
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ NVRTC compiles for an explicit --arch on the CPU. Every test uses a temporary ke
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -355,6 +356,27 @@ def test_precompile_into_an_unwritable_cache_fails_first(cache_below_a_file, tmp
     assert [p.name for p in tmp_path.iterdir()] == ["afile"] and cache_below_a_file.read_bytes() == b"a regular file"
 
 
+def test_precompile_of_a_full_read_only_cache_only_reports(cache, monkeypatch):
+    """A cache that already holds every variant asked for (e.g. baked into an image, read-only) is not
+    written to: precompile reports them cached and exits 0, even where a write would fail."""
+    assert invoke(SMALL).exit_code == 0
+    monkeypatch.setattr(kcache, "check_writable", lambda *a: (_ for _ in ()).throw(kcache.CacheWriteError("read-only")))
+    r = invoke(SMALL)
+    assert r.exit_code == 0, r.output
+    assert f"{N_SMALL} variants: 0 compiled, {N_SMALL} already cached" in r.output
+
+
+def test_precompile_arch_this_nvrtc_does_not_know(cache, recorder, monkeypatch):
+    """A shipped arch the installed NVRTC cannot compile for is a usage error naming what it can."""
+    from cupy.cuda import nvrtc
+
+    monkeypatch.setattr(nvrtc, "getSupportedArchs", lambda: (80, 86, 89, 90))
+    r = invoke(["precompile", "--arch", "sm_120", "--all"])
+    assert r.exit_code == 2 and "cannot compile for sm_120 (it knows sm_80, sm_86, sm_89, sm_90)" in r.output
+    assert recorder.specs == []
+    assert invoke(["precompile", "--arch", "sm_90", "--head-dim", "64"]).exit_code == 0
+
+
 def test_precompile_into_an_unwritable_cache_never_calls_the_compiler(cache_below_a_file, recorder):
     r = invoke(["precompile", "--arch", "sm_80", "--all", "-j", "4"])
     assert r.exit_code == 1 and "is not writable" in r.output
@@ -561,7 +583,7 @@ def test_parse_size(text, n):
     assert cli.parse_size(text) == n
 
 
-@pytest.mark.parametrize("text", ["lots", "-1", "5 XB", "GiB", "", "1.2.3M", "10 KiBs"])
+@pytest.mark.parametrize("text", ["lots", "-1", "5 XB", "GiB", "", "1.2.3M", "10 KiBs", "inf", "1e400", "nan", "-inf"])
 def test_parse_size_rejects(text):
     with pytest.raises(ValueError, match="not a size"):
         cli.parse_size(text)
@@ -580,7 +602,30 @@ def fake_bench(monkeypatch):
     mod.cli_main = lambda **kw: calls.append(kw)
     monkeypatch.setitem(sys.modules, "cuflash.bench", mod)
     monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(cli, "plot_problem", lambda path: None)  # matplotlib or not (CI has none)
     return calls
+
+
+def test_bench_plot_problems_are_usage_errors_before_the_run(fake_bench, monkeypatch, tmp_path):
+    """--plot that could not be drawn fails at once (exit 2, nothing run), not after the benchmark."""
+    monkeypatch.undo()  # the real plot_problem, with the fake module and GPU back below
+    monkeypatch.setitem(sys.modules, "cuflash.bench", types.SimpleNamespace(cli_main=lambda **kw: fake_bench.append(kw)))
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    r = invoke(["bench", "--plot", str(tmp_path / "no-such-folder" / "f.png")])
+    missing_mpl = importlib.util.find_spec("matplotlib") is None
+    assert r.exit_code == 2 and ("needs matplotlib" if missing_mpl else "does not exist") in r.output, r.output
+    monkeypatch.setattr(cli, "plot_problem", lambda path: "--plot needs matplotlib: pip install 'cuflash[plot]'")
+    r = invoke(["bench", "--plot", str(tmp_path / "f.png")])
+    assert r.exit_code == 2 and "--plot needs matplotlib: pip install 'cuflash[plot]'" in r.output
+    assert fake_bench == []
+    assert cli.plot_problem(str(tmp_path / "nowhere" / "f.png")) is not None
+
+
+def test_bench_from_json_and_json_together_is_a_usage_error(fake_bench, tmp_path):
+    saved = tmp_path / "run.json"
+    saved.write_text("{}")
+    r = invoke(["bench", "--from-json", str(saved), "--json", str(tmp_path / "new.json")])
+    assert r.exit_code == 2 and "use one of them" in r.output and fake_bench == []
 
 
 def test_bench_defaults(fake_bench):

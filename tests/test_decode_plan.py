@@ -691,7 +691,8 @@ def test_the_default_policy():
     (dict(ctas_per_sm=1.0), "ctas_per_sm"), (dict(ctas_per_sm="2"), "ctas_per_sm"),
     (dict(min_keys_per_split=0), "min_keys_per_split must be an int >= 1"),
     (dict(long_ctas_per_sm=0), "long_ctas_per_sm"), (dict(cta_overhead_tiles=-1), "cta_overhead_tiles must be an int >= 0"),
-    (dict(max_keys_per_split=-1), "max_keys_per_split"), (dict(deep_max_keys=2.5), "deep_max_keys"),
+    (dict(max_keys_per_split=-1), "max_keys_per_split"), (dict(max_keys_per_split=0), "max_keys_per_split"),
+    (dict(deep_max_keys=2.5), "deep_max_keys"),
     (dict(tail_split_max_fill=1.5), r"tail_split_max_fill must be a number in \[0, 1\]"),
     (dict(one_wave_min_fill=float("nan")), "one_wave_min_fill"), (dict(tail_split_min_gain=2), "tail_split_min_gain"),
     (dict(tail_split_min_gain=float("nan")), "tail_split_min_gain"),
@@ -703,6 +704,12 @@ def test_policy_rejects(fields, match):
         plan.DecodePolicy(**fields)
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(P, **fields)
+
+
+def test_policy_takes_numpy_numbers():
+    """A sweep tool's NumPy values are numbers too."""
+    p = plan.DecodePolicy(long_cta_keys=np.int64(4096), tail_split_max_fill=np.float32(0.5), tail_split_buckets=np.array([128]))
+    assert p.long_cta_keys == 4096 and p.tail_split_buckets == (128,) and hash(p) is not None
 
 
 def test_policy_bucket_lists_become_tuples():
@@ -877,7 +884,8 @@ def test_dtype_names_scale_and_ints():
             checks.numpy_dtype(name)
     assert checks.resolve_scale(None, 64) == 0.125 and checks.resolve_scale(2, 64) == 2.0
     assert type(checks.resolve_scale(np.float32(0.5), 64)) is float
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
+    assert checks.resolve_scale(1e38, 64) == 1e38
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 3e38, 1e300):  # the kernels take it as float32
         with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
             checks.resolve_scale(bad, 64)
     for yes in (0, 3, np.int32(3), np.int64(-1)):
@@ -928,6 +936,7 @@ def fake_decode_bench(monkeypatch):
     mod.cli_main = lambda **kw: calls.append(kw)
     monkeypatch.setitem(sys.modules, "cuflash.bench_decode", mod)
     monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(cli, "plot_problem", lambda path: None)  # matplotlib or not (CI has none)
     return calls
 
 

@@ -548,10 +548,27 @@ def test_prune_removes_what_can_never_be_loaded(tmp_path):
     assert reasons[stale_tmp.name] == "temporary file of an interrupted compile"
     assert sorted(p.name for p in d.iterdir()) == sorted([good[0].name, good[1].name, fresh_tmp.name, unrelated.name])
     assert (r.kept, r.kept_bytes) == (2, sizes[good[0].name] + sizes[good[1].name])
-    entries_bytes = sum(sizes[n] for n in reasons if n != stale_tmp.name)
-    assert entries_bytes <= r.freed_bytes <= entries_bytes + sizes[stale_tmp.name]
+    assert r.freed_bytes == sum(sizes[n] for n in reasons)
     assert _prune(d).removed == []  # nothing left to do
     assert kcache.prune(version="0.0.1", nvrtc=_NVRTC_HERE, d=d).kept == 0  # another installation's view
+
+
+def test_prune_skips_what_it_cannot_remove(tmp_path, monkeypatch):
+    """A file prune may not delete (a shared, read-only cache) is left and not counted; no exception."""
+    d = tmp_path / "c"
+    keep = _entry(d, "other_version", version="0.0.1")
+    gone = _entry(d, "other_nvrtc", nvrtc=(11, 8))
+    real_unlink = Path.unlink
+
+    def unlink(self, *args, **kw):
+        if self.name == keep.name:
+            raise PermissionError(13, "Permission denied")
+        return real_unlink(self, *args, **kw)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    r = _prune(d)
+    assert [name for name, _ in r.removed] == [gone.name] and keep.exists() and not gone.exists()
+    assert kcache.clear(d) == 0 and keep.exists()
 
 
 def test_prune_without_an_nvrtc_version_keeps_every_nvrtc(tmp_path):

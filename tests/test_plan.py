@@ -77,6 +77,12 @@ def test_head_dim_bucket_rejects(d):
         ("sm_103", "sm_103"),
         ("120", "sm_120"),
         ("12.0", "sm_120"),
+        ("sm_090", "sm_90a"),  # leading zeros: the same target
+        ("sm_090a", "sm_90a"),
+        ("08.0", "sm_80"),
+        ("sm_101", "sm_101"),  # shipped archs without a limits row: arch_for_capability returns them too
+        ("11.0", "sm_110"),
+        ("sm_121", "sm_121"),
     ],
 )
 def test_parse_arch(given_, want):
@@ -85,24 +91,27 @@ def test_parse_arch(given_, want):
 
 
 #: The targets cuflash compiles for, as the error message lists them.
-KNOWN_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90a", "sm_100", "sm_103", "sm_120")
+KNOWN_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90a", "sm_100", "sm_101", "sm_103", "sm_110", "sm_120", "sm_121")
 
 
 @pytest.mark.parametrize("bad", ["sm_70", "7.5", "sm_75", "compute_61", "foo", "", "sm_", "sm_8", "a", "sm_90b", "sm_8.0",
-                                 "sm_99", "9.9", "sm_100a", "sm_120a", "sm_80a", "sm_101", "sm_110", "sm_1000"])  # fmt: skip
+                                 "sm_99", "9.9", "sm_100a", "sm_120a", "sm_80a", "sm_102", "sm_111", "sm_1000"])  # fmt: skip
 def test_parse_arch_rejects(bad):
     """Only the known targets: an arch NVRTC may compile but no cuflash process would load (sm_99,
     sm_100a) is refused before NVRTC runs, with the list of the targets."""
     with pytest.raises(ValueError, match=f"unsupported arch {bad!r}: cuflash compiles for ") as info:
         plan.parse_arch(bad)
-    assert str(info.value).endswith(", ".join(KNOWN_ARCHS))
+    assert str(info.value).endswith(", ".join(KNOWN_ARCHS) + " (sm_90 means sm_90a)")
 
 
 def test_every_known_arch_parses_and_has_its_limits():
     for arch in KNOWN_ARCHS:
         assert plan.parse_arch(arch) == arch
         assert plan.max_smem_bytes(arch) <= plan.smem_per_sm_bytes(arch)
-    assert {plan.arch_for_capability(cc // 10, cc % 10) for cc in plan.MAX_SMEM_KB} == set(KNOWN_ARCHS)
+    assert {plan.arch_for_capability(cc // 10, cc % 10) for cc in plan.KNOWN_ARCHS} == set(KNOWN_ARCHS)
+    assert set(plan.MAX_SMEM_KB) <= set(plan.KNOWN_ARCHS)
+    # an arch without a limits row gets the smallest known (a consumer GPU's) limits
+    assert plan.max_smem_bytes("sm_121") == 99 * 1024 and plan.smem_per_sm_bytes("sm_110") == 100 * 1024
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from .backward import (
     bwd_spec, bwd_tile, plan_backward, uses_sm90_backward,
 )
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, KERNEL_FAMILIES, MAX_GRID_X, MAX_SMEM_KB, MIN_COMPUTE_CAPABILITY, SMEM_PER_SM_KB,
-    KernelFamily, Launch, arch_for_capability, head_dim_bucket, max_smem_bytes, parse_arch, smem_per_sm_bytes,
+    DTYPES, HEAD_DIM_BUCKETS, KERNEL_FAMILIES, KNOWN_ARCHS, MAX_GRID_X, MAX_SMEM_KB, MIN_COMPUTE_CAPABILITY, SMEM_PER_SM_KB,
+    KernelFamily, Launch, arch_for_capability, arch_number, head_dim_bucket, max_smem_bytes, parse_arch, smem_per_sm_bytes,
     supports_pdl,
 )
 from .decode import (
@@ -67,6 +67,7 @@ __all__ = [
     "FWD_TILES",
     "HEAD_DIM_BUCKETS",
     "KERNEL_FAMILIES",
+    "KNOWN_ARCHS",
     "KernelFamily",
     "KernelSpec",
     "Launch",
@@ -82,6 +83,7 @@ __all__ = [
     "all_decode_specs",
     "all_fwd_specs",
     "arch_for_capability",
+    "arch_number",
     "bwd_sm90_smem_bytes",
     "bwd_sm90_spec",
     "bwd_smem_bytes",

@@ -15,12 +15,15 @@ DTYPES = ("fp16", "bf16")
 #: Oldest architecture the mma.sync / ldmatrix / cp.async kernels run on.
 MIN_COMPUTE_CAPABILITY = (8, 0)
 
-#: Architectures NVRTC is asked to compile for (`cuflash precompile --arch`), with the dynamic shared
-#: memory one CTA may use and the shared memory per SM, in KB (CUDA programming guide, compute
-#: capabilities table). sm_90 is not a target of its own: a Hopper GPU loads sm_90a cubins
-#: (arch_for_capability), which use its wgmma and setmaxnreg instructions.
+#: Architectures with known limits: the dynamic shared memory one CTA may use and the shared memory
+#: per SM, in KB (CUDA programming guide, compute capabilities table). Other archs of compute
+#: capability 8.0 or newer get the smallest of these (99 / 100 KB). sm_90 is not a target of its own:
+#: a Hopper GPU loads sm_90a cubins (arch_for_capability), which use its wgmma and setmaxnreg.
 MAX_SMEM_KB = {80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99}
 SMEM_PER_SM_KB = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 228, 120: 100}
+#: Every arch of compute capability 8.0 or newer that NVIDIA has shipped (what parse_arch accepts,
+#: and what arch_for_capability can return for those GPUs).
+KNOWN_ARCHS = (80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
 
 #: gridDim.x limit (CUDA programming guide, technical specifications).
 MAX_GRID_X = 2**31 - 1
@@ -46,6 +49,7 @@ def arch_for_capability(major: int, minor: int) -> str:
             f"this one is {major}.{minor}"
         )
     # sm_90a: the Hopper-specific target (wgmma, setmaxnreg); its cubins run on every 9.0 device.
+    # A newer GPU than KNOWN_ARCHS lists still gets its own target (with the smallest known limits).
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
@@ -56,10 +60,15 @@ def _sm(arch: str) -> int:
     return int(_ARCH_RE.match(arch).group(1))
 
 
+def arch_number(arch: str) -> int:
+    """'sm_90a' -> 90, 'sm_120' -> 120."""
+    return _sm(arch)
+
+
 def parse_arch(arch: str) -> str:
     """Normalize a user-given arch ('90a', 'sm_90a', 'sm80', '8.0', 'compute_80') to 'sm_XY[a]'.
 
-    Only the architectures of MAX_SMEM_KB are accepted (ValueError otherwise, before NVRTC sees
+    Only the architectures of KNOWN_ARCHS are accepted (ValueError otherwise, before NVRTC sees
     them). 'sm_90' becomes 'sm_90a': Hopper processes load the sm_90a cubins, so an sm_90 cache
     would never be used."""
     a = arch.strip().lower().replace("compute_", "sm_")
@@ -70,14 +79,13 @@ def parse_arch(arch: str) -> str:
         a = "sm_" + a[2:]
     if not a.startswith("sm_"):
         a = "sm_" + a
-    if a == "sm_90":
-        return "sm_90a"
     m = _ARCH_RE.match(a)
-    known = ", ".join(f"sm_{n}a" if n == 90 else f"sm_{n}" for n in MAX_SMEM_KB)
+    known = ", ".join(f"sm_{n}a" if n == 90 else f"sm_{n}" for n in KNOWN_ARCHS)
     # The "a" (arch-specific feature) targets exist from sm_90 on; cuflash builds only sm_90a of them.
-    if not m or int(m.group(1)) not in MAX_SMEM_KB or (m.group(2) and int(m.group(1)) != 90):
-        raise ValueError(f"unsupported arch {arch!r}: cuflash compiles for {known}")
-    return a
+    if not m or int(m.group(1)) not in KNOWN_ARCHS or (m.group(2) and int(m.group(1)) != 90):
+        raise ValueError(f"unsupported arch {arch!r}: cuflash compiles for {known} (sm_90 means sm_90a)")
+    n = int(m.group(1))  # without leading zeros: 'sm_090' is sm_90
+    return "sm_90a" if n == 90 else f"sm_{n}"
 
 
 def max_smem_bytes(arch: str) -> int:

@@ -5,6 +5,7 @@ each value. Pure Python: testable on a CPU machine."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 from .common import DTYPES, HEAD_DIM_BUCKETS, MAX_GRID_X, Launch, head_dim_bucket, supports_pdl
@@ -76,23 +77,23 @@ class DecodePolicy:
             raise ValueError(f"DecodePolicy.{name} must be {want}, got {getattr(self, name)!r}")
 
         def is_int(x) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
         if self.combine not in ("auto", "lean", "wide"):
             bad("combine", "'auto', 'lean' or 'wide'")
-        for name in ("min_keys_per_split", "cta_overhead_tiles", "long_cta_keys", "long_ctas_per_sm",
-                     "combine_wide_ctas_per_sm", "fill_min_unsplit_tiles", "fill_min_unsplit_tiles_full",
+        for name in ("min_keys_per_split", "max_keys_per_split", "cta_overhead_tiles", "long_cta_keys",
+                     "long_ctas_per_sm", "combine_wide_ctas_per_sm", "fill_min_unsplit_tiles", "fill_min_unsplit_tiles_full",
                      "tail_split_min_waves", "tail_split_min_tiles", "deep_min_waves", "deep_max_keys"):
             if not is_int(getattr(self, name)) or getattr(self, name) < (0 if name == "cta_overhead_tiles" else 1):
                 bad(name, "an int >= 1" if name != "cta_overhead_tiles" else "an int >= 0")
-        for name in ("max_keys_per_split", "ctas_per_sm", "in_kernel_merge_max"):
+        for name in ("ctas_per_sm", "in_kernel_merge_max"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 0:
                 bad(name, "an int >= 0")
         for name in ("fill_unsplit_min_free", "tail_split_max_fill", "tail_split_min_gain", "one_wave_min_fill"):
             x = getattr(self, name)
             # tail_split_min_gain may be negative (-inf: take the tail split whatever the model says)
             low = -float("inf") if name == "tail_split_min_gain" else 0
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not low <= x <= 1:
+            if isinstance(x, bool) or not isinstance(x, numbers.Real) or not low <= x <= 1:
                 bad(name, "a number <= 1 (not NaN)" if low else "a number in [0, 1]")
         for name in ("tail_split_buckets", "one_wave_buckets"):
             try:
