@@ -230,7 +230,8 @@ def info():
 @main.command()
 @click.option("--arch", "archs", multiple=True, callback=_parse_archs, metavar="ARCH",
               help="Target GPU arch (repeatable): sm_80 (A100), sm_86, sm_87, sm_89 (L4, RTX 40xx), sm_90a "
-                   "(H100, H200; sm_90 means sm_90a), sm_100, sm_103, sm_120. Default: the current GPU's.")
+                   "(H100, H200; sm_90 means sm_90a), sm_100, sm_101, sm_103, sm_110, sm_120, sm_121 (those the "
+                   "installed NVRTC knows). Default: the current GPU's.")
 @click.option("--head-dim", "head_dims", multiple=True, type=int, callback=_parse_head_dims, metavar="D",
               help="Head dim 1..256, compiled as its bucket (repeatable).")
 @click.option("--dtype", type=click.Choice(list(DTYPE_CHOICES)), default="both", show_default=True)
