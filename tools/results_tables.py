@@ -30,6 +30,11 @@ def _ratio_cells(ratios):
     return (f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}") if ratios else ("-", "-")
 
 
+def _ratios(group: list, metric: str, peer: str) -> list[float]:
+    """cuflash / peer of ``metric`` ("tflops" or "tbps") at every point of ``group`` the peer ran."""
+    return [r[metric]["cuflash"] / r[metric][peer] for r in group if peer in r[metric]]
+
+
 def prefill_table(op: str, rows: list, env: dict, dtype: str, source: str) -> list[str]:
     out = []
     title = OPS[op]
@@ -44,8 +49,7 @@ def prefill_table(op: str, rows: list, env: dict, dtype: str, source: str) -> li
         for hd, causal in sorted({(r["head_dim"], r["causal"]) for r in sel}):
             group = [r for r in sel if (r["head_dim"], r["causal"]) == (hd, causal)]
             top = max(group, key=lambda r: r["seqlen"])["tflops"]
-            rf = [r["tflops"]["cuflash"] / r["tflops"]["flash"] for r in group if "flash" in r["tflops"]]
-            rc = [r["tflops"]["cuflash"] / r["tflops"]["cudnn"] for r in group if "cudnn" in r["tflops"]]
+            rf, rc = _ratios(group, "tflops", "flash"), _ratios(group, "tflops", "cudnn")
             all_f += rf
             all_c += rc
             mf, lf = _ratio_cells(rf)
@@ -72,8 +76,7 @@ def decode_table(rows: list, env: dict, source: str) -> list[str]:
     for hk, b in sorted({(r["nheads_kv"], r["batch"]) for r in sel}, key=lambda x: (-x[0], x[1])):
         group = [r for r in sel if (r["nheads_kv"], r["batch"]) == (hk, b)]
         t = [r["tbps"]["cuflash"] for r in group]
-        rf = [r["tbps"]["cuflash"] / r["tbps"]["flash"] for r in group if "flash" in r["tbps"]]
-        rc = [r["tbps"]["cuflash"] / r["tbps"]["cudnn"] for r in group if "cudnn" in r["tbps"]]
+        rf, rc = _ratios(group, "tbps", "flash"), _ratios(group, "tbps", "cudnn")
         all_f += rf
         all_c += rc
         mf, lf = _ratio_cells(rf)

@@ -5,12 +5,12 @@ No GPU needed. nvcc reads the same entry source and headers that cuflash hands t
 --bwd: the backward main kernel (its BWD_TILES row) instead of the forward.
 """
 import argparse
-import os
 import subprocess
 import tempfile
-from pathlib import Path
 
-from cuflash import jit, plan
+from sass_digest import nvcc_cubin, nvdisasm  # (tools/ is on sys.path: this script's own folder)
+
+from cuflash import plan
 
 
 def main():
@@ -31,20 +31,12 @@ def main():
         spec = plan.bwd_spec(a.hd, a.dtype, a.causal, not a.scalar, plan.parse_arch(a.arch))
     else:
         spec = plan.fwd_spec(a.hd, a.dtype, a.causal, not a.scalar, plan.parse_arch(a.arch), tile)
-    text = jit.entry_source(spec)
     with tempfile.TemporaryDirectory() as d:
-        for name, body in jit.included_headers(text).items():
-            Path(d, name).write_text(body)
-        Path(d, "entry.cu").write_text(text)
-        arch = spec.arch.replace("sm_", "")
-        cmd = ["nvcc", "-cubin", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas=-v",
-               "-o", f"{d}/k.cubin", f"{d}/entry.cu"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = nvcc_cubin(spec, d, "-Xptxas=-v")
         print(spec.name)
         print(r.stderr.strip())
         if r.returncode == 0 and a.sass:
-            nvdisasm = os.environ.get("NVDISASM", "nvdisasm")
-            print(subprocess.run([nvdisasm, "-c", f"{d}/k.cubin"], capture_output=True, text=True).stdout)
+            print(subprocess.run([nvdisasm(), "-c", f"{d}/k.cubin"], capture_output=True, text=True).stdout)
 
 
 if __name__ == "__main__":

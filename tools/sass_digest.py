@@ -29,7 +29,7 @@ import time
 ARCHS = ("sm_80", "sm_90a")
 
 
-def _nvdisasm() -> str:
+def nvdisasm() -> str:
     exe = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
     if exe:
         return exe
@@ -55,20 +55,26 @@ def _specs():
     return out
 
 
-def _digest(args):
-    spec, exe = args
+def nvcc_cubin(spec, folder: str, *options: str) -> subprocess.CompletedProcess:
+    """Compile ``spec`` with the local nvcc into ``folder``/k.cubin, from the entry source and headers
+    cuflash hands to NVRTC (written into ``folder``); ``options`` go after the usual ones."""
     from pathlib import Path
 
     from cuflash import jit
 
     text = jit.entry_source(spec)
+    for name, body in jit.included_headers(text).items():
+        Path(folder, name).write_text(body)
+    Path(folder, "entry.cu").write_text(text)
+    arch = spec.arch.replace("sm_", "")
+    return subprocess.run(["nvcc", "-cubin", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", *options,
+                           "-o", f"{folder}/k.cubin", f"{folder}/entry.cu"], capture_output=True, text=True)
+
+
+def _digest(args):
+    spec, exe = args
     with tempfile.TemporaryDirectory() as d:
-        for name, body in jit.included_headers(text).items():
-            Path(d, name).write_text(body)
-        Path(d, "entry.cu").write_text(text)
-        arch = spec.arch.replace("sm_", "")
-        subprocess.run(["nvcc", "-cubin", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-                        "-o", f"{d}/k.cubin", f"{d}/entry.cu"], capture_output=True, text=True, check=True)
+        nvcc_cubin(spec, d).check_returncode()
         sass = subprocess.run([exe, "-c", f"{d}/k.cubin"], capture_output=True, text=True, check=True).stdout
     return spec.name, hashlib.sha256(sass.encode()).hexdigest()
 
@@ -91,7 +97,7 @@ def main() -> int:
         return 1 if changed or missing or extra else 0
     if not a.out:
         ap.error("--out or --compare")
-    exe = _nvdisasm()
+    exe = nvdisasm()
     specs = _specs()
     t0 = time.time()
     result = {}
