@@ -105,17 +105,10 @@ def _known_arch(arch: str) -> str:
     except Exception:  # noqa: BLE001 - no NVRTC here: parse_arch's list decides alone
         return a
     if plan.arch_number(a) not in supported:
-        major, minor = nvrtc_version_text()
+        major, minor = nvrtc.getVersion()
         known = ", ".join(f"sm_{n}" for n in supported)
         raise ValueError(f"NVRTC {major}.{minor} cannot compile for {a} (it knows {known})")
     return a
-
-
-def nvrtc_version_text() -> tuple[int, int]:
-    try:
-        return jit.nvrtc_version()
-    except Exception:  # noqa: BLE001
-        return (0, 0)
 
 
 def _parse_archs(ctx, param, values):

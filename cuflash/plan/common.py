@@ -56,13 +56,9 @@ def arch_for_capability(major: int, minor: int) -> str:
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
 
 
-def _sm(arch: str) -> int:
-    return int(_ARCH_RE.match(arch).group(1))
-
-
 def arch_number(arch: str) -> int:
     """'sm_90a' -> 90, 'sm_120' -> 120."""
-    return _sm(arch)
+    return int(_ARCH_RE.match(arch).group(1))
 
 
 def parse_arch(arch: str) -> str:
@@ -90,16 +86,16 @@ def parse_arch(arch: str) -> str:
 
 def max_smem_bytes(arch: str) -> int:
     """Dynamic shared memory one CTA may use on ``arch``."""
-    return MAX_SMEM_KB.get(_sm(arch), 99) * 1024
+    return MAX_SMEM_KB.get(arch_number(arch), 99) * 1024
 
 
 def smem_per_sm_bytes(arch: str) -> int:
-    return SMEM_PER_SM_KB.get(_sm(arch), 100) * 1024
+    return SMEM_PER_SM_KB.get(arch_number(arch), 100) * 1024
 
 
 def supports_pdl(arch: str) -> bool:
     """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
-    return _sm(arch) >= 90
+    return arch_number(arch) >= 90
 
 
 @dataclass(frozen=True)
