@@ -35,7 +35,8 @@ assert DECODE_PACKER.names[: len(_PTR_FIELDS)] == _PTR_FIELDS and DECODE_PACKER.
 assert DECODE_PACKER.dtype.fields["seqlen_const"][0] == np.int32
 
 #: This thread's launch buffer (the driver copies the bytes at launch; one buffer serves every launch).
-_ARGS = launch.LaunchArgs(DECODE_PACKER.size)
+_ARGS = launch.ARGS
+assert DECODE_PACKER.size <= len(_ARGS.buf)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -135,13 +135,15 @@ class LaunchArgs(threading.local):
         self.argv_ptr = ctypes.addressof(self.argv)
 
 
-_ARGS = LaunchArgs()
+#: Every launch's argument buffer (per thread). The decode path writes its record here and patches
+#: the pointers in place (cuflash/kvcache.py _run); launch_record copies a whole record in.
+ARGS = LaunchArgs()
 
 
 def launch_record(fn, how, record: bytes, stream_ptr: int) -> None:
     """Launch ``fn`` as ``how`` (a plan.Launch) with ``record`` (a parameter struct's bytes, at most
     LaunchArgs' buffer) as its by-value argument."""
-    args = _ARGS
+    args = ARGS
     if len(record) > len(args.buf):
         raise ValueError(f"a parameter record of {len(record)} bytes exceeds the {len(args.buf)}-byte launch buffer")
     ctypes.memmove(args.buf, record, len(record))

@@ -2,6 +2,8 @@
 import os
 import tempfile
 
+import pytest
+
 
 def _gpu_skip_reason():
     try:
@@ -18,7 +20,17 @@ def _gpu_skip_reason():
 GPU_SKIP_REASON = _gpu_skip_reason()
 
 
+#: NumPy's BLAS threads per pytest-xdist worker: all cores divided among the workers (the float64
+#: references run in every worker at once; 8 workers of 16 threads each on 16 cores had made two
+#: reference-bound tests take minutes). Set in the controller before the workers start; they inherit it.
+_BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def pytest_configure(config):
+    workers = getattr(config.option, "numprocesses", None)
+    if isinstance(workers, int) and workers > 1 and "PYTEST_XDIST_WORKER" not in os.environ:
+        for var in _BLAS_THREAD_VARS:
+            os.environ.setdefault(var, str(max(1, (os.cpu_count() or 1) // workers)))
     # Kernels compiled by the tests go to a cache of their own unless the caller chose one.
     if "CUFLASH_CACHE_DIR" not in os.environ:
         os.environ["CUFLASH_CACHE_DIR"] = tempfile.mkdtemp(prefix="cuflash-test-cache-")
@@ -26,6 +38,23 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     return f"GPU tests: {'run' if GPU_SKIP_REASON is None else 'skipped, ' + GPU_SKIP_REASON}"
+
+
+@pytest.fixture
+def cache_full_after_one_entry(monkeypatch):
+    """The disk fills up after the first kernel cache entry: cuflash.cache.write_atomic raises ENOSPC
+    from the second write on."""
+    from cuflash import cache
+
+    real, written = cache.write_atomic, []
+
+    def full_after_one(path, data):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        real(path, data)
+
+    monkeypatch.setattr(cache, "write_atomic", full_after_one)
 
 
 _GPU_DESELECTED = []

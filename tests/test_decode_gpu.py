@@ -1165,12 +1165,13 @@ def launches(monkeypatch):
     """The (kernel function, Launch, DecodeParams bytes) of every decode launch, in order (kvcache
     launches through cuflash.launch.launch, looked up on the module at each call)."""
     from cuflash import kvcache, launch
+    from cuflash.params import DECODE_DTYPE
 
     made = []
     real = launch.launch
 
     def recording(fn, how, argv_ptr, stream_ptr):
-        made.append((fn, how, kvcache._ARGS.buf.raw))
+        made.append((fn, how, kvcache._ARGS.buf.raw[: DECODE_DTYPE.itemsize]))  # (the buffer holds any record)
         return real(fn, how, argv_ptr, stream_ptr)
 
     monkeypatch.setattr(launch, "launch", recording)

@@ -68,26 +68,35 @@ def compiled(compiled_with_log):
     return cubin, header, kcache.encode_entry(cubin, header)
 
 
-@pytest.fixture
-def records():
-    """Log records of the "cuflash" logger (jit does not propagate to the root logger)."""
+class ListHandler(logging.Handler):
+    """Keeps every record it is handed (of every level)."""
 
-    class ListHandler(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.DEBUG)
-            self.records = []
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
 
-        def emit(self, record):
-            self.records.append(record)
+    def emit(self, record):
+        self.records.append(record)
 
+
+def _capture(level=None):
+    """The "cuflash" logger's records (jit does not propagate to the root logger), at ``level`` or, with
+    None, at the logger's own level; restored after."""
     h = ListHandler()
     log = logging.getLogger("cuflash")
     old = log.level
-    log.setLevel(logging.INFO)
+    if level is not None:
+        log.setLevel(level)
     log.addHandler(h)
     yield h.records
     log.removeHandler(h)
     log.setLevel(old)
+
+
+@pytest.fixture
+def records():
+    """Log records of the "cuflash" logger at INFO and above."""
+    yield from _capture(logging.INFO)
 
 
 def copy_sources(tmp_path) -> Path:
@@ -446,20 +455,10 @@ def test_failed_cache_write_raises_with_require_cache_write(cache, compiled, rec
     assert not [r for r in records if r.levelno >= logging.WARNING]  # an error, not a warning as well
 
 
-def test_precompile_raises_when_a_write_fails_midway(cache, monkeypatch):
+def test_precompile_raises_when_a_write_fails_midway(cache, cache_full_after_one_entry):
     """jit.precompile's whole point is the cache: the first entry that cannot be written (the disk
     filled up after the first variant) stops it with cache.CacheWriteError; what was written stays."""
     other = plan.fwd_spec(32, "fp16", False, False, "sm_80")  # CHEAP's element-wise twin
-    real = kcache.write_atomic
-    writes = []
-
-    def full_after_one(path, data):
-        if writes:
-            raise OSError(28, "No space left on device")
-        writes.append(path)
-        real(path, data)
-
-    monkeypatch.setattr(kcache, "write_atomic", full_after_one)
     done = []
     with pytest.raises(kcache.CacheWriteError, match="could not write the kernel cache entry"):
         jit.precompile([CHEAP, other], on_done=done.append)
@@ -690,21 +689,7 @@ def test_log_level_from_environment(monkeypatch):
 def all_records():
     """Every record the "cuflash" logger lets through at its own level (set from CUFLASH_LOG_LEVEL by
     jit._configure_logging, as at import); the handler itself takes every level."""
-
-    class ListHandler(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.DEBUG)
-            self.records = []
-
-        def emit(self, record):
-            self.records.append(record)
-
-    h = ListHandler()
-    old = jit.logger.level
-    jit.logger.addHandler(h)
-    yield h.records
-    jit.logger.removeHandler(h)
-    jit.logger.setLevel(old)
+    yield from _capture()
 
 
 _COMPILED_LINE = r"compiled {name} in \d+\.\ds \((\d+|\?) registers, (\d+|\?) bytes spilled\)"
@@ -1036,7 +1021,7 @@ def test_launch_record_hands_the_record_bytes_by_address(monkeypatch):
     assert seen == [(_Fn, how, 55, record)]
     launch.launch_record(_Fn, how, bytes(range(100, 140)), 56)  # the buffer is reused: the new bytes
     assert seen[-1][3] == bytes(range(100, 140))
-    too_big = bytes(len(launch._ARGS.buf) + 1)
+    too_big = bytes(len(launch.ARGS.buf) + 1)
     with pytest.raises(ValueError, match="exceeds"):
         launch.launch_record(_Fn, how, too_big, 57)
     assert len(seen) == 2

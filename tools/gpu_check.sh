@@ -3,7 +3,7 @@
 #   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [quick]
 #   precompile  every variant for this GPU, 16 NVRTC processes at once (the tests then load kernels
 #               instead of compiling them)
-#   tests       the whole suite, CPU and GPU, with pytest-xdist (-n 8); junit and the 40 slowest tests
+#   tests       the whole suite, CPU and GPU, with pytest-xdist (-n 8; conftest.py splits the BLAS threads); junit and the 40 slowest tests
 #               in the logs. TESTS narrows it (pytest paths / -k), HYPOTHESIS_EXAMPLES sets the property
 #               tests' examples (default 60; quick: 15), PYTEST_MARK a marker expression (e.g. "gpu or not slow")
 #   sanitize    compute-sanitizer (SANITIZE_TOOLS, default "memcheck racecheck") over
@@ -40,8 +40,7 @@ fi
 
 if has tests; then
   EX=${HYPOTHESIS_EXAMPLES:-60}; has quick && EX=15
-  # 8 workers on 16 cores: each worker's NumPy (the float64 references) gets 2 BLAS threads, not 16.
-  OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2 \
+  # (tests/conftest.py gives each of the 8 workers 16 / 8 = 2 BLAS threads)
   CUFLASH_HYPOTHESIS_EXAMPLES=$EX timeout ${TEST_TIMEOUT:-480} $PY -m pytest -q --no-header -p no:cacheprovider -n 8 \
       --durations=40 --junitxml="$OUT/junit.xml" ${PYTEST_MARK:+-m "$PYTEST_MARK"} ${TESTS:-} > "$OUT/pytest.log" 2>&1
   note "pytest (rc=$?, $(took)): $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -1)"
