@@ -35,6 +35,7 @@
 // preprocess kernel of the same call.
 #pragma once
 
+#include "masks.cuh"  // AttnMask, DropoutStream: the variants
 #include "params.h"
 #include "primitives.cuh"
 #include "warp_tile.cuh"  // load_tile
@@ -50,7 +51,7 @@ namespace cuflash {
 // MMAs, so the layouts aim for tiles of 32+ rows and 32+ columns (shared-memory bandwidth, not the
 // tensor cores, is what bounds an mma.sync backward).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_,
-          bool kAligned_, int kStages_, int kSKeyWarps_, int kKVKeyWarps_, int kDQQWarps_>
+          bool kAligned_, int kStages_, int kSKeyWarps_, int kKVKeyWarps_, int kDQQWarps_, int kMods_ = 0>
 struct BwdConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockM = kBlockM_;     // query rows per iteration
@@ -60,6 +61,7 @@ struct BwdConfig {
     static constexpr bool kIsCausal = kIsCausal_;
     static constexpr bool kAligned = kAligned_;  // 16-byte cp.async loads; else element-wise loads
     static constexpr int kStages = kStages_;     // buffers of the query-side tiles (1 or 2)
+    static constexpr int kMods = kMods_;         // attention variants (masks.cuh kMod* bits)
 
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kSmemStride = kHeadDim + 8;   // elements per K/V/Q/dO smem row
@@ -98,13 +100,23 @@ struct BwdConfig {
 // The (query head of the GQA group, query block) pairs the CTA of key block n0 of kv head hk visits,
 // one per iteration it: query head head(it) = hk * head_ratio + it / n_m, query block m_block(it) =
 // m_begin + it % n_m. All query blocks, or (causal) those with a row i >= n0 - (seqlen_k - seqlen_q),
-// the first that sees any of these keys.
+// the first that sees any of these keys; with a window (block_n > 0) only the query blocks with a row
+// whose window holds one of keys [n0, n0 + block_n): rows n0 - off - window_right .. n0 + block_n - 1
+// - off + window_left (off = seqlen_k - seqlen_q).
 struct BwdQueryWalk {
     int head0, m_begin, n_m, n_iters;
-    CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int hk, int n0, int block_m, bool causal) {
+    CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int hk, int n0, int block_m, bool causal, int block_n = 0) {
         head0 = hk * p.head_ratio;
-        m_begin = causal ? max(0, n0 - (p.seqlen_k - p.seqlen_q)) / block_m : 0;
-        n_m = max(0, p.num_m_blocks - m_begin);
+        if (block_n > 0) {
+            const int off = p.seqlen_k - p.seqlen_q;
+            m_begin = max(0, n0 - off - p.mod.window_right) / block_m;
+            const int last_row = n0 + block_n - 1 - off + p.mod.window_left;  // may be negative
+            const int m_end = last_row < 0 ? 0 : min(p.num_m_blocks, last_row / block_m + 1);
+            n_m = max(0, m_end - m_begin);
+        } else {
+            m_begin = causal ? max(0, n0 - (p.seqlen_k - p.seqlen_q)) / block_m : 0;
+            n_m = max(0, p.num_m_blocks - m_begin);
+        }
         n_iters = p.head_ratio * n_m;
     }
     CUFLASH_DEVICE int head(int it) const { return head0 + it / n_m; }
@@ -123,8 +135,9 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
     const int n0 = n_block * kBlockN;
     const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
 
-    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal);
+    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal, Cfg::kMods & kModWindow ? kBlockN : 0);
     const int n_iters = walk.n_iters;
+    using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* s_k = reinterpret_cast<u16*>(smem_raw);
@@ -243,41 +256,88 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                     }
                 }
             }
-            // Mask only the blocks that need it. Causal: where some key of the tile is later than what
-            // the block's first row sees (this also hides keys past seqlen_k from every real row).
-            // Otherwise: keys past seqlen_k in the last key block. Their K rows are zero, so S = 0 and
-            // P = exp2(-lse_log2) would be finite but can overflow fp16 (or fp32) to inf; dQ's
-            // dS K then turns inf * 0 into NaN.
-            if (Cfg::kIsCausal ? n0 + kBlockN - 1 > m0 + offset : n0 + kBlockN > p.seqlen_k) {
+            if constexpr (Cfg::kMods == 0) {
+                // Mask only the blocks that need it. Causal: where some key of the tile is later than what
+                // the block's first row sees (this also hides keys past seqlen_k from every real row).
+                // Otherwise: keys past seqlen_k in the last key block. Their K rows are zero, so S = 0 and
+                // P = exp2(-lse_log2) would be finite but can overflow fp16 (or fp32) to inf; dQ's
+                // dS K then turns inf * 0 into NaN.
+                if (Cfg::kIsCausal ? n0 + kBlockN - 1 > m0 + offset : n0 + kBlockN > p.seqlen_k) {
 #pragma unroll
-                for (int s = 0; s < kSl; ++s)
+                    for (int s = 0; s < kSl; ++s)
 #pragma unroll
-                    for (int nb = 0; nb < kNB; ++nb)
+                        for (int nb = 0; nb < kNB; ++nb)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int j = n0 + s_key0 + 16 * s + g + 8 * (e / 2);
-                            const int i = m0 + s_col0 + 8 * nb + 2 * t + (e % 2);
-                            if (Cfg::kIsCausal ? j > i + offset : j >= p.seqlen_k) S[s][nb][e] = -kInf;
+                            for (int e = 0; e < 4; ++e) {
+                                const int j = n0 + s_key0 + 16 * s + g + 8 * (e / 2);
+                                const int i = m0 + s_col0 + 8 * nb + 2 * t + (e % 2);
+                                if (Cfg::kIsCausal ? j > i + offset : j >= p.seqlen_k) S[s][nb][e] = -kInf;
+                            }
+                }
+                // P^T = exp2(S^T * scale_log2 - lse_log2[i]);  dS^T = P^T * (dP^T - D[i])
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb) {
+                    const int col = s_col0 + 8 * nb + 2 * t;
+                    const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
+                    const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
+#pragma unroll
+                    for (int s = 0; s < kSl; ++s)
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const float p0 = fast_exp2(fmaf(S[s][nb][2 * r], p.scale_log2, -l2.x));
+                            const float p1 = fast_exp2(fmaf(S[s][nb][2 * r + 1], p.scale_log2, -l2.y));
+                            const float ds0 = p0 * (dP[s][nb][2 * r] - dd.x);
+                            const float ds1 = p1 * (dP[s][nb][2 * r + 1] - dd.y);
+                            const int row = s_key0 + 16 * s + g + 8 * r;
+                            *reinterpret_cast<u32*>(s_p + row * kPStride + col) = pack2<kBF16>(p0, p1);
+                            *reinterpret_cast<u32*>(s_ds + row * kPStride + col) = pack2<kBF16>(ds0, ds1);
                         }
-            }
-            // P^T = exp2(S^T * scale_log2 - lse_log2[i]);  dS^T = P^T * (dP^T - D[i])
+                }
+            } else {
+                // The variants (masks.cuh): softcap and ALiBi on every score, the mask where the block
+                // needs it, dropout on P (regenerated, dropout.cuh; dV takes the dropped and scaled P^T)
+                // and on dP^T:  dS^T = P^T (Z dP^T / (1 - p) - D) (1 - tanh^2).
+                const Mask mask(p.mod, p.seqlen_q, p.seqlen_k);
+                const bool need_mask = mask.key_block_needs_mask(n0, kBlockN, m0, kBlockM);
+                const float slope = Mask::alibi_slope(p.mod, b, h);
+                u32 keep[kSl][kNB / 2];
+                if constexpr (Mask::kDropout) {
+                    const DropoutStream rng(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
 #pragma unroll
-            for (int nb = 0; nb < kNB; ++nb) {
-                const int col = s_col0 + 8 * nb + 2 * t;
-                const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
-                const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
+                    for (int s = 0; s < kSl; ++s)
 #pragma unroll
-                for (int s = 0; s < kSl; ++s)
+                        for (int kk = 0; kk < kNB / 2; ++kk)
+                            keep[s][kk] = rng.keep_bits_transposed(m0 + s_col0 + 16 * kk, n0 + s_key0 + 16 * s, lane);
+                }
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const float p0 = fast_exp2(fmaf(S[s][nb][2 * r], p.scale_log2, -l2.x));
-                        const float p1 = fast_exp2(fmaf(S[s][nb][2 * r + 1], p.scale_log2, -l2.y));
-                        const float ds0 = p0 * (dP[s][nb][2 * r] - dd.x);
-                        const float ds1 = p1 * (dP[s][nb][2 * r + 1] - dd.y);
-                        const int row = s_key0 + 16 * s + g + 8 * r;
-                        *reinterpret_cast<u32*>(s_p + row * kPStride + col) = pack2<kBF16>(p0, p1);
-                        *reinterpret_cast<u32*>(s_ds + row * kPStride + col) = pack2<kBF16>(ds0, ds1);
-                    }
+                for (int nb = 0; nb < kNB; ++nb) {
+                    const int col = s_col0 + 8 * nb + 2 * t;
+                    const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
+                    const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
+#pragma unroll
+                    for (int s = 0; s < kSl; ++s)
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const int row = s_key0 + 16 * s + g + 8 * r;
+                            float pd[2], ds[2];
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                float dt;
+                                const float pr = mask.prob(S[s][nb][2 * r + e], m0 + col + e, n0 + row, e ? l2.y : l2.x,
+                                                           p.scale_log2, need_mask, slope, &dt);
+                                float dp = dP[s][nb][2 * r + e];
+                                pd[e] = pr;
+                                if constexpr (Mask::kDropout) {
+                                    const bool kept = (keep[s][nb / 2] >> (4 * (nb % 2) + 2 * r + e)) & 1u;
+                                    pd[e] = kept ? pr * p.mod.dropout_rp : 0.f;
+                                    dp = kept ? dp * p.mod.dropout_rp : 0.f;
+                                }
+                                ds[e] = pr * (dp - (e ? dd.y : dd.x)) * dt;
+                            }
+                            *reinterpret_cast<u32*>(s_p + row * kPStride + col) = pack2<kBF16>(pd[0], pd[1]);
+                            *reinterpret_cast<u32*>(s_ds + row * kPStride + col) = pack2<kBF16>(ds[0], ds[1]);
+                        }
+                }
             }
         }
         __syncthreads();  // sP and sdS complete: the next two phases read other warps' tiles

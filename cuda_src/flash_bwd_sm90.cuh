@@ -39,7 +39,7 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, bool kIsBF16_, bool kIsCausal_>
+template <int kHeadDim_, int kBlockN_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0>
 struct Sm90BwdConfig {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = 64;  // query rows per iteration: the N of S^T, one wgmma M of dQ
@@ -47,6 +47,7 @@ struct Sm90BwdConfig {
     static constexpr bool kIsBF16 = kIsBF16_;
     static constexpr bool kIsCausal = kIsCausal_;
     static constexpr bool kSplit = kBlockN == 64;  // warpgroups split the head dim, not the keys
+    static constexpr int kMods = kMods_;           // attention variants (masks.cuh kMod* bits)
 
     static constexpr int kNWarps = 8;  // two warpgroups
     static constexpr int kNThreads = 32 * kNWarps;
@@ -143,6 +144,50 @@ CUFLASH_DEVICE bool bwd_needs_mask(int n0, int block_n, int m0, int offset, int 
     return kCausal ? n0 + block_n - 1 > m0 + offset : n0 + block_n > seqlen_k;
 }
 
+// The variants on a warp's 16 keys x kNB * 8 queries of S^T (masks.cuh): the ALiBi slope and dropout
+// stream of query head h, the dropout keep bits of the warp's 16x16 blocks (keys from key16), and per
+// pair of queries P (0 where hidden), the P that dV takes (dropped, scaled by 1 / (1 - p)), P (1 -
+// tanh^2) that dS takes, and whether each element was kept.
+template <class Mask, int kNB>
+struct BwdModTile {
+    Mask mask;
+    float slope, rp;
+    u32 keep[Mask::kDropout ? kNB / 2 : 1];
+
+    CUFLASH_DEVICE BwdModTile(const BwdParams& p, int b, int h, int m0, int key16, int lane)
+        : mask(p.mod, p.seqlen_q, p.seqlen_k), slope(Mask::alibi_slope(p.mod, b, h)), rp(p.mod.dropout_rp) {
+        if constexpr (Mask::kDropout) {
+            const DropoutStream rng(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
+#pragma unroll
+            for (int kk = 0; kk < kNB / 2; ++kk) keep[kk] = rng.keep_bits_transposed(m0 + 16 * kk, key16, lane);
+        }
+    }
+    // Key j, queries i and i + 1: elements S^T[nb][2r], S^T[nb][2r + 1] of raw scores s0, s1.
+    CUFLASH_DEVICE void probs(float s0, float s1, float2 lse2, float scale_log2, bool need_mask, int nb, int r, int j, int i,
+                              float (&pd)[2], float (&pdt)[2], bool (&kept)[2]) const {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float dt;
+            const float pr = mask.prob(e ? s1 : s0, i + e, j, e ? lse2.y : lse2.x, scale_log2, need_mask, slope, &dt);
+            kept[e] = true;
+            if constexpr (Mask::kDropout) kept[e] = (keep[nb / 2] >> (4 * (nb % 2) + 2 * r + e)) & 1u;
+            pd[e] = Mask::kDropout ? (kept[e] ? pr * rp : 0.f) : pr;
+            pdt[e] = pr * dt;
+        }
+    }
+    // dP^T as dS takes it: Z dP^T / (1 - p) with dropout.
+    CUFLASH_DEVICE float dropped_dp(float dp, bool kept) const {
+        return Mask::kDropout ? (kept ? dp * rp : 0.f) : dp;
+    }
+};
+
+// Plain variants carry no variant state (BwdModTileOf).
+struct BwdNoMods {
+    CUFLASH_DEVICE BwdNoMods(const BwdParams&, int, int, int, int, int) {}
+};
+template <class Mask, int kNB>
+using BwdModTileOf = Choose<Mask::kBits != 0, BwdModTile<Mask, kNB>, BwdNoMods>;
+
 // dq_accum += this warp's dQ part (query block at m0 of head h): kCols / 8 float4 groups per thread,
 // in the register order of flash_bwd_convert_kernel with dq_q_warps = 4 (warp w = 4 wg + i holds
 // rows 16 i + (g, g + 8) of column block wg): one 512-byte warp-wide vector reduction per group.
@@ -199,7 +244,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
     const int n0 = n_block * kBlockN;
     const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
 
-    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal);
+    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal, Cfg::kMods & kModWindow ? kBlockN : 0);
+    using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
     const int n_iters = walk.n_iters;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -257,7 +303,13 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         // ---- P^T = exp2(S^T scale_log2 - lse_log2[i]), dS^T = P^T (dP^T - D[i]), packed as A fragments
         const float* s_lse = sm.lse_log2(stage);
         const float* s_d = sm.dsum(stage);
-        const bool need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, p.seqlen_k);
+        bool need_mask;
+        if constexpr (Cfg::kMods == 0) {
+            need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, p.seqlen_k);
+        } else {
+            need_mask = Mask(p.mod, p.seqlen_q, p.seqlen_k).key_block_needs_mask(n0, kBlockN, m0, kBlockM);
+        }
+        const BwdModTileOf<Mask, kNB> mods(p, b, h, m0, n0 + wg * 64 + (warp % 4) * 16, lane);
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
 #pragma unroll
         for (int nb = 0; nb < kNB; ++nb) {
@@ -267,10 +319,20 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
             u32 pk[2], dk[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const float2 pp = bwd_p_pair<Cfg::kIsCausal>(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask,
-                                                            n0 + key_local + 8 * r, m0 + col, offset, p.seqlen_k);
-                pk[r] = pack2<kBF16>(pp.x, pp.y);
-                dk[r] = pack2<kBF16>(pp.x * (dP[nb][2 * r] - dd.x), pp.y * (dP[nb][2 * r + 1] - dd.y));
+                if constexpr (Cfg::kMods == 0) {
+                    const float2 pp = bwd_p_pair<Cfg::kIsCausal>(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask,
+                                                                n0 + key_local + 8 * r, m0 + col, offset, p.seqlen_k);
+                    pk[r] = pack2<kBF16>(pp.x, pp.y);
+                    dk[r] = pack2<kBF16>(pp.x * (dP[nb][2 * r] - dd.x), pp.y * (dP[nb][2 * r + 1] - dd.y));
+                } else {
+                    float pd[2], pdt[2];
+                    bool kept[2];
+                    mods.probs(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask, nb, r, n0 + key_local + 8 * r,
+                               m0 + col, pd, pdt, kept);
+                    pk[r] = pack2<kBF16>(pd[0], pd[1]);
+                    dk[r] = pack2<kBF16>(pdt[0] * (mods.dropped_dp(dP[nb][2 * r], kept[0]) - dd.x),
+                                         pdt[1] * (mods.dropped_dp(dP[nb][2 * r + 1], kept[1]) - dd.y));
+                }
             }
             // A fragment of k-step nb / 2: rows g / g+8 x queries 2t.. of blocks 2kk (regs 0, 1), 2kk+1 (2, 3)
             a_p[nb / 2][2 * (nb % 2)] = pk[0];
@@ -331,7 +393,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
     const int n0 = n_block * kBlockN;
     const int offset = p.seqlen_k - p.seqlen_q;
 
-    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal);
+    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal, Cfg::kMods & kModWindow ? kBlockN : 0);
+    using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
     const int n_iters = walk.n_iters;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -380,50 +443,111 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
         const float* s_lse = sm.lse_log2(stage);
         const float* s_d = sm.dsum(stage);
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
-        if (wg == 0) {  // P^T = exp2(S^T scale_log2 - lse_log2[i]) (causal mask), to registers and to warpgroup 1
-            const bool need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, p.seqlen_k);
+        if constexpr (Cfg::kMods == 0) {
+            if (wg == 0) {  // P^T = exp2(S^T scale_log2 - lse_log2[i]) (causal mask), to registers and to warpgroup 1
+                const bool need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, p.seqlen_k);
 #pragma unroll
-            for (int nb = 0; nb < kNB; ++nb) {
-                const int col = 8 * nb + 2 * t;
-                const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
+                for (int nb = 0; nb < kNB; ++nb) {
+                    const int col = 8 * nb + 2 * t;
+                    const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float2 pp = bwd_p_pair<Cfg::kIsCausal>(X[nb][2 * r], X[nb][2 * r + 1], l2, p.scale_log2, need_mask,
-                                                                n0 + key_local + 8 * r, m0 + col, offset, p.seqlen_k);
-                    *reinterpret_cast<float2*>(pf + (key_local + 8 * r) * kPStride + col) = pp;
-                    a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pp.x, pp.y);
+                    for (int r = 0; r < 2; ++r) {
+                        const float2 pp = bwd_p_pair<Cfg::kIsCausal>(X[nb][2 * r], X[nb][2 * r + 1], l2, p.scale_log2, need_mask,
+                                                                    n0 + key_local + 8 * r, m0 + col, offset, p.seqlen_k);
+                        *reinterpret_cast<float2*>(pf + (key_local + 8 * r) * kPStride + col) = pp;
+                        a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pp.x, pp.y);
+                    }
                 }
             }
-        }
-        __syncthreads();  // P^T in smem for warpgroup 1
-        if (wg == 1) {  // dS^T = P^T (dP^T - D[i]), to registers and to smem for both warpgroups
+            __syncthreads();  // P^T in smem for warpgroup 1
+            if (wg == 1) {  // dS^T = P^T (dP^T - D[i]), to registers and to smem for both warpgroups
 #pragma unroll
-            for (int nb = 0; nb < kNB; ++nb) {
-                const int col = 8 * nb + 2 * t;
-                const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
+                for (int nb = 0; nb < kNB; ++nb) {
+                    const int col = 8 * nb + 2 * t;
+                    const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = key_local + 8 * r;
-                    const float2 pp = *reinterpret_cast<const float2*>(pf + row * kPStride + col);
-                    const u32 ds = pack2<kBF16>(pp.x * (X[nb][2 * r] - dd.x), pp.y * (X[nb][2 * r + 1] - dd.y));
-                    a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pp.x, pp.y);
-                    a_ds[nb / 2][2 * (nb % 2) + r] = ds;
-                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t), "r"(ds));
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = key_local + 8 * r;
+                        const float2 pp = *reinterpret_cast<const float2*>(pf + row * kPStride + col);
+                        const u32 ds = pack2<kBF16>(pp.x * (X[nb][2 * r] - dd.x), pp.y * (X[nb][2 * r + 1] - dd.y));
+                        a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pp.x, pp.y);
+                        a_ds[nb / 2][2 * (nb % 2) + r] = ds;
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t), "r"(ds));
+                    }
                 }
             }
-        }
-        fence_proxy_async_smem();
-        __syncthreads();  // dS^T in smem
-        if (wg == 0) {
+            fence_proxy_async_smem();
+            __syncthreads();  // dS^T in smem
+            if (wg == 0) {
 #pragma unroll
-            for (int nb = 0; nb < kNB; ++nb)
+                for (int nb = 0; nb < kNB; ++nb)
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = key_local + 8 * r;
-                    asm volatile("ld.shared.b32 %0, [%1];\n"
-                                 : "=r"(a_ds[nb / 2][2 * (nb % 2) + r])
-                                 : "r"(s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t));
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = key_local + 8 * r;
+                        asm volatile("ld.shared.b32 %0, [%1];\n"
+                                     : "=r"(a_ds[nb / 2][2 * (nb % 2) + r])
+                                     : "r"(s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t));
+                    }
+            }
+        } else {
+            // The variants (BwdModTile): warpgroup 0 forms P^T and hands warpgroup 1, through pf, P^T (1 - tanh^2)
+            // negated where dropout dropped the element, and, through the dS^T slots that warpgroup 1's
+            // thread of the same rows and columns overwrites with dS^T afterwards, the P^T that dV takes
+            // (dropped and scaled by 1 / (1 - p)) as packed A fragments.
+            auto slot = [&](int row, int nb) { return s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t; };
+            if (wg == 0) {
+                const BwdModTile<Mask, kNB> mods(p, b, h, m0, n0 + (warp % 4) * 16, lane);
+                const bool need_mask = mods.mask.key_block_needs_mask(n0, kBlockN, m0, kBlockM);
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb) {
+                    const int col = 8 * nb + 2 * t;
+                    const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        float pd[2], pdt[2];
+                        bool kept[2];
+                        mods.probs(X[nb][2 * r], X[nb][2 * r + 1], l2, p.scale_log2, need_mask, nb, r, n0 + key_local + 8 * r,
+                                   m0 + col, pd, pdt, kept);
+                        *reinterpret_cast<float2*>(pf + (key_local + 8 * r) * kPStride + col) =
+                            make_float2(kept[0] ? pdt[0] : -pdt[0], kept[1] ? pdt[1] : -pdt[1]);
+                        const u32 pk = pack2<kBF16>(pd[0], pd[1]);
+                        a_p[nb / 2][2 * (nb % 2) + r] = pk;
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot(key_local + 8 * r, nb)), "r"(pk));
+                    }
                 }
+            }
+            __syncthreads();  // pf and the P^T fragments in smem for warpgroup 1
+            if (wg == 1) {  // dS^T = P^T (1 - tanh^2) (Z dP^T / (1 - p) - D[i])
+                const float rp = p.mod.dropout_rp;
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb) {
+                    const int col = 8 * nb + 2 * t;
+                    const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = key_local + 8 * r;
+                        const float2 x = *reinterpret_cast<const float2*>(pf + row * kPStride + col);
+                        float dp0 = X[nb][2 * r], dp1 = X[nb][2 * r + 1];
+                        if constexpr (Mask::kDropout) {
+                            dp0 = (__float_as_uint(x.x) >> 31) ? 0.f : dp0 * rp;
+                            dp1 = (__float_as_uint(x.y) >> 31) ? 0.f : dp1 * rp;
+                        }
+                        const u32 ds = pack2<kBF16>(fabsf(x.x) * (dp0 - dd.x), fabsf(x.y) * (dp1 - dd.y));
+                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a_p[nb / 2][2 * (nb % 2) + r]) : "r"(slot(row, nb)));
+                        a_ds[nb / 2][2 * (nb % 2) + r] = ds;
+                        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot(row, nb)), "r"(ds));
+                    }
+                }
+            }
+            fence_proxy_async_smem();
+            __syncthreads();  // dS^T in smem
+            if (wg == 0) {
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(a_ds[nb / 2][2 * (nb % 2) + r]) : "r"(slot(key_local + 8 * r, nb)));
+            }
         }
 
         // ---- dV[:, half] += P^T dO[:, half], dK[:, half] += dS^T Q[:, half]

@@ -82,6 +82,7 @@
 
 #include "decode_common.cuh"
 #include "decode_merge.cuh"
+#include "masks.cuh"  // ScoreMods: window, softcap, ALiBi
 #include "params.h"
 #include "primitives.cuh"
 #include "warp_tile.cuh"  // WarpTile: the per-warp S = Q K^T, online softmax and O += P V steps
@@ -90,7 +91,7 @@ namespace cuflash {
 
 // Compile-time shape of one split-KV variant. Tile choices come from cuflash/plan/decode_kernels.py (DECODE_TILES).
 template <int kHeadDim_, int kBlockN_, int kMSlabs_, int kStages_, bool kIsBF16_, bool kAligned_, bool kCtaLoads_,
-          bool kTailGrid_ = false>
+          bool kTailGrid_ = false, int kMods_ = 0>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockN = kBlockN_;     // keys per K/V tile
@@ -103,6 +104,9 @@ struct DecodeConfig {
     static constexpr bool kCtaLoads = kCtaLoads_ || kStages_ == 1;
     // The tail-split grid (see the header); a variant of its own, so the other grids' code is untouched.
     static constexpr bool kTailGrid = kTailGrid_;
+    // Attention variants (masks.cuh kMod* bits): window, softcap, ALiBi (no dropout in decode).
+    static constexpr int kMods = kMods_;
+    static_assert((kMods & kModDropout) == 0, "decode has no dropout");
 
     static constexpr int kNWarps = kDecodeThreads / 32;
     static constexpr int kNThreads = kDecodeThreads;
@@ -302,6 +306,77 @@ CUFLASH_DEVICE void decode_mask(float (&S)[1][kNB][4], int col0, const int (&lim
                 if (col0 + 8 * nb + e >= limit[h]) S[0][nb][2 * h + e] = -kInf;
 }
 
+// The first K/V tile any query of a sequence of L keys sees: with a window, the one holding key
+// L - seqlen_q - window_left (token 0's first), so the splits cover only the window; else 0.
+template <class Cfg>
+CUFLASH_DEVICE int decode_first_tile(const DecodeParams& p, int L) {
+    if constexpr ((Cfg::kMods & kModWindow) != 0) {
+        return max(0, L - p.seqlen_q - p.mod.window_left) / Cfg::kBlockN;
+    } else {
+        return 0;
+    }
+}
+
+// The variants on a decode warp's scores (masks.cuh ScoreMods): rows g and g + 8 of its slab (packed
+// rows r0 and r0 + 8: token i = r / group, query head hk * group + r % group), keys of the sequence's L.
+// Softcap and ALiBi on every score, then the mask: keys >= limit (the ragged end, causal, the window's
+// right edge) and, with a window, keys < first (its left edge).
+template <class Cfg>
+struct DecodeRowMods {
+    using Mods = ScoreMods<Cfg::kMods>;
+    Mods mods;
+    int diag[2], first[2];  // per row: the key the query is aligned to (L - seqlen_q + i), its first key
+    float slope[2];
+    int first_hi;           // the largest first key of the CTA's rows ... of this warp's rows
+
+    CUFLASH_DEVICE DecodeRowMods(const DecodeParams& p, int b, int hk, int r0, int L, int (&limit)[2]) : mods(p.mod) {
+        first_hi = 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = min(r0 + 8 * h, p.rows - 1);  // padding rows copy the last real row
+            const int i = r / p.group;
+            diag[h] = L - p.seqlen_q + i;
+            slope[h] = Mods::alibi_slope(p.mod, b, hk * p.group + (r - i * p.group));
+            first[h] = mods.first_key(diag[h]);
+            if constexpr (Mods::kWindow) limit[h] = min(limit[h], max(0, diag[h] + mods.window_right + 1));
+        }
+        first_hi = max(first[0], first[1]);
+    }
+
+    // S[0][nb][2h + e] is row g + 8h, key n0 + 2t + 8 nb + e of the warp's share of kKeys keys.
+    template <int kNB>
+    CUFLASH_DEVICE void apply(float (&S)[1][kNB][4], int n0, int t, int limit_lo, int keys, const int (&limit)[2]) const {
+        if constexpr (Mods::kModifiesScores) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        S[0][nb][2 * h + e] = mods.modify(S[0][nb][2 * h + e], diag[h], n0 + 2 * t + 8 * nb + e, slope[h]);
+        }
+        // (limit_lo is the smallest limit of the CTA's rows; with a window the rows' own limits are smaller.)
+        if (n0 + keys > (Mods::kWindow ? min(limit_lo, min(limit[0], limit[1])) : limit_lo) || (Mods::kWindow && n0 < first_hi)) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int j = n0 + 2 * t + 8 * nb + e;
+                        if (j >= limit[h] || (Mods::kWindow && j < first[h])) S[0][nb][2 * h + e] = -kInf;
+                    }
+        }
+    }
+};
+
+// Plain variants carry no per-row variant state.
+struct DecodeNoRowMods {
+    CUFLASH_DEVICE DecodeNoRowMods(const DecodeParams&, int, int, int, int, int (&)[2]) {}
+};
+template <class Cfg>
+using DecodeRowModsOf = Choose<Cfg::kMods != 0, DecodeRowMods<Cfg>, DecodeNoRowMods>;
+
 // One split CTA: tiles [tile_begin, tile_end) of the L keys of (sequence b, kv head hk), packed query
 // rows of row block rb, as split `split` of the group's n_splits. One split: O and lse written
 // directly; several: this split's partial rows, then the merge by the last split CTA of the group to
@@ -402,6 +477,7 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
             limit[h] = p.is_causal ? min(L, L - p.seqlen_q + 1 + i) : L;
         }
         const int limit_lo = p.is_causal ? L - p.seqlen_q + 1 + row0 / p.group : L;
+        DecodeRowModsOf<Cfg> row_mods(p, b, hk, row0 + 16 * wm + g, L, limit);  // the variants' per-row values
         const bool warp_has_rows = 16 * wm < rows_valid;  // else the slab is padding: skip its MMAs
         float S[1][kNB][4];  // scores, then probabilities, of the warp's keys of the current tile
 
@@ -427,7 +503,11 @@ CUFLASH_DEVICE void decode_split(const DecodeParams& p, int b, int hk, int rb, i
                 const u16* s_v = s_v0 + stage * Cfg::kSmemKV + wn * Cfg::kKeysPerWarp * Cfg::kKVStride;
                 // S = Q K^T                      S[r][c] = sum_d Q[r][d] K[c][d]
                 wt.gemm_qk(S, s_q, s_k);
-                if (n0 + Cfg::kKeysPerWarp > limit_lo) decode_mask(S, n0 + 2 * t, limit);
+                if constexpr (Cfg::kMods != 0) {
+                    row_mods.apply(S, n0, t, limit_lo, Cfg::kKeysPerWarp, limit);
+                } else {
+                    if (n0 + Cfg::kKeysPerWarp > limit_lo) decode_mask(S, n0 + 2 * t, limit);
+                }
                 wt.softmax(S, scale_log2);
                 // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
                 wt.gemm_pv(S, s_v);
@@ -553,21 +633,23 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         const int n_splits = whole ? 1 : p.num_splits;
         const int hk = group % p.nheads_kv, b = group / p.nheads_kv;
         const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
-        const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
+        const int tile_lo = decode_first_tile<Cfg>(p, L);
+        const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN) - tile_lo;
         const int tiles_per_split = ceil_div_nonneg(n_tiles, n_splits);
         const int tile_begin = split * tiles_per_split;
         const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
-        decode_split<Cfg>(p, b, hk, 0, split, L, tile_begin, tile_end, n_splits);
+        decode_split<Cfg>(p, b, hk, 0, split, L, tile_lo + tile_begin, tile_lo + tile_end, n_splits);
     } else {
         const int x = p.split_major ? blockIdx.z : blockIdx.x;
         const int split = x / p.num_row_blocks, rb = x % p.num_row_blocks;
         const int hk = p.split_major ? blockIdx.x : blockIdx.y, b = p.split_major ? blockIdx.y : blockIdx.z;
         const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
-        const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN);
+        const int tile_lo = decode_first_tile<Cfg>(p, L);
+        const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN) - tile_lo;
         const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles : ceil_div_nonneg(n_tiles, p.num_splits);
         const int tile_begin = split * tiles_per_split;
         const int tile_end = min(tile_begin + tiles_per_split, n_tiles);
-        decode_split<Cfg>(p, b, hk, rb, split, L, tile_begin, tile_end, p.num_splits);
+        decode_split<Cfg>(p, b, hk, rb, split, L, tile_lo + tile_begin, tile_lo + tile_end, p.num_splits);
     }
 }
 }  // namespace cuflash

@@ -46,7 +46,7 @@ namespace cuflash {
 
 // Compile-time shape of one kernel variant. Tile choices come from cuflash/plan/forward.py (FWD_TILES).
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kIsBF16_, bool kIsCausal_,
-          bool kAligned_, bool kQInRegs_, int kStages_>
+          bool kAligned_, bool kQInRegs_, int kStages_, int kMods_ = 0>
 struct FwdConfig {
     static constexpr int kHeadDim = kHeadDim_;   // head-dim bucket (multiple of 32)
     static constexpr int kBlockM = kBlockM_;     // query rows per CTA
@@ -57,6 +57,7 @@ struct FwdConfig {
     static constexpr bool kAligned = kAligned_;  // 16-byte cp.async loads; else element-wise loads
     static constexpr bool kQInRegs = kQInRegs_;  // Q fragments loaded once into registers
     static constexpr int kStages = kStages_;     // smem buffers per K and per V tile (1 or 2)
+    static constexpr int kMods = kMods_;         // attention variants (masks.cuh kMod* bits)
 
     static constexpr int kNThreads = kNWarps * 32;
     static constexpr int kRowsPerWarp = kBlockM / kNWarps;
@@ -81,17 +82,31 @@ struct FwdConfig {
 };
 
 
+// A forward CTA's values of the variants: the first K/V block it visits (window), the ALiBi slope of
+// its head and its dropout stream. Empty for plain variants, whose CTA state (and code) stay as they were.
+template <int kMods>
+struct FwdModState {
+    int n_block_begin;
+    float alibi_slope;  // raw-score units
+    DropoutStream rng;
+};
+template <>
+struct FwdModState<0> {};
+
 // What a forward CTA works on: query tile m of head h in batch b (blockIdx), its rows of Q, O and
-// lse, its kv head's K and V, and the K/V blocks it visits.
+// lse, its kv head's K and V, the K/V blocks [first_block(), n_block_end) it visits, and the
+// variants' values (FwdModState).
 template <class Cfg>
-struct FwdTileRef {
+struct FwdTileRef : FwdModState<Cfg::kMods> {
+    using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
+    static constexpr bool kMods = Cfg::kMods != 0;
     const u16 *q, *k, *v;  // q: row m0 of the tile; k, v: key 0 of kv head h / head_ratio
     u16* o;
     float* lse;
     int m0, rows_valid, n_block_end;
-    CausalMask<Cfg::kIsCausal> mask;
+    Mask mask;
 
-    CUFLASH_DEVICE explicit FwdTileRef(const FwdParams& p) : mask{p.seqlen_q, p.seqlen_k} {
+    CUFLASH_DEVICE explicit FwdTileRef(const FwdParams& p) : mask(p.mod, p.seqlen_q, p.seqlen_k) {
         // Causal row tiles differ in cost (tile m visits about m+1 K/V blocks): launch the heavy ones first.
         const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
         const int h = blockIdx.y, b = blockIdx.z;
@@ -105,9 +120,43 @@ struct FwdTileRef {
         lse = p.lse + ((i64)b * p.nheads + h) * p.seqlen_q + m0;
         n_block_end = mask.n_block_end(m0, Cfg::kBlockM, Cfg::kBlockN);
         rows_valid = min(Cfg::kBlockM, p.seqlen_q - m0);
+        if constexpr (kMods) {
+            this->n_block_begin = mask.n_block_begin(m0, Cfg::kBlockN);
+            this->alibi_slope = Mask::alibi_slope(p.mod, b, h);
+            this->rng = DropoutStream(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
+        }
     }
 
-    // n_block_end == 0: no row of this tile sees any key, so O = 0 and lse = -inf.
+    // K/V blocks [first_block(), n_block_end) are visited.
+    CUFLASH_DEVICE int first_block() const {
+        if constexpr (Mask::kWindow) {
+            return this->n_block_begin;
+        } else {
+            return 0;
+        }
+    }
+    // No row of this tile sees any key: O = 0 and lse = -inf (write_empty).
+    CUFLASH_DEVICE bool empty() const {
+        if constexpr (Mask::kWindow) {
+            return n_block_end <= this->n_block_begin;
+        } else {
+            return n_block_end == 0;
+        }
+    }
+
+    // Softcap and ALiBi on a score tile (S as WarpTile holds it, rows from row_abs0, this thread's first
+    // column col0); nothing without them. The mask (mask.apply) comes after.
+    template <int kMSlabs, int kNB>
+    CUFLASH_DEVICE void modify_scores(float (&S)[kMSlabs][kNB][4], int row_abs0, int col0) const {
+        if constexpr (kMods) mask.modify_tile(S, row_abs0, col0, this->alibi_slope);
+    }
+    // Dropout on the probabilities of K/V block j (nothing without it); the warp's rows start at row16.
+    template <int kMSlabs, int kNB>
+    CUFLASH_DEVICE void drop(float (&S)[kMSlabs][kNB][4], int j, int row16, int lane) const {
+        if constexpr (Mask::kDropout) dropout_tile(S, this->rng, row16, j * Cfg::kBlockN, lane);
+    }
+
+    // No row sees any key (empty()): O = 0 and lse = -inf.
     CUFLASH_DEVICE void write_empty(const FwdParams& p, int tid) const {
         for (int i = tid; i < rows_valid * p.head_dim; i += Cfg::kNThreads) {
             o[(i / p.head_dim) * p.o_row_stride + i % p.head_dim] = 0;
@@ -129,9 +178,11 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     u16* g_o = tile.o;
     float* g_lse = tile.lse;
     const int m0 = tile.m0, rows_valid = tile.rows_valid, n_block_end = tile.n_block_end;
-    const CausalMask<Cfg::kIsCausal> mask = tile.mask;
+    constexpr bool kWindow = FwdTileRef<Cfg>::Mask::kWindow;
+    const int n_first = tile.first_block();  // (window) K/V tiles n_last down to n_first are visited, else down to 0
+    const typename FwdTileRef<Cfg>::Mask mask = tile.mask;
     const int warp_row0 = warp * Cfg::kRowsPerWarp;  // first row of this warp inside the tile
-    if (n_block_end == 0) {
+    if (tile.empty()) {
         tile.write_empty(p, tid);
         return;
     }
@@ -155,7 +206,7 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     wt.init(warp_row0, lane);
     const float scale_log2 = p.scale_log2;
     const int row_abs0 = m0 + warp_row0 + g;  // absolute query row of this thread's slab 0, half 0
-    const int n_last = n_block_end - 1;       // K/V tiles are visited from n_last down to 0
+    const int n_last = n_block_end - 1;
     float S[kMSlabs][kNB][4];                 // scores, then probabilities, of the current tile
 
     // Prologue: Q and the first K tile in one cp.async group, its V tile in the next, so S = Q K^T
@@ -174,6 +225,9 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     }
 
     for (int j = n_last; j >= 0; --j) {
+        if constexpr (kWindow) {
+            if (j < n_first) break;  // the window's first block was the last one
+        }
         const bool first = j == n_last;
         if constexpr (Cfg::kStages == 2) {
             // Double buffered, one barrier per tile: tile j-1 streams into the other stage while tile
@@ -182,14 +236,16 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
             // K_j (and V_j after the first tile) visible to every warp; every warp has finished tile
             // j+1, so the stage of tile j+1 is free for tile j-1.
             __syncthreads();
-            if (j > 0) {
+            if (kWindow ? j > n_first : j > 0) {
                 load_k(j - 1);
                 load_v(j - 1);
             }
             cp_async_commit();
             wt.gemm_qk(S, s_q, s_k(j));
-            if (mask.block_needs_mask(m0, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
+            tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t);
+            if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
             wt.softmax(S, scale_log2);
+            tile.drop(S, j, m0 + warp_row0, lane);
             if (first) {
                 cp_async_wait<1>();  // V_{n_last} landed (the prefetch of tile j-1 may still be in flight)
                 __syncthreads();     // ... and is visible to every warp
@@ -203,18 +259,21 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
             load_v(j);
             cp_async_commit();
             wt.gemm_qk(S, s_q, s_k(j));
-            if (mask.block_needs_mask(m0, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
+            tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t);
+            if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
             cp_async_wait<0>();
             __syncthreads();  // V_j visible to every warp; every warp is done with K_j
-            if (j > 0) load_k(j - 1);
+            if (kWindow ? j > n_first : j > 0) load_k(j - 1);
             cp_async_commit();
             wt.softmax(S, scale_log2);
+            tile.drop(S, j, m0 + warp_row0, lane);
             wt.gemm_pv(S, s_v(j));
         }
     }
 
     // Each warp stages its O rows in its own rows of sQ (only this warp ever read them).
-    wt.store(g_o, p.o_row_stride, g_lse, p.softmax_scale, warp_row0, rows_valid, p.head_dim, s_q + warp_row0 * kStride, lane);
+    wt.template store<(Cfg::kMods & kModDropout) != 0>(g_o, p.o_row_stride, g_lse, p.softmax_scale, warp_row0, rows_valid, p.head_dim, s_q + warp_row0 * kStride, lane,
+             p.mod.dropout_rp);
 }
 
 }  // namespace cuflash

@@ -26,12 +26,12 @@
 // aligned rows (the 16-byte cp.async path); head-dim bucket a multiple of 64.
 #pragma once
 
-#include "flash_fwd.cuh"  // FwdTileRef, CausalMask, WarpTile (softmax, epilogue)
+#include "flash_fwd.cuh"  // FwdTileRef (masks and variants), WarpTile (softmax, epilogue)
 #include "sm90_tile.cuh"
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0>
 struct Sm90FwdConfig {
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kBlockM_;
@@ -39,6 +39,7 @@ struct Sm90FwdConfig {
     static constexpr int kStages = kStages_;
     static constexpr bool kIsBF16 = kIsBF16_;
     static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr int kMods = kMods_;  // attention variants (masks.cuh kMod* bits)
 
     static constexpr int kWarpGroups = kBlockM / 64;
     static constexpr int kNWarps = 4 * kWarpGroups;
@@ -81,9 +82,11 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     const FwdTileRef<Cfg> tile(p);  // pointers, rows, visited K/V blocks: as flash_fwd_kernel
     const u16 *g_q = tile.q, *g_k = tile.k, *g_v = tile.v;
     const int m0 = tile.m0, rows_valid = tile.rows_valid, n_block_end = tile.n_block_end;
-    const CausalMask<Cfg::kIsCausal> mask = tile.mask;
+    constexpr bool kWindow = FwdTileRef<Cfg>::Mask::kWindow;
+    const int n_first = tile.first_block();  // (window) K/V tiles n_last down to n_first are visited, else down to 0
+    const typename FwdTileRef<Cfg>::Mask mask = tile.mask;
     const int warp_row0 = warp * 16;
-    if (n_block_end == 0) {
+    if (tile.empty()) {
         tile.write_empty(p, tid);
         return;
     }
@@ -124,11 +127,14 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     cp_async_commit();
 
     for (int j = n_last; j >= 0; --j) {
+        if constexpr (kWindow) {
+            if (j < n_first) break;  // the window's first block was the last one
+        }
         cp_async_wait<0>();
         fence_proxy_async_smem();
         // Tile j visible to every warpgroup's wgmmas; every warpgroup is done with tile j+1's stage.
         __syncthreads();
-        if (j > 0) load_kv(j - 1);
+        if (kWindow ? j > n_first : j > 0) load_kv(j - 1);
         cp_async_commit();
 
         // S = Q K_j^T
@@ -139,8 +145,10 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
         wgmma_wait<0>();
         wgmma_fence_operands(s_acc);
 
-        if (mask.block_needs_mask(m0, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
+        tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t);
+        if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
         wt.softmax(S, scale_log2);
+        tile.drop(S, j, m0 + warp_row0, lane);
 
         // O += P V_j: P packed from the S accumulators into A fragments, one per 16-key step.
         u32 a[Cfg::kKStepsPV][4];
@@ -163,7 +171,8 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     // Every warpgroup's last wgmma has read its K/V tile: the K/V buffers become O staging rows.
     __syncthreads();
     u16* s_stage = reinterpret_cast<u16*>(smem_raw + (s_k0 - smem_u32(smem_raw))) + warp * 16 * Cfg::kSmemStride;
-    wt.store(tile.o, p.o_row_stride, tile.lse, p.softmax_scale, warp_row0, rows_valid, p.head_dim, s_stage, lane);
+    wt.template store<(Cfg::kMods & kModDropout) != 0>(tile.o, p.o_row_stride, tile.lse, p.softmax_scale, warp_row0, rows_valid, p.head_dim, s_stage, lane,
+             p.mod.dropout_rp);
 }
 
 }  // namespace cuflash

@@ -1,40 +1,168 @@
-// Masks: which scores survive, and which K/V blocks a query tile visits at all.
+// Masks and score modifiers: which scores survive, what they become before the softmax, and which
+// K/V blocks a query tile visits at all. Written once, used by every kernel family (the mma.sync and
+// wgmma forward and backward, decode).
 //
-// The kernels ask a mask for the block range a query tile visits, whether a block needs the
-// per-element step, and then apply it to the score tile. Causal is aligned to the bottom-right
-// corner (query row i sees keys j <= i + seqlen_k - seqlen_q); the other attention variants
-// (sliding window, ALiBi, softcap) are meant to join here as compile-time policies.
+// The variants are compile-time policies (kMods bits; cuflash/plan/common.py Variant.bits), their
+// values runtime (ModParams, cuda_src/params.h). With kMods == 0 every function below is what the
+// kernels computed before the variants existed (causal or not), so those variants compile unchanged.
+// For a query whose diagonal is d = i + seqlen_k - seqlen_q (the key it is aligned to, bottom-right
+// like causal), raw score s = q.k (the softmax applies its unit scale later, as exp2(x scale_log2)):
+//   window   key j is visible iff d - window_left <= j <= d + window_right (causal: window_right = 0)
+//   softcap  s -> tanh(s * softcap_scale); the softmax's unit scale is then softcap, not softmax_scale,
+//            so the score it sees is softcap * tanh(softmax_scale * s / softcap)
+//   alibi    s -> s - slope * alibi_scale * |d - j| (the bias -slope |d - j| in the softmax's units)
+//   dropout  after the softmax, dropout.cuh
+// Order: softcap, then ALiBi, then the mask (-inf), as flash-attn.
 #pragma once
 
+#include "dropout.cuh"
+#include "params.h"
 #include "primitives.cuh"
 
 namespace cuflash {
 
-// Which scores survive, and which K/V blocks a query tile visits. Future score modifiers
-// (sliding window, ALiBi, softcap, additive bias) slot in here: the main loop only asks for the
-// block range, whether a block needs the per-element step, and then applies it.
-template <bool kIsCausal>
-struct CausalMask {
+constexpr int kModWindow = 1;   // sliding window (local attention)
+constexpr int kModSoftcap = 2;  // logit softcapping
+constexpr int kModAlibi = 4;    // ALiBi linear bias
+constexpr int kModDropout = 8;  // attention dropout (forward and backward only)
+
+// tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): two SFU operations, absolute error ~1e-7 over the whole range
+// (tanh.approx.f32 alone is off by up to ~2^-11, which a softcap of 50 turns into 0.02 in the score).
+CUFLASH_DEVICE float accurate_tanh(float x) {
+    const float e = fast_exp2(x * (2.f * kLog2e));
+    return fmaf(-2.f, __fdividef(1.f, e + 1.f), 1.f);
+}
+
+// Score modifiers of one kernel variant: softcap and ALiBi on a score, the window's key range.
+template <int kMods>
+struct ScoreMods {
+    static constexpr int kBits = kMods;
+    static constexpr bool kWindow = (kMods & kModWindow) != 0;
+    static constexpr bool kSoftcap = (kMods & kModSoftcap) != 0;
+    static constexpr bool kAlibi = (kMods & kModAlibi) != 0;
+    static constexpr bool kDropout = (kMods & kModDropout) != 0;
+    static constexpr bool kModifiesScores = kSoftcap || kAlibi;  // anything to do on every element
+
+    int window_left, window_right;
+    float softcap_scale;
+
+    CUFLASH_DEVICE explicit ScoreMods(const ModParams& m)
+        : window_left(m.window_left), window_right(m.window_right), softcap_scale(m.softcap_scale) {}
+
+    // ALiBi slope of (batch b, query head h) in raw-score units.
+    CUFLASH_DEVICE static float alibi_slope(const ModParams& m, int b, int h) {
+        if constexpr (kAlibi) {
+            return m.alibi_slopes[b * m.alibi_batch_stride + h] * m.alibi_scale;
+        } else {
+            return 0.f;
+        }
+    }
+
+    // The score of key j for the query of diagonal d (softcap, then ALiBi with the head's slope in raw
+    // units); *dtanh (softcap, if given) gets 1 - tanh^2, the factor the backward multiplies dS by.
+    CUFLASH_DEVICE float modify(float s, int d, int j, float slope, float* dtanh = nullptr) const {
+        if constexpr (kSoftcap) {
+            s = accurate_tanh(s * softcap_scale);
+            if (dtanh != nullptr) *dtanh = fmaf(-s, s, 1.f);
+        }
+        if constexpr (kAlibi) s = fmaf(-slope, fabsf(static_cast<float>(d - j)), s);
+        return s;
+    }
+
+    // First visible key of the query of diagonal d (window only; 0 otherwise).
+    CUFLASH_DEVICE int first_key(int d) const { return kWindow ? max(0, d - window_left) : 0; }
+};
+
+// The forward's and backward's view: seqlen_q x seqlen_k scores, causal or not, and the variants.
+template <bool kIsCausal, int kMods = 0>
+struct AttnMask : ScoreMods<kMods> {
+    using Mods = ScoreMods<kMods>;
+    using Mods::kWindow;
     int seqlen_q, seqlen_k;
 
-    // Causal is aligned bottom-right: query row i sees keys j <= i + seqlen_k - seqlen_q.
+    CUFLASH_DEVICE AttnMask(const ModParams& m, int seqlen_q_, int seqlen_k_)
+        : Mods(m), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_) {}
+
+    // Causal is aligned bottom-right: query row i sees keys j <= i + seqlen_k - seqlen_q; a window also
+    // keys j >= i + seqlen_k - seqlen_q - window_left (the host folds causal into window_right = 0).
     CUFLASH_DEVICE int last_key_plus_one(int row) const {
-        if constexpr (kIsCausal) {
+        if constexpr (kWindow) {
+            return min(seqlen_k, row + seqlen_k - seqlen_q + this->window_right + 1);
+        } else if constexpr (kIsCausal) {
             return min(seqlen_k, row + seqlen_k - seqlen_q + 1);
         } else {
             return seqlen_k;
         }
     }
-    // K/V blocks [0, n_block_end) hold every key any row of [m0, m0 + block_m) can see.
+    CUFLASH_DEVICE int first_key_of_row(int row) const { return this->first_key(row + seqlen_k - seqlen_q); }
+
+    // K/V blocks [n_block_begin, n_block_end) hold every key any row of [m0, m0 + block_m) can see.
     CUFLASH_DEVICE int n_block_end(int m0, int block_m, int block_n) const {
         const int last_row = min(seqlen_q, m0 + block_m) - 1;
         return ceil_div_nonneg(last_key_plus_one(last_row), block_n);
     }
-    // True when some element of tile (m0.., n0..) is masked for some row: diagonal or ragged end.
-    CUFLASH_DEVICE bool block_needs_mask(int m0, int n0, int block_n) const {
-        return n0 + block_n > last_key_plus_one(m0);
+    CUFLASH_DEVICE int n_block_begin(int m0, int block_n) const {
+        return kWindow ? min(first_key_of_row(m0), seqlen_k) / block_n : 0;
     }
-    // S[s][nb][2r + e] is row (row0 + 16 s + 8 r), column (col0 + 8 nb + e).
+    // True when some element of tile (rows m0.., keys n0..) is masked for some row: the causal or window
+    // diagonal, the window's left edge, or the ragged end of seqlen_k.
+    CUFLASH_DEVICE bool block_needs_mask(int m0, int block_m, int n0, int block_n) const {
+        if constexpr (kWindow) {
+            return n0 + block_n > last_key_plus_one(m0) || n0 < first_key_of_row(min(seqlen_q, m0 + block_m) - 1);
+        } else {
+            return n0 + block_n > last_key_plus_one(m0);
+        }
+    }
+    // The backward's form (keys n0.. of a key block against query rows m0..): the same condition.
+    // Keys past seqlen_k count even for causal grids: their K rows are zero, so S = 0 and exp2(-lse_log2)
+    // can overflow to inf, and dQ's dS K would turn inf * 0 into NaN.
+    CUFLASH_DEVICE bool key_block_needs_mask(int n0, int block_n, int m0, int block_m) const {
+        if constexpr (kWindow) {
+            return block_needs_mask(m0, block_m, n0, block_n);
+        } else {
+            return kIsCausal ? n0 + block_n - 1 > m0 + (seqlen_k - seqlen_q) : n0 + block_n > seqlen_k;
+        }
+    }
+    // Whether query i must not see key j (on the blocks that need a mask; see key_block_needs_mask).
+    CUFLASH_DEVICE bool hidden(int i, int j) const {
+        if constexpr (kWindow) {
+            return j >= last_key_plus_one(i) || j < first_key_of_row(i);
+        } else {
+            return kIsCausal ? j > i + (seqlen_k - seqlen_q) : j >= seqlen_k;
+        }
+    }
+
+    // Backward: P = exp2(score * scale_log2 - lse_log2) of query i and key j from the raw score s, 0 where
+    // the key is hidden (on blocks that need the mask); *dtanh gets what dS is multiplied by for the
+    // softcap's tanh (1 - tanh^2; 1 without softcap).
+    CUFLASH_DEVICE float prob(float s, int i, int j, float lse_log2, float scale_log2, bool need_mask, float slope,
+                              float* dtanh) const {
+        *dtanh = 1.f;
+        const float u = this->modify(s, i + seqlen_k - seqlen_q, j, slope, dtanh);
+        const float p = fast_exp2(fmaf(u, scale_log2, -lse_log2));
+        return need_mask && hidden(i, j) ? 0.f : p;
+    }
+
+    // Forward score tile: softcap and ALiBi on every element (nothing without them). S[s][nb][2r + e]
+    // is row (row0 + 16 s + 8 r), column (col0 + 8 nb + e).
+    template <int kMSlabs, int kNB>
+    CUFLASH_DEVICE void modify_tile(float (&S)[kMSlabs][kNB][4], int row0, int col0, float slope) const {
+        if constexpr (Mods::kModifiesScores) {
+#pragma unroll
+            for (int s = 0; s < kMSlabs; ++s)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int d = row0 + 16 * s + 8 * r + seqlen_k - seqlen_q;
+#pragma unroll
+                    for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            S[s][nb][2 * r + e] = this->modify(S[s][nb][2 * r + e], d, col0 + 8 * nb + e, slope);
+                }
+        }
+    }
+
+    // Forward score tile: -inf where the key is hidden (layout as modify_tile).
     template <int kMSlabs, int kNB>
     CUFLASH_DEVICE void apply(float (&S)[kMSlabs][kNB][4], int row0, int col0) const {
 #pragma unroll
@@ -42,16 +170,37 @@ struct CausalMask {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int limit = last_key_plus_one(row0 + 16 * s + 8 * r);
+                const int first = first_key_of_row(row0 + 16 * s + 8 * r);
 #pragma unroll
                 for (int nb = 0; nb < kNB; ++nb) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        if (col0 + 8 * nb + e >= limit) S[s][nb][2 * r + e] = -kInf;
+                        const int col = col0 + 8 * nb + e;
+                        if (col >= limit || (kWindow && col < first)) S[s][nb][2 * r + e] = -kInf;
                     }
                 }
             }
         }
     }
 };
+
+// Forward dropout on a probability tile (after the softmax's row sums: the normalization counts every
+// element). S[s][nb][2r + e] as in AttnMask::apply, the warp's rows starting at row16 (a multiple of
+// 16), its columns at col16 (a multiple of 16): dropped elements become 0. The 1 / (1 - p) of the kept
+// ones is applied to O at the end.
+template <int kMSlabs, int kNB>
+CUFLASH_DEVICE void dropout_tile(float (&S)[kMSlabs][kNB][4], const DropoutStream& rng, int row16, int col16, int lane) {
+#pragma unroll
+    for (int s = 0; s < kMSlabs; ++s)
+#pragma unroll
+        for (int kk = 0; kk < kNB / 2; ++kk) {
+            const u32 bits = rng.keep_bits(row16 + 16 * s, col16 + 16 * kk, lane);
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    if (!((bits >> (4 * c + i)) & 1u)) S[s][2 * kk + c][i] = 0.f;
+        }
+}
 
 }  // namespace cuflash

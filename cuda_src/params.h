@@ -12,6 +12,22 @@
 namespace cuflash {
 #endif
 
+// The attention variants' runtime values (cuda_src/masks.cuh reads them), the last field of every
+// parameter block below. Which variants a kernel applies is a compile-time choice (its kMods bits);
+// a field of a variant that is off is not read.
+struct ModParams {
+    const float* alibi_slopes;       // ALiBi: (batch, nheads) or (nheads,) float32 slopes
+    long long alibi_batch_stride;    // elements between batch rows of alibi_slopes (0: one row for all)
+    unsigned long long seed;         // dropout: Philox4x32-10 key (low word, high word)
+    unsigned long long offset;       // dropout: low 32 bits -> counter word 3, high 32 bits xor'ed into key word 1
+    int window_left;                 // sliding window: query i sees keys j with
+    int window_right;                //   d - window_left <= j <= d + window_right, d = i + seqlen_k - seqlen_q
+    float softcap_scale;             // softcap: softmax_scale / softcap; the score s becomes tanh(s * softcap_scale)
+    float alibi_scale;               // ALiBi: slope -> bias per key in raw score units (1 / the softmax's unit scale)
+    float dropout_rp;                // dropout: 1 / (1 - dropout_p)
+    unsigned int keep_threshold;     // dropout: an element is kept iff its 16-bit random number < keep_threshold
+};
+
 struct FwdParams {
     const void* q;             // (batch, seqlen_q, nheads, head_dim)
     const void* k;             // (batch, seqlen_k, nheads_kv, head_dim)
@@ -40,6 +56,7 @@ struct FwdParams {
     int num_m_blocks;          // ceil(seqlen_q / kBlockM) == gridDim.x
     float softmax_scale;       // multiplies q.k before the softmax (> 0)
     float scale_log2;          // softmax_scale * log2(e): the kernel exponentiates with exp2
+    struct ModParams mod;      // the variants (softcap: softmax_scale and scale_log2 are the softcap's)
 };
 
 // Parameter block shared by the three backward kernels (cuda_src/flash_bwd.cuh): preprocess,
@@ -84,8 +101,9 @@ struct BwdParams {
     int dq_q_warps;            // the main kernel's dQ warp grid: warps along the query rows ...
     int dq_tile_rows;          // ... and one warp's dQ tile: rows (multiple of 16) x
     int dq_tile_cols;          //     columns (multiple of 16)
-    float softmax_scale;
-    float scale_log2;          // softmax_scale * log2(e)
+    float softmax_scale;       // multiplies dS K and dS^T Q (the q.k scale, also with softcap)
+    float scale_log2;          // log2(e) times the softmax's unit scale: softmax_scale, or softcap with softcap
+    struct ModParams mod;
 };
 
 // Parameter block shared by the three decode kernels (cuda_src/flash_decode*.cuh): append, split-KV
@@ -141,6 +159,7 @@ struct DecodeParams {
     float scale_log2;          // softmax_scale * log2(e)
     int tail_groups;           // > 0: tail-split grid (1-D): the last tail_groups groups (b * nheads_kv + hk) in
                                // num_splits splits, every other group whole; 0: the grids above
+    struct ModParams mod;      // window, softcap, ALiBi (no dropout in decode)
 };
 
 #ifdef __cplusplus

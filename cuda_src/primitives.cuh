@@ -158,4 +158,16 @@ CUFLASH_DEVICE void red_release_gpu_add(int* g_ptr, int v) {
 
 CUFLASH_DEVICE int ceil_div_nonneg(int a, int b) { return a <= 0 ? 0 : (a + b - 1) / b; }
 
+// Type T if kCond, else F (std::conditional_t; the sources include no standard header).
+template <bool kCond, class T, class F>
+struct ChooseType {
+    using type = T;
+};
+template <class T, class F>
+struct ChooseType<false, T, F> {
+    using type = F;
+};
+template <bool kCond, class T, class F>
+using Choose = typename ChooseType<kCond, T, F>::type;
+
 }  // namespace cuflash

@@ -233,13 +233,15 @@ struct WarpTile {
         }
     }
 
-    // Epilogue: l = sum over the quad, O /= l once, lse = m * scale + ln(l); rows that saw no key
+    // Epilogue: l = sum over the quad, O *= out_scale / l once (kScaleOut; dropout's out_scale = 1 / (1 - p)),
+    // lse = m * scale + ln(l); rows that saw no key
     // (l == 0) write O = 0 and lse = -inf. g_o and g_lse point at row 0 of the CTA's tile; the warp's
     // rows start at warp_row0. Aligned variants stage the normalized rows in s_stage (kRowsPerWarp rows
     // of kSmemStride elements that only this warp touches) and write whole 16-byte chunks: coalesced
     // rows instead of 4-byte pieces.
+    template <bool kScaleOut = false>
     CUFLASH_DEVICE void store(u16* g_o, i64 o_row_stride, float* g_lse, float softmax_scale, int warp_row0,
-                              int rows_valid, int head_dim, u16* s_stage, int lane) const {
+                              int rows_valid, int head_dim, u16* s_stage, int lane, float out_scale = 1.f) const {
         const int g = lane / 4, t = lane % 4;
         float inv_l[kMSlabs][2];
 #pragma unroll
@@ -248,7 +250,11 @@ struct WarpTile {
             for (int r = 0; r < 2; ++r) {
                 const int row = warp_row0 + 16 * s + 8 * r + g;  // row inside the tile
                 const float l = quad_sum(row_sum[s][r]);
-                inv_l[s][r] = l > 0.f ? 1.f / l : 0.f;
+                if constexpr (kScaleOut) {
+                    inv_l[s][r] = l > 0.f ? out_scale / l : 0.f;
+                } else {
+                    inv_l[s][r] = l > 0.f ? 1.f / l : 0.f;
+                }
                 if (t == 0 && row < rows_valid) g_lse[row] = l > 0.f ? row_max[s][r] * softmax_scale + __logf(l) : -kInf;
             }
         }

@@ -7,12 +7,13 @@ from __future__ import annotations
 import functools
 import math
 
-from . import checks, jit, launch, plan
+from . import checks, jit, launch, plan, variants
 from .params import BWD_PACKER
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
+    dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+    softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None,
     deterministic: bool = False, dq=None, dk=None, dv=None,
 ):  # fmt: skip
     """Gradients (dq, dk, dv) of ``out = attention(q, k, v)`` given ``dout``, with FlashAttention-2.
@@ -23,7 +24,9 @@ def attention_backward(
     ``cuflash.attention``: float16 or bfloat16, any strides with a contiguous last dimension,
     GQA / MQA (dk, dv of a kv head are summed over its query heads), head dims 1 to 256.
 
-    causal, softmax_scale: the values the forward ran with.
+    causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p: the values the forward ran
+    with; rng_state: the one the forward returned (with dropout_p > 0: required, it regenerates the
+    forward's dropout mask).
     deterministic: False (default) adds the dq partial sums with fp32 atomics in whatever order the
     CTAs run (results may differ in the last bits between runs); True adds them in a fixed order
     (bitwise identical results run after run, somewhat slower; on Hopper it runs the mma.sync main
@@ -33,11 +36,13 @@ def attention_backward(
     Runs on CuPy's current stream and never synchronizes. Extra device memory: an fp32 buffer of
     dq's size (rounded up to the head-dim bucket) and two fp32 values per query row.
     """
-    return run(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-               dq=dq, dk=dk, dv=dv)  # fmt: skip
+    return run(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
+               deterministic=deterministic, dq=dq, dk=dk, dv=dv)  # fmt: skip
 
 
-def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
+def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+        softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None,
         deterministic: bool = False, dq=None, dk=None, dv=None,
         tile: plan.BwdTile | plan.BwdSm90Tile | None = None):  # fmt: skip
     """``attention_backward`` with a forced main-kernel tile (a plan.BwdTile runs the mma.sync kernel
@@ -49,6 +54,9 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
     checks.check_like("dout", dout, "q", q, device_id, cupy)
     checks.check_like("out", out, "q", q, device_id, cupy)
     checks.check_lse(lse, (batch, nheads, seqlen_q), device_id, cupy)
+    var = variants.resolve(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                           dropout_p=dropout_p, rng_state=rng_state, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
+                           seqlen_k=seqlen_k, device_id=device_id, cupy=cupy, new_rng_state=False)  # fmt: skip
 
     with cupy.cuda.Device(device_id):
         dq, dk, dv = (checks.output_like(given, like, device_id, cupy, name, name[1:])
@@ -63,8 +71,8 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
 
         aligned = head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q, k, v, out, dout, dq, dk, dv))
         bp, fns = _plan_and_load(
-            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, checks.DTYPE_NAMES[q.dtype], bool(causal), aligned,
-            device_id, tile, bool(deterministic),
+            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, checks.DTYPE_NAMES[q.dtype], var.causal, aligned,
+            device_id, tile, bool(deterministic), var.mods,
         )  # fmt: skip
         main_tile = bp.main.spec.tile
         dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
@@ -86,7 +94,8 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, seqlen_q_pad=bp.seqlen_q_pad,
             dq_accum_cols=bp.dq_accum_cols, num_m_blocks=bp.num_m_blocks, deterministic=int(bool(deterministic)),
             block_m=main_tile.block_m, dq_q_warps=main_tile.dq_q_warps, dq_tile_rows=dq_tile[0], dq_tile_cols=dq_tile[1],
-            softmax_scale=softmax_scale, scale_log2=softmax_scale * math.log2(math.e),
+            softmax_scale=softmax_scale, scale_log2=var.unit_scale(softmax_scale) * math.log2(math.e),
+            mod=var.record(softmax_scale),
         )  # fmt: skip
         stream = cupy.cuda.get_current_stream().ptr
         for how, fn in zip((bp.pre, bp.main, bp.convert), fns):
@@ -96,11 +105,11 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
 
 @functools.lru_cache(maxsize=1024)
 def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, causal, aligned, device_id, tile,
-                   deterministic):  # fmt: skip
+                   deterministic, mods=0):  # fmt: skip
     """Plan and the three loaded kernels for one call signature (memoized, as in the forward)."""
     bp = plan.plan_backward(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
         dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
-        deterministic=deterministic,
+        deterministic=deterministic, mods=mods,
     )  # fmt: skip
     return bp, tuple(jit.get_function(how.spec, device_id) for how in (bp.pre, bp.main, bp.convert))

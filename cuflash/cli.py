@@ -33,6 +33,10 @@ DTYPE_CHOICES = {"fp16": ("fp16",), "bf16": ("bf16",), "both": ("fp16", "bf16")}
 KERNEL_FAMILIES = plan.ALL_SPECS
 #: Options of `cuflash bench` that only --decode reads (they never reach cuflash.bench.cli_main).
 DECODE_ONLY_OPTIONS = ("decode", "batch", "kv_heads")
+#: Options of `cuflash bench` that only the variant benchmark (--variant, cuflash.bench_variants) reads.
+VARIANT_ONLY_OPTIONS = ("variant", "window")
+#: The attention variants `cuflash bench --variant` times against their peers.
+BENCH_VARIANTS = ("window", "softcap", "alibi", "dropout")
 #: Options of `cuflash bench` handled here (redrawing a saved run), not by the benchmark modules.
 REPLOT_OPTIONS = ("from_json",)
 
@@ -414,6 +418,11 @@ def plot_problem(path: str) -> str | None:
 @click.option("--batch", "batch", multiple=True, type=int, help="--decode: batch sizes (default 1, 8, 64).")
 @click.option("--kv-heads", "kv_heads", multiple=True, type=int,
               help="--decode: kv heads next to 32 query heads (default 32 and 8).")
+@click.option("--variant", "variant", multiple=True, type=click.Choice([*BENCH_VARIANTS, "all"]),
+              help="Time an attention variant (repeatable) against the peer that runs it: FlexAttention for "
+                   "window / softcap / alibi, SDPA FlashAttention-2 for dropout (--op fwd, bwd or all).")
+@click.option("--window", "window", type=int, default=1024, show_default=True,
+              help="--variant window: keys of the causal sliding window.")
 @click.pass_context
 def bench(ctx, **options):
     """Time cuflash next to torch's FlashAttention-2 and cuDNN, in one run on the same GPU and inputs,
@@ -423,10 +432,15 @@ def bench(ctx, **options):
     dims 64/128/256, causal and not). Needs a CUDA GPU, except --from-json.
     """
     decode, batch, kv_heads = (options.pop(name) for name in DECODE_ONLY_OPTIONS)
+    variant, window = (options.pop(name) for name in VARIANT_ONLY_OPTIONS)
     from_json = options.pop("from_json")
     if not decode and (batch or kv_heads):
         raise click.UsageError("--batch and --kv-heads apply to --decode only")
-    module = "cuflash.bench_decode" if decode else "cuflash.bench"
+    if variant and decode:
+        raise click.UsageError("--variant times prefill (forward, backward); decode variants are not benchmarked here")
+    if variant and options["op"] == "fwd+bwd":
+        raise click.UsageError("--variant times --op fwd, bwd or all (forward and backward apart)")
+    module = "cuflash.bench_decode" if decode else "cuflash.bench_variants" if variant else "cuflash.bench"
     if options["plot_path"]:  # checked before a run that would end without its figure
         problem = plot_problem(options["plot_path"])
         if problem is not None:
@@ -445,7 +459,7 @@ def bench(ctx, **options):
         from click.core import ParameterSource
 
         kw = {}
-        if not decode and ctx.get_parameter_source("op") is not ParameterSource.DEFAULT and options["op"] != "all":
+        if not decode and not variant and ctx.get_parameter_source("op") is not ParameterSource.DEFAULT and options["op"] != "all":
             kw["ops"] = (options["op"],)  # an explicit --op picks that operation out of the saved run
         try:
             mod.replot(from_json, options["plot_path"], **kw)
@@ -455,6 +469,10 @@ def bench(ctx, **options):
         return
     if decode:
         _bench_decode(ctx, mod, options, batch, kv_heads)
+        return
+    if variant:
+        variants = BENCH_VARIANTS if "all" in variant else tuple(dict.fromkeys(variant))
+        mod.cli_main(variants=variants, window=window, **options)
         return
     mod.cli_main(**options)
 

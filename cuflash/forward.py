@@ -11,11 +11,13 @@ import math
 
 import numpy as np
 
-from . import checks, jit, launch, plan
+from . import checks, jit, launch, plan, variants
 from .params import FWD_PACKER
 
 
-def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, out=None):
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+              softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None,
+              return_lse: bool = False, out=None):  # fmt: skip
     """Exact attention ``softmax(scale * q k^T) v`` with FlashAttention-2 on CuPy arrays.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim); float16 or
@@ -25,38 +27,62 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     causal: mask aligned to the bottom-right corner: query i sees keys j <= i + seqlen_k - seqlen_q;
     a query that sees no key gets 0 (and lse -inf).
     softmax_scale: defaults to 1 / sqrt(headdim); must be positive.
-    return_lse: also return lse, float32 (batch, nheads, seqlen_q), natural log of the softmax sum.
+    window_size: (left, right), -1 = unbounded: query i sees keys d - left <= j <= d + right, d = i +
+    seqlen_k - seqlen_q (sliding window, aligned like causal; with causal, right is 0). Only the key
+    blocks a window touches are visited.
+    softcap: > 0 caps the scaled scores: s -> softcap * tanh(s / softcap) (Gemma 2, Grok).
+    alibi_slopes: float32 CuPy array (nheads,) or (batch, nheads): adds -slope * |d - j| to the score
+    (after the softcap).
+    dropout_p: in [0, 1): each probability is kept with probability 1 - dropout_p and scaled by
+    1 / (1 - dropout_p), after the normalization. rng_state = (seed, offset) picks the Philox stream;
+    None draws a fresh seed. The call then also returns the rng_state it used (pass it to
+    attention_backward).
+    return_lse: also return lse, float32 (batch, nheads, seqlen_q), natural log of the softmax sum
+    (of the softcapped, ALiBi'd scores, before dropout).
     out: optional output array (shape and dtype of q, last dim contiguous) written in place.
 
-    Runs on CuPy's current stream and never synchronizes.
+    Returns out; (out, lse) with return_lse; with dropout_p > 0, rng_state last: (out, rng_state) or
+    (out, lse, rng_state). Runs on CuPy's current stream and never synchronizes.
     """
-    return run(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, out=out)
+    return run(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+               alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state, return_lse=return_lse, out=out)
 
 
-def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, out=None,
-        tile: plan.Tile | plan.Sm90Tile | None = None):  # fmt: skip
+def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+        softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None, return_lse: bool = False,
+        out=None, tile: plan.Tile | plan.Sm90Tile | None = None):  # fmt: skip
     """``attention`` with a forced tile (a plan.Tile runs the mma.sync kernel with it, a plan.Sm90Tile
     the Hopper one); for tuning tools and tests. tile=None is exactly ``attention``."""
     cupy = checks.cupy_module()
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = checks.check_qkv(q, k, v, cupy)
     softmax_scale = checks.resolve_scale(softmax_scale, head_dim)
+    var = variants.resolve(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                           dropout_p=dropout_p, rng_state=rng_state, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
+                           seqlen_k=seqlen_k, device_id=device_id, cupy=cupy)  # fmt: skip
+
+    def result(out, lse):
+        res = (out, lse) if return_lse else (out,)
+        if var.rng_state is not None:
+            res += (var.rng_state,)
+        return res if len(res) > 1 else out
 
     with cupy.cuda.Device(device_id):
         out = checks.output_like(out, q, device_id, cupy)
         lse = cupy.empty((batch, nheads, seqlen_q), dtype=cupy.float32)
 
         if batch == 0 or seqlen_q == 0 or nheads == 0 or head_dim == 0:
-            return (out, lse) if return_lse else out
+            return result(out, lse)
         if seqlen_k == 0:  # no query sees any key
             out.fill(0)
             lse.fill(-np.inf)
-            return (out, lse) if return_lse else out
+            return result(out, lse)
 
         aligned = head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q, k, v, out))
         how, fn = _plan_and_load(
-            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, checks.DTYPE_NAMES[q.dtype], bool(causal), aligned,
-            device_id, tile,
+            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, checks.DTYPE_NAMES[q.dtype], var.causal, aligned,
+            device_id, tile, var.mods,
         )  # fmt: skip
+        unit = var.unit_scale(softmax_scale)  # the softmax's scale: softcap with softcap
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q, k, v, out))
         record = FWD_PACKER.pack(
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
@@ -66,18 +92,19 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, re
             o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
             batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_ratio=nheads // nheads_kv,
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, num_m_blocks=how.grid[0],
-            softmax_scale=softmax_scale, scale_log2=softmax_scale * math.log2(math.e),
+            softmax_scale=unit, scale_log2=unit * math.log2(math.e), mod=var.record(softmax_scale),
         )  # fmt: skip
         launch.launch_record(fn, how, record, cupy.cuda.get_current_stream().ptr)
-    return (out, lse) if return_lse else out
+    return result(out, lse)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, causal, aligned, device_id, tile):
+def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, causal, aligned, device_id, tile,
+                   mods=0):  # fmt: skip
     """Launch plan and loaded kernel for one call signature (memoized: the host side of a repeated
     call is then a dictionary lookup, not a re-plan)."""
     how = plan.plan_forward(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
-        dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
+        dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile, mods=mods,
     )  # fmt: skip
     return how, jit.get_function(how.spec, device_id)

@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from . import checks, jit, launch, plan
+from . import checks, jit, launch, plan, variants
 from .checks import INT32_MAX
 from .params import DECODE_PACKER
 
@@ -85,23 +85,27 @@ def _desc(x) -> tuple:
 
 
 def _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
-               return_lse, out, check, policy):  # fmt: skip
+               return_lse, out, check, policy, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):  # fmt: skip
     """The key under which a call's checks and plan are kept (_Prepared): everything they depend on but
     the pointers and, for one length for all, the length itself (only its 64-token step, which the
     plan sees). None where the call takes the whole way every time: lengths or a block table on the
     host (their values are checked per call), check=True, or arguments of other types (the whole way
     then raises the errors). A decode loop's repeated call skips re-checking what cannot have changed:
     the host time of a step is latency, and on the H200 the checks, the plan lookup and the packing
-    of the record took more of it than the launch."""
+    of the record took more of it than the launch. ALiBi slopes (a device pointer in the record) take
+    the whole way too."""
     nd = cupy.ndarray
     if check or type(num_splits) is not int or policy is not None and type(policy) is not plan.DecodePolicy:
+        return None
+    if alibi_slopes is not None or type(window_size) is not tuple or type(softcap) not in (int, float):
         return None
     if type(q) is not nd or type(k_cache) is not nd or type(v_cache) is not nd:
         return None
     if softmax_scale is not None and type(softmax_scale) is not float:
         return None
     kd = _desc(k_cache)
-    key = [_desc(q), kd, _desc(v_cache), bool(causal), softmax_scale, num_splits, bool(return_lse), policy]
+    key = [_desc(q), kd, _desc(v_cache), bool(causal), softmax_scale, num_splits, bool(return_lse), policy,
+           window_size, softcap]
     new = 0
     if k is not None or v is not None:
         if type(k) is not nd or type(v) is not nd:
@@ -202,6 +206,9 @@ def attention_with_kvcache(
     block_table=None,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
     num_splits: int = 0,
     return_lse: bool = False,
     out=None,
@@ -228,6 +235,9 @@ def attention_with_kvcache(
     GQA / MQA: nheads % nheads_kv == 0; query head h reads kv head h // (nheads // nheads_kv), and the
       query heads of one group share a single read of their K/V.
     softmax_scale: defaults to 1 / sqrt(headdim); must be positive.
+    window_size, softcap, alibi_slopes: the variants of cuflash.attention, aligned like causal to the
+      end of each sequence (query i of sequence b sits at key L_b - seqlen_q + i). With a window the
+      splits cover only the keys it holds. (Dropout is a training feature: decode has none.)
     num_splits: key splits per sequence (Flash-Decoding). 0 picks them to fill the GPU
       (cuflash.plan.decode_num_splits); 1 disables splitting; at most 128 and one per 64-key tile.
     return_lse: also return lse, float32 (batch, nheads, seqlen_q), natural log of the softmax sum.
@@ -260,7 +270,7 @@ def attention_with_kvcache(
     cupy = checks.cupy_module()
     # A signature seen before (_signature): only what can change between calls is looked at.
     key = _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
-                     return_lse, out, check, policy)  # fmt: skip
+                     return_lse, out, check, policy, window_size, softcap, alibi_slopes)  # fmt: skip
     prep = None if key is None else _PREPARED.calls.get(key)
     if prep is not None:
         q_ptr, k_ptr, v_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
@@ -383,6 +393,9 @@ def attention_with_kvcache(
     if not checks.is_int(num_splits) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: chosen to fill the GPU, 1: no split), got {num_splits!r}")
     softmax_scale = checks.resolve_scale(softmax_scale, head_dim)
+    var = variants.resolve(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                           dropout_p=0.0, rng_state=None, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
+                           seqlen_k=capacity, device_id=device_id, cupy=cupy, allow_dropout=False)  # fmt: skip
 
     with cupy.cuda.Device(device_id):
         if out is None:
@@ -414,7 +427,7 @@ def attention_with_kvcache(
         # One length for every sequence (no lengths on the GPU): the plan may fill the GPU's slots with tails.
         plan_args = (batch, max(seqlen_q, 1), max(nheads, nheads_kv), nheads_kv, head_dim, checks.DTYPE_NAMES[dtype], aligned,
                      -(-max_len // 64) * 64, int(num_splits), seqlen_new, append_aligned, device_id, policy,
-                     seqlens_dev is None)  # fmt: skip
+                     seqlens_dev is None, var.mods, var.window[0] if var.mods & plan.MOD_WINDOW else -1)  # fmt: skip
         dplan, fns = _plan_and_load(*plan_args)
         splits = dplan.num_splits
         bucket = dplan.attn.spec.head_dim
@@ -441,9 +454,10 @@ def attention_with_kvcache(
             batch=batch, nheads=nheads, nheads_kv=nheads_kv, group=group, seqlen_q=seqlen_q,
             rows=group * seqlen_q, head_dim=head_dim, seqlen_const=0, seqlen_new=seqlen_new,
             capacity=capacity, page_size=page_size, num_pages=cache_rows, num_splits=splits,
-            num_row_blocks=dplan.num_row_blocks, partial_stride=bucket, is_causal=int(bool(causal)),
+            num_row_blocks=dplan.num_row_blocks, partial_stride=bucket, is_causal=int(var.causal),
             split_tiles=dplan.split_tiles, split_major=int(dplan.split_major), tail_groups=dplan.tail_groups,
-            softmax_scale=softmax_scale, scale_log2=softmax_scale * _LOG2_E,
+            softmax_scale=var.unit_scale(softmax_scale), scale_log2=var.unit_scale(softmax_scale) * _LOG2_E,
+            mod=var.record(softmax_scale),
         )  # fmt: skip
         ws_counters = batch * nheads_kv * dplan.num_row_blocks if rows_out and merge_in_kernel else 0
         prep = _Prepared(
@@ -460,7 +474,7 @@ def attention_with_kvcache(
 
 @functools.lru_cache(maxsize=1024)
 def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned, max_seqlen, num_splits, seqlen_new,
-                   append_aligned, device_id, policy, uniform_lengths):  # fmt: skip
+                   append_aligned, device_id, policy, uniform_lengths, mods=0, window_left=-1):  # fmt: skip
     """Launch plan and loaded kernels for one call signature (memoized: the host side of a repeated
     decode step is a dictionary lookup; max_seqlen arrives rounded up to 64 tokens, so consecutive
     steps share an entry)."""
@@ -468,7 +482,7 @@ def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned,
         batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype,
         aligned=aligned, max_seqlen=max_seqlen, num_splits=num_splits, num_sms=jit.device_sm_count(device_id),
         arch=jit.device_arch(device_id), seqlen_new=seqlen_new, append_aligned=append_aligned,
-        uniform_lengths=uniform_lengths, policy=policy,
+        uniform_lengths=uniform_lengths, policy=policy, mods=mods, window_left=window_left,
     )  # fmt: skip
     fns = tuple(None if launch is None else jit.get_function(launch.spec, device_id)
                 for launch in (p.attn, p.append, p.combine))

@@ -16,6 +16,23 @@ _I64 = np.int64
 _I32 = np.int32
 _F32 = np.float32
 
+#: Field order, names and types of struct ModParams: the variants' runtime values, the last field
+#: ("mod") of every parameter struct.
+MOD_FIELDS = [
+    ("alibi_slopes", _PTR),
+    ("alibi_batch_stride", _I64),
+    ("seed", _PTR),
+    ("offset", _PTR),
+    ("window_left", _I32),
+    ("window_right", _I32),
+    ("softcap_scale", _F32),
+    ("alibi_scale", _F32),
+    ("dropout_rp", _F32),
+    ("keep_threshold", np.uint32),
+]
+
+MOD_DTYPE = np.dtype(MOD_FIELDS, align=True)
+
 #: Field order, names and types of struct FwdParams.
 FWD_FIELDS = [
     ("q", _PTR),
@@ -45,6 +62,7 @@ FWD_FIELDS = [
     ("num_m_blocks", _I32),
     ("softmax_scale", _F32),
     ("scale_log2", _F32),
+    ("mod", MOD_DTYPE),
 ]
 
 FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
@@ -64,7 +82,7 @@ BWD_FIELDS = (
             "dq_accum_cols", "num_m_blocks", "deterministic", "block_m", "dq_q_warps", "dq_tile_rows", "dq_tile_cols",
         )
     ]
-    + [("softmax_scale", _F32), ("scale_log2", _F32)]
+    + [("softmax_scale", _F32), ("scale_log2", _F32), ("mod", MOD_DTYPE)]
 )
 
 BWD_DTYPE = np.dtype(BWD_FIELDS, align=True)
@@ -92,7 +110,7 @@ DECODE_FIELDS = (
             "split_tiles", "split_major",
         )
     ]
-    + [("softmax_scale", _F32), ("scale_log2", _F32), ("tail_groups", _I32)]
+    + [("softmax_scale", _F32), ("scale_log2", _F32), ("tail_groups", _I32), ("mod", MOD_DTYPE)]
 )  # fmt: skip
 
 DECODE_DTYPE = np.dtype(DECODE_FIELDS, align=True)
@@ -113,19 +131,26 @@ class RecordPacker:
     dtype's order (a decode step's host time is latency: make_record's NumPy record costs more).
     Padding bytes are 0, as in make_record."""
 
-    _CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i", np.dtype(np.float32): "f"}
+    _CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i", np.dtype(np.float32): "f",
+              np.dtype(np.uint32): "I"}  # fmt: skip
 
     def __init__(self, dtype: np.dtype):
         self.dtype = dtype
         self.names = dtype.names
-        fmt, pos = "<", 0
-        for name in self.names:
-            ftype, offset = dtype.fields[name][:2]
-            fmt += "x" * (offset - pos) + self._CODES[ftype]
-            pos = offset + ftype.itemsize
-        self._struct = struct.Struct(fmt + "x" * (dtype.itemsize - pos))
+        # A nested struct field (``mod``) is given as the tuple of its values, in its dtype's order.
+        self._nested = {name: len(dtype.fields[name][0].names) for name in self.names if dtype.fields[name][0].names}
+        self._struct = struct.Struct("<" + self._format(dtype))
         assert self._struct.size == dtype.itemsize
         self.size = dtype.itemsize
+
+    @classmethod
+    def _format(cls, dtype: np.dtype) -> str:
+        fmt, pos = "", 0
+        for name in dtype.names:
+            ftype, offset = dtype.fields[name][:2]
+            fmt += "x" * (offset - pos) + (cls._format(ftype) if ftype.names else cls._CODES[ftype])
+            pos = offset + ftype.itemsize
+        return fmt + "x" * (dtype.itemsize - pos)
 
     def pack(self, **values) -> bytes:
         """The record's bytes with every field set (missing or unknown fields are a KeyError)."""
@@ -133,7 +158,15 @@ class RecordPacker:
             missing = set(self.names) - set(values)
             extra = set(values) - set(self.names)
             raise KeyError(f"parameter fields missing {sorted(missing)} / unknown {sorted(extra)}")
-        return self._struct.pack(*[values[n] for n in self.names])
+        flat = []
+        for n in self.names:
+            if n in self._nested:
+                if len(values[n]) != self._nested[n]:
+                    raise KeyError(f"parameter field {n!r} needs {self._nested[n]} values, got {len(values[n])}")
+                flat.extend(values[n])
+            else:
+                flat.append(values[n])
+        return self._struct.pack(*flat)
 
     def offset(self, name: str) -> int:
         """Byte offset of field ``name``."""
@@ -145,4 +178,7 @@ BWD_PACKER = RecordPacker(BWD_DTYPE)
 DECODE_PACKER = RecordPacker(DECODE_DTYPE)
 
 #: Every C struct of cuda_src/params.h and its NumPy mirror (tests/test_params_layout.py checks them all).
-STRUCTS = {"FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE}
+STRUCTS = {"ModParams": MOD_DTYPE, "FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE}
+
+#: ModParams of a call with every variant off (what plain calls pass).
+NO_MODS = (0, 0, 0, 0, 0, 0, 0.0, 0.0, 1.0, 0)

@@ -27,6 +27,14 @@ never built.  The code loops over batch and heads and, within one
 (batch, head), over chunks of query rows so that a score block holds at most
 ``MAX_BLOCK_ELEMENTS`` elements (or one row, if a row alone is longer).
 
+Variants (flash-attn's semantics; every public function takes them as keywords): ``window_size``
+``(left, right)`` (-1 = unbounded; query ``i`` sees key ``j`` iff ``d - left <= j <= d + right``,
+``d = i + seqlen_k - seqlen_q``; causal sets ``right = 0``), ``softcap`` (``s -> softcap *
+tanh(s / softcap)`` on the scaled score), ``alibi_slopes`` (``(nheads,)`` or ``(batch, nheads)``; adds
+``-slope * |d - j|`` after the softcap) and ``dropout_p`` with ``rng_state = (seed, offset)`` (each
+probability kept with probability ``1 - p`` and scaled by ``1 / (1 - p)`` after the normalization; the
+keep mask is :func:`dropout_keep_mask`, the kernels' Philox4x32-10 stream, rebuilt here).
+
 Besides the exact oracle, :func:`plain_attention` and
 :func:`plain_attention_backward` compute attention the "plain" way in a low
 precision (inputs and intermediate probabilities rounded to ``dtype``,
@@ -38,6 +46,7 @@ the worse of two plain orders of rounding (:func:`plain_attention_bar`,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
@@ -45,6 +54,9 @@ import numpy as np
 __all__ = [
     "MAX_BLOCK_ELEMENTS",
     "visible_mask",
+    "philox4x32_10",
+    "dropout_keep_mask",
+    "keep_threshold",
     "attention_forward",
     "attention_backward",
     "attention_with_kvcache",
@@ -141,11 +153,13 @@ def _identity(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool,
-                 q_start: int = 0, q_stop: int | None = None) -> np.ndarray:
+                 q_start: int = 0, q_stop: int | None = None, window_size=(-1, -1)) -> np.ndarray:
     """Boolean mask of shape (q_stop - q_start, seqlen_k).
 
     Entry ``[r, j]`` is True when query row ``i = q_start + r`` may see key
-    ``j``: always when not causal, else iff ``j <= i + seqlen_k - seqlen_q``.
+    ``j``: always when not causal, else iff ``j <= i + seqlen_k - seqlen_q``;
+    with ``window_size = (left, right)`` also only iff ``d - left <= j <= d + right``
+    (``d = i + seqlen_k - seqlen_q``; -1 leaves that side unbounded).
     """
     if q_stop is None:
         q_stop = seqlen_q
@@ -155,17 +169,131 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool,
             f"q_stop={q_stop}, seqlen_q={seqlen_q}"
         )
     rows = q_stop - q_start
-    if not causal:
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
         return np.ones((rows, seqlen_k), dtype=bool)
-    i = np.arange(q_start, q_stop)[:, None]
+    d = np.arange(q_start, q_stop)[:, None] + (seqlen_k - seqlen_q)
     j = np.arange(seqlen_k)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    visible = np.ones((rows, seqlen_k), dtype=bool)
+    if right >= 0:
+        visible &= j <= d + right
+    if left >= 0:
+        visible &= j >= d - left
+    return visible
 
 
-def _scores(q: np.ndarray, k: np.ndarray, scale, mask: np.ndarray) -> np.ndarray:
-    """S = scale * q k^T with invisible entries set to -inf (dtype of q kept)."""
+# ---------------------------------------------------------------------------
+# Dropout: the kernels' Philox4x32-10 stream (cuda_src/dropout.cuh)
+# ---------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key) -> tuple[np.ndarray, ...]:
+    """Philox4x32-10 (Salmon et al. 2011; Random123's constants): ``counter`` four uint32 arrays (or
+    ints, broadcast), ``key`` two; returns the four uint32 output words. NumPy's own Philox bit
+    generator is the 4x64 variant, so the 4x32 one the kernels use is written out here (and tested
+    against Random123's known-answer vectors)."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & _M32 for c in counter)
+    k0, k1 = (int(k) & _M32 for k in key)
+    for _ in range(10):
+        p0 = c0 * np.uint64(0xD2511F53)
+        p1 = c2 * np.uint64(0xCD9E8D57)
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & np.uint64(_M32),
+                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & np.uint64(_M32))  # fmt: skip
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+
+
+def keep_threshold(dropout_p: float) -> int:
+    """An element is kept iff its 16-bit random number is below this: round((1 - p) * 65536)."""
+    return min(65536, max(0, int(round((1.0 - float(dropout_p)) * 65536))))
+
+
+def dropout_keep_mask(rng_state, b: int, h: int, nheads: int, dropout_p: float,
+                      q_start: int, q_stop: int, seqlen_k: int) -> np.ndarray:
+    """Boolean keep mask of query rows [q_start, q_stop) x keys [0, seqlen_k) of (batch b, head h), as
+    the kernels draw it (cuda_src/dropout.cuh): Philox key (seed_lo, seed_hi ^ offset_hi), counter
+    (j // 16, 32 (i // 16) + lane, b nheads + h, offset_lo) with lane = 4 (i % 8) + (j % 8) // 2; the
+    element's 16-bit number is half (i % 16) // 8 of word 2 ((j % 16) // 8) + j % 2."""
+    seed, offset = (int(x) for x in rng_state)
+    i = np.arange(q_start, q_stop, dtype=np.int64)[:, None]
+    j = np.arange(seqlen_k, dtype=np.int64)[None, :]
+    lane = 4 * (i % 8) + (j % 8) // 2
+    words = philox4x32_10((j // 16, 32 * (i // 16) + lane, (b * nheads + h) & _M32, offset & _M32),
+                          (seed & _M32, (seed >> 32) ^ (offset >> 32)))
+    word = 2 * ((j % 16) // 8) + j % 2
+    chosen = np.choose(np.broadcast_to(word, lane.shape), words)
+    r16 = (chosen.astype(np.int64) >> (16 * ((i % 16) // 8))) & 0xFFFF
+    return r16 < keep_threshold(dropout_p)
+
+
+@dataclass(frozen=True)
+class _Mods:
+    """The variants of one (batch b, head h): window, softcap, this head's ALiBi slope, dropout."""
+
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    slope: float = 0.0
+    dropout_p: float = 0.0
+    rng_state: tuple = (0, 0)
+    b: int = 0
+    h: int = 0
+    nheads: int = 1
+
+    def keep(self, start: int, stop: int, seqlen_k: int) -> np.ndarray | None:
+        """The dropout keep mask of query rows [start, stop), or None without dropout."""
+        if self.dropout_p <= 0:
+            return None
+        return dropout_keep_mask(self.rng_state, self.b, self.h, self.nheads, self.dropout_p, start, stop, seqlen_k)
+
+
+_NO_MODS = _Mods()
+
+
+def _variants(batch: int, nheads: int, window_size, softcap, alibi_slopes, dropout_p, rng_state):
+    """Checked variant arguments -> a function (b, h) -> _Mods."""
+    window = tuple(int(w) for w in window_size)
+    if len(window) != 2 or min(window) < -1:
+        raise ValueError(f"window_size must be (left, right) with values >= -1, got {window_size!r}")
+    softcap = float(softcap)
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = _to_f64(alibi_slopes, "alibi_slopes")
+        if slopes.shape == (nheads,):
+            slopes = np.broadcast_to(slopes, (batch, nheads))
+        _require_shape(slopes, "alibi_slopes", (batch, nheads))
+    dropout_p = float(dropout_p)
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state = (seed, offset), the kernels' Philox stream")
+    rng = (0, 0) if rng_state is None else tuple(int(x) for x in rng_state)
+
+    def at(b: int, h: int) -> _Mods:
+        return _Mods(window, softcap, 0.0 if slopes is None else float(slopes[b, h]), dropout_p, rng, b, h, nheads)
+    return at
+
+
+def _scores(q: np.ndarray, k: np.ndarray, scale, mask: np.ndarray, mods: _Mods = _NO_MODS, start: int = 0,
+            seqlen_q: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(S, T): S = scale * q k^T, softcapped (softcap * T, T = tanh(scale q k^T / softcap)) and ALiBi'd
+    (- slope |d - j|, d = i + seqlen_k - seqlen_q for query row i = start + r), with invisible entries
+    set to -inf (dtype of q kept); T is None without softcap."""
     S = (q @ k.T) * scale
-    return np.where(mask, S, -np.inf).astype(S.dtype, copy=False)
+    T = None
+    if mods.softcap > 0:
+        T = np.tanh(S / S.dtype.type(mods.softcap))
+        S = S.dtype.type(mods.softcap) * T
+    if mods.slope:
+        seqlen_k = k.shape[0]
+        d = np.arange(start, start + q.shape[0])[:, None] + (seqlen_k - (seqlen_q if seqlen_q is not None else q.shape[0]))
+        S = S - S.dtype.type(mods.slope) * np.abs(d - np.arange(seqlen_k)[None, :]).astype(S.dtype)
+    return np.where(mask, S, -np.inf).astype(S.dtype, copy=False), T
 
 
 def _exp_rows(S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -194,21 +322,29 @@ def _softmax_rows(S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # One (batch, head) slice: q (seqlen_q, d), k and v (seqlen_k, d)
 # ---------------------------------------------------------------------------
 
-def _forward_head(q, k, v, scale, causal, rnd: Rounder = _identity, p_order: str = "normalized"):
+def _forward_head(q, k, v, scale, causal, rnd: Rounder = _identity, p_order: str = "normalized",
+                  mods: _Mods = _NO_MODS):  # fmt: skip
     """Attention of one head.  ``rnd`` rounds P before P @ V (identity = exact); ``p_order`` says
-    which P (plain_attention)."""
+    which P (plain_attention); ``mods`` the variants."""
     seqlen_q, seqlen_k = q.shape[0], k.shape[0]
     out = np.zeros(q.shape, dtype=q.dtype)
     lse = np.full(seqlen_q, -np.inf)
+    rp = q.dtype.type(1.0 / (1.0 - mods.dropout_p))
     for start, stop in _row_chunks(seqlen_q, seqlen_k):
-        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop)
-        E, l, lse[start:stop] = _exp_rows(_scores(q[start:stop], k, scale, mask))
+        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop, mods.window)
+        S, _ = _scores(q[start:stop], k, scale, mask, mods, start, seqlen_q)
+        E, l, lse[start:stop] = _exp_rows(S)
+        keep = mods.keep(start, stop, seqlen_k)
+        if keep is not None:  # dropped after the normalization: the row sums count every element
+            E = np.where(keep, E, 0).astype(E.dtype, copy=False)
         if p_order == "normalized":
             out[start:stop] = rnd(E / l[:, None]) @ v
         elif p_order == "unnormalized":
             out[start:stop] = (rnd(E) @ v) / l[:, None]
         else:
             raise ValueError(f"p_order must be 'normalized' or 'unnormalized', got {p_order!r}")
+        if keep is not None:
+            out[start:stop] *= rp
     return out, lse
 
 
@@ -239,7 +375,7 @@ def tensor_core_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=None, d_order: str = "pairwise",
-                   dp_order: str = "ieee"):  # fmt: skip
+                   dp_order: str = "ieee", mods: _Mods = _NO_MODS):  # fmt: skip
     """Gradients (dq, dk, dv) of one head.
 
     ``rnd`` rounds P, O and dS where a low-precision implementation would
@@ -260,19 +396,28 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
     dq = np.zeros(q.shape, dtype=q.dtype)
     dk = np.zeros(k.shape, dtype=q.dtype)
     dv = np.zeros(v.shape, dtype=q.dtype)
+    rp = q.dtype.type(1.0 / (1.0 - mods.dropout_p))
     for start, stop in _row_chunks(seqlen_q, seqlen_k):
         q_c, do_c = q[start:stop], dout[start:stop]
-        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop)
-        P, _ = _softmax_rows(_scores(q_c, k, scale, mask))
-        P_r = rnd(P)
+        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop, mods.window)
+        S, T = _scores(q_c, k, scale, mask, mods, start, seqlen_q)
+        P, _ = _softmax_rows(S)
+        keep = mods.keep(start, stop, seqlen_k)
+        Pd = P if keep is None else np.where(keep, P * rp, 0).astype(P.dtype, copy=False)  # dropped, scaled
+        P_r = rnd(Pd)
         O = rnd(P_r @ v) if o is None else o[start:stop]  # the forward output, recomputed or given
-        dv += P_r.T @ do_c                     # dV = P^T dO
-        dP = do_c @ v.T if dp_order == "ieee" else tensor_core_matmul(do_c, v.T)  # dP = dO V^T
+        dv += P_r.T @ do_c                     # dV = Pd^T dO
+        dP = do_c @ v.T if dp_order == "ieee" else tensor_core_matmul(do_c, v.T)  # dPd = dO V^T
+        if keep is not None:                   # dP = Z dPd / (1 - p)
+            dP = np.where(keep, dP * rp, 0).astype(dP.dtype, copy=False)
         if d_order == "pairwise":              # D = rowsum(dO * O)
             D = np.sum(do_c * O, axis=1)
         else:
             D = np.cumsum(do_c * O, axis=1, dtype=do_c.dtype)[:, -1] if O.shape[1] else np.zeros(len(O), do_c.dtype)
-        dS = rnd(P * (dP - D[:, None]))        # dS = P * (dP - D)
+        dS = P * (dP - D[:, None])             # dS = P * (dP - D)
+        if T is not None:                      # through the softcap: d(softcap tanh(x / softcap)) = 1 - tanh^2
+            dS = dS * (1 - T * T)
+        dS = rnd(dS)
         dq[start:stop] = (dS @ k) * scale      # dQ = scale * dS K
         dk += (dS.T @ q_c) * scale             # dK = scale * dS^T Q
     return dq, dk, dv
@@ -282,39 +427,45 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
 # Public oracle
 # ---------------------------------------------------------------------------
 
-def attention_forward(q, k, v, *, causal=False, softmax_scale=None):
-    """Exact attention in float64.
+def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, dropout_p=0.0, rng_state=None, _batch_offset=0):  # fmt: skip
+    """Exact attention in float64, with the variants of the module docstring.
 
     Returns ``(out, lse)``: out ``(batch, seqlen_q, nheads, headdim)`` and
-    lse ``(batch, nheads, seqlen_q)``, both float64.
+    lse ``(batch, nheads, seqlen_q)``, both float64 (lse of the scores the softmax
+    sees: softcapped and ALiBi'd, before dropout).
     """
     q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
     batch, seqlen_q, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
     scale = _scale(softmax_scale, headdim)
+    mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state)
     out = np.zeros(q.shape)
     lse = np.full((batch, nheads, seqlen_q), -np.inf)
     for b in range(batch):
         for h, hk in _head_pairs(nheads, nheads_kv):
             out[b, :, h], lse[b, h] = _forward_head(
-                q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal)
+                q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, mods=mods(b, h))
     return out, lse
 
 
-def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
+def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, dropout_p=0.0, rng_state=None):  # fmt: skip
     """Exact gradients of ``sum(out * dout)`` in float64; returns (dq, dk, dv).
 
-    With GQA, dk and dv of a kv head are summed over its query heads.
+    With GQA, dk and dv of a kv head are summed over its query heads. The variants as in
+    attention_forward (dropout: the same mask as the forward with the same rng_state).
     """
     q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
     dout = _to_f64(dout, "dout")
     batch, _, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
     _require_shape(dout, "dout", q.shape)
     scale = _scale(softmax_scale, headdim)
+    mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for b in range(batch):
         for h, hk in _head_pairs(nheads, nheads_kv):
             dq_h, dk_h, dv_h = _backward_head(
-                dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal)
+                dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, mods=mods(b, h))
             dq[b, :, h] = dq_h
             dk[b, :, hk] += dk_h
             dv[b, :, hk] += dv_h
@@ -342,7 +493,8 @@ def _cache_lengths(cache_seqlens, batch: int, capacity: int) -> np.ndarray:
 
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
                            cache_seqlens=None, block_table=None,
-                           causal=False, softmax_scale=None):
+                           causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None):
     """Decode-style attention against a KV cache (``flash_attn_with_kvcache``).
 
     Contiguous cache: k_cache, v_cache ``(batch_cache, seqlen_cache, nheads_kv,
@@ -358,6 +510,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
     the inputs are never modified.  Sequence b then attends to its first
     ``L_b = cache_seqlens[b] + seqlen_new`` keys, causal aligned bottom-right
     against ``L_b``.
+
+    The variants window_size, softcap and alibi_slopes as in attention_forward, aligned
+    against ``L_b`` like causal.
 
     Returns ``(out, lse, k_cache_new, v_cache_new)`` in float64.
     """
@@ -416,17 +571,33 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
 
     out = np.zeros(q.shape)
     lse = np.full((batch, nheads, seqlen_q), -np.inf)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = _to_f64(alibi_slopes, "alibi_slopes")
+        slopes = np.broadcast_to(slopes, (batch, nheads)) if slopes.shape == (nheads,) else slopes
+        _require_shape(slopes, "alibi_slopes", (batch, nheads))
     for b in range(batch):
         where = locate(b, np.arange(lengths[b]))
         out[b:b + 1], lse[b:b + 1] = attention_forward(
             q[b:b + 1], k_cache_new[where][None], v_cache_new[where][None],
-            causal=causal, softmax_scale=softmax_scale)
+            causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            alibi_slopes=None if slopes is None else slopes[b:b + 1])
     return out, lse, k_cache_new, v_cache_new
 
 
 # ---------------------------------------------------------------------------
 # Plain low-precision implementation (sets the test tolerance)
 # ---------------------------------------------------------------------------
+
+_VARIANT_DEFAULTS = {"window_size": (-1, -1), "softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None}
+
+
+def _variant_args(variants: dict) -> dict:
+    """The variant keywords (of attention_forward), defaults filled in; unknown keywords are an error."""
+    unknown = set(variants) - set(_VARIANT_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown keyword arguments {sorted(unknown)}")
+    return {**_VARIANT_DEFAULTS, **variants}
 
 def _rounder(dtype) -> Rounder:
     """Round float32 values to ``dtype`` and back to float32."""
@@ -442,7 +613,7 @@ def _round_input(x: np.ndarray, dtype) -> np.ndarray:
     return x.astype(np.dtype(dtype)).astype(np.float32)
 
 
-def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dtype, p_order="normalized"):
+def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dtype, p_order="normalized", **variants):
     """Attention the plain way in precision ``dtype`` (e.g. float16, bfloat16).
 
     Inputs are rounded to ``dtype``; S and the softmax are computed in float32;
@@ -452,27 +623,29 @@ def plain_attention(q, k, v, *, causal=False, softmax_scale=None, dtype, p_order
     ``p_order``: which P is rounded. "normalized": P = softmax(S), the textbook
     order. "unnormalized": E = exp(S - rowmax), with P @ V divided by the row sum
     of the unrounded E afterwards (FlashAttention's order, as the kernels do).
+    ``variants``: the variant keywords of attention_forward.
     """
     rnd = _rounder(dtype)
     q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
     batch, _, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
+    mods = _variants(batch, nheads, **_variant_args(variants))
     q, k, v = (_round_input(x, dtype) for x in (q, k, v))
     scale = np.float32(_scale(softmax_scale, headdim))
     out = np.zeros(q.shape, dtype=np.float32)
     for b in range(batch):
         for h, hk in _head_pairs(nheads, nheads_kv):
             out[b, :, h], _ = _forward_head(
-                q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, rnd, p_order)
+                q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, rnd, p_order, mods(b, h))
     return rnd(out).astype(np.float64)
 
 
-def plain_attention_bar(q, k, v, ref, *, causal=False, softmax_scale=None, dtype) -> np.ndarray:
+def plain_attention_bar(q, k, v, ref, *, causal=False, softmax_scale=None, dtype, **variants) -> np.ndarray:
     """The plain output the pass rule holds a kernel to (within_tolerance's ``plain_out``): of
     plain_attention's two orders of rounding P, the one farther from ``ref``. Both are plain
     implementations in the kernel's precision, and which lands nearer the exact result varies from
     input to input: e.g. bf16, head dim 1, 4 keys, where the normalized order rounded the output to
     the bf16 neighbour of the exact 0.62373 at 0.625 and FlashAttention's order to 0.621094."""
-    outs = [plain_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, p_order=o)
+    outs = [plain_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype, p_order=o, **variants)
             for o in ("normalized", "unnormalized")]
     return worse_of(outs, ref)
 
@@ -484,7 +657,7 @@ def worse_of(outs, ref) -> np.ndarray:
 
 
 def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, dtype, out=None,
-                             d_order="pairwise", dp_order="ieee"):  # fmt: skip
+                             d_order="pairwise", dp_order="ieee", **variants):  # fmt: skip
     """Gradients the plain way in precision ``dtype``; returns float64 (dq, dk, dv).
 
     Inputs are rounded to ``dtype``, the math runs in float32, P, O and dS are
@@ -501,12 +674,14 @@ def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None,
 
     ``d_order``: the summation order of D over the head dim ("pairwise" or
     "sequential"); ``dp_order``: how dP = dO V^T is accumulated ("ieee" or
-    "tensor_core"); see plain_attention_backward_bar.
+    "tensor_core"); see plain_attention_backward_bar. ``variants``: the variant keywords of
+    attention_backward.
     """
     rnd = _rounder(dtype)
     q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
     dout = _to_f64(dout, "dout")
     batch, _, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
+    mods = _variants(batch, nheads, **_variant_args(variants))
     _require_shape(dout, "dout", q.shape)
     dout, q, k, v = (_round_input(x, dtype) for x in (dout, q, k, v))
     if out is not None:
@@ -520,14 +695,15 @@ def plain_attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None,
         for h, hk in _head_pairs(nheads, nheads_kv):
             dq_h, dk_h, dv_h = _backward_head(
                 dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, rnd,
-                None if out is None else out[b, :, h], d_order, dp_order)
+                None if out is None else out[b, :, h], d_order, dp_order, mods(b, h))
             dq[b, :, h] = dq_h
             dk[b, :, hk] += dk_h
             dv[b, :, hk] += dv_h
     return tuple(rnd(x).astype(np.float64) for x in (dq, dk, dv))
 
 
-def plain_attention_backward_bar(dout, q, k, v, refs, *, causal=False, softmax_scale=None, dtype, out=None):
+def plain_attention_backward_bar(dout, q, k, v, refs, *, causal=False, softmax_scale=None, dtype, out=None,
+                                 **variants):  # fmt: skip
     """The plain gradients the pass rule holds a kernel to: per gradient (dq, dk, dv), of three plain
     implementations in the kernel's precision, the one farther from ``refs`` (the exact gradients):
     D = rowsum(dO * O) summed pairwise or left to right with dP = dO V^T a float32 matmul, and D
@@ -539,7 +715,7 @@ def plain_attention_backward_bar(dout, q, k, v, refs, *, causal=False, softmax_s
     224, 1 query, 1 key (Hypothesis seed 258): every IEEE float32 order gives dP - D = 0 exactly,
     the tensor-core accumulation ~3 float32 ulps of dP (the kernel's dQ error on the H200)."""
     per_order = [plain_attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=dtype,
-                                          out=out, d_order=o, dp_order=p)
+                                          out=out, d_order=o, dp_order=p, **variants)
                  for o, p in (("pairwise", "ieee"), ("sequential", "ieee"), ("pairwise", "tensor_core"))]  # fmt: skip
     return tuple(worse_of([g[i] for g in per_order], refs[i]) for i in range(3))
 

@@ -38,42 +38,73 @@ def _stream():
     return _cupy().cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
 
+def _rng_state(device: "torch.device") -> tuple[int, int]:
+    """A (seed, offset) for cuflash's dropout from torch's CUDA generator of ``device``: its seed, and an
+    offset reserved by advancing the generator (so torch.manual_seed makes runs reproducible and
+    successive calls draw different masks)."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "cuflash dropout under CUDA graph capture: the Philox seed and offset are host values baked into "
+            "the captured launch, so every replay would drop the same elements; capture with dropout_p=0, "
+            "or run the dropout step outside the graph"
+        )
+    offset = gen.get_offset()
+    gen.set_offset(offset + 4)  # torch's Philox offsets move in steps of 4
+    return gen.initial_seed() & (2**64 - 1), int(offset)
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, deterministic):
+    def forward(ctx, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not t.is_cuda:
                 raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
+        rng_state = _rng_state(q.device) if isinstance(dropout_p, float) and dropout_p > 0 else None
         with torch.cuda.device(q.device), _stream():
-            out, lse = _attention(
-                _to_cupy(q), _to_cupy(k), _to_cupy(v), causal=causal, softmax_scale=softmax_scale, return_lse=True
-            )
-            out_t, lse_t = torch.from_dlpack(out), torch.from_dlpack(lse)
-        ctx.save_for_backward(q, k, v, out_t, lse_t)
-        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+            slopes = None if alibi_slopes is None else _to_cupy(alibi_slopes)
+            res = _attention(
+                _to_cupy(q), _to_cupy(k), _to_cupy(v), causal=causal, softmax_scale=softmax_scale,
+                window_size=window_size, softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p,
+                rng_state=rng_state, return_lse=True,
+            )  # fmt: skip
+            out_t, lse_t = torch.from_dlpack(res[0]), torch.from_dlpack(res[1])
+        ctx.save_for_backward(q, k, v, out_t, lse_t, alibi_slopes)
+        ctx.args = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                        dropout_p=dropout_p, rng_state=rng_state, deterministic=deterministic)  # fmt: skip
         return out_t
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
         with torch.cuda.device(q.device), _stream():
+            slopes = None if alibi_slopes is None else _to_cupy(alibi_slopes)
             dq, dk, dv = _attention_backward(
                 _to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out), _cupy().from_dlpack(lse),
-                causal=ctx.causal, softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic,
+                alibi_slopes=slopes, **ctx.args,
             )  # fmt: skip
             grads = tuple(torch.from_dlpack(x) for x in (dq, dk, dv))
-        return grads + (None, None, None)
+        return grads + (None,) * 7
 
 
-def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, deterministic: bool = False):
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+              softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, deterministic: bool = False):  # fmt: skip
     """Exact attention with FlashAttention-2 forward and backward on torch CUDA tensors.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim); float16 or
     bfloat16; nheads % nheads_kv == 0 (GQA / MQA); headdim 1..256. Same conventions as
-    ``cuflash.attention`` (causal aligned bottom-right, softmax_scale default 1/sqrt(headdim));
+    ``cuflash.attention`` (causal aligned bottom-right, softmax_scale default 1/sqrt(headdim)), and
+    its variants: window_size, softcap, alibi_slopes (a float32 CUDA tensor (nheads,) or (batch,
+    nheads); no gradient), dropout_p (the Philox seed and offset come from torch's CUDA generator of
+    q's device, so torch.manual_seed makes a run reproducible; the backward replays the same mask).
     ``deterministic`` makes the backward bitwise reproducible. Returns out (batch, seqlen_q, nheads,
     headdim).
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise TypeError("q, k, v must be torch tensors (use cuflash.attention for CuPy arrays)")
-    return _Attention.apply(q, k, v, bool(causal), softmax_scale, bool(deterministic))
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 torch tensor on q's device, got {type(alibi_slopes).__name__}")
+    window = tuple(window_size) if isinstance(window_size, (list, tuple)) else window_size
+    dropout_p = float(dropout_p) if isinstance(dropout_p, (int, float)) else dropout_p  # (the checks name it)
+    return _Attention.apply(q, k, v, bool(causal), softmax_scale, window, softcap, alibi_slopes, dropout_p,
+                            bool(deterministic))  # fmt: skip

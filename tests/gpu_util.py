@@ -59,20 +59,28 @@ def check_lse(lse, ref_lse, what=""):
         assert err < 2e-4, f"lse relative error {err:.3g} {what}"
 
 
-def check_forward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", tile=None):
+def check_forward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", tile=None, **variants):
     """Run cuflash.attention with a NaN-poisoned `out` and apply DESIGN.md's pass rule. A `tile`
-    (plan.Tile or plan.Sm90Tile) forces that kernel and tile instead of the planner's choice."""
+    (plan.Tile or plan.Sm90Tile) forces that kernel and tile instead of the planner's choice.
+    ``variants``: window_size, softcap, alibi_slopes, dropout_p, rng_state (the reference gets the
+    rng_state the call returns). Returns (err, bound)."""
     import cuflash
     from cuflash import forward  # cuflash.forward.run: attention plus the tile to force
 
     out = poisoned(q.shape, dtype)
     if tile is None:
-        ret, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out)
+        res = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out, **variants)
     else:
-        ret, lse = forward.run(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out, tile=tile)
+        res = forward.run(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, out=out, tile=tile,
+                          **variants)  # fmt: skip
+    ret, lse = res[0], res[1]
+    assert len(res) == (3 if variants.get("dropout_p", 0) > 0 else 2)
+    if len(res) == 3:
+        variants = dict(variants, rng_state=res[2])
     assert ret is out
-    ref, ref_lse = reference.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    plain = reference.plain_attention_bar(q, k, v, ref, causal=causal, softmax_scale=softmax_scale, dtype=DTYPES[dtype])
+    ref, ref_lse = reference.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **variants)
+    plain = reference.plain_attention_bar(q, k, v, ref, causal=causal, softmax_scale=softmax_scale, dtype=DTYPES[dtype],
+                                          **variants)  # fmt: skip
     got = to_f64(out)
     err = reference.max_abs_error(got, ref)
     bound = 2 * reference.max_abs_error(plain, ref) + 1e-5
@@ -82,7 +90,7 @@ def check_forward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", t
 
 
 def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", deterministic=False, rng=None,
-                   tile=None):  # fmt: skip
+                   tile=None, **variants):  # fmt: skip
     """Forward with cuflash, then cuflash.attention_backward into NaN-poisoned dq/dk/dv, each gradient
     held to DESIGN.md's rule for gradients: 3x the plain same-precision error + 1e-5, NaN never passes.
     A `tile` (plan.BwdTile or plan.BwdSm90Tile) forces that main kernel instead of the planner's choice."""
@@ -91,21 +99,24 @@ def check_backward(q, k, v, *, causal, softmax_scale=None, dtype: str, what="", 
     import cuflash
     from cuflash import backward  # cuflash.backward.run: attention_backward plus the tile to force
 
-    out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    res = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, **variants)
+    out, lse = res[0], res[1]
+    if len(res) == 3:  # dropout: the backward replays the forward's stream
+        variants = dict(variants, rng_state=res[2])
     rng = rng if rng is not None else np.random.default_rng()  # pass the case's rng to make a failure replayable
     dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES[dtype]))
     grads = [poisoned(x.shape, dtype) for x in (q, k, v)]
     ret = backward.run(
         dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-        dq=grads[0], dk=grads[1], dv=grads[2], tile=tile,
+        dq=grads[0], dk=grads[1], dv=grads[2], tile=tile, **variants,
     )  # fmt: skip
     assert all(r is g for r, g in zip(ret, grads))
-    refs = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale)
+    refs = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, **variants)
     # The plain backward gets the same `out` as the kernel (for D), as any implementation of the API does;
     # of its summation orders (D pairwise or left to right, dP as tensor cores sum it), the worst per
     # gradient sets the bar.
     plains = reference.plain_attention_backward_bar(dout, q, k, v, refs, causal=causal, softmax_scale=softmax_scale,
-                                                    dtype=DTYPES[dtype], out=out)  # fmt: skip
+                                                    dtype=DTYPES[dtype], out=out, **variants)  # fmt: skip
     errors = {}
     for name, got, ref, plain in zip(("dq", "dk", "dv"), grads, refs, plains):
         got = to_f64(got)

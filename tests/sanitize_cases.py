@@ -5,7 +5,8 @@ and every array is its own cudaMalloc. Exits non-zero if a result is wrong. A sc
 test helpers it uses (run from the repository root after pip install -e .):
     compute-sanitizer --tool memcheck python tests/sanitize_cases.py [--only filled]
 --only filled: just the decode cases on the unsplit wave, the filled and tail-split grids and with CTA loads
-(a short run).
+(a short run). --only variants: just the attention variants (window, softcap, ALiBi, dropout) on ragged
+cases of every kernel family.
 """
 import dataclasses
 import sys
@@ -37,8 +38,10 @@ def main():
     rng = np.random.default_rng(0)
     arch = jit.device_arch(0)
     filled_only = sys.argv[1:] == ["--only", "filled"]
+    if sys.argv[1:] == ["--only", "variants"]:
+        return variant_cases(rng, arch)
     if sys.argv[1:] and not filled_only:
-        sys.exit("usage: sanitize_cases.py [--only filled]")
+        sys.exit("usage: sanitize_cases.py [--only filled|variants]")
     for b, sq, sk, h, hk, d, causal, dt, layout in [] if filled_only else CASES:
         q, k, v = random_qkv(rng, b, sq, sk, h, hk, d, dt, layout_q=layout, layout_kv=layout)
         err, bound = check_forward(q, k, v, causal=causal, dtype=dt)
@@ -139,6 +142,41 @@ def main():
         if not made[-1].tail_groups:
             sys.exit(f"decode {kw} L={L} did not take the tail-split grid on this GPU (grid {made[-1].attn.grid})")
         print(f"ok decode tail-split grid {kw} L={L} {call}: err {err:.2e} <= {bound:.2e}")
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def variant_cases(rng, arch):
+    """Ragged cases of each variant (and all together) on the forward and backward of both kernel
+    families, and on decode with splits."""
+    import cuflash
+    from cuflash import reference
+
+    slopes = cupy.asarray(rng.uniform(0.05, 0.5, (2, 4)).astype(np.float32))
+    variants = [dict(window_size=(0, 0)), dict(dropout_p=0.3),
+                dict(window_size=(40, 3), softcap=5.0, alibi_slopes=slopes, dropout_p=0.2)]
+    for b, sq, sk, d, causal, layout in ((2, 77, 45, 64, True, "bshd"), (2, 45, 130, 128, False, "bhsd"),
+                                         (2, 70, 70, 256, True, "bshd"), (2, 50, 90, 100, False, "bshd")):
+        q, k, v = random_qkv(rng, b, sq, sk, 4, 2, d, "bf16", layout_q=layout, layout_kv=layout)
+        bucket = plan.head_dim_bucket(d)
+        for kw in variants:
+            fwd_tiles = [None, plan.fwd_tile(bucket, arch)] if plan.uses_sm90_forward(d, True, arch) else [None]
+            for tile in fwd_tiles:
+                err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, **kw)
+            bwd_tiles = [None, plan.bwd_tile(bucket, arch)]
+            for tile in bwd_tiles:
+                check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, **kw)
+            print(f"ok variants {sorted(kw)} b={b} sq={sq} sk={sk} d={d} causal={causal}: fwd err {err:.2e} <= {bound:.2e}")
+    for kw in (dict(window_size=(50, 0)), dict(softcap=10.0, alibi_slopes=slopes[0], window_size=(300, 0))):
+        c = case(rng, batch=2, seqlen_q=2, nheads=4, nheads_kv=2, head_dim=128, capacity=700, lengths=[650, 3])
+        for splits in (1, 4):
+            out = cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=c["cache_seqlens"],
+                                                 num_splits=splits, **kw)  # fmt: skip
+            ref = reference.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"],
+                                                   cache_seqlens=c["cache_seqlens"], **kw)[0]  # fmt: skip
+            err = reference.max_abs_error(out, ref)
+            if not err < 0.05:
+                sys.exit(f"decode {kw} splits={splits}: error {err:.3g}")
+            print(f"ok decode variants {sorted(kw)} splits={splits}: err {err:.2e}")
     cupy.cuda.runtime.deviceSynchronize()
 
 

@@ -647,14 +647,20 @@ def test_bench_signature_matches_the_benchmark_module():
     bench = pytest.importorskip("cuflash.bench")
     params = inspect.signature(bench.cli_main).parameters
     # --decode's options go to bench_decode, --from-json's are handled by the CLI (replot)
-    passed = {p.name for p in cli.bench.params} - set(cli.DECODE_ONLY_OPTIONS) - set(cli.REPLOT_OPTIONS)
+    passed = ({p.name for p in cli.bench.params} - set(cli.DECODE_ONLY_OPTIONS) - set(cli.REPLOT_OPTIONS)
+              - set(cli.VARIANT_ONLY_OPTIONS))  # fmt: skip
     assert passed <= set(params)
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
     assert required <= passed
     assert {p.name for p in cli.bench.params} >= set(cli.DECODE_ONLY_OPTIONS) | set(cli.REPLOT_OPTIONS)
-    from cuflash import bench_decode
+    from cuflash import bench_decode, bench_variants
 
-    for mod in (bench, bench_decode):  # the CLI calls replot(json_path, plot_path)
+    # --variant: bench_variants.cli_main takes the prefill options, "variants" and "window"
+    variant_params = inspect.signature(bench_variants.cli_main).parameters
+    assert passed | {"variants", "window"} <= set(variant_params)
+    assert {n for n, p in variant_params.items() if p.default is inspect.Parameter.empty} <= passed | {"variants"}
+    assert set(cli.BENCH_VARIANTS) == set(bench_variants.VARIANTS)
+    for mod in (bench, bench_decode, bench_variants):  # the CLI calls replot(json_path, plot_path)
         replot = inspect.signature(mod.replot).parameters
         assert list(replot)[:2] == ["json_path", "plot_path"], mod.__name__
         assert all(p.default is not inspect.Parameter.empty for p in list(replot.values())[2:])

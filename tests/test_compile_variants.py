@@ -152,3 +152,54 @@ def test_decode_variants_compile_within_budget(compiled_decode):
             assert s.min_blocks * s.threads * p["registers"] <= 65536, s.name
             assert s.min_blocks * (s.smem_bytes + 1024) <= plan.smem_per_sm_bytes(s.arch), s.name
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention variants (window, softcap, ALiBi, dropout): a selection of every kernel family
+# ---------------------------------------------------------------------------------------------
+
+#: Local memory allowed in a variant kernel (the plain variant's budget plus this): the variants add
+#: per-element work (tanh, the ALiBi distance, Philox) to kernels that already run at the 255-register
+#: ceiling, so a few more values are parked.
+VARIANT_EXTRA_STACK_BYTES = 160
+
+_SINGLE = (plan.MOD_WINDOW, plan.MOD_SOFTCAP, plan.MOD_ALIBI, plan.MOD_DROPOUT)
+
+
+def _variant_selection():
+    """Every variant alone at head dim 128 and all of them together at 64, 128 and 256, on every kernel
+    family (bf16, causal, 16-byte loads; and the element-wise path once), for sm_80 and sm_90a."""
+    specs = []
+    for arch in ARCHS:
+        for hd, mods in [(128, m) for m in _SINGLE] + [(hd, plan.ALL_MODS) for hd in (64, 128, 256)]:
+            specs += plan.all_fwd_specs(arch, head_dims=(hd,), dtypes=("bf16",), causals=(True,), aligned=(True,),
+                                        mods=(mods,))  # fmt: skip
+            specs += [s for s in plan.all_bwd_specs(arch, head_dims=(hd,), dtypes=("bf16",), causals=(True,),
+                                                    aligned=(True,), mods=(mods,))
+                      if s.family in ("flash_bwd", "flash_bwd_sm90")]  # fmt: skip
+            if mods != plan.MOD_DROPOUT:
+                specs.append(plan.decode_spec(hd, "bf16", True, 1, arch, mods=mods & ~plan.MOD_DROPOUT))
+        specs.append(plan.fwd_spec(96, "fp16", False, False, arch, mods=plan.ALL_MODS))
+        specs.append(plan.bwd_spec(96, "fp16", False, False, arch, mods=plan.ALL_MODS))
+    return list(dict.fromkeys(specs))
+
+
+@pytest.fixture(scope="module")
+def compiled_variants(tmp_path_factory):
+    yield from _compile_into(tmp_path_factory.mktemp("compile-cache-variants"), _variant_selection())
+
+
+@pytest.mark.slow
+def test_variant_kernels_compile_within_budget(compiled_variants):
+    specs, headers = compiled_variants
+    assert {s.family for s in specs} == {"flash_fwd", "flash_fwd_sm90", "flash_bwd", "flash_bwd_sm90", "flash_decode"}
+    assert all(s.mods for s in specs) and set(headers) == {s.name for s in specs}
+    problems = []
+    for s in specs:
+        p = headers[s.name]["ptxas"]
+        plain = DECODE_MAX_STACK_BYTES if s.family == "flash_decode" else _budget(s)
+        if not 0 < p["registers"] <= 255:
+            problems.append(f"{s.name}: {p['registers']} registers")
+        if p["stack_frame"] > plain + VARIANT_EXTRA_STACK_BYTES:
+            problems.append(f"{s.name}: {p['stack_frame']} bytes of local memory > {plain + VARIANT_EXTRA_STACK_BYTES}")
+    assert not problems, "\n".join(problems)

@@ -824,12 +824,12 @@ def test_the_policy_is_part_of_the_plan_memo(monkeypatch):
     try:
         args = (3, 1, 32, 8, 128, "bf16", True, 8192, 49, 0, False, 0)
         merged_in_kernel = plan.DecodePolicy(in_kernel_merge_max=1 << 30)
-        p_default, fns = kvcache._plan_and_load(*args, P, False)  # (as kvcache calls it: every argument)
+        p_default, fns = kvcache._plan_and_load(*args, P, False, 0, -1)  # (as kvcache calls it: every argument)
         assert p_default.combine is not None and fns[2] == ("loaded", p_default.combine.spec.name)
-        p_kernel, fns = kvcache._plan_and_load(*args, merged_in_kernel, False)
+        p_kernel, fns = kvcache._plan_and_load(*args, merged_in_kernel, False, 0, -1)
         assert p_kernel.combine is None and fns[2] is None
-        assert kvcache._plan_and_load(*args, plan.DecodePolicy(in_kernel_merge_max=1 << 30), False)[0] is p_kernel
-        assert kvcache._plan_and_load(*args, plan.DecodePolicy(), False)[0] is p_default
+        assert kvcache._plan_and_load(*args, plan.DecodePolicy(in_kernel_merge_max=1 << 30), False, 0, -1)[0] is p_kernel
+        assert kvcache._plan_and_load(*args, plan.DecodePolicy(), False, 0, -1)[0] is p_default
         assert p_default == plan.plan_decode(batch=3, seqlen_q=1, nheads=32, nheads_kv=8, head_dim=128, dtype="bf16",
                                              aligned=True, max_seqlen=8192, num_splits=49, num_sms=H200_SMS,
                                              arch="sm_90a")  # fmt: skip
@@ -900,7 +900,8 @@ def test_api_signature_is_flash_attn_compatible():
     # flash-attn's keywords, cuflash's out / check, and the tuning-only policy (None: the defaults)
     defaults = {n: p.default for n, p in sig.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert defaults == dict(k=None, v=None, cache_seqlens=None, block_table=None, causal=False, softmax_scale=None,
-                            num_splits=0, return_lse=False, out=None, check=False, policy=None)  # fmt: skip
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, return_lse=False,
+                            out=None, check=False, policy=None)  # fmt: skip
     assert not any(n.startswith("_") for n in sig)  # no private keywords (the old _ctas_per_sm is policy now)
     import cuflash
 
@@ -1077,16 +1078,19 @@ def test_packed_record_matches_make_record(packer, dtype):
     have exactly the bytes of params.make_record, padding included, for values that fill every field's
     width; a missing or unknown field is a KeyError, as in make_record."""
     rng = np.random.default_rng(0)
-    limits = {np.dtype(np.uint64): (0, 2**64), np.dtype(np.int64): (-(2**63), 2**63), np.dtype(np.int32): (-(2**31), 2**31)}
+    limits = {np.dtype(np.uint64): (0, 2**64), np.dtype(np.int64): (-(2**63), 2**63), np.dtype(np.int32): (-(2**31), 2**31),
+              np.dtype(np.uint32): (0, 2**32)}  # fmt: skip
+
+    def value(kind):
+        if kind.names:  # a nested struct (ModParams): the tuple of its fields
+            return tuple(value(kind.fields[n][0]) for n in kind.names)
+        if kind.kind == "f":
+            return float(rng.uniform(-1e6, 1e6))
+        lo, hi = limits[kind]
+        return int(rng.integers(lo, hi, dtype=np.uint64 if lo == 0 else np.int64))
+
     for _ in range(3):
-        values = {}
-        for name in dtype.names:
-            kind = dtype.fields[name][0]
-            if kind.kind == "f":
-                values[name] = float(rng.uniform(-1e6, 1e6))
-            else:
-                lo, hi = limits[kind]
-                values[name] = int(rng.integers(lo, hi, dtype=np.uint64 if lo == 0 else np.int64))
+        values = {name: value(dtype.fields[name][0]) for name in dtype.names}
         packed = packer.pack(**values)
         assert type(packed) is bytes and len(packed) == packer.size == dtype.itemsize
         assert packed == params.make_record(dtype, **values).tobytes()
@@ -1235,7 +1239,7 @@ def test_call_signature_of_the_prepared_path():
                     dict(num_splits=3), dict(return_lse=True), dict(policy=_per_sm(2)), dict(out=arr((2, 1, 8, 64))),
                     dict(cache_seqlens=705), dict(cache_seqlens=None), dict(cache_seqlens=arr((2,), np.int32)),
                     dict(k=arr((2, 1, 2, 64)), v=arr((2, 1, 2, 64))),
-                    dict(block_table=arr((2, 4), np.int32))):  # fmt: skip
+                    dict(block_table=arr((2, 4), np.int32)), dict(window_size=(64, 0)), dict(softcap=30.0)):  # fmt: skip
         other = sig(**changed)
         assert other is not None and other != key, changed
     for whole_way in (dict(check=True), dict(cache_seqlens=[700, 700]), dict(cache_seqlens=np.int32(700)),
@@ -1244,7 +1248,8 @@ def test_call_signature_of_the_prepared_path():
                       dict(block_table=np.zeros((2, 4), np.int32)), dict(softmax_scale=np.float32(0.125)),
                       dict(q=np.zeros((2, 1, 8, 64), np.float16)), dict(k=arr((2, 1, 2, 64))), dict(num_splits=True),
                       dict(out=np.zeros((2, 1, 8, 64), np.float16)), dict(policy={"ctas_per_sm": 2}),
-                      dict(policy=_PolicySubclass())):  # fmt: skip
+                      dict(policy=_PolicySubclass()), dict(alibi_slopes=arr((8,), np.float32)),
+                      dict(window_size=[64, 0])):  # fmt: skip
         assert sig(**whole_way) is None, whole_way
     # A paged cache's capacity is its pages per sequence x the page size: 4 x 1000 here.
     assert sig(block_table=arr((2, 4), np.int32), cache_seqlens=3999) is not None

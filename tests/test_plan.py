@@ -307,16 +307,17 @@ def test_template_args_follow_the_fwdconfig_parameter_order():
     src = (jit.source_dir() / "flash_fwd.cuh").read_text()
     decl = re.search(r"template\s*<([^>]*)>\s*struct\s+FwdConfig\b", src)
     assert decl, "FwdConfig declaration not found"
-    params = [p.split()[-1] for p in decl.group(1).split(",")]
-    spec = plan.fwd_spec(96, "bf16", True, False, "sm_90a", plan.Tile(64, 32, 2, True, 1, stages=1))
+    params = [p.split("=")[0].split()[-1] for p in decl.group(1).split(",")]
+    spec = plan.fwd_spec(96, "bf16", True, False, "sm_90a", plan.Tile(64, 32, 2, True, 1, stages=1), mods=5)
     value = {
         "kHeadDim_": "96", "kBlockM_": "64", "kBlockN_": "32", "kNWarps_": "2", "kIsBF16_": "true",
-        "kIsCausal_": "true", "kAligned_": "false", "kQInRegs_": "true", "kStages_": "1",
+        "kIsCausal_": "true", "kAligned_": "false", "kQInRegs_": "true", "kStages_": "1", "kMods_": "5",
     }  # fmt: skip
     assert set(params) == set(value)
     assert spec.template_args() == ", ".join(value[p] for p in params)
     fp16 = plan.fwd_spec(96, "fp16", False, False, "sm_90a", plan.Tile(64, 32, 2, False, 1))
-    assert fp16.template_args() == "96, 64, 32, 2, false, false, false, false, 2"  # stages defaults to 2
+    # stages defaults to 2; no variants: kMods takes its default 0 (the source of a plain variant is unchanged)
+    assert fp16.template_args() == "96, 64, 32, 2, false, false, false, false, 2"
 
 
 @pytest.mark.parametrize("d", [d for d in range(1, 257) if d % 8])

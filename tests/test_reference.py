@@ -281,8 +281,8 @@ def test_chunking_matches_unchunked(monkeypatch):
     blocks = []
     original_mask = R.visible_mask
 
-    def spy(seqlen_q, seqlen_k, causal, q_start=0, q_stop=None):
-        m = original_mask(seqlen_q, seqlen_k, causal, q_start, q_stop)
+    def spy(seqlen_q, seqlen_k, causal, q_start=0, q_stop=None, window_size=(-1, -1)):
+        m = original_mask(seqlen_q, seqlen_k, causal, q_start, q_stop, window_size)
         blocks.append(m.shape)
         return m
 

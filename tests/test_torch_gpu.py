@@ -129,3 +129,50 @@ def test_clear_errors(torch):
         ct.attention(x, x, x)
     with pytest.raises(TypeError, match="torch tensors"):
         ct.attention(1, 2, 3)
+
+
+def test_variants_through_autograd(torch):
+    """window, softcap, ALiBi and dropout pass through the bridge, forward and backward, against the
+    float64 reference with the same Philox stream (the one the bridge drew from torch's generator)."""
+    import numpy as np
+
+    import cuflash.torch as ct
+    from cuflash import reference
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn((2, 200, 4, 64), device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    k = torch.randn((2, 230, 2, 64), device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    v = torch.randn((2, 230, 2, 64), device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    dout = torch.randn((2, 200, 4, 64), device="cuda", generator=gen).to(torch.bfloat16)
+    slopes = torch.rand(4, device="cuda", dtype=torch.float32) * 0.3
+    torch.manual_seed(11)
+    default = torch.cuda.default_generators[torch.cuda.current_device()]
+    offset = default.get_offset()
+    kw = dict(causal=True, window_size=(50, -1), softcap=20.0, dropout_p=0.15)
+    out = ct.attention(q, k, v, alibi_slopes=slopes, **kw)
+    out.backward(dout)
+    state = (default.initial_seed(), offset)
+    host = [x.detach().float().cpu().numpy() for x in (q, k, v, dout)]
+    ref = reference.attention_forward(*host[:3], alibi_slopes=slopes.cpu().numpy(), rng_state=state, **kw)[0]
+    grads = reference.attention_backward(host[3], *host[:3], alibi_slopes=slopes.cpu().numpy(), rng_state=state, **kw)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), (ref, *grads)):
+        err = np.abs(got.detach().double().cpu().numpy() - want).max()
+        assert err < 0.05 * max(1.0, np.abs(want).max()), f"{name}: error {err:.3g}"
+    # torch.manual_seed makes the dropout mask reproducible; successive calls draw new masks
+    torch.manual_seed(11)
+    again = ct.attention(q, k, v, alibi_slopes=slopes, **kw)
+    assert torch.equal(again, out)
+    assert not torch.equal(ct.attention(q, k, v, alibi_slopes=slopes, **kw), out)
+
+
+def test_dropout_under_graph_capture_is_a_clear_error(torch):
+    import cuflash.torch as ct
+
+    q = torch.randn((1, 64, 2, 64), device="cuda", dtype=torch.float16)
+    ct.attention(q, q, q)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with pytest.raises(RuntimeError, match="graph capture"):
+            with torch.cuda.graph(graph, stream=stream):
+                ct.attention(q, q, q, dropout_p=0.1)

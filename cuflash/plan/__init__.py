@@ -16,8 +16,8 @@ from .backward import (
     bwd_spec, bwd_tile, plan_backward, uses_sm90_backward,
 )
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, KERNEL_FAMILIES, KNOWN_ARCHS, MAX_GRID_X, MAX_SMEM_KB, MIN_COMPUTE_CAPABILITY, SMEM_PER_SM_KB,
-    KernelFamily, Launch, arch_for_capability, arch_number, head_dim_bucket, max_smem_bytes, parse_arch, smem_per_sm_bytes,
+    ALL_MODS, DTYPES, HEAD_DIM_BUCKETS, KERNEL_FAMILIES, KNOWN_ARCHS, MAX_GRID_X, MAX_SMEM_KB, MIN_COMPUTE_CAPABILITY,
+    MOD_ALIBI, MOD_DROPOUT, MOD_NAMES, MOD_SOFTCAP, MOD_WINDOW, SMEM_PER_SM_KB, KernelFamily, Launch, arch_for_capability, arch_number, head_dim_bucket, max_smem_bytes, parse_arch, smem_per_sm_bytes,
     supports_pdl,
 )
 from .decode import (
@@ -38,6 +38,12 @@ from .forward import (
 ALL_SPECS = {"fwd": all_fwd_specs, "bwd": all_bwd_specs, "decode": all_decode_specs}
 
 __all__ = [
+    "ALL_MODS",
+    "MOD_ALIBI",
+    "MOD_DROPOUT",
+    "MOD_NAMES",
+    "MOD_SOFTCAP",
+    "MOD_WINDOW",
     "ALL_SPECS",
     "BWD_AUX_THREADS",
     "BWD_FALLBACK_TILES",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .common import (
     DTYPES, HEAD_DIM_BUCKETS, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
-    head_dim_bucket, load_tag, max_smem_bytes,
+    check_mods, head_dim_bucket, load_tag, max_smem_bytes, mods_arg,
 )  # fmt: skip
 
 
@@ -125,6 +125,7 @@ class BwdSpec(TiledSpec):
     tile: BwdTile
     arch: str
     family: str = "flash_bwd"
+    mods: int = 0  # attention variants (common.MOD_* bits)
 
     @property
     def name(self) -> str:
@@ -139,7 +140,7 @@ class BwdSpec(TiledSpec):
         t, b = self.tile, cpp_bool
         return (
             f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, {b(self.causal)}, "
-            f"{b(self.aligned)}, {t.stages}, {t.s_key_warps}, {t.kv_key_warps}, {t.dq_q_warps}"
+            f"{b(self.aligned)}, {t.stages}, {t.s_key_warps}, {t.kv_key_warps}, {t.dq_q_warps}{mods_arg(self.mods)}"
         )
 
 
@@ -215,7 +216,7 @@ class BwdSm90Spec(HopperSpec):
 
     def template_args(self) -> str:
         b = cpp_bool
-        return f"{self.head_dim}, {self.tile.block_n}, {b(self.dtype == 'bf16')}, {b(self.causal)}"
+        return f"{self.head_dim}, {self.tile.block_n}, {b(self.dtype == 'bf16')}, {b(self.causal)}{mods_arg(self.mods)}"
 
 
 def uses_sm90_backward(head_dim: int, aligned: bool, arch: str, deterministic: bool) -> bool:
@@ -235,7 +236,8 @@ class BwdPlan:
     num_m_blocks: int
 
 
-def bwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: BwdTile | None = None) -> BwdSpec:
+def bwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: BwdTile | None = None,
+             mods: int = 0) -> BwdSpec:
     bucket = head_dim_bucket(head_dim)
     check_dtype(dtype)
     if aligned and head_dim % 8 != 0:
@@ -247,7 +249,7 @@ def bwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, 
         raise ValueError(
             f"tile {tile} needs {bwd_smem_bytes(bucket, tile)} bytes of shared memory; {arch} allows {max_smem_bytes(arch)}"
         )
-    return BwdSpec(bucket, dtype, bool(causal), bool(aligned), tile, arch)
+    return BwdSpec(bucket, dtype, bool(causal), bool(aligned), tile, arch, mods=check_mods(mods))
 
 
 def plan_backward(
@@ -264,6 +266,7 @@ def plan_backward(
     arch: str,
     tile: BwdTile | BwdSm90Tile | None = None,
     deterministic: bool = False,
+    mods: int = 0,
 ) -> BwdPlan:
     """The three launches of one backward call (all sizes >= 1). The main kernel is the Hopper one
     where uses_sm90_backward says so (or a BwdSm90Tile is given), else the mma.sync one."""
@@ -274,9 +277,9 @@ def plan_backward(
     if isinstance(tile, BwdSm90Tile) or (tile is None and uses_sm90_backward(head_dim, aligned, arch, deterministic)):
         if arch != "sm_90a" or not aligned or deterministic or head_dim % 8:
             raise ValueError("the Hopper backward kernel needs sm_90a, 16-byte aligned inputs and deterministic=False")
-        spec = bwd_sm90_spec(head_dim, dtype, causal, tile)
+        spec = bwd_sm90_spec(head_dim, dtype, causal, tile, mods)
     else:
-        spec = bwd_spec(head_dim, dtype, causal, aligned, arch, tile)
+        spec = bwd_spec(head_dim, dtype, causal, aligned, arch, tile, mods)
     num_m_blocks = -(-seqlen_q // spec.tile.block_m)
     seqlen_q_pad = num_m_blocks * spec.tile.block_m
     rows_per_cta = BWD_AUX_THREADS // 32
@@ -288,7 +291,7 @@ def plan_backward(
     return BwdPlan(pre, main, convert, seqlen_q_pad, spec.head_dim, num_m_blocks)
 
 
-def bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90Tile | None = None) -> BwdSm90Spec:
+def bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90Tile | None = None, mods: int = 0) -> BwdSm90Spec:
     bucket = head_dim_bucket(head_dim)
     check_dtype(dtype)
     if bucket not in BWD_SM90_TILES:
@@ -298,12 +301,13 @@ def bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90Tile | N
         raise ValueError(
             f"the Hopper backward kernel runs 128 keys (64 for head dim 256) x 64 queries, 2 stages; got {tile}"
         )
-    return BwdSm90Spec(bucket, dtype, bool(causal), tile)
+    return BwdSm90Spec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
 
 
-def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False)):
+def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False),
+                  mods=(0,)):  # fmt: skip
     """Every backward variant (main, preprocess, convert) for ``arch``; on sm_90a also the Hopper main
-    kernel for the aligned variants of its buckets."""
+    kernel for the aligned variants of its buckets. ``mods``: the variant combinations to include."""
     specs: list = []
     for dt in dtypes:
         for al in aligned:
@@ -311,7 +315,8 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
             for d in head_dims:
                 bucket = head_dim_bucket(d)
                 for c in causals:
-                    specs.append(BwdSpec(bucket, dt, c, al, bwd_tile(bucket, arch), arch))
-                    if al and uses_sm90_backward(bucket, True, arch, False):
-                        specs.append(bwd_sm90_spec(bucket, dt, c))
+                    for m in mods:
+                        specs.append(BwdSpec(bucket, dt, c, al, bwd_tile(bucket, arch), arch, mods=m))
+                        if al and uses_sm90_backward(bucket, True, arch, False):
+                            specs.append(bwd_sm90_spec(bucket, dt, c, mods=m))
     return list(dict.fromkeys(specs))

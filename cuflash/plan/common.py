@@ -162,6 +162,31 @@ class SpecBase:
         return self.smem_bytes
 
 
+#: The attention variants, bits of a spec's ``mods`` and of the kernels' kMods (cuda_src/masks.cuh).
+MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_DROPOUT = 1, 2, 4, 8
+MOD_NAMES = {MOD_WINDOW: "window", MOD_SOFTCAP: "softcap", MOD_ALIBI: "alibi", MOD_DROPOUT: "dropout"}
+ALL_MODS = MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI | MOD_DROPOUT
+
+
+def check_mods(mods: int, allowed: int = ALL_MODS) -> int:
+    """``mods`` as an int of variant bits, all of them in ``allowed``."""
+    if mods != int(mods) or mods < 0 or mods & ~allowed:
+        names = [MOD_NAMES[b] for b in MOD_NAMES if b & allowed]
+        raise ValueError(f"mods must combine the variant bits of {names}, got {mods!r}")
+    return int(mods)
+
+
+def mods_tag(mods: int) -> str:
+    """The variants in a variant name: '' for none, else e.g. '_window_softcap'."""
+    return "".join(f"_{name}" for bit, name in MOD_NAMES.items() if mods & bit)
+
+
+def mods_arg(mods: int) -> str:
+    """The variants as the last C++ template argument: nothing for none (the default 0), so a plain
+    variant's source is what it was before the variants existed."""
+    return f", {mods}" if mods else ""
+
+
 def load_tag(aligned: bool) -> str:
     """The load path in a variant name: 16-byte vector loads or element-wise loads."""
     return "vec16" if aligned else "scalar"
@@ -186,7 +211,7 @@ class TiledSpec(SpecBase):
         t = self.tile
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_{'causal' if self.causal else 'full'}"
-            f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}_st{t.stages}{tile_fields}"
+            f"_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}_st{t.stages}{tile_fields}{mods_tag(self.mods)}"
             f"_{load_tag(self.aligned)}_{arch_tag(self.arch)}"
         )
 
@@ -211,6 +236,7 @@ class HopperSpec(TiledSpec):
     arch: str = "sm_90a"
     family: str = ""
     aligned: bool = True
+    mods: int = 0  # attention variants (MOD_* bits)
 
     @property
     def name(self) -> str:

@@ -8,7 +8,7 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 
-from .common import DTYPES, HEAD_DIM_BUCKETS, MAX_GRID_X, Launch, head_dim_bucket, supports_pdl
+from .common import DTYPES, HEAD_DIM_BUCKETS, MAX_GRID_X, MOD_DROPOUT, MOD_WINDOW, Launch, head_dim_bucket, supports_pdl
 from .decode_kernels import (
     DECODE_COMBINE_LEAN_BATCH, DECODE_M_SLABS, DECODE_THREADS, MAX_DECODE_SPLITS, DecodeAppendSpec, DecodeCombineSpec,
     DecodeSpec, DecodeTile, decode_launch_smem, decode_m_slabs, decode_m_slabs_options, decode_spec, decode_tile,
@@ -197,6 +197,8 @@ def plan_decode(
     append_aligned: bool = False,
     uniform_lengths: bool = False,
     policy: DecodePolicy = DEFAULT_DECODE_POLICY,
+    mods: int = 0,
+    window_left: int = -1,
 ) -> DecodePlan:
     """Kernels, grids and split count of one decode call (batch, seqlen_q, heads >= 1).
 
@@ -204,7 +206,9 @@ def plan_decode(
     capacity) where the lengths live on the GPU. num_splits: 0 = the plan's (decode_num_splits), else
     that many, at most MAX_DECODE_SPLITS and at most one per K/V tile. num_sms: the GPU's SMs.
     uniform_lengths: every sequence attends to the same number of keys, within the last 64-key step
-    below max_seqlen (one length for all, known on the host).
+    below max_seqlen (one length for all, known on the host). mods: the attention variants
+    (common.MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI bits); with a window, window_left >= 0: the splits
+    cover only the keys the window holds (the kernel starts each sequence at its window's first tile).
 
     CTAs per SM of the split kernel (fewer than the tile holds by padding its shared memory,
     decode_launch_smem): policy.ctas_per_sm if set, else with num_splits=0 the split count is chosen
@@ -228,7 +232,12 @@ def plan_decode(
     bucket = head_dim_bucket(head_dim)
     rows = (nheads // nheads_kv) * seqlen_q
     m_slabs = decode_m_slabs(rows, bucket, arch)
-    spec = decode_spec(head_dim, dtype, aligned, m_slabs, arch)
+    spec = decode_spec(head_dim, dtype, aligned, m_slabs, arch, mods)
+    if mods & MOD_WINDOW:
+        if window_left < 0:
+            raise ValueError("a windowed decode plan needs window_left >= 0")
+        # Keys [L - seqlen_q - window_left, L) span at most this many tiles from the window's first tile.
+        max_seqlen = min(max_seqlen, seqlen_q + window_left + spec.tile.block_n)
     row_blocks = -(-rows // (16 * m_slabs))
     n_tiles = -(-max_seqlen // spec.tile.block_n)
     ctas_per_sm = policy.ctas_per_sm
@@ -416,10 +425,12 @@ def _deep_grid(groups: int, n_tiles: int, row_blocks: int, rows: int, spec: Deco
 
 
 def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=None, aligned=(True, False),
-                     m_slabs=DECODE_M_SLABS, policy: DecodePolicy = DEFAULT_DECODE_POLICY):  # fmt: skip
+                     m_slabs=DECODE_M_SLABS, policy: DecodePolicy = DEFAULT_DECODE_POLICY, mods=(0,)):  # fmt: skip
     """Every decode variant (split-KV attention, combine, append) for ``arch`` that ``policy`` can
     launch. ``causals`` is accepted for the precompile command's uniform call and ignored: causal is
-    a run-time flag in decode."""
+    a run-time flag in decode. ``mods``: the variant combinations (dropout bits are skipped: decode
+    has none)."""
+    mods = tuple(dict.fromkeys(m & ~MOD_DROPOUT for m in mods))
     specs: list = []
     for dt in dtypes:
         for d in head_dims:
@@ -429,12 +440,13 @@ def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causa
                 for m in m_slabs:
                     if m in fitting:
                         tile = decode_tile(bucket, m, arch)
-                        specs.append(DecodeSpec(bucket, dt, al, m, tile, arch))
-                        if decode_cta_loads(tile, policy.long_ctas_per_sm, policy):  # the plan's long splits
-                            specs.append(DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=True))
-                        if decode_tail_grid_variant(bucket, m, arch, policy):  # _tail_split's, at both CTAs per SM
-                            specs += [DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=c, tail_grid=True)
-                                      for c in sorted({False, decode_cta_loads(tile, policy.long_ctas_per_sm, policy)})]
+                        for mo in mods:
+                            specs.append(DecodeSpec(bucket, dt, al, m, tile, arch, mods=mo))
+                            if decode_cta_loads(tile, policy.long_ctas_per_sm, policy):  # the plan's long splits
+                                specs.append(DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=True, mods=mo))
+                            if decode_tail_grid_variant(bucket, m, arch, policy):  # _tail_split's, at both CTAs per SM
+                                specs += [DecodeSpec(bucket, dt, al, m, tile, arch, cta_loads=c, tail_grid=True, mods=mo)
+                                          for c in sorted({False, decode_cta_loads(tile, policy.long_ctas_per_sm, policy)})]
     specs += [DecodeCombineSpec(head_dim_bucket(d), dt, arch, lean) for dt in dtypes for d in head_dims
               for lean in (False, True)]
     specs += [DecodeAppendSpec(al, arch) for al in aligned]

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .common import SpecBase, arch_tag, check_dtype, cpp_bool, head_dim_bucket, load_tag, max_smem_bytes, smem_per_sm_bytes
+from .common import (
+    MOD_ALIBI, MOD_SOFTCAP, MOD_WINDOW, SpecBase, arch_tag, check_dtype, check_mods, cpp_bool, head_dim_bucket, load_tag,
+    max_smem_bytes, mods_arg, mods_tag, smem_per_sm_bytes,
+)  # fmt: skip
 
 #: Every decode kernel runs 4 warps (cuda_src/decode_common.cuh: kDecodeThreads).
 DECODE_THREADS = 128
@@ -134,6 +137,7 @@ class DecodeSpec(SpecBase):
     cta_loads: bool = False  # the CTA loads each K/V tile together (else each key column of warps its rows)
     tail_grid: bool = False  # the tail-split grid's 1-D CTA mapping (plan/decode.py _tail_split), else the split grids'
     family: str = "flash_decode"
+    mods: int = 0  # attention variants (common.MOD_* bits; window, softcap, ALiBi)
 
     @property
     def name(self) -> str:
@@ -141,7 +145,7 @@ class DecodeSpec(SpecBase):
         return (
             f"{self.family}_hd{self.head_dim}_{self.dtype}_ms{self.m_slabs}_bn{t.block_n}_st{t.stages}"
             f"_mb{t.min_blocks}{'_cta' if self.cta_loads else ''}{'_tail' if self.tail_grid else ''}"
-            f"_{load_tag(self.aligned)}_{arch_tag(self.arch)}"
+            f"{mods_tag(self.mods)}_{load_tag(self.aligned)}_{arch_tag(self.arch)}"
         )
 
     threads = DECODE_THREADS
@@ -163,7 +167,7 @@ class DecodeSpec(SpecBase):
         """C++ template argument list of cuflash::DecodeConfig for this variant."""
         t, b = self.tile, cpp_bool
         return (f"{self.head_dim}, {t.block_n}, {self.m_slabs}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.aligned)}, "
-                f"{b(self.cta_loads)}, {b(self.tail_grid)}")
+                f"{b(self.cta_loads)}, {b(self.tail_grid)}{mods_arg(self.mods)}")
 
 
 class _DecodeHelperKernel(SpecBase):
@@ -220,14 +224,15 @@ class DecodeCombineSpec(_DecodeHelperKernel):
         return f"{self.head_dim}, {cpp_bool(self.dtype == 'bf16')}, {self.splits_in_flight}"
 
 
-def decode_spec(head_dim: int, dtype: str, aligned: bool, m_slabs: int, arch: str) -> DecodeSpec:
+def decode_spec(head_dim: int, dtype: str, aligned: bool, m_slabs: int, arch: str, mods: int = 0) -> DecodeSpec:
     bucket = head_dim_bucket(head_dim)
     check_dtype(dtype)
     if aligned and head_dim % 8 != 0:
         raise ValueError("the 16-byte load path needs head_dim % 8 == 0")
     if m_slabs not in DECODE_M_SLABS:
         raise ValueError(f"m_slabs must be one of {DECODE_M_SLABS}, got {m_slabs}")
-    return DecodeSpec(bucket, dtype, bool(aligned), m_slabs, decode_tile(bucket, m_slabs, arch), arch)
+    return DecodeSpec(bucket, dtype, bool(aligned), m_slabs, decode_tile(bucket, m_slabs, arch), arch,
+                      mods=check_mods(mods, MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI))
 
 
 def decode_m_slabs(rows: int, bucket: int, arch: str) -> int:

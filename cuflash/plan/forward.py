@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, HopperSpec, Launch, TiledSpec, check_dtype, cpp_bool, head_dim_bucket, max_smem_bytes,
+    DTYPES, HEAD_DIM_BUCKETS, HopperSpec, Launch, TiledSpec, check_dtype, check_mods, cpp_bool, head_dim_bucket,
+    max_smem_bytes, mods_arg,
 )  # fmt: skip
 
 
@@ -122,6 +123,7 @@ class KernelSpec(TiledSpec):
     aligned: bool  # 16-byte vector loads (else element-wise loads for odd head dims / strides)
     tile: Tile
     arch: str  # "sm_80", "sm_90a", ...
+    mods: int = 0  # attention variants (common.MOD_* bits)
 
     @property
     def name(self) -> str:
@@ -137,7 +139,7 @@ class KernelSpec(TiledSpec):
         t, b = self.tile, cpp_bool
         return (
             f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {b(self.dtype == 'bf16')}, "
-            f"{b(self.causal)}, {b(self.aligned)}, {b(t.q_in_regs)}, {t.stages}"
+            f"{b(self.causal)}, {b(self.aligned)}, {b(t.q_in_regs)}, {t.stages}{mods_arg(self.mods)}"
         )
 
 
@@ -155,10 +157,11 @@ class Sm90KernelSpec(HopperSpec):
     def template_args(self) -> str:
         """C++ template argument list of cuflash::Sm90FwdConfig for this variant."""
         t, b = self.tile, cpp_bool
-        return f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.causal)}"
+        return (f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.causal)}"
+                f"{mods_arg(self.mods)}")
 
 
-def fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90Tile | None = None) -> Sm90KernelSpec:
+def fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90Tile | None = None, mods: int = 0) -> Sm90KernelSpec:
     """The Hopper forward variant for ``head_dim`` (its bucket must have a FWD_SM90_TILES row, or give ``tile``)."""
     bucket = head_dim_bucket(head_dim)
     check_dtype(dtype)
@@ -175,7 +178,7 @@ def fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90Tile | None
         raise ValueError(f"Hopper tile {tile}: {threads} threads do not split {chunks}-chunk rows evenly")
     if fwd_sm90_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
         raise ValueError(f"Hopper tile {tile} needs {fwd_sm90_smem_bytes(bucket, tile)} bytes of shared memory")
-    return Sm90KernelSpec(bucket, dtype, bool(causal), tile)
+    return Sm90KernelSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
 
 
 def uses_sm90_forward(head_dim: int, aligned: bool, arch: str) -> bool:
@@ -183,7 +186,8 @@ def uses_sm90_forward(head_dim: int, aligned: bool, arch: str) -> bool:
     return arch == "sm_90a" and aligned and head_dim % 8 == 0 and head_dim_bucket(head_dim) in FWD_SM90_TILES
 
 
-def fwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: Tile | None = None) -> KernelSpec:
+def fwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: Tile | None = None,
+             mods: int = 0) -> KernelSpec:
     bucket = head_dim_bucket(head_dim)
     check_dtype(dtype)
     if aligned and head_dim % 8 != 0:
@@ -194,7 +198,7 @@ def fwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, 
             f"tile {tile} needs {fwd_smem_bytes(bucket, tile)} bytes of shared memory; {arch} allows "
             f"{max_smem_bytes(arch)}"
         )
-    return KernelSpec("flash_fwd", bucket, dtype, bool(causal), bool(aligned), tile, arch)
+    return KernelSpec("flash_fwd", bucket, dtype, bool(causal), bool(aligned), tile, arch, check_mods(mods))
 
 
 def plan_forward(
@@ -210,11 +214,13 @@ def plan_forward(
     aligned: bool,
     arch: str,
     tile: Tile | Sm90Tile | None = None,
+    mods: int = 0,
 ) -> Launch:
     """Kernel variant, grid, block and shared memory for one forward call (all sizes >= 1).
 
     On sm_90a with 16-byte aligned inputs and a bucket of FWD_SM90_TILES the Hopper (wgmma) kernel
-    runs, else the mma.sync kernel; a given ``tile`` picks the kernel by its type."""
+    runs, else the mma.sync kernel; a given ``tile`` picks the kernel by its type. ``mods``: the
+    attention variants (common.MOD_* bits) compiled into the kernel."""
     if min(batch, seqlen_q, seqlen_k, nheads, nheads_kv) < 1:
         raise ValueError("plan_forward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
@@ -222,26 +228,28 @@ def plan_forward(
     if isinstance(tile, Sm90Tile) or (tile is None and uses_sm90_forward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned:
             raise ValueError("the Hopper forward kernel needs arch sm_90a and 16-byte aligned inputs")
-        spec = fwd_sm90_spec(head_dim, dtype, causal, tile)
+        spec = fwd_sm90_spec(head_dim, dtype, causal, tile, mods)
     else:
-        spec = fwd_spec(head_dim, dtype, causal, aligned, arch, tile)
+        spec = fwd_spec(head_dim, dtype, causal, aligned, arch, tile, mods)
     num_m_blocks = -(-seqlen_q // spec.tile.block_m)
     return Launch(spec, (num_m_blocks, nheads, batch), (spec.threads, 1, 1), spec.smem_bytes)
 
 
-def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False)):
+def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False),
+                  mods=(0,)):  # fmt: skip
     """Every forward variant the library can launch for ``arch`` (what `cuflash precompile --all` builds):
     the mma.sync kernel for every combination, and on sm_90a the Hopper kernel for the aligned ones
-    of its buckets."""
+    of its buckets. ``mods``: the variant combinations (common.MOD_* bits) to include."""
     specs = []
     for d in head_dims:
         bucket = head_dim_bucket(d)
         for dt in dtypes:
             for c in causals:
                 for al in aligned:
-                    specs.append(KernelSpec("flash_fwd", bucket, dt, c, al, fwd_tile(bucket, arch), arch))
-                    if al and uses_sm90_forward(bucket, True, arch):
-                        specs.append(fwd_sm90_spec(bucket, dt, c))
+                    for m in mods:
+                        specs.append(KernelSpec("flash_fwd", bucket, dt, c, al, fwd_tile(bucket, arch), arch, m))
+                        if al and uses_sm90_forward(bucket, True, arch):
+                            specs.append(fwd_sm90_spec(bucket, dt, c, mods=m))
     return list(dict.fromkeys(specs))  # unique, order kept
 
 
