@@ -224,6 +224,18 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
         const float* s_lse = s_lse0 + stage * kBlockM;
         const float* s_d = s_d0 + stage * kBlockM;
 
+        // Dropout keep bits of this iteration's S^T tile (dropout.cuh), drawn before the score MMAs so
+        // the Philox work can interleave with them. Nothing without dropout.
+        u32 keep[Cfg::kSSlabs][Cfg::kSNB / 2];
+        if constexpr ((Cfg::kMods & kModDropout) != 0) {
+            const DropoutStream rng(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
+#pragma unroll
+            for (int s = 0; s < Cfg::kSSlabs; ++s)
+#pragma unroll
+                for (int kk = 0; kk < Cfg::kSNB / 2; ++kk)
+                    keep[s][kk] = rng.keep_bits_transposed(m0 + s_col0 + 16 * kk, n0 + s_key0 + 16 * s, lane);
+        }
+
         // ---- Scores: S^T = K Q^T, dP^T = V dO^T       S^T[j][i] = sum_d K[j][d] Q[i][d]
         {
             constexpr int kSl = Cfg::kSSlabs, kNB = Cfg::kSNB;
@@ -300,15 +312,13 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                 const Mask mask(p.mod, p.seqlen_q, p.seqlen_k);
                 const bool need_mask = mask.key_block_needs_mask(n0, kBlockN, m0, kBlockM);
                 const float slope = Mask::alibi_slope(p.mod, b, h);
-                u32 keep[kSl][kNB / 2];
-                if constexpr (Mask::kDropout) {
-                    const DropoutStream rng(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
+                // ALiBi distance d - j of query column 2t (nb 0, e 0) for this thread's key rows.
+                float dist_row[kSl][2];
 #pragma unroll
-                    for (int s = 0; s < kSl; ++s)
+                for (int s = 0; s < kSl; ++s)
 #pragma unroll
-                        for (int kk = 0; kk < kNB / 2; ++kk)
-                            keep[s][kk] = rng.keep_bits_transposed(m0 + s_col0 + 16 * kk, n0 + s_key0 + 16 * s, lane);
-                }
+                    for (int r = 0; r < 2; ++r)
+                        dist_row[s][r] = static_cast<float>(m0 + s_col0 + 2 * t + offset - (n0 + s_key0 + 16 * s + g + 8 * r));
 #pragma unroll
                 for (int nb = 0; nb < kNB; ++nb) {
                     const int col = s_col0 + 8 * nb + 2 * t;
@@ -323,7 +333,8 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
 #pragma unroll
                             for (int e = 0; e < 2; ++e) {
                                 float dt;
-                                const float pr = mask.prob(S[s][nb][2 * r + e], m0 + col + e, n0 + row, e ? l2.y : l2.x,
+                                const float pr = mask.prob(S[s][nb][2 * r + e], m0 + col + e, n0 + row,
+                                                           dist_row[s][r] + (8 * nb + e), e ? l2.y : l2.x,
                                                            p.scale_log2, need_mask, slope, &dt);
                                 float dp = dP[s][nb][2 * r + e];
                                 pd[e] = pr;

@@ -162,19 +162,22 @@ struct BwdModTile {
             for (int kk = 0; kk < kNB / 2; ++kk) keep[kk] = rng.keep_bits_transposed(m0 + 16 * kk, key16, lane);
         }
     }
-    // Key j, queries i and i + 1: elements S^T[nb][2r], S^T[nb][2r + 1] of raw scores s0, s1.
+    // Key j, queries i and i + 1: elements S^T[nb][2r], S^T[nb][2r + 1] of raw scores s0, s1; dist: i's
+    // ALiBi distance d - j as a float (dist_base(j, i0) + 8 nb, for i = i0 + 8 nb).
     CUFLASH_DEVICE void probs(float s0, float s1, float2 lse2, float scale_log2, bool need_mask, int nb, int r, int j, int i,
-                              float (&pd)[2], float (&pdt)[2], bool (&kept)[2]) const {
+                              float dist, float (&pd)[2], float (&pdt)[2], bool (&kept)[2]) const {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float dt;
-            const float pr = mask.prob(e ? s1 : s0, i + e, j, e ? lse2.y : lse2.x, scale_log2, need_mask, slope, &dt);
+            const float pr = mask.prob(e ? s1 : s0, i + e, j, dist + e, e ? lse2.y : lse2.x, scale_log2, need_mask, slope, &dt);
             kept[e] = true;
             if constexpr (Mask::kDropout) kept[e] = (keep[nb / 2] >> (4 * (nb % 2) + 2 * r + e)) & 1u;
             pd[e] = Mask::kDropout ? (kept[e] ? pr * rp : 0.f) : pr;
             pdt[e] = pr * dt;
         }
     }
+    // d - j of key j and query i as a float (the ALiBi distance; i + 8 nb adds 8 nb).
+    CUFLASH_DEVICE float dist_base(int j, int i) const { return static_cast<float>(i + mask.seqlen_k - mask.seqlen_q - j); }
     // dP^T as dS takes it: Z dP^T / (1 - p) with dropout.
     CUFLASH_DEVICE float dropped_dp(float dp, bool kept) const {
         return Mask::kDropout ? (kept ? dp * rp : 0.f) : dp;
@@ -296,6 +299,9 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         wgmma_ss_kmajor<kBlockM, kBF16, kDSteps, kBlockN, kBlockM>(s_acc, desc_k_w, desc_q0 + stage * kQStage);
         wgmma_ss_kmajor<kBlockM, kBF16, kDSteps, kBlockN, kBlockM>(dp_acc, desc_v_w, desc_do0 + stage * kQStage);
         wgmma_commit();
+        // The variants' per-head values and dropout keep bits (BwdModTile), drawn while the tensor cores
+        // compute S^T and dP^T. Nothing for plain variants.
+        const BwdModTileOf<Mask, kNB> mods(p, b, h, m0, n0 + wg * 64 + (warp % 4) * 16, lane);
         wgmma_wait<0>();
         wgmma_fence_operands(s_acc);
         wgmma_fence_operands(dp_acc);
@@ -309,7 +315,6 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         } else {
             need_mask = Mask(p.mod, p.seqlen_q, p.seqlen_k).key_block_needs_mask(n0, kBlockN, m0, kBlockM);
         }
-        const BwdModTileOf<Mask, kNB> mods(p, b, h, m0, n0 + wg * 64 + (warp % 4) * 16, lane);
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
 #pragma unroll
         for (int nb = 0; nb < kNB; ++nb) {
@@ -328,7 +333,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
                     float pd[2], pdt[2];
                     bool kept[2];
                     mods.probs(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask, nb, r, n0 + key_local + 8 * r,
-                               m0 + col, pd, pdt, kept);
+                               m0 + col, mods.dist_base(n0 + key_local + 8 * r, m0 + 2 * t) + 8 * nb, pd, pdt, kept);
                     pk[r] = pack2<kBF16>(pd[0], pd[1]);
                     dk[r] = pack2<kBF16>(pdt[0] * (mods.dropped_dp(dP[nb][2 * r], kept[0]) - dd.x),
                                          pdt[1] * (mods.dropped_dp(dP[nb][2 * r + 1], kept[1]) - dd.y));
@@ -437,6 +442,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
         wgmma_fence();
         wgmma_ss_kmajor<kBlockM, kBF16, kDSteps, kBlockN, kBlockM>(x_acc, desc_a, desc_b0 + stage * kQStage);
         wgmma_commit();
+        // (variants) warpgroup 0's per-head values and dropout keep bits, drawn while the tensor cores run
+        const BwdModTileOf<Mask, kNB> mods(p, b, h, m0, n0 + (warp % 4) * 16, lane);
         wgmma_wait<0>();
         wgmma_fence_operands(x_acc);
 
@@ -496,7 +503,6 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
             // (dropped and scaled by 1 / (1 - p)) as packed A fragments.
             auto slot = [&](int row, int nb) { return s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t; };
             if (wg == 0) {
-                const BwdModTile<Mask, kNB> mods(p, b, h, m0, n0 + (warp % 4) * 16, lane);
                 const bool need_mask = mods.mask.key_block_needs_mask(n0, kBlockN, m0, kBlockM);
 #pragma unroll
                 for (int nb = 0; nb < kNB; ++nb) {
@@ -507,7 +513,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
                         float pd[2], pdt[2];
                         bool kept[2];
                         mods.probs(X[nb][2 * r], X[nb][2 * r + 1], l2, p.scale_log2, need_mask, nb, r, n0 + key_local + 8 * r,
-                                   m0 + col, pd, pdt, kept);
+                                   m0 + col, mods.dist_base(n0 + key_local + 8 * r, m0 + 2 * t) + 8 * nb, pd, pdt, kept);
                         *reinterpret_cast<float2*>(pf + (key_local + 8 * r) * kPStride + col) =
                             make_float2(kept[0] ? pdt[0] : -pdt[0], kept[1] ? pdt[1] : -pdt[1]);
                         const u32 pk = pack2<kBF16>(pd[0], pd[1]);

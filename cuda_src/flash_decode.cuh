@@ -348,12 +348,14 @@ struct DecodeRowMods {
     CUFLASH_DEVICE void apply(float (&S)[1][kNB][4], int n0, int t, int limit_lo, int keys, const int (&limit)[2]) const {
         if constexpr (Mods::kModifiesScores) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h) {
+                const float dist0 = static_cast<float>(diag[h] - (n0 + 2 * t));
 #pragma unroll
                 for (int nb = 0; nb < kNB; ++nb)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        S[0][nb][2 * h + e] = mods.modify(S[0][nb][2 * h + e], diag[h], n0 + 2 * t + 8 * nb + e, slope[h]);
+                        S[0][nb][2 * h + e] = mods.modify(S[0][nb][2 * h + e], dist0 - (8 * nb + e), slope[h]);
+            }
         }
         // (limit_lo is the smallest limit of the CTA's rows; with a window the rows' own limits are smaller.)
         if (n0 + keys > (Mods::kWindow ? min(limit_lo, min(limit[0], limit[1])) : limit_lo) || (Mods::kWindow && n0 < first_hi)) {

@@ -150,10 +150,16 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
     CUFLASH_DEVICE void modify_scores(float (&S)[kMSlabs][kNB][4], int row_abs0, int col0) const {
         if constexpr (kMods) mask.modify_tile(S, row_abs0, col0, this->alibi_slope);
     }
-    // Dropout on the probabilities of K/V block j (nothing without it); the warp's rows start at row16.
+    // Dropout keep bits of K/V block j (the warp's rows from row16), drawn before the block's scores
+    // exist so the Philox work overlaps the S = Q K^T matrix product; applied after the softmax (drop).
+    // Nothing without dropout.
+    template <int kMSlabs, int kPairs>
+    CUFLASH_DEVICE void draw_keep(u32 (&bits)[kMSlabs][kPairs], int j, int row16, int lane) const {
+        if constexpr (Mask::kDropout) dropout_bits<kMSlabs, 2 * kPairs>(bits, this->rng, row16, j * Cfg::kBlockN, lane);
+    }
     template <int kMSlabs, int kNB>
-    CUFLASH_DEVICE void drop(float (&S)[kMSlabs][kNB][4], int j, int row16, int lane) const {
-        if constexpr (Mask::kDropout) dropout_tile(S, this->rng, row16, j * Cfg::kBlockN, lane);
+    CUFLASH_DEVICE void drop(float (&S)[kMSlabs][kNB][4], const u32 (&bits)[kMSlabs][kNB / 2]) const {
+        if constexpr (Mask::kDropout) dropout_apply(S, bits);
     }
 
     // No row sees any key (empty()): O = 0 and lse = -inf.
@@ -208,6 +214,7 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     const int row_abs0 = m0 + warp_row0 + g;  // absolute query row of this thread's slab 0, half 0
     const int n_last = n_block_end - 1;
     float S[kMSlabs][kNB][4];                 // scores, then probabilities, of the current tile
+    u32 keep[kMSlabs][kNB / 2];               // dropout keep bits of the current tile (dropout only)
 
     // Prologue: Q and the first K tile in one cp.async group, its V tile in the next, so S = Q K^T
     // can start before V has arrived.
@@ -241,11 +248,12 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
                 load_v(j - 1);
             }
             cp_async_commit();
+            tile.draw_keep(keep, j, m0 + warp_row0, lane);
             wt.gemm_qk(S, s_q, s_k(j));
             tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t);
             if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
             wt.softmax(S, scale_log2);
-            tile.drop(S, j, m0 + warp_row0, lane);
+            tile.drop(S, keep);
             if (first) {
                 cp_async_wait<1>();  // V_{n_last} landed (the prefetch of tile j-1 may still be in flight)
                 __syncthreads();     // ... and is visible to every warp
@@ -258,6 +266,7 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
             __syncthreads();  // K_j visible to every warp; every warp is done with V_{j+1}
             load_v(j);
             cp_async_commit();
+            tile.draw_keep(keep, j, m0 + warp_row0, lane);
             wt.gemm_qk(S, s_q, s_k(j));
             tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t);
             if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
@@ -266,7 +275,7 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
             if (kWindow ? j > n_first : j > 0) load_k(j - 1);
             cp_async_commit();
             wt.softmax(S, scale_log2);
-            tile.drop(S, j, m0 + warp_row0, lane);
+            tile.drop(S, keep);
             wt.gemm_pv(S, s_v(j));
         }
     }

@@ -118,6 +118,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     const int row_abs0 = m0 + warp_row0 + lane / 4;
     const int n_last = n_block_end - 1;
     float S[1][kNB][4];
+    u32 keep[1][kNB / 2];  // dropout keep bits of the current tile (dropout only)
     float(&s_acc)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(S);
     float(&o_acc)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(wt.acc_o);
 
@@ -142,13 +143,14 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
         wgmma_fence();
         wgmma_ss_kmajor<kBlockN, kBF16, Cfg::kKStepsQK, kBlockM, kBlockN>(s_acc, desc_q, desc_k);
         wgmma_commit();
+        tile.draw_keep(keep, j, m0 + warp_row0, lane);  // (dropout) while the tensor cores compute S
         wgmma_wait<0>();
         wgmma_fence_operands(s_acc);
 
         tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t);
         if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t);
         wt.softmax(S, scale_log2);
-        tile.drop(S, j, m0 + warp_row0, lane);
+        tile.drop(S, keep);
 
         // O += P V_j: P packed from the S accumulators into A fragments, one per 16-key step.
         u32 a[Cfg::kKStepsPV][4];
