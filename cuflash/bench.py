@@ -348,7 +348,7 @@ def format_table(rows: list[Row], env: dict) -> str:
 
 
 #: One color per implementation in every figure.
-IMPL_COLORS = {"naive": "tab:gray", "flash": "tab:orange", "cudnn": "tab:green", "cuflash": "tab:red"}
+IMPL_COLORS = {"naive": "tab:gray", "flash": "tab:orange", "cudnn": "tab:green", "flex": "tab:purple", "cuflash": "tab:red"}
 
 
 def grouped_bars(panels: list, impls: list, title: str, ylabel: str, path: str, digits: int = 0) -> None:

@@ -220,8 +220,10 @@ def format_table(rows: list[Row], env: dict) -> str:
 
 
 def plot(rows: list[Row], env: dict, path: str) -> None:
+    """Grouped bars per (variant, op, head dim): cuflash and the variant's peer (the table also has SDPA
+    without the variant, whose bars would read as the variant's FLOPs over a different computation)."""
     keys = list(dict.fromkeys((r.notes.get("variant"), r.op, r.head_dim) for r in rows))
-    impls = ["flash (plain)", "flex", "flash", "cuflash"]
+    impls = ["flex", "flash", "cuflash"]
     panels = []
     for var, op, hd in keys:
         sel = sorted((r for r in rows if (r.notes.get("variant"), r.op, r.head_dim) == (var, op, hd)),

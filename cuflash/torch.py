@@ -34,8 +34,14 @@ def _to_cupy(t: "torch.Tensor"):
 
 
 def _stream():
-    """CuPy view of PyTorch's current CUDA stream (so both libraries order their work the same)."""
-    return _cupy().cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    """CuPy view of PyTorch's current CUDA stream (so both libraries order their work the same): through
+    the CUDA stream protocol where CuPy has Stream.from_external (CuPy 14 deprecates ExternalStream)."""
+    cp = _cupy()
+    stream = torch.cuda.current_stream()
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cp.cuda.ExternalStream(stream.cuda_stream)
 
 
 def _rng_state(device: "torch.device") -> tuple[int, int]:

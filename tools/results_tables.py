@@ -7,7 +7,10 @@ Prefill (forward, backward, forward+backward; files written by `cuflash bench --
 row per head dim and causal flag with the TFLOP/s of cuflash, FlashAttention-2 (torch SDPA
 FLASH_ATTENTION) and cuDNN at the longest sequence, and the median and lowest ratio cuflash / peer over
 all sequence lengths. Decode (`cuflash bench --decode --json`): one row per kv heads and batch with
-cuflash's KV TB/s over the cache lengths and the ratios to the peers.
+cuflash's KV TB/s over the cache lengths and the ratios to the peers. Variants (`cuflash bench --variant
+... --json`): one row per variant, operation and head dim with the TFLOP/s at the longest sequence and
+the ratios to the variant's peer (FlexAttention; SDPA FlashAttention-2 for dropout) over the lengths,
+and the sliding-window tile check.
 """
 from __future__ import annotations
 
@@ -90,6 +93,49 @@ def decode_table(rows: list, env: dict, source: str) -> list[str]:
     return out
 
 
+VARIANT_PEERS = {"window": ("flex", "FlexAttention"), "softcap": ("flex", "FlexAttention"),
+                 "alibi": ("flex", "FlexAttention"), "dropout": ("flash", "FA2 + dropout")}
+
+
+def variants_table(data: dict, source: str) -> list[str]:
+    rows = [r for r in data["rows"] if "cuflash" in r["tflops"]]
+    if not rows:
+        return []
+    lens = sorted({r["seqlen"] for r in rows})
+    out = [f"**Variants** (bf16, causal, TFLOP/s of the visible scores at {lens[-1] // 1024}k tokens; ratios cuflash / "
+           f"the variant's peer over {len(lens)} lengths {lens[0]}-{lens[-1]}; `{source}`)", "",
+           "| variant | op | head dim | cuflash | peer | vs peer median (min) |", "|---|---|---|---|---|---|"]
+    per_variant: dict = {}
+    for var in VARIANT_PEERS:
+        for op in ("fwd", "bwd"):
+            for hd in sorted({r["head_dim"] for r in rows}):
+                group = [r for r in rows if r["notes"].get("variant") == var and r["op"] == op and r["head_dim"] == hd]
+                if not group:
+                    continue
+                peer, peer_name = VARIANT_PEERS[var]
+                ratios = _ratios(group, "tflops", peer)
+                per_variant.setdefault((var, op), []).extend(ratios)
+                top = max(group, key=lambda r: r["seqlen"])["tflops"]
+                med, low = _ratio_cells(ratios)
+                out.append(f"| {var} | {op} | {hd} | {top['cuflash']:.0f} | {top.get(peer, 0):.0f} ({peer_name}) | "
+                           f"{med} ({low}) |")
+    out.append("")
+    out.append("| variant | op | vs peer median (min), all points |")
+    out.append("|---|---|---|")
+    for (var, op), ratios in per_variant.items():
+        med, low = _ratio_cells(ratios)
+        out.append(f"| {var} | {op} | **{med}** ({low}) |")
+    out.append("")
+    w = data.get("window_check") or {}
+    if w:
+        out.append(f"Sliding window {w['window']} at {w['seqlen'] // 1024}k tokens, head dim {w['head_dim']}: time / "
+                   f"(visited tiles / causal tiles x causal time) = {w['fwd']['ratio_to_bound']:.3f} forward, "
+                   f"{w['bwd']['ratio_to_bound']:.3f} backward (tile fraction {w['fwd']['tile_fraction']:.3f}).")
+        out.append("")
+    out += [f"Variants measured on {_env_line(data['environment'])}.", ""]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", nargs="?", default="docs/results")
@@ -99,7 +145,7 @@ def main() -> int:
     lines, envs = [], []
     for op in OPS:  # the newest file holding each operation
         have = [(d["environment"]["date"], str(p), d) for p, d in runs
-                if "rows" in d and any(r.get("op", "fwd") == op for r in d["rows"])]
+                if "rows" in d and "window_check" not in d and any(r.get("op", "fwd") == op for r in d["rows"])]
         if have:
             _, path, d = max(have, key=lambda x: x[0])
             lines += prefill_table(op, d["rows"], d["environment"], a.dtype, path)
@@ -109,6 +155,9 @@ def main() -> int:
     for path, d in runs:
         if "decode" in d:
             lines += decode_table(d["decode"], d["environment"], str(path))
+    for path, d in runs:
+        if "window_check" in d:
+            lines += variants_table(d, str(path))
     print("\n".join(lines))
     return 0
 
