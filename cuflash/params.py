@@ -138,7 +138,8 @@ class RecordPacker:
         self.dtype = dtype
         self.names = dtype.names
         # A nested struct field (``mod``) is given as the tuple of its values, in its dtype's order.
-        self._nested = {name: len(dtype.fields[name][0].names) for name in self.names if dtype.fields[name][0].names}
+        self._nested_at = [(i, (name, len(dtype.fields[name][0].names))) for i, name in enumerate(self.names)
+                           if dtype.fields[name][0].names]  # fmt: skip
         self._struct = struct.Struct("<" + self._format(dtype))
         assert self._struct.size == dtype.itemsize
         self.size = dtype.itemsize
@@ -158,14 +159,11 @@ class RecordPacker:
             missing = set(self.names) - set(values)
             extra = set(values) - set(self.names)
             raise KeyError(f"parameter fields missing {sorted(missing)} / unknown {sorted(extra)}")
-        flat = []
-        for n in self.names:
-            if n in self._nested:
-                if len(values[n]) != self._nested[n]:
-                    raise KeyError(f"parameter field {n!r} needs {self._nested[n]} values, got {len(values[n])}")
-                flat.extend(values[n])
-            else:
-                flat.append(values[n])
+        flat = [values[n] for n in self.names]
+        for pos, (n, count) in reversed(self._nested_at):  # splice each nested tuple in (a launch's host time counts)
+            if len(flat[pos]) != count:
+                raise KeyError(f"parameter field {n!r} needs {count} values, got {len(flat[pos])}")
+            flat[pos : pos + 1] = flat[pos]
         return self._struct.pack(*flat)
 
     def offset(self, name: str) -> int:
