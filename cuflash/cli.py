@@ -236,10 +236,14 @@ def info():
 @click.option("--all", "all_", is_flag=True, help="Every head-dim bucket (narrow with --dtype / --causal).")
 @click.option("--kernels", "kernels", multiple=True, type=click.Choice(list(KERNEL_FAMILIES)), metavar="FAMILY",
               help=f"Kernel families to build (repeatable): {', '.join(KERNEL_FAMILIES)}. Default: all of them.")
+@click.option("--variant", "variant", multiple=True, type=click.Choice(list(plan.MOD_NAMES.values())),
+              help="Build the kernels of this combination of attention variants (repeatable: --variant window "
+                   "--variant softcap builds what a model using both calls) instead of the plain ones. A window "
+                   "kernel carries causal in its window, so window kernels are built non-causal.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Parallel NVRTC compiles (separate processes).")
 @click.option("-v", "--verbose", is_flag=True, help="Log each compile and print registers / spills.")
-def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
+def precompile(archs, head_dims, dtype, causal, all_, kernels, variant, jobs, verbose):
     """Compile kernels ahead of time into the disk cache, so the first calls on a GPU load instead of
     compiling. Needs no GPU with --arch (e.g. in a container build or CI).
 
@@ -260,12 +264,15 @@ def precompile(archs, head_dims, dtype, causal, all_, kernels, jobs, verbose):
         raise click.UsageError("say which kernels to build: --head-dim D (repeatable) or --all")
     dims = plan.HEAD_DIM_BUCKETS if all_ else head_dims
 
+    mods = sum(bit for bit, name in plan.MOD_NAMES.items() if name in variant)
+    causals = (False,) if mods & plan.MOD_WINDOW else CAUSAL_CHOICES[causal]
     specs = []
     for arch in archs:
         for family in kernels or KERNEL_FAMILIES:
             specs += KERNEL_FAMILIES[family](
-                arch, head_dims=dims, dtypes=DTYPE_CHOICES[dtype], causals=CAUSAL_CHOICES[causal], aligned=(True, False)
+                arch, head_dims=dims, dtypes=DTYPE_CHOICES[dtype], causals=causals, aligned=(True, False), mods=(mods,)
             )
+    specs = list(dict.fromkeys(specs))
     if not all(jit.is_cached(s) for s in specs):  # something to compile: the cache must take it (a full,
         try:  # read-only cache, e.g. baked into an image, only reports)
             kcache.check_writable()

@@ -256,6 +256,23 @@ def test_precompile_selection_flags(cache, recorder, flags, dtypes, causals):
     assert len(specs) == len(set(specs)) == 2 * len(dtypes) * len(causals) * 2
 
 
+def test_precompile_variant_combination(cache, recorder):
+    """--variant builds the kernels of that combination of variants (decode without dropout); window
+    kernels only non-causal (a window carries causal in its right edge)."""
+    r = invoke(["precompile", "--arch", "sm_90a", "--head-dim", "128", "--dtype", "bf16", "--variant", "window",
+                "--variant", "softcap", "--variant", "dropout"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    main = [s for s in recorder.specs if s.family in ("flash_fwd", "flash_fwd_sm90", "flash_bwd", "flash_bwd_sm90")]
+    assert {s.mods for s in main} == {plan.MOD_WINDOW | plan.MOD_SOFTCAP | plan.MOD_DROPOUT}
+    assert {s.causal for s in main} == {False}
+    assert {s.mods for s in recorder.specs if s.family == "flash_decode"} == {plan.MOD_WINDOW | plan.MOD_SOFTCAP}
+    assert len(recorder.specs) == len(set(recorder.specs))
+    r = invoke(["precompile", "--arch", "sm_80", "--head-dim", "64", "--kernels", "fwd", "--variant", "alibi", "--causal"])
+    assert r.exit_code == 0 and {(s.mods, s.causal) for s in recorder.specs} == {(plan.MOD_ALIBI, True)}
+    r = invoke(["precompile", "--arch", "sm_80", "--head-dim", "64", "--variant", "rotary"])
+    assert r.exit_code == 2 and "rotary" in r.output
+
+
 def test_precompile_kernel_families(cache, recorder):
     """--kernels bwd builds the backward's main, preprocess and convert kernels for the selection only."""
     r = invoke(["precompile", "--arch", "sm_80", "--head-dim", "128", "--dtype", "fp16", "--causal", "--kernels", "bwd"])
