@@ -428,7 +428,7 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
 # ---------------------------------------------------------------------------
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, dropout_p=0.0, rng_state=None, _batch_offset=0):  # fmt: skip
+                      alibi_slopes=None, dropout_p=0.0, rng_state=None):  # fmt: skip
     """Exact attention in float64, with the variants of the module docstring.
 
     Returns ``(out, lse)``: out ``(batch, seqlen_q, nheads, headdim)`` and
