@@ -60,6 +60,9 @@ __all__ = [
     "attention_forward",
     "attention_backward",
     "attention_with_kvcache",
+    "attention_varlen_forward",
+    "attention_varlen_backward",
+    "apply_rotary",
     "plain_attention",
     "plain_attention_bar",
     "plain_attention_backward",
@@ -470,6 +473,124 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
             dk[b, :, hk] += dk_h
             dv[b, :, hk] += dv_h
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------
+# Packed variable-length batches (flash_attn_varlen_func) and rotary embedding
+# ---------------------------------------------------------------------------
+
+def _cu_seqlens(cu, total: int, name: str) -> np.ndarray:
+    """cu_seqlens as int64 (batch + 1,): starts at 0, never decreases, ends at most at ``total``."""
+    cu = np.asarray(_to_host(cu))
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D integer array (batch + 1,), got {cu.dtype} {cu.shape}")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] > total:
+        raise ValueError(f"{name} must start at 0, never decrease and end at most at {total}, got {cu.tolist()}")
+    return cu
+
+
+def _varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
+    if q.ndim != 3 or k.ndim != 3:
+        raise ValueError(f"varlen q, k, v are (total, nheads, headdim), got q {q.shape} and k {k.shape}")
+    _require_shape(v, "v", k.shape)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[2]} and {k.shape[2]}")
+    _check_heads(q.shape[1], k.shape[1])
+    cu_q = _cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    cu_k = _cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    if cu_q.size != cu_k.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.size} and {cu_k.size}")
+    return q, k, v, cu_q, cu_k
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                             rng_state=None):  # fmt: skip
+    """Exact attention of a packed batch (``flash_attn_varlen_func``) in float64.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); sequence b is query rows
+    ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` against keys ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]``
+    (empty sequences allowed), causal and windows aligned bottom-right per sequence; the variants as in
+    attention_forward, ALiBi slopes and the dropout stream of sequence b those of batch index b (a packed
+    batch of equal lengths gives exactly the dense call's result). Returns ``(out, lse)``: out like q
+    (rows outside every sequence 0), lse (nheads, total_q) as flash-attn returns it (-inf there).
+    """
+    q, k, v, cu_q, cu_k = _varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    batch, nheads = cu_q.size - 1, q.shape[1]
+    mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state)
+    scale = _scale(softmax_scale, q.shape[2])
+    out = np.zeros(q.shape)
+    lse = np.full((nheads, q.shape[0]), -np.inf)
+    for b in range(batch):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if qs.stop == qs.start:
+            continue
+        for h, hk in _head_pairs(nheads, k.shape[1]):
+            out[qs, h], lse[h, qs] = _forward_head(q[qs, h], k[ks, hk], v[ks, hk], scale, causal, mods=mods(b, h))
+    return out, lse
+
+
+def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                              rng_state=None):  # fmt: skip
+    """Exact gradients (dq, dk, dv) of ``sum(out * dout)`` for attention_varlen_forward, packed like q, k, v."""
+    q, k, v, cu_q, cu_k = _varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    dout = _to_f64(dout, "dout")
+    _require_shape(dout, "dout", q.shape)
+    batch, nheads = cu_q.size - 1, q.shape[1]
+    mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state)
+    scale = _scale(softmax_scale, q.shape[2])
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(batch):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if qs.stop == qs.start or ks.stop == ks.start:
+            continue
+        for h, hk in _head_pairs(nheads, k.shape[1]):
+            dq_h, dk_h, dv_h = _backward_head(dout[qs, h], q[qs, h], k[ks, hk], v[ks, hk], scale, causal,
+                                              mods=mods(b, h))  # fmt: skip
+            dq[qs, h] = dq_h
+            dk[ks, hk] += dk_h
+            dv[ks, hk] += dv_h
+    return dq, dk, dv
+
+
+def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0):
+    """Rotary position embedding (flash-attn's ``apply_rotary_emb``) in float64.
+
+    x: (batch, seqlen, nheads, headdim); cos, sin: (seqlen_ro, rotary_dim / 2) with rotary_dim <=
+    headdim; token t of sequence b takes row ``seqlen_offsets[b] + t`` (an int or (batch,) ints) of cos
+    and sin. The first rotary_dim channels are rotated, the rest pass through:
+      interleaved=False (GPT-NeoX): pairs (i, i + rotary_dim / 2);
+      interleaved=True (GPT-J): pairs (2i, 2i + 1);
+    each pair (a, b) -> (a cos - b sin, a sin + b cos) with the pair's angle i.
+    """
+    x = _to_f64(x, "x")
+    cos, sin = _to_f64(cos, "cos"), _to_f64(sin, "sin")
+    _check_ndim4(x, "x", "(batch, seqlen, nheads, headdim)")
+    batch, seqlen, _, headdim = x.shape
+    if cos.ndim != 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must both be (seqlen_ro, rotary_dim / 2), got {cos.shape} and {sin.shape}")
+    half = cos.shape[1]
+    if not 0 < 2 * half <= headdim:
+        raise ValueError(f"rotary_dim = 2 * cos.shape[1] = {2 * half} must be in [2, headdim = {headdim}]")
+    offsets = np.broadcast_to(np.asarray(_to_host(seqlen_offsets), dtype=np.int64), (batch,))
+    if np.any(offsets < 0) or np.any(offsets + seqlen > cos.shape[0]):
+        raise ValueError(f"seqlen_offsets + seqlen ({seqlen}) must stay within the {cos.shape[0]} rows of cos / sin")
+    out = x.copy()
+    for b in range(batch):
+        c = cos[offsets[b]:offsets[b] + seqlen][:, None, :]
+        s_ = sin[offsets[b]:offsets[b] + seqlen][:, None, :]
+        if interleaved:
+            a, bb = x[b, :, :, 0:2 * half:2], x[b, :, :, 1:2 * half:2]
+            out[b, :, :, 0:2 * half:2] = a * c - bb * s_
+            out[b, :, :, 1:2 * half:2] = a * s_ + bb * c
+        else:
+            a, bb = x[b, :, :, :half], x[b, :, :, half:2 * half]
+            out[b, :, :, :half] = a * c - bb * s_
+            out[b, :, :, half:2 * half] = a * s_ + bb * c
+    return out
 
 
 def _cache_lengths(cache_seqlens, batch: int, capacity: int) -> np.ndarray:

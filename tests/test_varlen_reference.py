@@ -1,0 +1,97 @@
+"""The float64 reference of packed variable-length batches and of rotary embedding (CPU only): against
+the dense reference per sequence, and rotary against complex multiplication."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuflash import reference
+
+
+def _packed(rng, lens_q, lens_k, nheads=4, nheads_kv=2, d=8):
+    q = rng.standard_normal((sum(lens_q), nheads, d))
+    k = rng.standard_normal((sum(lens_k), nheads_kv, d))
+    v = rng.standard_normal((sum(lens_k), nheads_kv, d))
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(3, 1), softcap=2.0),
+                                dict(causal=True, alibi_slopes="batch", dropout_p=0.3, rng_state=(9, 4))])  # fmt: skip
+def test_equal_lengths_pack_to_the_dense_call(kw):
+    """A packed batch of equal lengths is the dense batch: outputs, lse, gradients, the ALiBi slopes and
+    the dropout stream of sequence b are those of batch index b."""
+    rng = np.random.default_rng(0)
+    b, sq, sk = 3, 7, 11
+    q, k, v, cu_q, cu_k = _packed(rng, [sq] * b, [sk] * b)
+    if kw.get("alibi_slopes") == "batch":
+        kw = dict(kw, alibi_slopes=rng.uniform(0.1, 0.5, (b, 4)))
+    dout = rng.standard_normal(q.shape)
+    out, lse = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
+    dense = [x.reshape(b, -1, *x.shape[1:]) for x in (q, k, v, dout)]
+    want, want_lse = reference.attention_forward(*dense[:3], **kw)
+    np.testing.assert_allclose(out, want.reshape(out.shape), atol=1e-13)
+    np.testing.assert_allclose(lse, want_lse.transpose(1, 0, 2).reshape(lse.shape), atol=1e-13)
+    grads = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **kw)
+    want_grads = reference.attention_backward(dense[3], *dense[:3], **kw)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w.reshape(g.shape), atol=1e-12)
+
+
+def test_ragged_and_empty_sequences_are_each_their_own_attention():
+    rng = np.random.default_rng(1)
+    lens_q, lens_k = [5, 0, 9, 3], [12, 4, 2, 0]
+    q, k, v, cu_q, cu_k = _packed(rng, lens_q, lens_k)
+    dout = rng.standard_normal(q.shape)
+    out, lse = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=True, window_size=(4, -1))
+    dq, dk, dv = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, causal=True, window_size=(4, -1))
+    for b in range(4):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lens_q[b] == 0:
+            continue
+        want, want_lse = reference.attention_forward(q[qs][None], k[ks][None], v[ks][None], causal=True,
+                                                     window_size=(4, -1))  # fmt: skip
+        np.testing.assert_allclose(out[qs], want[0], atol=1e-13)
+        np.testing.assert_allclose(lse[:, qs], want_lse[0], atol=1e-13)
+        if lens_k[b]:
+            g = reference.attention_backward(dout[qs][None], q[qs][None], k[ks][None], v[ks][None], causal=True,
+                                             window_size=(4, -1))  # fmt: skip
+            np.testing.assert_allclose(dq[qs], g[0][0], atol=1e-12)
+            np.testing.assert_allclose(dk[ks], g[1][0], atol=1e-12)
+            np.testing.assert_allclose(dv[ks], g[2][0], atol=1e-12)
+    # the query rows of sequence 3 see no key: 0 and -inf
+    assert (out[cu_q[3]:cu_q[4]] == 0).all() and np.isneginf(lse[:, cu_q[3]:cu_q[4]]).all()
+    assert (dq[cu_q[3]:cu_q[4]] == 0).all()
+
+
+@pytest.mark.parametrize("cu,match", [([1, 3], "start at 0"), ([0, 5, 3], "never decrease"), ([0, 99], "end at most"),
+                                      ([0.0, 3.0], "integer")])  # fmt: skip
+def test_bad_cu_seqlens(cu, match):
+    q = np.zeros((10, 2, 4))
+    with pytest.raises(ValueError, match=match):
+        reference.attention_varlen_forward(q, q, q, np.asarray(cu), np.asarray([0, 3, 5][: len(cu)]))
+
+
+def test_rotary_is_complex_multiplication():
+    rng = np.random.default_rng(2)
+    b, s, h, d, rd = 2, 6, 3, 10, 6
+    x = rng.standard_normal((b, s, h, d))
+    theta = rng.uniform(0, 6.3, (20, rd // 2))
+    cos, sin = np.cos(theta), np.sin(theta)
+    offsets = np.array([0, 7])
+    got = reference.apply_rotary(x, cos, sin, seqlen_offsets=offsets)
+    got_i = reference.apply_rotary(x, cos, sin, interleaved=True, seqlen_offsets=offsets)
+    for bi in range(b):
+        rot = np.exp(1j * theta[offsets[bi]:offsets[bi] + s])[:, None, :]
+        neox = (x[bi, ..., : rd // 2] + 1j * x[bi, ..., rd // 2 : rd]) * rot
+        np.testing.assert_allclose(got[bi, ..., : rd // 2], neox.real, atol=1e-13)
+        np.testing.assert_allclose(got[bi, ..., rd // 2 : rd], neox.imag, atol=1e-13)
+        gptj = (x[bi, ..., 0:rd:2] + 1j * x[bi, ..., 1:rd:2]) * rot
+        np.testing.assert_allclose(got_i[bi, ..., 0:rd:2], gptj.real, atol=1e-13)
+        np.testing.assert_allclose(got_i[bi, ..., 1:rd:2], gptj.imag, atol=1e-13)
+    np.testing.assert_array_equal(got[..., rd:], x[..., rd:])  # channels past rotary_dim pass through
+    with pytest.raises(ValueError, match="seqlen_offsets"):
+        reference.apply_rotary(x, cos, sin, seqlen_offsets=15)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        reference.apply_rotary(x, np.ones((20, 6)), np.ones((20, 6)))
