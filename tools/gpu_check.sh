@@ -7,7 +7,7 @@
 #               in the logs. TESTS narrows it (pytest paths / -k), HYPOTHESIS_EXAMPLES sets the property
 #               tests' examples (default 60; quick: 15), PYTEST_MARK a marker expression (e.g. "gpu or not slow")
 #   sanitize    compute-sanitizer (SANITIZE_TOOLS, default "memcheck racecheck") over
-#               tests/sanitize_cases.py (SANITIZE_ARGS, e.g. "--only filled")
+#               tests/sanitize_cases.py (SANITIZE_ARGS, e.g. "--only filled" or "--only variants")
 #   bench       cuflash bench --op all (prefill forward, backward, forward+backward; BENCH_ARGS adds
 #               options) -> bench.json, bench.png
 #   decode      cuflash bench --decode (DECODE_ARGS) -> decode.json, decode.png
