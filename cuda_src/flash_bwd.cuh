@@ -30,6 +30,11 @@
 //       sP, sdS [kBlockN][kBlockM+8] (rows = keys). Row pads keep ldmatrix conflict free (odd
 //       number of 16-byte units per row). kStages == 2: query block i+1 streams in during block i.
 //
+// Variants (Cfg::kMods, masks.cuh / dropout.cuh): the window narrows each key block's query walk
+// (BwdQueryWalk); P^T is recomputed with softcap, ALiBi and the mask (AttnMask::prob); dropout's keep
+// bits come from the same Philox stream as the forward's, transposed by warp shuffles: dV takes the
+// dropped P^T / (1 - p), dS^T = P^T (Z dP^T / (1 - p) - D) (1 - tanh^2 with softcap).
+//
 // Fragment layouts: primitives.cuh. Preconditions (checked in cuflash/backward.py): as the forward;
 // lse is the forward's lse of these inputs; dq_accum, dq_turn zeroed; lse_log2 / dsum from the
 // preprocess kernel of the same call.

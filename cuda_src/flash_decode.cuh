@@ -74,6 +74,9 @@
 // Merge of the warp columns (per row):  m* = max_w m_w,  l* = sum_w l_w 2^{(m_w - m*) scale_log2},
 //   O = sum_w O_w 2^{(m_w - m*) scale_log2} / l*,  lse = m* scale + ln l*.
 //
+// Variants (Cfg::kMods: window, softcap, ALiBi; DecodeRowMods): aligned to each sequence's end like
+// causal; with a window the splits cover the tiles from the window's first key (decode_first_tile).
+//
 // Preconditions (checked in Python, cuflash/kvcache.py): head_dim <= kHeadDim; kAligned variants
 // need 16-byte aligned rows of q, the caches and out (base % 16 == 0, strides % 8 elements,
 // head_dim % 8 == 0); 1 <= num_splits <= kDecodeMaxSplits; page_size >= 1 (a multiple of 16 from Python);

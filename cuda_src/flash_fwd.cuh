@@ -32,6 +32,10 @@
 //   and only after the last tile: O /= l (the one division of FA2), lse = m * scale + ln(l).
 // P goes from the S accumulator registers straight into the A operand of P V (no smem round trip).
 //
+// Variants (Cfg::kMods, masks.cuh / dropout.cuh; docs/design/variants.md): softcap and ALiBi modify S
+// before the mask, a window narrows the K/V blocks visited to [first_block(), n_block_end) and masks both
+// edges, dropout zeroes probabilities after the softmax's row sums (keep bits drawn before S = Q K^T).
+//
 // Preconditions (checked in Python, cuflash/checks.py and cuflash/forward.py): head_dim <= kHeadDim; kAligned variants
 // need 16-byte aligned rows (base pointers % 16 == 0, strides % 8 elements, head_dim % 8 == 0);
 // softmax_scale > 0; seqlen_q, seqlen_k >= 1.
