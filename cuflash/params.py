@@ -177,6 +177,3 @@ DECODE_PACKER = RecordPacker(DECODE_DTYPE)
 
 #: Every C struct of cuda_src/params.h and its NumPy mirror (tests/test_params_layout.py checks them all).
 STRUCTS = {"ModParams": MOD_DTYPE, "FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE}
-
-#: ModParams of a call with every variant off (what plain calls pass).
-NO_MODS = (0, 0, 0, 0, 0, 0, 0.0, 0.0, 1.0, 0)

@@ -53,12 +53,6 @@ class Variants:
         return (self.alibi_ptr, self.alibi_batch_stride, seed, offset, self.window[0], self.window[1], softcap_scale,
                 1.0 / unit, 1.0 / (1.0 - self.dropout_p), keep)  # fmt: skip
 
-    def key(self) -> tuple:
-        """What the plan depends on (the kernel variant and the window's reach)."""
-        return (self.mods, self.causal, self.window if self.mods & MOD_WINDOW else None)
-
-
-NO_VARIANTS = Variants()
 
 
 def resolve(
