@@ -98,25 +98,25 @@ def test_backward_variants_property(case):
                    rng=rng, what=str(case), **_variants(rng, case))  # fmt: skip
 
 
-def _forward_kernels(head_dim):
-    """The forward tiles to force: the mma.sync one, and on Hopper the wgmma one where it exists."""
+def _kernels(head_dim, op):
+    """The tiles to force for op "fwd" or "bwd": the mma.sync kernel's, and on Hopper the wgmma one's
+    where it exists."""
     from cuflash import plan
 
     arch = _arch()
-    tiles = [plan.fwd_tile(plan.head_dim_bucket(head_dim), arch)]
-    if arch == "sm_90a" and head_dim in plan.FWD_SM90_TILES:
-        tiles.append(plan.FWD_SM90_TILES[head_dim])
+    tile_of, hopper = (plan.fwd_tile, plan.FWD_SM90_TILES) if op == "fwd" else (plan.bwd_tile, plan.BWD_SM90_TILES)
+    tiles = [tile_of(plan.head_dim_bucket(head_dim), arch)]
+    if arch == "sm_90a" and head_dim in hopper:
+        tiles.append(hopper[head_dim])
     return tiles
+
+
+def _forward_kernels(head_dim):
+    return _kernels(head_dim, "fwd")
 
 
 def _backward_kernels(head_dim):
-    from cuflash import plan
-
-    arch = _arch()
-    tiles = [plan.bwd_tile(plan.head_dim_bucket(head_dim), arch)]
-    if arch == "sm_90a" and head_dim in plan.BWD_SM90_TILES:
-        tiles.append(plan.BWD_SM90_TILES[head_dim])
-    return tiles
+    return _kernels(head_dim, "bwd")
 
 
 @pytest.mark.parametrize("sq,sk,window,causal", [
