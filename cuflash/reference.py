@@ -580,16 +580,19 @@ def apply_rotary(x, cos, sin, *, interleaved=False, seqlen_offsets=0):
         raise ValueError(f"seqlen_offsets + seqlen ({seqlen}) must stay within the {cos.shape[0]} rows of cos / sin")
     out = x.copy()
     for b in range(batch):
-        c = cos[offsets[b]:offsets[b] + seqlen][:, None, :]
-        s_ = sin[offsets[b]:offsets[b] + seqlen][:, None, :]
-        if interleaved:
-            a, bb = x[b, :, :, 0:2 * half:2], x[b, :, :, 1:2 * half:2]
-            out[b, :, :, 0:2 * half:2] = a * c - bb * s_
-            out[b, :, :, 1:2 * half:2] = a * s_ + bb * c
-        else:
-            a, bb = x[b, :, :, :half], x[b, :, :, half:2 * half]
-            out[b, :, :, :half] = a * c - bb * s_
-            out[b, :, :, half:2 * half] = a * s_ + bb * c
+        rows = np.arange(offsets[b], offsets[b] + seqlen)
+        out[b] = _rotate(x[b], cos[rows], sin[rows], interleaved)
+    return out
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """x (seqlen, nheads, headdim) with token t rotated by row t of cos, sin (seqlen, rotary_dim / 2)."""
+    half = cos.shape[1]
+    c, s_ = cos[:, None, :], sin[:, None, :]
+    lo, hi = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else (slice(0, half), slice(half, 2 * half))
+    out = x.copy()
+    out[:, :, lo] = x[:, :, lo] * c - x[:, :, hi] * s_
+    out[:, :, hi] = x[:, :, lo] * s_ + x[:, :, hi] * c
     return out
 
 
@@ -615,7 +618,8 @@ def _cache_lengths(cache_seqlens, batch: int, capacity: int) -> np.ndarray:
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
                            cache_seqlens=None, block_table=None,
                            causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None):
+                           alibi_slopes=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+                           cache_batch_idx=None, cache_leftpad=None):
     """Decode-style attention against a KV cache (``flash_attn_with_kvcache``).
 
     Contiguous cache: k_cache, v_cache ``(batch_cache, seqlen_cache, nheads_kv,
@@ -635,6 +639,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
     The variants window_size, softcap and alibi_slopes as in attention_forward, aligned
     against ``L_b`` like causal.
 
+    flash-attn's extras: ``cache_batch_idx`` (batch,) ints: sequence b uses cache row
+    ``cache_batch_idx[b]`` (contiguous caches only). ``cache_leftpad`` (batch,) ints: cache positions
+    before ``cache_leftpad[b]`` are padding; sequence b's keys are positions ``cache_leftpad[b] .. L_b``
+    (its positions count from there). ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2) with
+    ``rotary_interleaved`` (apply_rotary's layouts): the new k is rotated at positions
+    ``cache_seqlens[b] - cache_leftpad[b] + t`` before it is written to the cache; q at the same
+    positions when causal or windowed, else every query token at position ``cache_seqlens[b] -
+    cache_leftpad[b]``.
+
     Returns ``(out, lse, k_cache_new, v_cache_new)`` in float64.
     """
     q = _to_f64(q, "q")
@@ -648,8 +661,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
     _require_shape(v_cache_new, "v_cache", k_cache_new.shape)
     _check_heads(nheads, nheads_kv)
 
+    cache_rows = np.arange(batch)
+    if cache_batch_idx is not None:
+        if block_table is not None:
+            raise ValueError("cache_batch_idx picks rows of a contiguous cache; a paged cache has block_table")
+        cache_rows = np.asarray(_to_host(cache_batch_idx)).astype(np.int64)
+        _require_shape(cache_rows, "cache_batch_idx", (batch,))
+        if np.any(cache_rows < 0) or np.any(cache_rows >= rows):
+            raise ValueError(f"cache_batch_idx must lie in [0, {rows}), got {cache_rows.tolist()}")
     if block_table is None:
-        if rows < batch:
+        if cache_batch_idx is None and rows < batch:
             raise ValueError(f"k_cache has batch_cache={rows} rows, need >= batch={batch}")
         capacity = slots
     else:
@@ -665,13 +686,40 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
     def locate(b: int, positions: np.ndarray):
         """Index (rows, slots) of the given token positions of sequence b."""
         if block_table is None:
-            return np.full_like(positions, b), positions
+            return np.full_like(positions, cache_rows[b]), positions
         pages = block_table[b, positions // slots].astype(np.int64)
         if np.any(pages < 0) or np.any(pages >= rows):
             raise ValueError(f"block_table[{b}] refers to pages outside [0, {rows})")
         return pages, positions % slots
 
     lengths = _cache_lengths(cache_seqlens, batch, capacity)
+    leftpad = np.zeros(batch, dtype=np.int64)
+    if cache_leftpad is not None:
+        leftpad = np.asarray(_to_host(cache_leftpad)).astype(np.int64)
+        _require_shape(leftpad, "cache_leftpad", (batch,))
+        if np.any(leftpad < 0) or np.any(leftpad > lengths):
+            raise ValueError(f"cache_leftpad must lie in [0, cache_seqlens], got {leftpad.tolist()}")
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        if rotary_cos is None or rotary_sin is None:
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        cos, sin = _to_f64(rotary_cos, "rotary_cos"), _to_f64(rotary_sin, "rotary_sin")
+        if cos.ndim != 2 or sin.shape != cos.shape or not 0 < 2 * cos.shape[1] <= headdim:
+            raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2), rotary_dim <= "
+                             f"{headdim}; got {cos.shape} and {sin.shape}")  # fmt: skip
+        first = lengths - leftpad  # the position of the first new token (and of the queries)
+
+        def rotary_rows(pos: np.ndarray):
+            if np.any(pos < 0) or np.any(pos >= cos.shape[0]):
+                raise ValueError(f"rotary positions {pos.min()}..{pos.max()} outside the {cos.shape[0]} rows of "
+                                 "rotary_cos / rotary_sin")
+            return cos[pos], sin[pos]
+
+        local = causal or tuple(window_size) != (-1, -1)
+        q = q.copy()
+        for b in range(batch):
+            pos = first[b] + (np.arange(seqlen_q) if local else np.zeros(seqlen_q, dtype=np.int64))
+            q[b] = _rotate(q[b], *rotary_rows(pos), rotary_interleaved)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     if k is not None:
@@ -686,7 +734,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
                 f"{lengths.tolist()} + {seqlen_new} exceeds capacity {capacity}")
         for b in range(batch):
             where = locate(b, np.arange(lengths[b], lengths[b] + seqlen_new))
-            k_cache_new[where] = k[b]
+            k_b = _rotate(k[b], *rotary_rows(first[b] + np.arange(seqlen_new)), rotary_interleaved) if rotary else k[b]
+            k_cache_new[where] = k_b
             v_cache_new[where] = v[b]
         lengths = lengths + seqlen_new
 
@@ -698,7 +747,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
         slopes = np.broadcast_to(slopes, (batch, nheads)) if slopes.shape == (nheads,) else slopes
         _require_shape(slopes, "alibi_slopes", (batch, nheads))
     for b in range(batch):
-        where = locate(b, np.arange(lengths[b]))
+        where = locate(b, np.arange(leftpad[b], lengths[b]))
         out[b:b + 1], lse[b:b + 1] = attention_forward(
             q[b:b + 1], k_cache_new[where][None], v_cache_new[where][None],
             causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,

@@ -95,3 +95,70 @@ def test_rotary_is_complex_multiplication():
         reference.apply_rotary(x, cos, sin, seqlen_offsets=15)
     with pytest.raises(ValueError, match="rotary_dim"):
         reference.apply_rotary(x, np.ones((20, 6)), np.ones((20, 6)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The KV-cache extras: cache_batch_idx, cache_leftpad, rotary on q and the new k
+# ---------------------------------------------------------------------------------------------
+
+
+def _kv_case(rng, batch=3, rows=5, slots=40, nheads=4, nheads_kv=2, d=8, seqlen_q=2, seqlen_new=2):
+    q = rng.standard_normal((batch, seqlen_q, nheads, d))
+    kc = rng.standard_normal((rows, slots, nheads_kv, d))
+    vc = rng.standard_normal((rows, slots, nheads_kv, d))
+    kn = rng.standard_normal((batch, seqlen_new, nheads_kv, d))
+    vn = rng.standard_normal((batch, seqlen_new, nheads_kv, d))
+    return q, kc, vc, kn, vn
+
+
+def test_cache_batch_idx_and_leftpad():
+    rng = np.random.default_rng(3)
+    q, kc, vc, kn, vn = _kv_case(rng)
+    idx, lens, pad = np.array([4, 0, 2]), np.array([30, 7, 12]), np.array([5, 0, 12])
+    out, lse, kc2, vc2 = reference.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, causal=True,
+                                                          cache_batch_idx=idx, cache_leftpad=pad)  # fmt: skip
+    for b in range(3):
+        np.testing.assert_array_equal(kc2[idx[b], lens[b]:lens[b] + 2], kn[b])  # appended into row idx[b]
+        keys = slice(pad[b], lens[b] + 2)  # the padding before cache_leftpad is not attended to
+        want, want_lse = reference.attention_forward(q[b:b + 1], kc2[idx[b], keys][None], vc2[idx[b], keys][None],
+                                                     causal=True)  # fmt: skip
+        np.testing.assert_allclose(out[b], want[0], atol=1e-13)
+        np.testing.assert_allclose(lse[b], want_lse[0], atol=1e-13)
+    untouched = [r for r in range(5) if r not in idx]
+    np.testing.assert_array_equal(kc2[untouched], kc[untouched])
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        reference.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=np.array([0, 5, 1]))
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        reference.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=np.array([0, 8, 0]))
+
+
+@pytest.mark.parametrize("causal,window,interleaved", [(True, (-1, -1), False), (False, (-1, -1), True),
+                                                        (False, (6, 0), False)])  # fmt: skip
+def test_rotary_rotates_q_and_the_new_k_at_their_positions(causal, window, interleaved):
+    rng = np.random.default_rng(4)
+    q, kc, vc, kn, vn = _kv_case(rng, rows=3)
+    lens, pad = np.array([10, 3, 20]), np.array([2, 0, 5])
+    theta = rng.uniform(0, 6.3, (64, 3))  # rotary_dim 6 of head dim 8
+    cos, sin = np.cos(theta), np.sin(theta)
+    out, _, kc2, vc2 = reference.attention_with_kvcache(
+        q, kc, vc, k=kn, v=vn, cache_seqlens=lens, cache_leftpad=pad, causal=causal, window_size=window,
+        rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)  # fmt: skip
+    local = causal or window != (-1, -1)
+    for b in range(3):
+        first = lens[b] - pad[b]
+        want_k = reference.apply_rotary(kn[b:b + 1], cos, sin, interleaved=interleaved, seqlen_offsets=first)[0]
+        np.testing.assert_allclose(kc2[b, lens[b]:lens[b] + 2], want_k, atol=1e-13)
+        if local:
+            q_b = reference.apply_rotary(q[b:b + 1], cos, sin, interleaved=interleaved, seqlen_offsets=first)
+        else:  # every query token at the position of the first new token
+            q_b = np.stack([reference.apply_rotary(q[b:b + 1, i:i + 1], cos, sin, interleaved=interleaved,
+                                                   seqlen_offsets=first)[0, 0] for i in range(2)])[None]  # fmt: skip
+        keys = slice(pad[b], lens[b] + 2)
+        want = reference.attention_forward(q_b, kc2[b, keys][None], vc2[b, keys][None], causal=causal,
+                                           window_size=window)[0]  # fmt: skip
+        np.testing.assert_allclose(out[b], want[0], atol=1e-12)
+    with pytest.raises(ValueError, match="together"):
+        reference.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, rotary_cos=cos)
+    with pytest.raises(ValueError, match="rotary positions"):
+        reference.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=np.array([35, 0, 0]), causal=True,
+                                         rotary_cos=cos[:30], rotary_sin=sin[:30])  # fmt: skip
