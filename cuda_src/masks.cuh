@@ -2,7 +2,7 @@
 // K/V blocks a query tile visits at all. Written once, used by every kernel family (the mma.sync and
 // wgmma forward and backward, decode).
 //
-// The variants are compile-time policies (kMods bits; cuflash/plan/common.py Variant.bits), their
+// The variants are compile-time policies (kMods bits; cuflash/plan/common.py MOD_*), their
 // values runtime (ModParams, cuda_src/params.h). With kMods == 0 every function below is what the
 // kernels computed before the variants existed (causal or not), so those variants compile unchanged.
 // For a query whose diagonal is d = i + seqlen_k - seqlen_q (the key it is aligned to, bottom-right
