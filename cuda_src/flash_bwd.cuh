@@ -110,22 +110,65 @@ struct BwdConfig {
 // - off + window_left (off = seqlen_k - seqlen_q).
 struct BwdQueryWalk {
     int head0, m_begin, n_m, n_iters;
-    CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int hk, int n0, int block_m, bool causal, int block_n = 0) {
+    // seqlen_q, seqlen_k, num_m_blocks: the sequence's (plain: the parameter block's).
+    CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int seqlen_q, int seqlen_k, int num_m_blocks, int hk, int n0, int block_m,
+                                bool causal, int block_n = 0) {
         head0 = hk * p.head_ratio;
         if (block_n > 0) {
-            const int off = p.seqlen_k - p.seqlen_q;
+            const int off = seqlen_k - seqlen_q;
             m_begin = max(0, n0 - off - p.mod.window_right) / block_m;
             const int last_row = n0 + block_n - 1 - off + p.mod.window_left;  // may be negative
-            const int m_end = last_row < 0 ? 0 : min(p.num_m_blocks, last_row / block_m + 1);
+            const int m_end = last_row < 0 ? 0 : min(num_m_blocks, last_row / block_m + 1);
             n_m = max(0, m_end - m_begin);
         } else {
-            m_begin = causal ? max(0, n0 - (p.seqlen_k - p.seqlen_q)) / block_m : 0;
-            n_m = max(0, p.num_m_blocks - m_begin);
+            m_begin = causal ? max(0, n0 - (seqlen_k - seqlen_q)) / block_m : 0;
+            n_m = max(0, num_m_blocks - m_begin);
         }
         n_iters = p.head_ratio * n_m;
     }
     CUFLASH_DEVICE int head(int it) const { return head0 + it / n_m; }
     CUFLASH_DEVICE int m_block(int it) const { return m_begin + it % n_m; }
+};
+
+// What a backward main-kernel CTA works on: key block n_block of batch b (blockIdx), or with varlen
+// (varlen.cuh) the scheduler slot blockIdx.x over the packed keys, which names sequence seq.b and its
+// key block, or nothing (skip).
+template <class Cfg>
+struct BwdKeyBlock {
+    static constexpr bool kVarlen = (Cfg::kMods & kModVarlen) != 0;
+    SeqInfo<kVarlen> seq;
+    int n_block;
+    bool skip;
+    CUFLASH_DEVICE static BwdKeyBlock make(const BwdParams& p) {
+        if constexpr (kVarlen) {
+            const VarlenTile<BwdParams> t(p, true, Cfg::kBlockN, Cfg::kBlockM, false);
+            return BwdKeyBlock{t.seq, t.m_block, t.skip};
+        } else {
+            return BwdKeyBlock{SeqInfo<false>((int)blockIdx.z), (int)blockIdx.x, false};
+        }
+    }
+    // Query blocks of the sequence.
+    CUFLASH_DEVICE int num_m_blocks(const BwdParams& p) const {
+        if constexpr (kVarlen) {
+            return (seq.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+        } else {
+            return p.num_m_blocks;
+        }
+    }
+    CUFLASH_DEVICE BwdQueryWalk walk(const BwdParams& p, int hk) const {
+        return BwdQueryWalk(p, seq.len_q(p), seq.len_k(p), num_m_blocks(p), hk, n_block * Cfg::kBlockN, Cfg::kBlockM,
+                            Cfg::kIsCausal, Cfg::kMods & kModWindow ? Cfg::kBlockN : 0);
+    }
+    // Deterministic mode: how many key blocks add to query block m0's dQ before this one (the key
+    // blocks that visit a query block are consecutive: from the block of its first row's first
+    // visible key with a window, from 0 otherwise).
+    CUFLASH_DEVICE int dq_turn(const BwdParams& p, int m0) const {
+        if constexpr ((Cfg::kMods & kModWindow) != 0) {
+            return n_block - max(0, m0 + seq.len_k(p) - seq.len_q(p) - p.mod.window_left) / Cfg::kBlockN;
+        } else {
+            return n_block;
+        }
+    }
 };
 
 template <class Cfg>
@@ -136,11 +179,16 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const BwdKeyBlock<Cfg> blk = BwdKeyBlock<Cfg>::make(p);
+    if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
+        if (blk.skip) return;
+    }
+    const auto& seq = blk.seq;
+    const int n_block = blk.n_block, hk = blockIdx.y, b = seq.b;
     const int n0 = n_block * kBlockN;
-    const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
+    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
 
-    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal, Cfg::kMods & kModWindow ? kBlockN : 0);
+    const BwdQueryWalk walk = blk.walk(p, hk);
     const int n_iters = walk.n_iters;
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
 
@@ -154,18 +202,18 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
     float* s_lse0 = reinterpret_cast<float*>(s_ds + Cfg::kSmemP);  // kStages x kBlockM
     float* s_d0 = s_lse0 + Cfg::kStages * kBlockM;                 // kStages x kBlockM
 
-    const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
-    const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
+    const u16* g_k = static_cast<const u16*>(p.k) + seq.k_off(p.k_batch_stride, p.k_row_stride) + hk * p.k_head_stride + n0 * p.k_row_stride;
+    const u16* g_v = static_cast<const u16*>(p.v) + seq.k_off(p.v_batch_stride, p.v_row_stride) + hk * p.v_head_stride + n0 * p.v_row_stride;
 
     auto load_query_side = [&](int it, int stage) {
         const int h = walk.head(it);
         const int m0 = walk.m_block(it) * kBlockM;
-        const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-        const u16* g_do = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
-        load_tile<Cfg, kBlockM>(s_q0 + stage * Cfg::kSmemQ, g_q, p.q_row_stride, p.seqlen_q - m0, p.head_dim, tid);
-        load_tile<Cfg, kBlockM>(s_do0 + stage * Cfg::kSmemQ, g_do, p.do_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+        const u16* g_q = static_cast<const u16*>(p.q) + seq.q_off(p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride + m0 * p.q_row_stride;
+        const u16* g_do = static_cast<const u16*>(p.dout) + seq.q_off(p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride + m0 * p.do_row_stride;
+        load_tile<Cfg, kBlockM>(s_q0 + stage * Cfg::kSmemQ, g_q, p.q_row_stride, seq.len_q(p) - m0, p.head_dim, tid);
+        load_tile<Cfg, kBlockM>(s_do0 + stage * Cfg::kSmemQ, g_do, p.do_row_stride, seq.len_q(p) - m0, p.head_dim, tid);
         // lse_log2 and D rows are padded to whole query blocks: no bounds to check.
-        const i64 row0 = ((i64)b * p.nheads + h) * p.seqlen_q_pad + m0;
+        const i64 row0 = seq.scratch_row(p, h) + m0;
         if (tid < kBlockM / 4) {
             cp_async_16(smem_u32(s_lse0 + stage * kBlockM + 4 * tid), p.lse_log2 + row0 + 4 * tid, true);
         } else if (tid < kBlockM / 2) {
@@ -175,8 +223,8 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
     };
 
     // Prologue: K, V and the first query block in one cp.async group.
-    load_tile<Cfg, kBlockN>(s_k, g_k, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
-    load_tile<Cfg, kBlockN>(s_v, g_v, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    load_tile<Cfg, kBlockN>(s_k, g_k, p.k_row_stride, seq.len_k(p) - n0, p.head_dim, tid);
+    load_tile<Cfg, kBlockN>(s_v, g_v, p.v_row_stride, seq.len_k(p) - n0, p.head_dim, tid);
     if (n_iters > 0) load_query_side(0, 0);
     cp_async_commit();
 
@@ -273,13 +321,13 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                     }
                 }
             }
-            if constexpr (Cfg::kMods == 0) {
+            if constexpr ((Cfg::kMods & kModScores) == 0) {
                 // Mask only the blocks that need it. Causal: where some key of the tile is later than what
                 // the block's first row sees (this also hides keys past seqlen_k from every real row).
                 // Otherwise: keys past seqlen_k in the last key block. Their K rows are zero, so S = 0 and
                 // P = exp2(-lse_log2) would be finite but can overflow fp16 (or fp32) to inf; dQ's
                 // dS K then turns inf * 0 into NaN.
-                if (Cfg::kIsCausal ? n0 + kBlockN - 1 > m0 + offset : n0 + kBlockN > p.seqlen_k) {
+                if (Cfg::kIsCausal ? n0 + kBlockN - 1 > m0 + offset : n0 + kBlockN > seq.len_k(p)) {
 #pragma unroll
                     for (int s = 0; s < kSl; ++s)
 #pragma unroll
@@ -288,7 +336,7 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                             for (int e = 0; e < 4; ++e) {
                                 const int j = n0 + s_key0 + 16 * s + g + 8 * (e / 2);
                                 const int i = m0 + s_col0 + 8 * nb + 2 * t + (e % 2);
-                                if (Cfg::kIsCausal ? j > i + offset : j >= p.seqlen_k) S[s][nb][e] = -kInf;
+                                if (Cfg::kIsCausal ? j > i + offset : j >= seq.len_k(p)) S[s][nb][e] = -kInf;
                             }
                 }
                 // P^T = exp2(S^T * scale_log2 - lse_log2[i]);  dS^T = P^T * (dP^T - D[i])
@@ -314,7 +362,7 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                 // The variants (masks.cuh): softcap and ALiBi on every score, the mask where the block
                 // needs it, dropout on P (regenerated, dropout.cuh; dV takes the dropped and scaled P^T)
                 // and on dP^T:  dS^T = P^T (Z dP^T / (1 - p) - D) (1 - tanh^2).
-                const Mask mask(p.mod, p.seqlen_q, p.seqlen_k);
+                const Mask mask(p.mod, seq.len_q(p), seq.len_k(p));
                 const bool need_mask = mask.key_block_needs_mask(n0, kBlockN, m0, kBlockM);
                 const float slope = Mask::alibi_slope(p.mod, b, h);
                 // ALiBi distance d - j of query column 2t (nb 0, e 0) for this thread's key rows.
@@ -408,19 +456,19 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
                     }
                 }
             }
-            int* turn = p.dq_turn + ((i64)b * p.nheads + h) * p.num_m_blocks + m_block;
+            int* turn = p.dq_turn + seq.turn_row(p, h) + m_block;
             if (p.deterministic) {
                 // Every key block before this one visits this query block too (causal visits start at
                 // the diagonal, which moves right with n): wait until all n_block of them have added.
                 if (tid == 0) {
-                    while (ld_acquire_gpu(turn) != n_block) {
+                    while (ld_acquire_gpu(turn) != blk.dq_turn(p, m0)) {
                     }
                 }
                 __syncthreads();  // the whole CTA adds only in its turn
             }
             // The tile is stored in register order (see flash_bwd_convert_kernel): each warp-wide vector reduction adds
             // 32 lanes x 4 consecutive floats, 512 contiguous bytes.
-            float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * p.dq_accum_cols +
+            float* g_dq = p.dq_accum + (seq.scratch_row(p, h) + m0) * p.dq_accum_cols +
                           (warp * kSl * kNB) * 128 + lane * 4;
 #pragma unroll
             for (int s = 0; s < kSl; ++s)
@@ -437,14 +485,14 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
 
     // Epilogue: dK = scale * (dS^T Q summed), dV as accumulated; rows beyond seqlen_k and columns
     // beyond head_dim are not written.
-    u16* g_dk = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
-    u16* g_dv = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+    u16* g_dk = static_cast<u16*>(p.dk) + seq.k_off(p.dk_batch_stride, p.dk_row_stride) + hk * p.dk_head_stride;
+    u16* g_dv = static_cast<u16*>(p.dv) + seq.k_off(p.dv_batch_stride, p.dv_row_stride) + hk * p.dv_head_stride;
 #pragma unroll
     for (int s = 0; s < Cfg::kKVSlabs; ++s)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int j = n0 + kv_key0 + 16 * s + g + 8 * r;
-            if (j >= p.seqlen_k) continue;
+            if (j >= seq.len_k(p)) continue;
             u16* dk_row = g_dk + j * p.dk_row_stride;
             u16* dv_row = g_dv + j * p.dv_row_stride;
 #pragma unroll
@@ -471,37 +519,82 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
         }
 }
 
-// D = rowsum(dO * O) and lse_log2, one warp per row of the padded query range; blockDim = 256.
+// rowsum(dO * O) of one row (o, dout: its first element), by one warp; every lane gets the sum (the
+// varlen preprocess; the plain one below keeps its own copy of this loop, so its machine code stays as it was).
 template <bool kIsBF16, bool kAligned>
+CUFLASH_DEVICE float bwd_row_dsum(const u16* o, const u16* dout, int head_dim, int lane) {
+    float dsum = 0.f;
+    if constexpr (kAligned) {  // 16-byte rows: lane owns 8 consecutive columns
+        for (int c = 8 * lane; c < head_dim; c += 8 * 32) {
+            const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+            const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
+            const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                dsum += to_float<kIsBF16>(ow[w] & 0xffffu) * to_float<kIsBF16>(dw[w] & 0xffffu);
+                dsum += to_float<kIsBF16>(ow[w] >> 16) * to_float<kIsBF16>(dw[w] >> 16);
+            }
+        }
+    } else {
+        for (int c = lane; c < head_dim; c += 32) dsum += to_float<kIsBF16>(o[c]) * to_float<kIsBF16>(dout[c]);
+    }
+    return warp_sum(dsum);
+}
+
+// D = rowsum(dO * O) and lse_log2, one warp per row of the padded query range; blockDim = 256.
+// Varlen: padded row r belongs to query tile r / block_m of the scheduler (varlen.cuh), which names the
+// sequence and its row; rows past the sequence's end are padding.
+template <bool kIsBF16, bool kAligned, bool kVarlen = false>
 CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int i = blockIdx.x * 8 + warp, h = blockIdx.y, b = blockIdx.z;
-    if (i >= p.seqlen_q_pad) return;
-    float dsum = 0.f;
-    if (i < p.seqlen_q) {
-        const u16* o = static_cast<const u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
-        const u16* dout = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + i * p.do_row_stride;
-        if constexpr (kAligned) {  // 16-byte rows: lane owns 8 consecutive columns
-            for (int c = 8 * lane; c < p.head_dim; c += 8 * 32) {
-                const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-                const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
-                const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    dsum += to_float<kIsBF16>(ow[w] & 0xffffu) * to_float<kIsBF16>(dw[w] & 0xffffu);
-                    dsum += to_float<kIsBF16>(ow[w] >> 16) * to_float<kIsBF16>(dw[w] >> 16);
-                }
-            }
-        } else {
-            for (int c = lane; c < p.head_dim; c += 32) dsum += to_float<kIsBF16>(o[c]) * to_float<kIsBF16>(dout[c]);
+    if constexpr (kVarlen) {
+        const int r = blockIdx.x * 8 + warp, h = blockIdx.y;
+        if (r >= p.seqlen_q_pad) return;
+        const SeqInfo<true> seq(p, varlen_find_seq(p.mod.cu_seqlens_q, p.batch, p.seqlen_q, p.block_m, r / p.block_m),
+                                p.block_m);
+        const int i = r - seq.q_tile0 * p.block_m;  // >= 0: the sequence's tiles start at q_tile0
+        float dsum = 0.f;
+        if (i < seq.seqlen_q) {
+            const i64 row = seq.q_start + i;
+            const u16* o = static_cast<const u16*>(p.o) + h * p.o_head_stride + row * p.o_row_stride;
+            const u16* dout = static_cast<const u16*>(p.dout) + h * p.do_head_stride + row * p.do_row_stride;
+            dsum = bwd_row_dsum<kIsBF16, kAligned>(o, dout, p.head_dim, lane);
         }
-        dsum = warp_sum(dsum);
-    }
-    if (lane == 0) {
-        const i64 idx = ((i64)b * p.nheads + h) * p.seqlen_q_pad + i;
-        const float lse = i < p.seqlen_q ? p.lse[((i64)b * p.nheads + h) * p.seqlen_q + i] : -kInf;
-        p.dsum[idx] = dsum;
-        p.lse_log2[idx] = lse == -kInf ? kInf : lse * kLog2e;
+        if (lane == 0) {
+            const i64 idx = (i64)h * p.seqlen_q_pad + r;
+            const float lse = i < seq.seqlen_q ? p.lse[seq.lse_row(p, h) + i] : -kInf;
+            p.dsum[idx] = dsum;
+            p.lse_log2[idx] = lse == -kInf ? kInf : lse * kLog2e;
+        }
+    } else {
+        const int i = blockIdx.x * 8 + warp, h = blockIdx.y, b = blockIdx.z;
+        if (i >= p.seqlen_q_pad) return;
+        float dsum = 0.f;
+        if (i < p.seqlen_q) {
+            const u16* o = static_cast<const u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
+            const u16* dout = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + i * p.do_row_stride;
+            if constexpr (kAligned) {  // 16-byte rows: lane owns 8 consecutive columns
+                for (int c = 8 * lane; c < p.head_dim; c += 8 * 32) {
+                    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+                    const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
+                    const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        dsum += to_float<kIsBF16>(ow[w] & 0xffffu) * to_float<kIsBF16>(dw[w] & 0xffffu);
+                        dsum += to_float<kIsBF16>(ow[w] >> 16) * to_float<kIsBF16>(dw[w] >> 16);
+                    }
+                }
+            } else {
+                for (int c = lane; c < p.head_dim; c += 32) dsum += to_float<kIsBF16>(o[c]) * to_float<kIsBF16>(dout[c]);
+            }
+            dsum = warp_sum(dsum);
+        }
+        if (lane == 0) {
+            const i64 idx = ((i64)b * p.nheads + h) * p.seqlen_q_pad + i;
+            const float lse = i < p.seqlen_q ? p.lse[((i64)b * p.nheads + h) * p.seqlen_q + i] : -kInf;
+            p.dsum[idx] = dsum;
+            p.lse_log2[idx] = lse == -kInf ? kInf : lse * kLog2e;
+        }
     }
 }
 
@@ -514,10 +607,20 @@ CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
 // rows, and written out row by row (16-byte stores on the aligned path). blockDim = 256.
 constexpr int kConvertSmemElems = 64 * (256 + 8);  // largest block_m * (bucket + 8) of any tile (cuflash/plan/backward.py checks)
 
-template <bool kIsBF16, bool kAligned>
+// Varlen: CTA (t, h) converts the scheduler's query tile t (varlen.cuh), stored at padded rows
+// t * block_m, into the rows of the tile m of the sequence it names; spare slots exit.
+template <bool kIsBF16, bool kAligned, bool kVarlen = false>
 CUFLASH_DEVICE void flash_bwd_convert_kernel(const BwdParams& p) {
     __shared__ __align__(16) u16 s_tile[kConvertSmemElems];
-    const int m0 = blockIdx.x * p.block_m, h = blockIdx.y, b = blockIdx.z;
+    const int m0 = blockIdx.x * p.block_m, h = blockIdx.y, b = blockIdx.z;  // (varlen: b = 0, m0 the padded row)
+    int vrows = 0;  // varlen: the tile's rows and the packed row of its first
+    i64 vrow0 = 0;
+    if constexpr (kVarlen) {
+        const VarlenTile<BwdParams> vt(p, false, p.block_m, p.block_m, false);
+        if (vt.skip) return;
+        vrows = min(p.block_m, vt.seq.seqlen_q - vt.m_block * p.block_m);
+        vrow0 = vt.seq.q_start + vt.m_block * p.block_m;
+    }
     const int cols = p.dq_accum_cols, stride = cols + 8;
     const int rows_w = p.dq_tile_rows, cols_w = p.dq_tile_cols, blocks = cols_w / 8;
     const int per_warp = (rows_w / 16) * blocks;  // float4 groups of 32 lanes per warp
@@ -533,8 +636,15 @@ CUFLASH_DEVICE void flash_bwd_convert_kernel(const BwdParams& p) {
         *reinterpret_cast<u32*>(s_tile + (r + 8) * stride + c) = pack2<kIsBF16>(x.z * sc, x.w * sc);
     }
     __syncthreads();  // the whole tile is in smem as rows
-    const int rows = min(p.block_m, p.seqlen_q - m0);
-    u16* dq = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + (i64)m0 * p.dq_row_stride;
+    int rows;  // dQ rows of this tile, from its first at dq
+    u16* dq;
+    if constexpr (kVarlen) {
+        rows = vrows;
+        dq = static_cast<u16*>(p.dq) + h * p.dq_head_stride + vrow0 * p.dq_row_stride;
+    } else {
+        rows = min(p.block_m, p.seqlen_q - m0);
+        dq = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + (i64)m0 * p.dq_row_stride;
+    }
     if constexpr (kAligned) {  // head_dim % 8 == 0: whole 16-byte chunks
         const int chunks = p.head_dim / 8;
         for (int i = threadIdx.x; i < rows * chunks; i += blockDim.x) {

@@ -94,23 +94,25 @@ struct Sm90BwdSmem {
     CUFLASH_DEVICE const float* lse_log2(int stage) const { return rows_ptr + stage * 2 * Cfg::kBlockM; }
     CUFLASH_DEVICE const float* dsum(int stage) const { return lse_log2(stage) + Cfg::kBlockM; }
 
-    // K and V rows [n0, n0 + kBlockN) of kv head hk (zero-filled past seqlen_k).
-    CUFLASH_DEVICE void load_kv(const BwdParams& p, int b, int hk, int n0, int tid) const {
-        const u16* g_k = static_cast<const u16*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
-        const u16* g_v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
-        load_tile_sw128<Cfg, Cfg::kBlockN>(k, g_k, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
-        load_tile_sw128<Cfg, Cfg::kBlockN>(v, g_v, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+    // K and V rows [n0, n0 + kBlockN) of kv head hk of sequence seq (zero-filled past its keys).
+    template <class Seq>
+    CUFLASH_DEVICE void load_kv(const BwdParams& p, const Seq& seq, int hk, int n0, int tid) const {
+        const u16* g_k = static_cast<const u16*>(p.k) + seq.k_off(p.k_batch_stride, p.k_row_stride) + hk * p.k_head_stride + n0 * p.k_row_stride;
+        const u16* g_v = static_cast<const u16*>(p.v) + seq.k_off(p.v_batch_stride, p.v_row_stride) + hk * p.v_head_stride + n0 * p.v_row_stride;
+        load_tile_sw128<Cfg, Cfg::kBlockN>(k, g_k, p.k_row_stride, seq.len_k(p) - n0, p.head_dim, tid);
+        load_tile_sw128<Cfg, Cfg::kBlockN>(v, g_v, p.v_row_stride, seq.len_k(p) - n0, p.head_dim, tid);
     }
 
     // Query block m0 of query head h into one stage: Q and dO tiles, lse_log2 and D rows.
-    CUFLASH_DEVICE void load_query(const BwdParams& p, int b, int h, int m0, int stage, int tid) const {
+    template <class Seq>
+    CUFLASH_DEVICE void load_query(const BwdParams& p, const Seq& seq, int h, int m0, int stage, int tid) const {
         constexpr int kBlockM = Cfg::kBlockM;
-        const u16* g_q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-        const u16* g_do = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
-        load_tile_sw128<Cfg, kBlockM>(q(stage), g_q, p.q_row_stride, p.seqlen_q - m0, p.head_dim, tid);
-        load_tile_sw128<Cfg, kBlockM>(dout(stage), g_do, p.do_row_stride, p.seqlen_q - m0, p.head_dim, tid);
+        const u16* g_q = static_cast<const u16*>(p.q) + seq.q_off(p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride + m0 * p.q_row_stride;
+        const u16* g_do = static_cast<const u16*>(p.dout) + seq.q_off(p.do_batch_stride, p.do_row_stride) + h * p.do_head_stride + m0 * p.do_row_stride;
+        load_tile_sw128<Cfg, kBlockM>(q(stage), g_q, p.q_row_stride, seq.len_q(p) - m0, p.head_dim, tid);
+        load_tile_sw128<Cfg, kBlockM>(dout(stage), g_do, p.do_row_stride, seq.len_q(p) - m0, p.head_dim, tid);
         // lse_log2 and D rows are padded to whole query blocks: no bounds to check.
-        const i64 row0 = ((i64)b * p.nheads + h) * p.seqlen_q_pad + m0;
+        const i64 row0 = seq.scratch_row(p, h) + m0;
         const u32 s_rows = rows0 + stage * 2 * kBlockM * 4;
         if (tid < kBlockM / 4) {
             cp_async_16(s_rows + 16 * tid, p.lse_log2 + row0 + 4 * tid, true);
@@ -154,10 +156,11 @@ struct BwdModTile {
     float slope, rp;
     u32 keep[Mask::kDropout ? kNB / 2 : 1];
 
-    CUFLASH_DEVICE BwdModTile(const BwdParams& p, int b, int h, int m0, int key16, int lane)
-        : mask(p.mod, p.seqlen_q, p.seqlen_k), slope(Mask::alibi_slope(p.mod, b, h)), rp(p.mod.dropout_rp) {
+    template <class Seq>
+    CUFLASH_DEVICE BwdModTile(const BwdParams& p, const Seq& seq, int h, int m0, int key16, int lane)
+        : mask(p.mod, seq.len_q(p), seq.len_k(p)), slope(Mask::alibi_slope(p.mod, seq.b, h)), rp(p.mod.dropout_rp) {
         if constexpr (Mask::kDropout) {
-            const DropoutStream rng(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
+            const DropoutStream rng(p.mod.seed, p.mod.offset, seq.b, p.nheads, h, p.mod.keep_threshold);
 #pragma unroll
             for (int kk = 0; kk < kNB / 2; ++kk) keep[kk] = rng.keep_bits_transposed(m0 + 16 * kk, key16, lane);
         }
@@ -186,19 +189,20 @@ struct BwdModTile {
 
 // Plain variants carry no variant state (BwdModTileOf).
 struct BwdNoMods {
-    CUFLASH_DEVICE BwdNoMods(const BwdParams&, int, int, int, int, int) {}
+    template <class Seq>
+    CUFLASH_DEVICE BwdNoMods(const BwdParams&, const Seq&, int, int, int, int) {}
 };
 template <class Mask, int kNB>
-using BwdModTileOf = Choose<Mask::kBits != 0, BwdModTile<Mask, kNB>, BwdNoMods>;
+using BwdModTileOf = Choose<(Mask::kBits & kModScores) != 0, BwdModTile<Mask, kNB>, BwdNoMods>;
 
 // dq_accum += this warp's dQ part (query block at m0 of head h): kCols / 8 float4 groups per thread,
 // in the register order of flash_bwd_convert_kernel with dq_q_warps = 4 (warp w = 4 wg + i holds
 // rows 16 i + (g, g + 8) of column block wg): one 512-byte warp-wide vector reduction per group.
-template <int kCols>
-CUFLASH_DEVICE void bwd_sm90_add_dq(const BwdParams& p, const float (&acc_dq)[kCols / 2], int b, int h, int m0,
+template <int kCols, class Seq>
+CUFLASH_DEVICE void bwd_sm90_add_dq(const BwdParams& p, const float (&acc_dq)[kCols / 2], const Seq& seq, int h, int m0,
                                     int warp, int lane) {
     constexpr int kDB = kCols / 8;
-    float* g_dq = p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * p.dq_accum_cols + (warp * kDB) * 128 + lane * 4;
+    float* g_dq = p.dq_accum + (seq.scratch_row(p, h) + m0) * p.dq_accum_cols + (warp * kDB) * 128 + lane * 4;
 #pragma unroll
     for (int db = 0; db < kDB; ++db) {
         red_add_f32x4(g_dq + db * 128, acc_dq[4 * db], acc_dq[4 * db + 1], acc_dq[4 * db + 2], acc_dq[4 * db + 3]);
@@ -208,15 +212,15 @@ CUFLASH_DEVICE void bwd_sm90_add_dq(const BwdParams& p, const float (&acc_dq)[kC
 // Epilogue: dK = scale * (dS^T Q summed) and dV as accumulated, for key rows j and j + 8 and the
 // kCols columns from col0 (accumulator (row r, 8-column block db, element e) = acc[4 db + 2 r + e]).
 // Rows beyond seqlen_k and columns beyond head_dim (whole 8-column pairs: head_dim % 8 == 0) are not written.
-template <bool kBF16, int kCols>
+template <bool kBF16, int kCols, class Seq>
 CUFLASH_DEVICE void bwd_sm90_store_dkdv(const BwdParams& p, const float (&acc_dk)[kCols / 2], const float (&acc_dv)[kCols / 2],
-                                        int b, int hk, int j, int col0, int t) {
-    u16* g_dk = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + hk * p.dk_head_stride;
-    u16* g_dv = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + hk * p.dv_head_stride;
+                                        const Seq& seq, int hk, int j, int col0, int t) {
+    u16* g_dk = static_cast<u16*>(p.dk) + seq.k_off(p.dk_batch_stride, p.dk_row_stride) + hk * p.dk_head_stride;
+    u16* g_dv = static_cast<u16*>(p.dv) + seq.k_off(p.dv_batch_stride, p.dv_row_stride) + hk * p.dv_head_stride;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = j + 8 * r;
-        if (row >= p.seqlen_k) continue;
+        if (row >= seq.len_k(p)) continue;
         u16* dk_row = g_dk + row * p.dk_row_stride;
         u16* dv_row = g_dv + row * p.dv_row_stride;
 #pragma unroll
@@ -243,19 +247,24 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wg = warp / 4, g = lane / 4, t = lane % 4;
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const BwdKeyBlock<Cfg> blk = BwdKeyBlock<Cfg>::make(p);  // key block n_block of sequence seq (varlen.cuh)
+    if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
+        if (blk.skip) return;
+    }
+    const auto& seq = blk.seq;
+    const int n_block = blk.n_block, hk = blockIdx.y;
     const int n0 = n_block * kBlockN;
-    const int offset = p.seqlen_k - p.seqlen_q;  // causal: query i sees keys j <= i + offset
+    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
 
-    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal, Cfg::kMods & kModWindow ? kBlockN : 0);
+    const BwdQueryWalk walk = blk.walk(p, hk);
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
     const int n_iters = walk.n_iters;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const Sm90BwdSmem<Cfg> sm(smem_raw);
     const u32 s_k = sm.k, s_v = sm.v, s_q0 = sm.q0, s_do0 = sm.do0, s_ds = sm.ds;
-    auto load_query_side = [&](int it, int stage) { sm.load_query(p, b, walk.head(it), walk.m_block(it) * kBlockM, stage, tid); };
-    sm.load_kv(p, b, hk, n0, tid);  // prologue: K, V and the first query block in one group
+    auto load_query_side = [&](int it, int stage) { sm.load_query(p, seq, walk.head(it), walk.m_block(it) * kBlockM, stage, tid); };
+    sm.load_kv(p, seq, hk, n0, tid);  // prologue: K, V and the first query block in one group
     if (n_iters > 0) load_query_side(0, 0);
     cp_async_commit();
 
@@ -301,7 +310,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         wgmma_commit();
         // The variants' per-head values and dropout keep bits (BwdModTile), drawn while the tensor cores
         // compute S^T and dP^T. Nothing for plain variants.
-        const BwdModTileOf<Mask, kNB> mods(p, b, h, m0, n0 + wg * 64 + (warp % 4) * 16, lane);
+        const BwdModTileOf<Mask, kNB> mods(p, seq, h, m0, n0 + wg * 64 + (warp % 4) * 16, lane);
         wgmma_wait<0>();
         wgmma_fence_operands(s_acc);
         wgmma_fence_operands(dp_acc);
@@ -310,10 +319,10 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         const float* s_lse = sm.lse_log2(stage);
         const float* s_d = sm.dsum(stage);
         bool need_mask;
-        if constexpr (Cfg::kMods == 0) {
-            need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, p.seqlen_k);
+        if constexpr ((Cfg::kMods & kModScores) == 0) {
+            need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, seq.len_k(p));
         } else {
-            need_mask = Mask(p.mod, p.seqlen_q, p.seqlen_k).key_block_needs_mask(n0, kBlockN, m0, kBlockM);
+            need_mask = Mask(p.mod, seq.len_q(p), seq.len_k(p)).key_block_needs_mask(n0, kBlockN, m0, kBlockM);
         }
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
 #pragma unroll
@@ -324,9 +333,9 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
             u32 pk[2], dk[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                if constexpr (Cfg::kMods == 0) {
+                if constexpr ((Cfg::kMods & kModScores) == 0) {
                     const float2 pp = bwd_p_pair<Cfg::kIsCausal>(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask,
-                                                                n0 + key_local + 8 * r, m0 + col, offset, p.seqlen_k);
+                                                                n0 + key_local + 8 * r, m0 + col, offset, seq.len_k(p));
                     pk[r] = pack2<kBF16>(pp.x, pp.y);
                     dk[r] = pack2<kBF16>(pp.x * (dP[nb][2 * r] - dd.x), pp.y * (dP[nb][2 * r + 1] - dd.y));
                 } else {
@@ -376,11 +385,11 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         wgmma_fence_operands(a_p);
         wgmma_fence_operands(a_ds);
 
-        bwd_sm90_add_dq<Cfg::kDQCols>(p, acc_dq, b, h, m0, warp, lane);
+        bwd_sm90_add_dq<Cfg::kDQCols>(p, acc_dq, seq, h, m0, warp, lane);
     }
 
     cp_async_wait<0>();  // nothing left in flight (a CTA without query blocks still loaded K and V)
-    bwd_sm90_store_dkdv<kBF16, kHeadDim>(p, acc_dk, acc_dv, b, hk, n0 + key_local, 0, t);
+    bwd_sm90_store_dkdv<kBF16, kHeadDim>(p, acc_dk, acc_dv, seq, hk, n0 + key_local, 0, t);
 }
 
 // Head dim 256: warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, then each accumulates
@@ -394,11 +403,16 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wg = warp / 4, g = lane / 4, t = lane % 4;
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const BwdKeyBlock<Cfg> blk = BwdKeyBlock<Cfg>::make(p);  // key block n_block of sequence seq (varlen.cuh)
+    if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
+        if (blk.skip) return;
+    }
+    const auto& seq = blk.seq;
+    const int n_block = blk.n_block, hk = blockIdx.y;
     const int n0 = n_block * kBlockN;
-    const int offset = p.seqlen_k - p.seqlen_q;
+    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
 
-    const BwdQueryWalk walk(p, hk, n0, kBlockM, Cfg::kIsCausal, Cfg::kMods & kModWindow ? kBlockN : 0);
+    const BwdQueryWalk walk = blk.walk(p, hk);
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
     const int n_iters = walk.n_iters;
 
@@ -406,8 +420,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
     const Sm90BwdSmem<Cfg> sm(smem_raw);
     const u32 s_k = sm.k, s_v = sm.v, s_q0 = sm.q0, s_do0 = sm.do0, s_ds = sm.ds;
     float* pf = sm.pf_ptr;  // P^T [key][kPStride] fp32: warpgroup 0 -> 1
-    auto load_query_side = [&](int it, int stage) { sm.load_query(p, b, walk.head(it), walk.m_block(it) * kBlockM, stage, tid); };
-    sm.load_kv(p, b, hk, n0, tid);
+    auto load_query_side = [&](int it, int stage) { sm.load_query(p, seq, walk.head(it), walk.m_block(it) * kBlockM, stage, tid); };
+    sm.load_kv(p, seq, hk, n0, tid);
     if (n_iters > 0) load_query_side(0, 0);
     cp_async_commit();
 
@@ -443,16 +457,16 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
         wgmma_ss_kmajor<kBlockM, kBF16, kDSteps, kBlockN, kBlockM>(x_acc, desc_a, desc_b0 + stage * kQStage);
         wgmma_commit();
         // (variants) warpgroup 0's per-head values and dropout keep bits, drawn while the tensor cores run
-        const BwdModTileOf<Mask, kNB> mods(p, b, h, m0, n0 + (warp % 4) * 16, lane);
+        const BwdModTileOf<Mask, kNB> mods(p, seq, h, m0, n0 + (warp % 4) * 16, lane);
         wgmma_wait<0>();
         wgmma_fence_operands(x_acc);
 
         const float* s_lse = sm.lse_log2(stage);
         const float* s_d = sm.dsum(stage);
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
-        if constexpr (Cfg::kMods == 0) {
+        if constexpr ((Cfg::kMods & kModScores) == 0) {
             if (wg == 0) {  // P^T = exp2(S^T scale_log2 - lse_log2[i]) (causal mask), to registers and to warpgroup 1
-                const bool need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, p.seqlen_k);
+                const bool need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, seq.len_k(p));
 #pragma unroll
                 for (int nb = 0; nb < kNB; ++nb) {
                     const int col = 8 * nb + 2 * t;
@@ -460,7 +474,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
                         const float2 pp = bwd_p_pair<Cfg::kIsCausal>(X[nb][2 * r], X[nb][2 * r + 1], l2, p.scale_log2, need_mask,
-                                                                    n0 + key_local + 8 * r, m0 + col, offset, p.seqlen_k);
+                                                                    n0 + key_local + 8 * r, m0 + col, offset, seq.len_k(p));
                         *reinterpret_cast<float2*>(pf + (key_local + 8 * r) * kPStride + col) = pp;
                         a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pp.x, pp.y);
                     }
@@ -577,11 +591,11 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operands(acc_dq);
-        bwd_sm90_add_dq<kHalf>(p, acc_dq, b, h, m0, warp, lane);
+        bwd_sm90_add_dq<kHalf>(p, acc_dq, seq, h, m0, warp, lane);
     }
 
     cp_async_wait<0>();
-    bwd_sm90_store_dkdv<kBF16, kHalf>(p, acc_dk, acc_dv, b, hk, n0 + key_local, wg * kHalf, t);  // this warpgroup's half
+    bwd_sm90_store_dkdv<kBF16, kHalf>(p, acc_dk, acc_dv, seq, hk, n0 + key_local, wg * kHalf, t);  // this warpgroup's half
 }
 
 template <class Cfg>

@@ -99,18 +99,26 @@ struct FwdModState<0> {};
 
 // What a forward CTA works on: query tile m of head h in batch b (blockIdx), its rows of Q, O and
 // lse, its kv head's K and V, the K/V blocks [first_block(), n_block_end) it visits, and the
-// variants' values (FwdModState).
+// variants' values (FwdModState). Varlen (varlen.cuh): blockIdx.x is a scheduler slot that names
+// sequence b and its tile m, or nothing (skip()).
 template <class Cfg>
 struct FwdTileRef : FwdModState<Cfg::kMods> {
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
-    static constexpr bool kMods = Cfg::kMods != 0;
+    static constexpr bool kMods = (Cfg::kMods & kModScores) != 0;
+    static constexpr bool kVarlen = (Cfg::kMods & kModVarlen) != 0;
     const u16 *q, *k, *v;  // q: row m0 of the tile; k, v: key 0 of kv head h / head_ratio
     u16* o;
     float* lse;
     int m0, rows_valid, n_block_end;
     Mask mask;
+    int seqlen_k_;  // varlen: the sequence's keys
+    bool skip_;     // varlen: a spare slot of the scheduler
 
     CUFLASH_DEVICE explicit FwdTileRef(const FwdParams& p) : mask(p.mod, p.seqlen_q, p.seqlen_k) {
+        if constexpr (kVarlen) {
+            init_varlen(p);
+            return;
+        }
         // Causal row tiles differ in cost (tile m visits about m+1 K/V blocks): launch the heavy ones first.
         const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
         const int h = blockIdx.y, b = blockIdx.z;
@@ -128,6 +136,48 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
             this->n_block_begin = mask.n_block_begin(m0, Cfg::kBlockN);
             this->alibi_slope = Mask::alibi_slope(p.mod, b, h);
             this->rng = DropoutStream(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
+        }
+    }
+
+    // Varlen (varlen.cuh): blockIdx.x is a scheduler slot naming sequence b and its query tile (the
+    // heaviest first with causal), or nothing (skip()); rows, lengths and lse from the prefix sums.
+    CUFLASH_DEVICE void init_varlen(const FwdParams& p) {
+        const VarlenTile<FwdParams> slot(p, false, Cfg::kBlockM, Cfg::kBlockM, Cfg::kIsCausal);
+        const SeqInfo<true>& seq = slot.seq;
+        skip_ = slot.skip;
+        seqlen_k_ = seq.seqlen_k;
+        mask = Mask(p.mod, seq.seqlen_q, seq.seqlen_k);
+        const int h = blockIdx.y, b = seq.b;
+        const int hk = h / p.head_ratio;
+        m0 = slot.m_block * Cfg::kBlockM;
+        q = static_cast<const u16*>(p.q) + seq.q_off(0, p.q_row_stride) + h * p.q_head_stride + m0 * p.q_row_stride;
+        k = static_cast<const u16*>(p.k) + seq.k_off(0, p.k_row_stride) + hk * p.k_head_stride;
+        v = static_cast<const u16*>(p.v) + seq.k_off(0, p.v_row_stride) + hk * p.v_head_stride;
+        o = static_cast<u16*>(p.o) + seq.q_off(0, p.o_row_stride) + h * p.o_head_stride + m0 * p.o_row_stride;
+        lse = p.lse + seq.lse_row(p, h) + m0;
+        n_block_end = mask.n_block_end(m0, Cfg::kBlockM, Cfg::kBlockN);
+        rows_valid = min(Cfg::kBlockM, seq.seqlen_q - m0);
+        if constexpr (kMods) {
+            this->n_block_begin = mask.n_block_begin(m0, Cfg::kBlockN);
+            this->alibi_slope = Mask::alibi_slope(p.mod, b, h);
+            this->rng = DropoutStream(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
+        }
+    }
+
+    // Keys of the CTA's sequence.
+    CUFLASH_DEVICE int keys(const FwdParams& p) const {
+        if constexpr (kVarlen) {
+            return seqlen_k_;
+        } else {
+            return p.seqlen_k;
+        }
+    }
+    // Varlen: this slot has no tile (a spare slot of the scheduler); the CTA exits at once.
+    CUFLASH_DEVICE bool skip() const {
+        if constexpr (kVarlen) {
+            return skip_;
+        } else {
+            return false;
         }
     }
 
@@ -192,6 +242,9 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     const int n_first = tile.first_block();  // (window) K/V tiles n_last down to n_first are visited, else down to 0
     const typename FwdTileRef<Cfg>::Mask mask = tile.mask;
     const int warp_row0 = warp * Cfg::kRowsPerWarp;  // first row of this warp inside the tile
+    if constexpr (FwdTileRef<Cfg>::kVarlen) {
+        if (tile.skip()) return;  // a spare slot of the varlen scheduler
+    }
     if (tile.empty()) {
         tile.write_empty(p, tid);
         return;
@@ -205,11 +258,11 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     auto s_v = [&](int j) { return s_v0 + (Cfg::kStages == 2 ? (j & 1) : 0) * Cfg::kSmemKV; };
     auto load_k = [&](int j) {
         const int n0 = j * kBlockN;
-        load_tile<Cfg, kBlockN>(s_k(j), g_k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        load_tile<Cfg, kBlockN>(s_k(j), g_k + n0 * p.k_row_stride, p.k_row_stride, tile.keys(p) - n0, p.head_dim, tid);
     };
     auto load_v = [&](int j) {
         const int n0 = j * kBlockN;
-        load_tile<Cfg, kBlockN>(s_v(j), g_v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        load_tile<Cfg, kBlockN>(s_v(j), g_v + n0 * p.v_row_stride, p.v_row_stride, tile.keys(p) - n0, p.head_dim, tid);
     };
 
     WarpTile<Cfg> wt;

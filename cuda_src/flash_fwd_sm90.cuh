@@ -86,6 +86,9 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     const int n_first = tile.first_block();  // (window) K/V tiles n_last down to n_first are visited, else down to 0
     const typename FwdTileRef<Cfg>::Mask mask = tile.mask;
     const int warp_row0 = warp * 16;
+    if constexpr (FwdTileRef<Cfg>::kVarlen) {
+        if (tile.skip()) return;  // a spare slot of the varlen scheduler
+    }
     if (tile.empty()) {
         tile.write_empty(p, tid);
         return;
@@ -100,8 +103,8 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     auto s_v = [&](int j) { return s_v0 + (j & 1) * Cfg::kTileBytesKV; };
     auto load_kv = [&](int j) {
         const int n0 = j * kBlockN;
-        load_tile_sw128<Cfg, kBlockN>(s_k(j), g_k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
-        load_tile_sw128<Cfg, kBlockN>(s_v(j), g_v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        load_tile_sw128<Cfg, kBlockN>(s_k(j), g_k + n0 * p.k_row_stride, p.k_row_stride, tile.keys(p) - n0, p.head_dim, tid);
+        load_tile_sw128<Cfg, kBlockN>(s_v(j), g_v + n0 * p.v_row_stride, p.v_row_stride, tile.keys(p) - n0, p.head_dim, tid);
     };
 
     // Descriptors. A = this warpgroup's 64 rows of Q (K-major); B of S = K (K-major); B of O = V read

@@ -18,6 +18,7 @@
 #include "dropout.cuh"
 #include "params.h"
 #include "primitives.cuh"
+#include "varlen.cuh"
 
 namespace cuflash {
 
@@ -25,6 +26,9 @@ constexpr int kModWindow = 1;   // sliding window (local attention)
 constexpr int kModSoftcap = 2;  // logit softcapping
 constexpr int kModAlibi = 4;    // ALiBi linear bias
 constexpr int kModDropout = 8;  // attention dropout (forward and backward only)
+constexpr int kModVarlen = 16;  // packed variable-length batch (forward and backward; varlen.cuh): where rows are, not what
+                                // a score becomes
+constexpr int kModScores = kModWindow | kModSoftcap | kModAlibi | kModDropout;  // the bits that change the math
 
 // tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): two SFU operations, absolute error ~1e-7 over the whole range
 // (tanh.approx.f32 alone is off by up to ~2^-11, which a softcap of 50 turns into 0.02 in the score).

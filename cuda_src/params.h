@@ -12,14 +12,17 @@
 namespace cuflash {
 #endif
 
-// The attention variants' runtime values (cuda_src/masks.cuh reads them), the last field of every
-// parameter block below. Which variants a kernel applies is a compile-time choice (its kMods bits);
+// The attention variants' runtime values (cuda_src/masks.cuh and varlen.cuh read them), the last field
+// of every parameter block below. Which variants a kernel applies is a compile-time choice (its kMods bits);
 // a field of a variant that is off is not read.
 struct ModParams {
     const float* alibi_slopes;       // ALiBi: (batch, nheads) or (nheads,) float32 slopes
     long long alibi_batch_stride;    // elements between batch rows of alibi_slopes (0: one row for all)
     unsigned long long seed;         // dropout: Philox4x32-10 key (low word, high word)
     unsigned long long offset;       // dropout: low 32 bits -> counter word 3, high 32 bits xor'ed into key word 1
+    const int* cu_seqlens_q;         // varlen: (batch + 1) int32 prefix sums, sequence b = packed query rows
+    const int* cu_seqlens_k;         //   [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows likewise (varlen.cuh)
+    const int* seqused_k;            // varlen: (batch,) int32 keys each sequence uses (<= its packed length), or null
     int window_left;                 // sliding window: query i sees keys j with
     int window_right;                //   d - window_left <= j <= d + window_right, d = i + seqlen_k - seqlen_q
     float softcap_scale;             // softcap: softmax_scale / softcap; the score s becomes tanh(s * softcap_scale)
@@ -127,6 +130,9 @@ struct DecodeParams {
                                // null: no merge in the split kernel, the combine kernel runs after it
     const int* seqlens;        // (batch,) int32 tokens already cached, or null: seqlen_const for all
     const int* block_table;    // (batch, >= ceil(capacity / page_size)) int32 pages, or null: contiguous
+    const int* cache_batch_idx;  // (batch,) int32: the cache row of sequence b (contiguous caches), or null: row b
+    const int* cache_leftpad;    // (batch,) int32: sequence b's keys start at cache position cache_leftpad[b]
+                                 // (window kernels only; the host turns it into a window), or null: 0
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride;  // elements between cache rows b (contiguous) or pages (paged)
     long long k_row_stride;    // elements between tokens (slots) of one cache row / page
@@ -160,6 +166,31 @@ struct DecodeParams {
     int tail_groups;           // > 0: tail-split grid (1-D): the last tail_groups groups (b * nheads_kv + hk) in
                                // num_splits splits, every other group whole; 0: the grids above
     struct ModParams mod;      // window, softcap, ALiBi (no dropout in decode)
+};
+
+// Parameter block of the rotary kernel (cuda_src/rotary.cuh): rotary position embedding of the query
+// tokens or the new key tokens of a decode call, written to a contiguous copy before the decode
+// kernels read it. Token t of sequence b takes the row pos = base_b + (per_token ? t : 0) of cos / sin,
+// base_b = clamp(seqlens[b] (or seqlen_const), 0, capacity) - leftpad[b], clamped into [0, seqlen_ro).
+struct RotaryParams {
+    const void* x;             // (batch, seqlen, nheads, head_dim), dtype of cos / sin
+    void* out;                 // (batch, seqlen, nheads, head_dim) contiguous
+    const void* cos;           // (seqlen_ro, rotary_dim / 2)
+    const void* sin;
+    const int* seqlens;        // (batch,) tokens already cached, or null: seqlen_const
+    const int* leftpad;        // (batch,) or null: 0
+    long long x_batch_stride, x_row_stride, x_head_stride;
+    long long cos_row_stride;  // elements between rows of cos
+    long long sin_row_stride;
+    int batch;
+    int seqlen;
+    int nheads;
+    int head_dim;
+    int rotary_dim;            // channels rotated (even, <= head_dim); the rest are copied
+    int seqlen_ro;             // rows of cos / sin
+    int seqlen_const;
+    int capacity;
+    int per_token;
 };
 
 #ifdef __cplusplus

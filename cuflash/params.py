@@ -23,6 +23,9 @@ MOD_FIELDS = [
     ("alibi_batch_stride", _I64),
     ("seed", _PTR),
     ("offset", _PTR),
+    ("cu_seqlens_q", _PTR),
+    ("cu_seqlens_k", _PTR),
+    ("seqused_k", _PTR),
     ("window_left", _I32),
     ("window_right", _I32),
     ("softcap_scale", _F32),
@@ -93,7 +96,7 @@ DECODE_FIELDS = (
         (name, _PTR)
         for name in (
             "q", "k", "v", "k_new", "v_new", "o", "lse", "o_partial", "lse_partial", "split_counters", "seqlens",
-            "block_table",
+            "block_table", "cache_batch_idx", "cache_leftpad",
         )
     ]
     + [
@@ -114,6 +117,17 @@ DECODE_FIELDS = (
 )  # fmt: skip
 
 DECODE_DTYPE = np.dtype(DECODE_FIELDS, align=True)
+
+
+#: Field order, names and types of struct RotaryParams (cuda_src/rotary.cuh).
+ROTARY_FIELDS = (
+    [(name, _PTR) for name in ("x", "out", "cos", "sin", "seqlens", "leftpad")]
+    + [(name, _I64) for name in ("x_batch_stride", "x_row_stride", "x_head_stride", "cos_row_stride", "sin_row_stride")]
+    + [(name, _I32) for name in ("batch", "seqlen", "nheads", "head_dim", "rotary_dim", "seqlen_ro", "seqlen_const",
+                                 "capacity", "per_token")]
+)  # fmt: skip
+
+ROTARY_DTYPE = np.dtype(ROTARY_FIELDS, align=True)
 
 
 def make_record(dtype: np.dtype, **values) -> np.ndarray:
@@ -174,6 +188,8 @@ class RecordPacker:
 FWD_PACKER = RecordPacker(FWD_DTYPE)
 BWD_PACKER = RecordPacker(BWD_DTYPE)
 DECODE_PACKER = RecordPacker(DECODE_DTYPE)
+ROTARY_PACKER = RecordPacker(ROTARY_DTYPE)
 
 #: Every C struct of cuda_src/params.h and its NumPy mirror (tests/test_params_layout.py checks them all).
-STRUCTS = {"ModParams": MOD_DTYPE, "FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE}
+STRUCTS = {"ModParams": MOD_DTYPE, "FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE,
+           "RotaryParams": ROTARY_DTYPE}

@@ -22,8 +22,10 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 from .backward import attention_backward as _attention_backward
 from .checks import cupy_module as _cupy
 from .forward import attention as _attention
+from .varlen import attention_varlen as _attention_varlen
+from .varlen import attention_varlen_backward as _attention_varlen_backward
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]
 
 
 def _to_cupy(t: "torch.Tensor"):
@@ -114,3 +116,61 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     dropout_p = float(dropout_p) if isinstance(dropout_p, (int, float)) else dropout_p  # (the checks name it)
     return _Attention.apply(q, k, v, bool(causal), softmax_scale, window, softcap, alibi_slopes, dropout_p,
                             bool(deterministic))  # fmt: skip
+
+
+class _AttentionVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
+                softcap, alibi_slopes, dropout_p, seqused_k, deterministic):  # fmt: skip
+        for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not t.is_cuda:
+                raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
+        rng_state = _rng_state(q.device) if isinstance(dropout_p, float) and dropout_p > 0 else None
+        with torch.cuda.device(q.device), _stream():
+            slopes = None if alibi_slopes is None else _to_cupy(alibi_slopes)
+            used = None if seqused_k is None else _to_cupy(seqused_k)
+            res = _attention_varlen(
+                _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(cu_seqlens_q), _to_cupy(cu_seqlens_k), max_seqlen_q,
+                max_seqlen_k, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                alibi_slopes=slopes, dropout_p=dropout_p, rng_state=rng_state, seqused_k=used, return_lse=True,
+            )  # fmt: skip
+            out_t, lse_t = torch.from_dlpack(res[0]), torch.from_dlpack(res[1])
+        ctx.save_for_backward(q, k, v, out_t, lse_t, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seqused_k)
+        ctx.args = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                        dropout_p=dropout_p, rng_state=rng_state, deterministic=deterministic)  # fmt: skip
+        ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+        return out_t
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k, alibi_slopes, seqused_k = ctx.saved_tensors
+        with torch.cuda.device(q.device), _stream():
+            slopes = None if alibi_slopes is None else _to_cupy(alibi_slopes)
+            used = None if seqused_k is None else _to_cupy(seqused_k)
+            dq, dk, dv = _attention_varlen_backward(
+                _to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out), _cupy().from_dlpack(lse),
+                _to_cupy(cu_q), _to_cupy(cu_k), *ctx.max_seqlens, alibi_slopes=slopes, seqused_k=used, **ctx.args,
+            )  # fmt: skip
+            grads = tuple(torch.from_dlpack(x) for x in (dq, dk, dv))
+        return grads + (None,) * 12
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                     softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                     dropout_p: float = 0.0, seqused_k=None, deterministic: bool = False):  # fmt: skip
+    """``cuflash.attention_varlen`` on torch CUDA tensors, with autograd: packed sequences q (total_q,
+    nheads, headdim), k, v (total_k, nheads_kv, headdim), cu_seqlens_q / cu_seqlens_k int32 CUDA
+    tensors (batch + 1,) of prefix sums, seqused_k an optional int32 CUDA tensor (batch,). Variants and
+    dropout as ``attention``. Returns out (total_q, nheads, headdim)."""
+    tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor (use cuflash.attention_varlen for CuPy arrays)")
+    for name, t in (("alibi_slopes", alibi_slopes), ("seqused_k", seqused_k)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor on q's device, got {type(t).__name__}")
+    window = tuple(window_size) if isinstance(window_size, (list, tuple)) else window_size
+    dropout_p = float(dropout_p) if isinstance(dropout_p, (int, float)) else dropout_p
+    return _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
+                                  softmax_scale, window, softcap, alibi_slopes, dropout_p, seqused_k,
+                                  bool(deterministic))  # fmt: skip

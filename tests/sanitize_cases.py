@@ -6,7 +6,8 @@ test helpers it uses (run from the repository root after pip install -e .):
     compute-sanitizer --tool memcheck python tests/sanitize_cases.py [--only filled]
 --only filled: just the decode cases on the unsplit wave, the filled and tail-split grids and with CTA loads
 (a short run). --only variants: just the attention variants (window, softcap, ALiBi, dropout) on ragged
-cases of every kernel family.
+cases of every kernel family. --only varlen: packed ragged batches (zero-length sequences, one long one)
+on the forward and backward of both kernel families.
 """
 import dataclasses
 import sys
@@ -40,8 +41,10 @@ def main():
     filled_only = sys.argv[1:] == ["--only", "filled"]
     if sys.argv[1:] == ["--only", "variants"]:
         return variant_cases(rng, arch)
+    if sys.argv[1:] == ["--only", "varlen"]:
+        return varlen_cases(rng, arch)
     if sys.argv[1:] and not filled_only:
-        sys.exit("usage: sanitize_cases.py [--only filled|variants]")
+        sys.exit("usage: sanitize_cases.py [--only filled|variants|varlen]")
     for b, sq, sk, h, hk, d, causal, dt, layout in [] if filled_only else CASES:
         q, k, v = random_qkv(rng, b, sq, sk, h, hk, d, dt, layout_q=layout, layout_kv=layout)
         err, bound = check_forward(q, k, v, causal=causal, dtype=dt)
@@ -177,6 +180,35 @@ def variant_cases(rng, arch):
             if not err < 0.05:
                 sys.exit(f"decode {kw} splits={splits}: error {err:.3g}")
             print(f"ok decode variants {sorted(kw)} splits={splits}: err {err:.2e}")
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def varlen_cases(rng, arch):
+    """Packed ragged batches: empty q and k sequences, one long sequence among short ones, GQA, causal or
+    not, a window and the variants, deterministic dQ; forward and backward on the planner's kernel and
+    the mma.sync one; each sequence against the reference (test_varlen_gpu's checks)."""
+    from test_varlen_gpu import _check_seq_backward, _check_seq_forward, _cu, _packed
+
+    from cuflash import varlen
+
+    slopes = cupy.asarray(rng.uniform(0.05, 0.5, (6, 4)).astype(np.float32))
+    lengths_q, lengths_k = [0, 3, 700, 0, 65, 1], [2, 0, 650, 0, 64, 130]
+    for d, dt in ((128, "bf16"), (64, "fp16"), (256, "bf16"), (100, "bf16")):
+        q = _packed(rng, lengths_q, 4, d, dt)
+        k, v = _packed(rng, lengths_k, 2, d, dt), _packed(rng, lengths_k, 2, d, dt)
+        cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
+        bucket = plan.head_dim_bucket(d)
+        for causal, kw in ((True, {}), (False, {}), (True, dict(window_size=(40, 0), softcap=5.0, alibi_slopes=slopes))):
+            for fwd_tile, bwd_tile in ((None, None), (plan.fwd_tile(bucket, arch), plan.bwd_tile(bucket, arch))):
+                out, lse = varlen.run(q, k, v, cu_q, cu_k, 700, 650, causal=causal, return_lse=True, tile=fwd_tile, **kw)
+                _check_seq_forward(out, lse, q, k, v, cu_q, cu_k, causal=causal, scale=None, dtype=dt, what="", **kw)
+                dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(out.dtype))
+                for det in (False, True):
+                    grads = varlen.run_backward(dout, q, k, v, out, lse, cu_q, cu_k, 700, 650, causal=causal,
+                                                deterministic=det, tile=bwd_tile, **kw)  # fmt: skip
+                    _check_seq_backward(grads, dout, q, k, v, out, cu_q, cu_k, causal=causal, scale=None, dtype=dt,
+                                        what="", **kw)  # fmt: skip
+            print(f"ok varlen d={d} {dt} causal={causal} {sorted(kw)}")
     cupy.cuda.runtime.deviceSynchronize()
 
 

@@ -181,6 +181,14 @@ def _variant_selection():
                 specs.append(plan.decode_spec(hd, "bf16", True, 1, arch, mods=mods & ~plan.MOD_DROPOUT))
         specs.append(plan.fwd_spec(96, "fp16", False, False, arch, mods=plan.ALL_MODS))
         specs.append(plan.bwd_spec(96, "fp16", False, False, arch, mods=plan.ALL_MODS))
+        # Packed varlen batches: alone at 64, 128, 256, with every variant at 128, and their preprocess /
+        # convert kernels.
+        for hd, mods in [(64, plan.MOD_VARLEN), (128, plan.MOD_VARLEN), (256, plan.MOD_VARLEN),
+                         (128, plan.MOD_VARLEN | plan.ALL_MODS)]:  # fmt: skip
+            specs += plan.all_fwd_specs(arch, head_dims=(hd,), dtypes=("bf16",), causals=(True,), aligned=(True,),
+                                        mods=(mods,))  # fmt: skip
+            specs += plan.all_bwd_specs(arch, head_dims=(hd,), dtypes=("bf16",), causals=(True,), aligned=(True, False),
+                                        mods=(mods,))  # fmt: skip
     return list(dict.fromkeys(specs))
 
 
@@ -192,8 +200,10 @@ def compiled_variants(tmp_path_factory):
 @pytest.mark.slow
 def test_variant_kernels_compile_within_budget(compiled_variants):
     specs, headers = compiled_variants
-    assert {s.family for s in specs} == {"flash_fwd", "flash_fwd_sm90", "flash_bwd", "flash_bwd_sm90", "flash_decode"}
-    assert all(s.mods for s in specs) and set(headers) == {s.name for s in specs}
+    assert {s.family for s in specs} == {"flash_fwd", "flash_fwd_sm90", "flash_bwd", "flash_bwd_sm90", "flash_decode",
+                                         "flash_bwd_pre", "flash_bwd_convert"}  # fmt: skip
+    assert all(s.varlen if s.family in ("flash_bwd_pre", "flash_bwd_convert") else s.mods for s in specs)
+    assert set(headers) == {s.name for s in specs}
     problems = []
     for s in specs:
         p = headers[s.name]["ptxas"]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 import pytest
 
 from cuflash import plan
@@ -130,3 +132,44 @@ def test_hopper_backward_tile_errors():
         _bwd_plan(128, tile=plan.BwdSm90Tile(block_n=64))
     with pytest.raises(ValueError, match="64 for head dim 256"):
         _bwd_plan(256, tile=plan.BwdSm90Tile())
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed varlen batches: the scheduler's grids and scratch rows
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_varlen_backward_plan(arch):
+    """Varlen: batch 1 in every grid, the query and key grids are the scheduler's slots (total // block +
+    sequences), scratch rows per head are the query slots times block_m, and the aux kernels are the
+    varlen ones."""
+    bp = plan.plan_backward(batch=5, seqlen_q=1000, seqlen_k=3000, nheads=8, nheads_kv=2, head_dim=128, dtype="bf16",
+                            causal=True, aligned=True, arch=arch, mods=plan.MOD_VARLEN)  # fmt: skip
+    bm, bn = bp.main.spec.tile.block_m, bp.main.spec.tile.block_n
+    assert bp.num_m_blocks == 1000 // bm + 5 and bp.seqlen_q_pad == bp.num_m_blocks * bm
+    assert bp.main.grid == (3000 // bn + 5, 2, 1)
+    assert bp.convert.grid == (bp.num_m_blocks, 8, 1)
+    assert bp.pre.grid == (-(-bp.seqlen_q_pad // 8), 8, 1)
+    assert bp.pre.spec.varlen and bp.convert.spec.varlen and "_varlen" in bp.pre.spec.name
+    assert bp.main.spec.mods == plan.MOD_VARLEN and "_varlen" in bp.main.spec.name
+    assert bp.pre.spec.template_args().endswith(", true")
+    plain = plan.plan_backward(batch=5, seqlen_q=1000, seqlen_k=3000, nheads=8, nheads_kv=2, head_dim=128, dtype="bf16",
+                               causal=True, aligned=True, arch=arch)  # fmt: skip
+    assert not plain.pre.spec.varlen and plain.pre.spec.template_args().count(",") == 1  # plain source unchanged
+    # No key at all (every sequence empty on the key side) still plans (every CTA is a spare slot).
+    assert plan.plan_backward(batch=2, seqlen_q=10, seqlen_k=0, nheads=1, nheads_kv=1, head_dim=64, dtype="fp16",
+                              causal=False, aligned=True, arch=arch, mods=plan.MOD_VARLEN).main.grid[0] == 2  # fmt: skip
+
+
+def test_varlen_tiles_cover_every_sequence():
+    """The scheduler's map f(b) = cu[b] // block + b gives each sequence at least ceil(len / block) slots,
+    disjoint and in order, all below varlen_tiles (what cuda_src/varlen.cuh relies on)."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        block = int(rng.choice([64, 128]))
+        lengths = rng.integers(0, 600, size=int(rng.integers(1, 40)))
+        cu = np.concatenate([[0], np.cumsum(lengths)])
+        f = cu // block + np.arange(cu.size)
+        assert (np.diff(f) >= -(-lengths // block)).all()
+        assert f[-1] <= plan.varlen_tiles(int(cu[-1]), lengths.size, block)

@@ -233,7 +233,8 @@ def test_softcap_alibi_dropout_resolution_and_record():
     assert v.mods == plan.MOD_SOFTCAP | plan.MOD_ALIBI | plan.MOD_DROPOUT
     assert v.unit_scale(0.125) == 30.0
     rec = v.record(0.125)
-    assert rec == (4096, 4, 2**64 - 1, 5, 0, 0, 0.125 / 30.0, 1 / 30.0, 1 / 0.75, 49152)
+    assert rec == (4096, 4, 2**64 - 1, 5, 0, 0, 0, 0, 0, 0.125 / 30.0, 1 / 30.0, 1 / 0.75, 49152)
+    assert v.record(0.125, 8, 16, 24)[4:7] == (8, 16, 24)  # varlen: cu_seqlens_q, cu_seqlens_k, seqused_k
     fresh = _resolve(dropout_p=0.1)
     assert fresh.rng_state is not None and fresh.rng_state != _resolve(dropout_p=0.1).rng_state
     with pytest.raises(ValueError, match="rng_state"):
@@ -283,7 +284,9 @@ def test_variant_specs_name_their_variants_and_pass_them_last():
     with pytest.raises(ValueError, match="mods"):
         plan.decode_spec(128, "bf16", True, 1, "sm_90a", mods=plan.MOD_DROPOUT)
     with pytest.raises(ValueError, match="mods"):
-        plan.fwd_spec(128, "bf16", True, True, "sm_80", mods=16)
+        plan.fwd_spec(128, "bf16", True, True, "sm_80", mods=32)
+    with pytest.raises(ValueError, match="mods"):
+        plan.decode_spec(128, "bf16", True, 1, "sm_90a", mods=plan.MOD_VARLEN)
     launch = plan.plan_forward(batch=1, seqlen_q=10, seqlen_k=10, nheads=1, nheads_kv=1, head_dim=128, dtype="bf16",
                                causal=False, aligned=True, arch="sm_90a", mods=plan.MOD_SOFTCAP)  # fmt: skip
     assert launch.spec.family == "flash_fwd_sm90" and launch.spec.mods == plan.MOD_SOFTCAP

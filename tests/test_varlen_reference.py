@@ -162,3 +162,22 @@ def test_rotary_rotates_q_and_the_new_k_at_their_positions(causal, window, inter
     with pytest.raises(ValueError, match="rotary positions"):
         reference.attention_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=np.array([35, 0, 0]), causal=True,
                                          rotary_cos=cos[:30], rotary_sin=sin[:30])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The API's host-side checks of cu_seqlens (cuflash.varlen.validate_cu_seqlens, pure NumPy)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_validate_cu_seqlens():
+    from cuflash.varlen import validate_cu_seqlens
+
+    np.testing.assert_array_equal(validate_cu_seqlens("cu_seqlens_q", np.array([0, 3, 3, 10]), 10, 7), [3, 0, 7])
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[0\] must be 0"):
+        validate_cu_seqlens("cu_seqlens_q", np.array([1, 3]), 10)
+    with pytest.raises(ValueError, match=r"must not decrease: cu_seqlens_k\[2\] = 2 < cu_seqlens_k\[1\] = 5"):
+        validate_cu_seqlens("cu_seqlens_k", np.array([0, 5, 2]), 10)
+    with pytest.raises(ValueError, match="exceeds the 10 packed rows"):
+        validate_cu_seqlens("cu_seqlens_q", np.array([0, 5, 11]), 10)
+    with pytest.raises(ValueError, match="sequence 1 has 6 rows in cu_seqlens_q, more than max_seqlen_q = 5"):
+        validate_cu_seqlens("cu_seqlens_q", np.array([0, 4, 10]), 10, 5)

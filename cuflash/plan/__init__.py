@@ -17,7 +17,7 @@ from .backward import (
 )
 from .common import (
     ALL_MODS, DTYPES, HEAD_DIM_BUCKETS, KERNEL_FAMILIES, KNOWN_ARCHS, MAX_GRID_X, MAX_SMEM_KB, MIN_COMPUTE_CAPABILITY,
-    MOD_ALIBI, MOD_DROPOUT, MOD_NAMES, MOD_SOFTCAP, MOD_WINDOW, SMEM_PER_SM_KB, KernelFamily, Launch, arch_for_capability, arch_number, head_dim_bucket, max_smem_bytes, parse_arch, smem_per_sm_bytes,
+    MOD_ALIBI, MOD_DROPOUT, MOD_NAMES, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW, FWD_BWD_MODS, SMEM_PER_SM_KB, KernelFamily, Launch, arch_for_capability, arch_number, head_dim_bucket, max_smem_bytes, parse_arch, smem_per_sm_bytes,
     supports_pdl,
 )
 from .decode import (
@@ -26,12 +26,12 @@ from .decode import (
 )
 from .decode_kernels import (
     DECODE_COMBINE_LEAN_BATCH, DECODE_COMBINE_LEAN_CTAS_PER_SM, DECODE_M_SLABS, DECODE_THREADS, DECODE_TILES,
-    MAX_DECODE_SPLITS, DecodeAppendSpec, DecodeCombineSpec, DecodeSpec, DecodeTile, decode_kv_row_elements,
+    MAX_DECODE_SPLITS, DecodeAppendSpec, DecodeCombineSpec, DecodeSpec, DecodeTile, RotarySpec, decode_kv_row_elements,
     decode_launch_smem, decode_m_slabs, decode_m_slabs_options, decode_smem_bytes, decode_spec, decode_tile,
 )
 from .forward import (
     FWD_SM90_TILES, FWD_TILES, KernelSpec, Sm90KernelSpec, Sm90Tile, Tile, all_fwd_specs, fwd_sm90_smem_bytes,
-    fwd_sm90_spec, fwd_smem_bytes, fwd_spec, fwd_tile, plan_forward, uses_sm90_forward, with_tile,
+    fwd_sm90_spec, fwd_smem_bytes, fwd_spec, fwd_tile, plan_forward, uses_sm90_forward, varlen_tiles, with_tile,
 )
 
 #: Each kernel family's variant list, as `cuflash precompile --kernels` selects them.
@@ -41,6 +41,8 @@ __all__ = [
     "ALL_MODS",
     "MOD_ALIBI",
     "MOD_DROPOUT",
+    "MOD_VARLEN",
+    "FWD_BWD_MODS",
     "MOD_NAMES",
     "MOD_SOFTCAP",
     "MOD_WINDOW",
@@ -64,6 +66,7 @@ __all__ = [
     "DEFAULT_DECODE_POLICY",
     "DTYPES",
     "DecodeAppendSpec",
+    "RotarySpec",
     "DecodeCombineSpec",
     "DecodePlan",
     "DecodePolicy",
@@ -122,5 +125,6 @@ __all__ = [
     "supports_pdl",
     "uses_sm90_backward",
     "uses_sm90_forward",
+    "varlen_tiles",
     "with_tile",
 ]

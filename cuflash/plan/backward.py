@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
+    DTYPES, HEAD_DIM_BUCKETS, MOD_VARLEN, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
     check_mods, head_dim_bucket, load_tag, max_smem_bytes, mods_arg,
 )  # fmt: skip
 
@@ -152,17 +152,19 @@ class BwdAuxSpec(SpecBase):
     dtype: str
     aligned: bool
     arch: str
+    varlen: bool = False  # packed sequences (cuda_src/varlen.cuh): rows through the tile scheduler
 
     @property
     def name(self) -> str:
-        return f"{self.family}_{self.dtype}_{load_tag(self.aligned)}_{arch_tag(self.arch)}"
+        return f"{self.family}_{self.dtype}{'_varlen' if self.varlen else ''}_{load_tag(self.aligned)}_{arch_tag(self.arch)}"
 
     threads = BWD_AUX_THREADS
     min_blocks = 1
     smem_bytes = 0
 
     def template_args(self) -> str:
-        return f"{cpp_bool(self.dtype == 'bf16')}, {cpp_bool(self.aligned)}"
+        varlen = ", true" if self.varlen else ""  # a plain variant's source stays what it was
+        return f"{cpp_bool(self.dtype == 'bf16')}, {cpp_bool(self.aligned)}{varlen}"
 
 
 @dataclass(frozen=True)
@@ -233,7 +235,7 @@ class BwdPlan:
     convert: Launch
     seqlen_q_pad: int  # rows of the lse_log2 / D / dq_accum buffers per (batch, head)
     dq_accum_cols: int  # columns of dq_accum (the head-dim bucket)
-    num_m_blocks: int
+    num_m_blocks: int  # query blocks per (batch, head); varlen: the scheduler's query tiles per head
 
 
 def bwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: BwdTile | None = None,
@@ -269,8 +271,12 @@ def plan_backward(
     mods: int = 0,
 ) -> BwdPlan:
     """The three launches of one backward call (all sizes >= 1). The main kernel is the Hopper one
-    where uses_sm90_backward says so (or a BwdSm90Tile is given), else the mma.sync one."""
-    if min(batch, seqlen_q, seqlen_k, nheads, nheads_kv) < 1:
+    where uses_sm90_backward says so (or a BwdSm90Tile is given), else the mma.sync one. With
+    MOD_VARLEN, batch is the number of packed sequences and seqlen_q / seqlen_k the packed totals: the
+    grids run over the tile scheduler's slots (cuda_src/varlen.cuh), the scratch rows per head are
+    the query slots times block_m, and batch is 1 in every grid."""
+    varlen = bool(mods & MOD_VARLEN)
+    if min(batch, seqlen_q, nheads, nheads_kv) < 1 or seqlen_k < (0 if varlen else 1):
         raise ValueError("plan_backward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
@@ -280,14 +286,24 @@ def plan_backward(
         spec = bwd_sm90_spec(head_dim, dtype, causal, tile, mods)
     else:
         spec = bwd_spec(head_dim, dtype, causal, aligned, arch, tile, mods)
-    num_m_blocks = -(-seqlen_q // spec.tile.block_m)
-    seqlen_q_pad = num_m_blocks * spec.tile.block_m
+    bm, bn = spec.tile.block_m, spec.tile.block_n
+    if varlen:
+        from .forward import varlen_tiles
+
+        num_m_blocks, grid_batch = varlen_tiles(seqlen_q, batch, bm), 1
+        key_blocks = varlen_tiles(seqlen_k, batch, bn)
+    else:
+        num_m_blocks, grid_batch = -(-seqlen_q // bm), batch
+        key_blocks = -(-seqlen_k // bn)
+    seqlen_q_pad = num_m_blocks * bm
     rows_per_cta = BWD_AUX_THREADS // 32
     aux_block = (BWD_AUX_THREADS, 1, 1)
-    pre = Launch(BwdAuxSpec("flash_bwd_pre", dtype, aligned, arch), (-(-seqlen_q_pad // rows_per_cta), nheads, batch), aux_block, 0)
-    main = Launch(spec, (-(-seqlen_k // spec.tile.block_n), nheads_kv, batch), (spec.threads, 1, 1), spec.smem_bytes)
+    pre = Launch(BwdAuxSpec("flash_bwd_pre", dtype, aligned, arch, varlen), (-(-seqlen_q_pad // rows_per_cta), nheads, grid_batch),
+                 aux_block, 0)  # fmt: skip
+    main = Launch(spec, (key_blocks, nheads_kv, grid_batch), (spec.threads, 1, 1), spec.smem_bytes)
     # One CTA per query block (its dQ tile is staged in CONVERT_SMEM_ELEMS of smem: BwdTile.valid_for).
-    convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch), (num_m_blocks, nheads, batch), aux_block, 0)
+    convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch, varlen), (num_m_blocks, nheads, grid_batch),
+                     aux_block, 0)  # fmt: skip
     return BwdPlan(pre, main, convert, seqlen_q_pad, spec.head_dim, num_m_blocks)
 
 
@@ -311,7 +327,8 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
     specs: list = []
     for dt in dtypes:
         for al in aligned:
-            specs += [BwdAuxSpec("flash_bwd_pre", dt, al, arch), BwdAuxSpec("flash_bwd_convert", dt, al, arch)]
+            for vl in dict.fromkeys(bool(m & MOD_VARLEN) for m in mods):
+                specs += [BwdAuxSpec("flash_bwd_pre", dt, al, arch, vl), BwdAuxSpec("flash_bwd_convert", dt, al, arch, vl)]
             for d in head_dims:
                 bucket = head_dim_bucket(d)
                 for c in causals:

@@ -137,6 +137,7 @@ KERNEL_FAMILIES = {
                                          "DecodeParams"),
     "flash_decode_append": KernelFamily("flash_decode_append.cuh", "flash_decode_append_kernel<{args}>",
                                         "DecodeParams"),
+    "rotary": KernelFamily("rotary.cuh", "rotary_kernel<{args}>", "RotaryParams"),
 }  # fmt: skip
 
 
@@ -163,12 +164,18 @@ class SpecBase:
 
 
 #: The attention variants, bits of a spec's ``mods`` and of the kernels' kMods (cuda_src/masks.cuh).
-MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_DROPOUT = 1, 2, 4, 8
-MOD_NAMES = {MOD_WINDOW: "window", MOD_SOFTCAP: "softcap", MOD_ALIBI: "alibi", MOD_DROPOUT: "dropout"}
+#: MOD_VARLEN is the packed variable-length batch (cuda_src/varlen.cuh): the same math, rows found
+#: through cu_seqlens; forward and backward only.
+MOD_WINDOW, MOD_SOFTCAP, MOD_ALIBI, MOD_DROPOUT, MOD_VARLEN = 1, 2, 4, 8, 16
+MOD_NAMES = {MOD_WINDOW: "window", MOD_SOFTCAP: "softcap", MOD_ALIBI: "alibi", MOD_DROPOUT: "dropout",
+             MOD_VARLEN: "varlen"}  # fmt: skip
+#: The score variants (what changes the math).
 ALL_MODS = MOD_WINDOW | MOD_SOFTCAP | MOD_ALIBI | MOD_DROPOUT
+#: What a forward or backward kernel can compile.
+FWD_BWD_MODS = ALL_MODS | MOD_VARLEN
 
 
-def check_mods(mods: int, allowed: int = ALL_MODS) -> int:
+def check_mods(mods: int, allowed: int = FWD_BWD_MODS) -> int:
     """``mods`` as an int of variant bits, all of them in ``allowed``."""
     if mods != int(mods) or mods < 0 or mods & ~allowed:
         names = [MOD_NAMES[b] for b in MOD_NAMES if b & allowed]

@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, HopperSpec, Launch, TiledSpec, check_dtype, check_mods, cpp_bool, head_dim_bucket,
-    max_smem_bytes, mods_arg,
+    DTYPES, HEAD_DIM_BUCKETS, MOD_VARLEN, HopperSpec, Launch, TiledSpec, check_dtype, check_mods, cpp_bool,
+    head_dim_bucket, max_smem_bytes, mods_arg,
 )  # fmt: skip
 
 
@@ -220,8 +220,10 @@ def plan_forward(
 
     On sm_90a with 16-byte aligned inputs and a bucket of FWD_SM90_TILES the Hopper (wgmma) kernel
     runs, else the mma.sync kernel; a given ``tile`` picks the kernel by its type. ``mods``: the
-    attention variants (common.MOD_* bits) compiled into the kernel."""
-    if min(batch, seqlen_q, seqlen_k, nheads, nheads_kv) < 1:
+    attention variants (common.MOD_* bits) compiled into the kernel. With MOD_VARLEN, batch is the
+    number of packed sequences and seqlen_q / seqlen_k the packed totals: the grid is the scheduler's
+    seqlen_q // block_m + batch slots per head (cuda_src/varlen.cuh)."""
+    if min(batch, seqlen_q, nheads, nheads_kv) < 1 or seqlen_k < (0 if mods & MOD_VARLEN else 1):
         raise ValueError("plan_forward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
@@ -231,8 +233,17 @@ def plan_forward(
         spec = fwd_sm90_spec(head_dim, dtype, causal, tile, mods)
     else:
         spec = fwd_spec(head_dim, dtype, causal, aligned, arch, tile, mods)
+    if mods & MOD_VARLEN:
+        return Launch(spec, (varlen_tiles(seqlen_q, batch, spec.tile.block_m), nheads, 1), (spec.threads, 1, 1),
+                      spec.smem_bytes)  # fmt: skip
     num_m_blocks = -(-seqlen_q // spec.tile.block_m)
     return Launch(spec, (num_m_blocks, nheads, batch), (spec.threads, 1, 1), spec.smem_bytes)
+
+
+def varlen_tiles(total: int, batch: int, block: int) -> int:
+    """Slots of the varlen tile scheduler (cuda_src/varlen.cuh) for ``batch`` packed sequences of
+    ``total`` rows in tiles of ``block`` rows: every sequence's tiles plus at most one spare each."""
+    return total // block + batch
 
 
 def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=(False, True), aligned=(True, False),

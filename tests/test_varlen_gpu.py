@@ -1,0 +1,354 @@
+"""GPU tests of packed variable-length batches (cuflash.attention_varlen and its backward) on the
+mma.sync and (on Hopper) wgmma kernels: each sequence against the float64 reference run on that
+sequence alone, with DESIGN.md's rules (outputs and lse 2x, gradients 3x the plain low-precision
+error of the same sequence), and the packed call against the dense one where both exist."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpu_util import DTYPES, check_lse, poisoned, to_f64
+
+pytestmark = pytest.mark.gpu
+
+EXAMPLES = int(os.environ.get("CUFLASH_HYPOTHESIS_EXAMPLES", "60"))
+
+
+def _packed(rng, lengths, nheads, head_dim, dtype):
+    import cupy
+
+    host = rng.standard_normal((int(sum(lengths)), nheads, head_dim), dtype=np.float32).astype(DTYPES[dtype])
+    return cupy.asarray(host)
+
+
+def _cu(lengths):
+    import cupy
+
+    return cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+
+def _slopes(rng, batch, nheads, per_batch):
+    import cupy
+
+    base = 2.0 ** (-8.0 * np.arange(1, nheads + 1) / nheads)
+    shape = (batch, nheads) if per_batch else (nheads,)
+    return cupy.asarray((base * rng.uniform(0.5, 1.5, size=shape)).astype(np.float32))
+
+
+def _seq_variants(variants, b):
+    """The variants sequence b runs with, as a batch of one (its row of per-batch ALiBi slopes)."""
+    v = dict(variants)
+    slopes = v.get("alibi_slopes")
+    if slopes is not None and slopes.ndim == 2:
+        v["alibi_slopes"] = slopes[b : b + 1]
+    return v
+
+
+def _check_seq_forward(out, lse, q, k, v, cu_q, cu_k, *, causal, scale, dtype, what, **variants):
+    """Each sequence's rows of out and lse against the reference of that sequence alone."""
+    from cuflash import reference
+
+    cq, ck = cu_q.get(), cu_k.get()
+    got_all, lse_all = to_f64(out), lse
+    for b in range(cq.size - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if qs.stop == qs.start:
+            continue
+        q1, k1, v1 = q[qs][None], k[ks][None], v[ks][None]
+        var = _seq_variants(variants, b)
+        if ks.stop == ks.start:  # no key: out 0, lse -inf
+            assert (got_all[qs] == 0).all(), f"sequence {b} without keys: out must be 0 {what}"
+            assert np.isneginf(lse_all[:, qs].get()).all(), f"sequence {b} without keys: lse must be -inf {what}"
+            continue
+        ref, ref_lse = reference.attention_forward(q1, k1, v1, causal=causal, softmax_scale=scale, **var)
+        plain = reference.plain_attention_bar(q1, k1, v1, ref, causal=causal, softmax_scale=scale, dtype=DTYPES[dtype],
+                                              **var)  # fmt: skip
+        got = got_all[qs][None]
+        err = reference.max_abs_error(got, ref)
+        bound = 2 * reference.max_abs_error(plain, ref) + 1e-5
+        assert reference.within_tolerance(got, ref, plain), f"sequence {b}: max abs error {err:.3g} > {bound:.3g} {what}"
+        check_lse(lse_all[:, qs][None], ref_lse, f"sequence {b} {what}")
+
+
+def _check_seq_backward(grads, dout, q, k, v, out, cu_q, cu_k, *, causal, scale, dtype, what, **variants):
+    from cuflash import reference
+
+    cq, ck = cu_q.get(), cu_k.get()
+    dq, dk, dv = (to_f64(x) for x in grads)
+    for b in range(cq.size - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if ks.stop == ks.start:
+            assert (dq[qs] == 0).all(), f"sequence {b} without keys: dq must be 0 {what}"
+            continue
+        if qs.stop == qs.start:
+            assert (dk[ks] == 0).all() and (dv[ks] == 0).all(), f"sequence {b} without queries: dk, dv must be 0 {what}"
+            continue
+        args = [x[s][None] for x, s in ((dout, qs), (q, qs), (k, ks), (v, ks))]
+        var = _seq_variants(variants, b)
+        refs = reference.attention_backward(*args, causal=causal, softmax_scale=scale, **var)
+        plains = reference.plain_attention_backward_bar(*args, refs, causal=causal, softmax_scale=scale,
+                                                        dtype=DTYPES[dtype], out=out[qs][None], **var)  # fmt: skip
+        for name, got, ref, plain in zip(("dq", "dk", "dv"), (dq[qs], dk[ks], dv[ks]), refs, plains):
+            err = reference.max_abs_error(got[None], ref)
+            bound = 3 * reference.max_abs_error(plain, ref) + 1e-5
+            assert reference.within_tolerance(got[None], ref, plain, factor=3.0), (
+                f"sequence {b} {name}: max abs error {err:.3g} > {bound:.3g} {what}")
+
+
+@st.composite
+def varlen_cases(draw):
+    long_ = draw(st.booleans())  # half the cases have one sequence of up to a few thousand tokens
+    batch = draw(st.integers(1, 3 if long_ else 6))
+    lengths_q = draw(st.lists(st.integers(0, 300), min_size=batch, max_size=batch))
+    same = draw(st.booleans())
+    lengths_k = list(lengths_q) if same else draw(st.lists(st.integers(0, 300), min_size=batch, max_size=batch))
+    if long_:  # (one long sequence keeps the float64 reference of a case within seconds)
+        b = draw(st.integers(0, batch - 1))
+        lengths_q[b] = draw(st.integers(300, 2500))
+        lengths_k[b] = lengths_q[b] if same else draw(st.integers(300, 2500))
+    nheads_kv = draw(st.integers(1, 2))
+    window = draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(0, 300), st.one_of(st.just(-1), st.integers(0, 64)))))
+    return dict(
+        dtype=draw(st.sampled_from(["bf16", "fp16"])),
+        head_dim=draw(st.one_of(st.sampled_from([64, 128, 256]), st.integers(1, 256))),
+        nheads_kv=nheads_kv, nheads=nheads_kv * draw(st.sampled_from([1, 2] if long_ else [1, 2, 3])),
+        lengths_q=lengths_q, lengths_k=lengths_k, causal=draw(st.booleans()), window=window,
+        softcap=draw(st.sampled_from([0.0, 0.0, 20.0])), alibi=draw(st.sampled_from([None, None, "heads", "batch"])),
+        scale=draw(st.one_of(st.none(), st.floats(0.05, 1.0))), seed=draw(st.integers(0, 2**32 - 1)),
+        deterministic=draw(st.booleans()), kernel=draw(st.sampled_from(["plan", "mma.sync"])),
+    )  # fmt: skip
+
+
+def _case_inputs(case):
+    rng = np.random.default_rng(case["seed"])
+    dt, d = case["dtype"], case["head_dim"]
+    q = _packed(rng, case["lengths_q"], case["nheads"], d, dt)
+    k = _packed(rng, case["lengths_k"], case["nheads_kv"], d, dt)
+    v = _packed(rng, case["lengths_k"], case["nheads_kv"], d, dt)
+    variants = dict(window_size=case["window"], softcap=case["softcap"])
+    if case["alibi"] is not None:
+        variants["alibi_slopes"] = _slopes(rng, len(case["lengths_q"]), case["nheads"], case["alibi"] == "batch")
+    return rng, q, k, v, _cu(case["lengths_q"]), _cu(case["lengths_k"]), variants
+
+
+@settings(max_examples=max(1, EXAMPLES // 2), deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=varlen_cases())
+def test_varlen_property(case):
+    """Packed batches of lengths 0 .. a few thousand, q and k lengths different per sequence, any head
+    dim, GQA, causal and windowed (with softcap / ALiBi sometimes), both dtypes: forward outputs and lse,
+    then the backward's gradients, each sequence against the reference of that sequence alone."""
+    import cupy
+
+    from cuflash import varlen
+
+    rng, q, k, v, cu_q, cu_k, variants = _case_inputs(case)
+    dt, what = case["dtype"], f"case {case}"
+    fwd_tile, bwd_tile = _tiles(case["kernel"], case["head_dim"])
+    max_q, max_k = max(case["lengths_q"]), max(case["lengths_k"])
+    out = poisoned(q.shape, dt)
+    res = varlen.run(q, k, v, cu_q, cu_k, max_q, max_k, causal=case["causal"], softmax_scale=case["scale"],
+                     return_lse=True, out=out, check=True, tile=fwd_tile, **variants)  # fmt: skip
+    assert res[0] is out and res[1].shape == (case["nheads"], q.shape[0])
+    _check_seq_forward(out, res[1], q, k, v, cu_q, cu_k, causal=case["causal"], scale=case["scale"], dtype=dt, what=what,
+                       **variants)  # fmt: skip
+    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES[dt]))
+    grads = [poisoned(x.shape, dt) for x in (q, k, v)]
+    ret = varlen.run_backward(dout, q, k, v, out, res[1], cu_q, cu_k, max_q, max_k, causal=case["causal"],
+                              softmax_scale=case["scale"], deterministic=case["deterministic"], dq=grads[0], dk=grads[1],
+                              dv=grads[2], tile=bwd_tile, **variants)  # fmt: skip
+    assert all(r is g for r, g in zip(ret, grads))
+    _check_seq_backward(grads, dout, q, k, v, out, cu_q, cu_k, causal=case["causal"], scale=case["scale"], dtype=dt,
+                        what=what, **variants)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
+@pytest.mark.parametrize("variant", ["plain", "causal", "window", "alibi", "dropout"])
+def test_varlen_equal_lengths_match_dense(head_dim, variant):
+    """A packed batch of equal lengths runs the math of the dense call: out, lse, gradients agree
+    (ALiBi per batch row and the dropout stream use sequence b as batch index b)."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(head_dim)
+    batch, seqlen, nheads, nheads_kv = 3, 333, 4, 2
+    qd, kd, vd = (cupy.asarray(rng.standard_normal((batch, seqlen, h, head_dim), dtype=np.float32).astype(DTYPES["bf16"]))
+                  for h in (nheads, nheads_kv, nheads_kv))  # fmt: skip
+    causal = variant in ("causal", "window")
+    variants = {"window": dict(window_size=(100, 0)), "alibi": dict(alibi_slopes=_slopes(rng, batch, nheads, True)),
+                "dropout": dict(dropout_p=0.2, rng_state=(1234, 8))}.get(variant, {})  # fmt: skip
+    dense = cuflash.attention(qd, kd, vd, causal=causal, return_lse=True, **variants)
+    cu = _cu([seqlen] * batch)
+    pack = lambda x: x.reshape(batch * seqlen, *x.shape[2:])  # noqa: E731
+    packed = cuflash.attention_varlen(pack(qd), pack(kd), pack(vd), cu, cu, seqlen, seqlen, causal=causal,
+                                      return_lse=True, **variants)  # fmt: skip
+    np.testing.assert_allclose(to_f64(packed[0]), to_f64(pack(dense[0])), atol=2e-2, rtol=0)
+    lse_dense = dense[1].get().transpose(1, 0, 2).reshape(nheads, batch * seqlen)
+    np.testing.assert_allclose(packed[1].get(), lse_dense, rtol=1e-4, atol=1e-4)
+    dout = cupy.asarray(rng.standard_normal(qd.shape, dtype=np.float32).astype(DTYPES["bf16"]))
+    g_dense = cuflash.attention_backward(dout, qd, kd, vd, dense[0], dense[1], causal=causal, **variants)
+    g_packed = cuflash.attention_varlen_backward(pack(dout), pack(qd), pack(kd), pack(vd), packed[0], packed[1], cu, cu,
+                                                 seqlen, seqlen, causal=causal, **variants)  # fmt: skip
+    for name, a, b in zip(("dq", "dk", "dv"), g_packed, g_dense):
+        scale = float(np.abs(to_f64(b)).max())
+        np.testing.assert_allclose(to_f64(a), to_f64(pack(b)), atol=2e-2 * max(1.0, scale), rtol=0, err_msg=name)
+
+
+def _tiles(kernel, head_dim):
+    """(forward tile, backward tile) that force a kernel family: None, None for the planner's choice."""
+    from cuflash import jit, plan
+
+    if kernel == "plan":
+        return None, None
+    bucket, arch = plan.head_dim_bucket(head_dim), jit.device_arch(0)
+    return plan.fwd_tile(bucket, arch), plan.bwd_tile(bucket, arch)
+
+
+@pytest.mark.parametrize("kernel", ["plan", "mma.sync"])
+@pytest.mark.parametrize("head_dim", [128, 100])
+def test_varlen_ragged_edges(kernel, head_dim):
+    """Zero-length sequences (q, k or both), one very long sequence among short ones, sequences of one
+    token, and a query sequence with no keys; forward and backward, causal or not, on the planner's
+    kernel (wgmma on Hopper for 128) or the mma.sync one, 16-byte and element-wise loads."""
+    import cupy
+
+    from cuflash import varlen
+
+    fwd_tile, bwd_tile = _tiles(kernel, head_dim)
+    lengths_q = [0, 5, 1, 2100, 0, 77, 3, 129]
+    lengths_k = [3, 0, 1, 2000, 0, 200, 3, 128]
+    rng = np.random.default_rng(7)
+    q, k, v = (_packed(rng, n, h, head_dim, "fp16") for n, h in ((lengths_q, 2), (lengths_k, 1), (lengths_k, 1)))
+    cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
+    for causal in (False, True):
+        out = poisoned(q.shape, "fp16")
+        _, lse = varlen.run(q, k, v, cu_q, cu_k, 2100, 2000, causal=causal, return_lse=True, out=out, tile=fwd_tile)
+        _check_seq_forward(out, lse, q, k, v, cu_q, cu_k, causal=causal, scale=None, dtype="fp16", what=f"causal={causal}")
+        dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES["fp16"]))
+        grads = [poisoned(x.shape, "fp16") for x in (q, k, v)]
+        varlen.run_backward(dout, q, k, v, out, lse, cu_q, cu_k, 2100, 2000, causal=causal, dq=grads[0], dk=grads[1],
+                            dv=grads[2], tile=bwd_tile)  # fmt: skip
+        _check_seq_backward(grads, dout, q, k, v, out, cu_q, cu_k, causal=causal, scale=None, dtype="fp16",
+                            what=f"causal={causal}")  # fmt: skip
+
+
+def test_seqused_k():
+    """seqused_k: sequence b attends to its first seqused_k[b] keys only; the unused keys' dk, dv are 0."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(3)
+    lengths, used = [300, 200, 64], [100, 200, 0]
+    q = _packed(rng, lengths, 2, 64, "bf16")
+    k, v = _packed(rng, lengths, 2, 64, "bf16"), _packed(rng, lengths, 2, 64, "bf16")
+    cu = _cu(lengths)
+    seqused = cupy.asarray(np.array(used, dtype=np.int32))
+    out, lse = cuflash.attention_varlen(q, k, v, cu, cu, 300, 300, seqused_k=seqused, return_lse=True, check=True)
+    # The same as packing only the used keys.
+    keep = np.concatenate([np.arange(s, s + u) for s, u in zip(np.cumsum([0] + lengths[:-1]), used)])
+    k_used, v_used = k[cupy.asarray(keep)], v[cupy.asarray(keep)]
+    cu_used = _cu(used)
+    ref_out, ref_lse = cuflash.attention_varlen(q, k_used, v_used, cu, cu_used, 300, 200, return_lse=True)
+    np.testing.assert_array_equal(to_f64(out), to_f64(ref_out))
+    np.testing.assert_array_equal(lse.get(), ref_lse.get())
+    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES["bf16"]))
+    dk = poisoned(k.shape, "bf16")
+    _, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, seqused_k=seqused, dk=dk)
+    _, dk_u, dv_u = cuflash.attention_varlen_backward(dout, q, k_used, v_used, ref_out, ref_lse, cu, cu_used, 300, 200)
+    mask = np.zeros(k.shape[0], bool)
+    mask[keep] = True
+    np.testing.assert_allclose(to_f64(dk)[mask], to_f64(dk_u), atol=1e-2)
+    np.testing.assert_allclose(to_f64(dv)[mask], to_f64(dv_u), atol=1e-2)
+    assert (to_f64(dk)[~mask] == 0).all() and (to_f64(dv)[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("window", [None, (300, 0)])
+def test_deterministic_varlen_and_window(window):
+    """deterministic=True: bitwise identical gradients run after run, packed and (window) dense. The
+    window case used to wait forever: the key blocks left of a query block's window never add to it."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(11)
+    lengths = [1000, 17, 1500, 0, 600]
+    q, k, v = (_packed(rng, lengths, h, 128, "bf16") for h in (2, 1, 1))
+    cu = _cu(lengths)
+    var = {} if window is None else {"window_size": window}
+    out, lse = cuflash.attention_varlen(q, k, v, cu, cu, 1500, 1500, causal=True, return_lse=True, **var)
+    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES["bf16"]))
+    first = [x.copy() for x in cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, 1500, 1500,
+                                                                   causal=True, deterministic=True, **var)]  # fmt: skip
+    for _ in range(10):
+        again = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, 1500, 1500, causal=True,
+                                                  deterministic=True, **var)  # fmt: skip
+        for a, b in zip(first, again):
+            assert (a.view(cupy.uint16) == b.view(cupy.uint16)).all()
+    _check_seq_backward(first, dout, q, k, v, out, cu, cu, causal=True, scale=None, dtype="bf16", what="", **var)
+    if window is not None:  # the dense window backward in deterministic mode (no varlen)
+        from gpu_util import check_backward
+
+        qd, kd, vd = (x[:1000][None] for x in (q, k, v))
+        check_backward(qd, kd, vd, causal=True, dtype="bf16", deterministic=True, window_size=window)
+
+
+def test_varlen_checks():
+    """check=True validates the prefix sums and seqused_k on the host; bad arguments name themselves."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(0)
+    q = _packed(rng, [10, 20], 2, 64, "bf16")
+    good = _cu([10, 20])
+
+    def call(cu_q=good, cu_k=good, **kw):
+        return cuflash.attention_varlen(q, q, q, cu_q, cu_k, kw.pop("mq", 20), kw.pop("mk", 20), check=True, **kw)
+
+    with pytest.raises(TypeError, match="cu_seqlens_q must be an int32 cupy.ndarray"):
+        call(cu_q=good.get())
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
+        call(cu_k=good.astype(cupy.int64))
+    with pytest.raises(ValueError, match="batch \\+ 1 values"):
+        call(cu_k=_cu([10, 10, 10]))
+    with pytest.raises(ValueError, match="must not decrease"):
+        call(cu_q=cupy.asarray(np.array([0, 20, 10], np.int32)))
+    with pytest.raises(ValueError, match="exceeds the 30 packed rows"):
+        call(cu_k=cupy.asarray(np.array([0, 10, 31], np.int32)))
+    with pytest.raises(ValueError, match="more than max_seqlen_q"):
+        call(mq=15)
+    with pytest.raises(ValueError, match="seqused_k\\[1\\] = 21"):
+        call(seqused_k=cupy.asarray(np.array([3, 21], np.int32)))
+    with pytest.raises(ValueError, match="3-D"):
+        cuflash.attention_varlen(q[None], q, q, good, good, 20, 20)
+
+
+def test_torch_varlen_autograd():
+    """cuflash.torch.attention_varlen: forward and autograd gradients equal the CuPy API's."""
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    import cuflash
+    import cuflash.torch
+
+    lengths_q, lengths_k = [100, 0, 257], [90, 30, 300]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(sum(lengths_q), 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k = torch.randn(sum(lengths_k), 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    v = torch.randn(sum(lengths_k), 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lengths_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lengths_k)]), dtype=torch.int32, device="cuda")
+    out = cuflash.torch.attention_varlen(q, k, v, cu_q, cu_k, 257, 300, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    c = lambda t: cupy.from_dlpack(t.detach())  # noqa: E731
+    ref, lse = cuflash.attention_varlen(c(q), c(k), c(v), c(cu_q), c(cu_k), 257, 300, causal=True, return_lse=True)
+    grads = cuflash.attention_varlen_backward(c(dout), c(q), c(k), c(v), ref, lse, c(cu_q), c(cu_k), 257, 300, causal=True)
+    assert (c(out).view(cupy.uint16) == ref.view(cupy.uint16)).all()
+    for t, g in zip((q, k, v), grads):
+        np.testing.assert_allclose(to_f64(c(t.grad)), to_f64(g), atol=2e-2)
