@@ -18,7 +18,7 @@ import numpy as np
 
 from . import checks, jit, launch, plan, variants
 from .checks import INT32_MAX
-from .params import DECODE_PACKER
+from .params import DECODE_PACKER, ROTARY_PACKER
 
 _LOG2_E = math.log2(math.e)
 
@@ -214,6 +214,11 @@ def attention_with_kvcache(
     out=None,
     check: bool = False,
     policy: plan.DecodePolicy | None = None,
+    rotary_cos=None,
+    rotary_sin=None,
+    rotary_interleaved: bool = False,
+    cache_batch_idx=None,
+    cache_leftpad=None,
 ):
     """Attention of a few new query tokens against a KV cache (decode), with flash-attn's semantics.
 
@@ -246,6 +251,18 @@ def attention_with_kvcache(
     policy: tuning only: the decode plan's rules (cuflash.plan.DecodePolicy: split counts, CTAs per SM,
       grids, which kernel merges the splits); None = the defaults, measured best on the H200.
 
+    flash-attn's serving extras:
+    rotary_cos, rotary_sin: CuPy arrays of q's dtype (seqlen_ro, rotary_dim / 2), seqlen_ro >= the
+      cache capacity: rotary embedding applied to the new k (rotated before it is written to the
+      cache) at positions cache_seqlens[b] - cache_leftpad[b] + t, and to q at the same positions when
+      causal or windowed, else every query token at cache_seqlens[b] - cache_leftpad[b]. The channels
+      from rotary_dim on are not rotated. rotary_interleaved: GPT-J pairs (2i, 2i + 1) instead of
+      GPT-NeoX halves (i, i + rotary_dim / 2). q and k are not modified (rotated copies are attended).
+    cache_batch_idx: ints (batch,) (host or int32 CuPy): sequence b uses row cache_batch_idx[b] of a
+      contiguous cache (not with block_table).
+    cache_leftpad: ints (batch,) (host or int32 CuPy): cache positions before cache_leftpad[b] are
+      padding, never attended (runs the window kernels).
+
     Returns out (shape and dtype of q), or (out, lse).
 
     Validation of lengths and page indices. Values the host can see (an int, a list, a NumPy array)
@@ -268,9 +285,14 @@ def attention_with_kvcache(
     looked at (_signature), which keeps the host side of a step to ~15-20 us on the H200 machine.
     """
     cupy = checks.cupy_module()
+    if rotary_cos is not None or rotary_sin is not None:  # rotate into copies, then attend with those
+        q, k = _rotate(cupy, q, k_cache, k, cache_seqlens, block_table, rotary_cos, rotary_sin, rotary_interleaved,
+                       cache_leftpad, bool(causal) or _windowed(window_size))  # fmt: skip
+    extras = cache_batch_idx is not None or cache_leftpad is not None
     # A signature seen before (_signature): only what can change between calls is looked at.
-    key = _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
-                     return_lse, out, check, policy, window_size, softcap, alibi_slopes)  # fmt: skip
+    key = None if extras else _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+                                         softmax_scale, num_splits, return_lse, out, check, policy, window_size,
+                                         softcap, alibi_slopes)  # fmt: skip
     prep = None if key is None else _PREPARED.calls.get(key)
     if prep is not None:
         q_ptr, k_ptr, v_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr
@@ -328,11 +350,21 @@ def attention_with_kvcache(
         bt_host, bt_dev = checks.block_table_arrays(block_table, batch, device_id, cupy)
         capacity = bt_dev.shape[1] * page_size
     else:
-        if cache_rows < batch:
+        if cache_rows < batch and cache_batch_idx is None:
             raise ValueError(
                 f"k_cache holds {cache_rows} sequences (shape[0]) but q has batch {batch}; sequence b uses cache row b"
             )
         page_size = capacity = slots
+    if cache_batch_idx is not None and paged:
+        raise ValueError("cache_batch_idx picks rows of a contiguous cache; a paged cache maps sequences with block_table")
+    idx_host, idx_dev = _int_array("cache_batch_idx", cache_batch_idx, batch, device_id, cupy, check)
+    if idx_host is not None:
+        bad = np.flatnonzero((idx_host < 0) | (idx_host >= cache_rows))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_batch_idx[{b}] = {int(idx_host[b])} is not a row of the cache (k_cache has "
+                             f"{cache_rows} rows)")  # fmt: skip
+    pad_host, pad_dev = _int_array("cache_leftpad", cache_leftpad, batch, device_id, cupy, check)
 
     # New tokens.
     if (k is None) != (v is None):
@@ -378,16 +410,30 @@ def attention_with_kvcache(
         host_lengths = checks.host_seqlens(cache_seqlens, batch)
     if host_lengths is not None:
         checks.validate_lengths(host_lengths, seqlen_new, capacity)
+    if pad_host is not None:
+        upper = host_lengths if host_lengths is not None else np.full(batch, seqlen_const if seqlens_dev is None
+                                                                      else capacity, dtype=np.int64)  # fmt: skip
+        bad = np.flatnonzero((pad_host < 0) | (pad_host > upper))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_leftpad[{b}] = {int(pad_host[b])} must be in [0, cache_seqlens[{b}] = {int(upper[b])}]")
     if cache_seqlens is not None and not isinstance(cache_seqlens, cupy.ndarray) and host_lengths is not None:
         if np.ndim(cache_seqlens) == 0:
             seqlen_const = int(host_lengths[0]) if batch else 0
         else:
             with cupy.cuda.Device(device_id):
                 seqlens_dev = cupy.asarray(host_lengths.astype(np.int32))  # validated: fits int32
-    if paged and (bt_host is not None or check) and (host_lengths is not None or seqlens_dev is None):
+    if paged and (bt_host is not None or check):
+        # A block table the host can see is validated against the lengths, read back from the device
+        # where only the device has them (one synchronization, for a table that is uploaded anyway).
         if bt_host is None:
             bt_host = bt_dev.get()
-        lengths = host_lengths if host_lengths is not None else np.full(batch, seqlen_const, dtype=np.int64)
+        if host_lengths is not None:
+            lengths = host_lengths
+        elif seqlens_dev is not None:
+            lengths = np.clip(seqlens_dev.get().astype(np.int64), 0, capacity - seqlen_new)  # (unchecked: clamped as the kernels do)
+        else:
+            lengths = np.full(batch, seqlen_const, dtype=np.int64)
         checks.validate_block_table(bt_host, lengths + seqlen_new, page_size, cache_rows)
 
     if not checks.is_int(num_splits) or num_splits < 0:
@@ -396,6 +442,11 @@ def attention_with_kvcache(
     var = variants.resolve(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            dropout_p=0.0, rng_state=None, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
                            seqlen_k=capacity, device_id=device_id, cupy=cupy, allow_dropout=False)  # fmt: skip
+    if pad_dev is not None and not var.mods & plan.MOD_WINDOW:
+        # Left padding is a per-sequence left edge of the keys: the window kernels apply it, with a window
+        # open on the left (and causal as its right edge).
+        var = dataclasses.replace(var, mods=var.mods | plan.MOD_WINDOW, causal=False,
+                                  window=(capacity + seqlen_new, 0 if var.causal else max(seqlen_q, 1)))  # fmt: skip
 
     with cupy.cuda.Device(device_id):
         if out is None:
@@ -444,6 +495,8 @@ def attention_with_kvcache(
         record = DECODE_PACKER.pack(
             q=0, k=0, v=0, k_new=0, v_new=0, o=0, lse=0, o_partial=0, lse_partial=0, split_counters=0,
             seqlens=0, block_table=0,  # (the pointers: per call, _run)
+            cache_batch_idx=0 if idx_dev is None else idx_dev.data.ptr,  # (calls with these two never reuse a record)
+            cache_leftpad=0 if pad_dev is None else pad_dev.data.ptr,
             q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
             k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
             v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
@@ -487,3 +540,107 @@ def _plan_and_load(batch, seqlen_q, nheads, nheads_kv, head_dim, dtype, aligned,
     fns = tuple(None if launch is None else jit.get_function(launch.spec, device_id)
                 for launch in (p.attn, p.append, p.combine))
     return p, fns
+
+
+def _int_array(name: str, x, batch: int, device_id: int, cupy, check: bool):
+    """(host copy or None, int32 CuPy array or None) of an optional per-sequence int argument: a CuPy
+    int32 (batch,) array (read back only with check=True) or host ints (validated by the caller, uploaded)."""
+    if x is None:
+        return None, None
+    if isinstance(x, cupy.ndarray):
+        checks.check_device_int32(name, x, (batch,), device_id)
+        return (x.get().astype(np.int64) if check else None), x
+    host = checks.host_int_array(x, name)
+    if host.shape != (batch,):
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {host.shape}")
+    if np.any(np.abs(host) > INT32_MAX):
+        raise ValueError(f"{name} values must fit int32")
+    with cupy.cuda.Device(device_id):
+        return host, cupy.asarray(host.astype(np.int32))
+
+
+def _rotate(cupy, q, k_cache, k, cache_seqlens, block_table, cos, sin, interleaved, cache_leftpad, per_token_q):
+    """Rotated copies (q, k) of a decode call's queries and new keys (cuda_src/rotary.cuh), at the positions
+    flash_attn_with_kvcache uses: new key t of sequence b at cache_seqlens[b] - cache_leftpad[b] + t, the
+    queries there too when per_token_q (causal or windowed), else all at cache_seqlens[b] - cache_leftpad[b]."""
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    q_shape, _ = checks.geometry("q", q, cupy)
+    k_shape, _ = checks.geometry("k_cache", k_cache, cupy)
+    device_id = q.device.id
+    for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray of q's dtype on q's device, got {type(x).__name__}")
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+        if x.device.id != device_id:
+            raise ValueError(f"{name} is on device {x.device.id}, q on device {device_id}")
+        if x.ndim != 2 or x.shape != cos.shape:
+            raise ValueError(f"rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2), got {cos.shape} "
+                             f"and {sin.shape}")  # fmt: skip
+        if x.shape[1] > 1 and x.strides[1] != x.itemsize:
+            raise ValueError(f"{name} must be contiguous in its last dimension; use cupy.ascontiguousarray({name})")
+    head_dim = q_shape[3]
+    seqlen_ro, rotary_dim = cos.shape[0], 2 * cos.shape[1]
+    if not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} must be in [2, headdim = {head_dim}]")
+    if block_table is not None:
+        capacity = k_shape[1] * (block_table.shape[1] if getattr(block_table, "ndim", np.ndim(block_table)) == 2 else 0)
+    else:
+        capacity = k_shape[1]
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos / rotary_sin have {seqlen_ro} rows; they must cover every cache position "
+                         f"({capacity})")  # fmt: skip
+    batch = q_shape[0]
+    seqlens_ptr, seqlen_const, keep = 0, capacity, []
+    if isinstance(cache_seqlens, cupy.ndarray):
+        checks.check_device_int32("cache_seqlens", cache_seqlens, (batch,), device_id)
+        seqlens_ptr = cache_seqlens.data.ptr
+    elif checks.is_int(cache_seqlens):
+        seqlen_const = int(cache_seqlens)
+    elif cache_seqlens is not None:
+        host = np.clip(checks.host_seqlens(cache_seqlens, batch), -1, INT32_MAX).astype(np.int32)
+        with cupy.cuda.Device(device_id):
+            keep.append(cupy.asarray(host))
+        seqlens_ptr = keep[-1].data.ptr
+    _, pad_dev = _int_array("cache_leftpad", cache_leftpad, batch, device_id, cupy, False)
+    dtype = checks.DTYPE_NAMES[q.dtype]
+    fn = jit.get_function(plan.RotarySpec(dtype, bool(interleaved), jit.device_arch(device_id)), device_id)
+    stream = cupy.cuda.get_current_stream().ptr
+
+    def rotated(x, per_token):
+        shape, strides = checks.geometry("k" if x is k else "q", x, cupy)
+        out = cupy.empty(shape, dtype=x.dtype)
+        total = int(np.prod(shape))
+        if total == 0:
+            return out
+        xs = checks.elem_strides_of(strides, x.itemsize)
+        record = ROTARY_PACKER.pack(
+            x=x.data.ptr, out=out.data.ptr, cos=cos.data.ptr, sin=sin.data.ptr, seqlens=seqlens_ptr,
+            leftpad=0 if pad_dev is None else pad_dev.data.ptr, x_batch_stride=xs[0], x_row_stride=xs[1],
+            x_head_stride=xs[2], cos_row_stride=cos.strides[0] // cos.itemsize, sin_row_stride=sin.strides[0] // sin.itemsize,
+            batch=shape[0], seqlen=shape[1], nheads=shape[2], head_dim=shape[3], rotary_dim=rotary_dim,
+            seqlen_ro=seqlen_ro, seqlen_const=seqlen_const, capacity=capacity, per_token=int(per_token),
+        )  # fmt: skip
+        how = plan.Launch(fn_spec, (min(-(-total // plan.DECODE_THREADS), 1 << 16), 1, 1), (plan.DECODE_THREADS, 1, 1), 0)
+        launch.launch_record(fn, how, record, stream)
+        return out
+
+    fn_spec = plan.RotarySpec(dtype, bool(interleaved), jit.device_arch(device_id))
+    with cupy.cuda.Device(device_id):
+        q_rot = rotated(q, per_token_q)
+        k_rot = None
+        if k is not None:
+            kn_shape, _ = checks.geometry("k", k, cupy)
+            if k.dtype != q.dtype:
+                raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+            k_rot = rotated(k, True)
+    return q_rot, k_rot
+
+
+def _windowed(window_size) -> bool:
+    """Whether window_size asks for a window (anything but (-1, -1); bad values are reported later)."""
+    try:
+        return tuple(window_size) != (-1, -1)
+    except TypeError:
+        return True

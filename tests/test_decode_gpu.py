@@ -1433,6 +1433,15 @@ def test_bad_inputs_have_clear_errors():
     with pytest.raises(ValueError, match=r"block_table\[1, 1\] = \d+ is not a page of the cache"):
         f(pq, pk, pv, block_table=bad, cache_seqlens=[10, 20])
     f(pq, pk, pv, block_table=bad, cache_seqlens=[10, 16])  # entry 1 of sequence 1 unused: fine
+    # A NumPy block table is validated against lengths that only the device holds too (read back), with
+    # or without new tokens; unused entries stay fine.
+    dev_lengths = cupy.asarray(np.array([10, 20], np.int32))
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = \d+ is not a page of the cache"):
+        f(pq, pk, pv, block_table=bad, cache_seqlens=dev_lengths)
+    kn2 = randn(rng, (2, 2, 2, 64), "bf16")
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = \d+ is not a page of the cache"):
+        f(pq, pk, pv, k=kn2, v=kn2, block_table=bad, cache_seqlens=cupy.asarray(np.array([10, 15], np.int32)))
+    f(pq, pk, pv, block_table=bad, cache_seqlens=cupy.asarray(np.array([10, 16], np.int32)))
     with pytest.raises(ValueError, match=r"exceeds the cache capacity of 64"):
         f(pq, pk, pv, block_table=bt, cache_seqlens=[65, 0])
     # Scalars.
