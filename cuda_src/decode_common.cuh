@@ -53,9 +53,17 @@ struct DecodeCacheRows {
     }
 };
 
+// (A contiguous cache's row: b, or cache_batch_idx[b] clamped into [0, num_pages), num_pages being the
+// cache's rows then.)
 CUFLASH_DEVICE DecodeCacheRows decode_cache_rows(const DecodeParams& p, int b) {
     const int* bt_row = p.block_table != nullptr ? p.block_table + b * p.block_table_batch_stride : nullptr;
-    return DecodeCacheRows{bt_row, b, p.page_size, p.num_pages};
+    const int row = p.cache_batch_idx != nullptr ? min(max(p.cache_batch_idx[b], 0), p.num_pages - 1) : b;
+    return DecodeCacheRows{bt_row, row, p.page_size, p.num_pages};
+}
+
+// The first key of sequence b (cache_leftpad[b] clamped into [0, L]; 0 without left padding).
+CUFLASH_DEVICE int decode_first_key(const DecodeParams& p, int b, int L) {
+    return p.cache_leftpad != nullptr ? min(max(p.cache_leftpad[b], 0), L) : 0;
 }
 
 // Packed query row r of kv head hk -> query token i and query head h.

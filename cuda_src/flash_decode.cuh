@@ -309,12 +309,13 @@ CUFLASH_DEVICE void decode_mask(float (&S)[1][kNB][4], int col0, const int (&lim
                 if (col0 + 8 * nb + e >= limit[h]) S[0][nb][2 * h + e] = -kInf;
 }
 
-// The first K/V tile any query of a sequence of L keys sees: with a window, the one holding key
-// L - seqlen_q - window_left (token 0's first), so the splits cover only the window; else 0.
+// The first K/V tile any query of sequence b (L keys) sees: with a window, the one holding key
+// max(L - seqlen_q - window_left, cache_leftpad[b]) (token 0's first), so the splits cover only the
+// window; else 0.
 template <class Cfg>
-CUFLASH_DEVICE int decode_first_tile(const DecodeParams& p, int L) {
+CUFLASH_DEVICE int decode_first_tile(const DecodeParams& p, int b, int L) {
     if constexpr ((Cfg::kMods & kModWindow) != 0) {
-        return max(0, L - p.seqlen_q - p.mod.window_left) / Cfg::kBlockN;
+        return max(decode_first_key(p, b, L), L - p.seqlen_q - p.mod.window_left) / Cfg::kBlockN;
     } else {
         return 0;
     }
@@ -334,13 +335,14 @@ struct DecodeRowMods {
 
     CUFLASH_DEVICE DecodeRowMods(const DecodeParams& p, int b, int hk, int r0, int L, int (&limit)[2]) : mods(p.mod) {
         first_hi = 0;
+        const int lo = Mods::kWindow ? decode_first_key(p, b, L) : 0;  // cache_leftpad: keys before it are padding
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = min(r0 + 8 * h, p.rows - 1);  // padding rows copy the last real row
             const int i = r / p.group;
             diag[h] = L - p.seqlen_q + i;
             slope[h] = Mods::alibi_slope(p.mod, b, hk * p.group + (r - i * p.group));
-            first[h] = mods.first_key(diag[h]);
+            first[h] = max(mods.first_key(diag[h]), lo);
             if constexpr (Mods::kWindow) limit[h] = min(limit[h], max(0, diag[h] + mods.window_right + 1));
         }
         first_hi = max(first[0], first[1]);
@@ -638,7 +640,7 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         const int n_splits = whole ? 1 : p.num_splits;
         const int hk = group % p.nheads_kv, b = group / p.nheads_kv;
         const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
-        const int tile_lo = decode_first_tile<Cfg>(p, L);
+        const int tile_lo = decode_first_tile<Cfg>(p, b, L);
         const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN) - tile_lo;
         const int tiles_per_split = ceil_div_nonneg(n_tiles, n_splits);
         const int tile_begin = split * tiles_per_split;
@@ -649,7 +651,7 @@ CUFLASH_DEVICE void flash_decode_kernel(const DecodeParams& p) {
         const int split = x / p.num_row_blocks, rb = x % p.num_row_blocks;
         const int hk = p.split_major ? blockIdx.x : blockIdx.y, b = p.split_major ? blockIdx.y : blockIdx.z;
         const int L = min(decode_cached_len(p, b) + p.seqlen_new, p.capacity);  // keys after the append
-        const int tile_lo = decode_first_tile<Cfg>(p, L);
+        const int tile_lo = decode_first_tile<Cfg>(p, b, L);
         const int n_tiles = ceil_div_nonneg(L, Cfg::kBlockN) - tile_lo;
         const int tiles_per_split = p.split_tiles > 0 ? p.split_tiles : ceil_div_nonneg(n_tiles, p.num_splits);
         const int tile_begin = split * tiles_per_split;

@@ -37,6 +37,8 @@ DECODE_ONLY_OPTIONS = ("decode", "batch", "kv_heads")
 VARIANT_ONLY_OPTIONS = ("variant", "window")
 #: The attention variants `cuflash bench --variant` times against their peers.
 BENCH_VARIANTS = ("window", "softcap", "alibi", "dropout")
+#: Options of `cuflash bench` that only select the varlen benchmark (--varlen, cuflash.bench_varlen).
+VARLEN_ONLY_OPTIONS = ("varlen",)
 #: Options of `cuflash bench` handled here (redrawing a saved run), not by the benchmark modules.
 REPLOT_OPTIONS = ("from_json",)
 
@@ -430,6 +432,10 @@ def plot_problem(path: str) -> str | None:
                    "window / softcap / alibi, SDPA FlashAttention-2 for dropout (--op fwd, bwd or all).")
 @click.option("--window", "window", type=int, default=1024, show_default=True,
               help="--variant window: keys of the causal sliding window.")
+@click.option("--varlen", is_flag=True,
+              help="Packed variable-length batches instead: --tokens tokens of sequences with lengths uniform in "
+                   "[1, 2 x mean] for each mean given by --seqlen (default 512..8k), against cuflash on an even batch "
+                   "and FlexAttention with a document mask (--op fwd, bwd or all).")
 @click.pass_context
 def bench(ctx, **options):
     """Time cuflash next to torch's FlashAttention-2 and cuDNN, in one run on the same GPU and inputs,
@@ -440,14 +446,20 @@ def bench(ctx, **options):
     """
     decode, batch, kv_heads = (options.pop(name) for name in DECODE_ONLY_OPTIONS)
     variant, window = (options.pop(name) for name in VARIANT_ONLY_OPTIONS)
+    (varlen,) = (options.pop(name) for name in VARLEN_ONLY_OPTIONS)
     from_json = options.pop("from_json")
+    if varlen and (decode or variant):
+        raise click.UsageError("--varlen times packed prefill batches; it does not combine with --decode or --variant")
+    if varlen and options["op"] == "fwd+bwd":
+        raise click.UsageError("--varlen times --op fwd, bwd or all (forward and backward apart)")
     if not decode and (batch or kv_heads):
         raise click.UsageError("--batch and --kv-heads apply to --decode only")
     if variant and decode:
         raise click.UsageError("--variant times prefill (forward, backward); decode variants are not benchmarked here")
     if variant and options["op"] == "fwd+bwd":
         raise click.UsageError("--variant times --op fwd, bwd or all (forward and backward apart)")
-    module = "cuflash.bench_decode" if decode else "cuflash.bench_variants" if variant else "cuflash.bench"
+    module = ("cuflash.bench_decode" if decode else "cuflash.bench_variants" if variant else
+              "cuflash.bench_varlen" if varlen else "cuflash.bench")  # fmt: skip
     if options["plot_path"]:  # checked before a run that would end without its figure
         problem = plot_problem(options["plot_path"])
         if problem is not None:
@@ -466,7 +478,7 @@ def bench(ctx, **options):
         from click.core import ParameterSource
 
         kw = {}
-        if not decode and not variant and ctx.get_parameter_source("op") is not ParameterSource.DEFAULT and options["op"] != "all":
+        if not decode and not variant and not varlen and ctx.get_parameter_source("op") is not ParameterSource.DEFAULT and options["op"] != "all":
             kw["ops"] = (options["op"],)  # an explicit --op picks that operation out of the saved run
         try:
             mod.replot(from_json, options["plot_path"], **kw)
@@ -480,6 +492,13 @@ def bench(ctx, **options):
     if variant:
         variants = BENCH_VARIANTS if "all" in variant else tuple(dict.fromkeys(variant))
         mod.cli_main(variants=variants, window=window, **options)
+        return
+    if varlen:
+        from click.core import ParameterSource
+
+        seqlens = options.pop("seqlen")  # the means of the length distribution
+        means = seqlens if ctx.get_parameter_source("seqlen") is not ParameterSource.DEFAULT else mod.MEANS
+        mod.cli_main(means=means, **options)
         return
     mod.cli_main(**options)
 

@@ -665,7 +665,7 @@ def test_bench_signature_matches_the_benchmark_module():
     params = inspect.signature(bench.cli_main).parameters
     # --decode's options go to bench_decode, --from-json's are handled by the CLI (replot)
     passed = ({p.name for p in cli.bench.params} - set(cli.DECODE_ONLY_OPTIONS) - set(cli.REPLOT_OPTIONS)
-              - set(cli.VARIANT_ONLY_OPTIONS))  # fmt: skip
+              - set(cli.VARIANT_ONLY_OPTIONS) - set(cli.VARLEN_ONLY_OPTIONS))  # fmt: skip
     assert passed <= set(params)
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
     assert required <= passed
@@ -677,7 +677,13 @@ def test_bench_signature_matches_the_benchmark_module():
     assert passed | {"variants", "window"} <= set(variant_params)
     assert {n for n, p in variant_params.items() if p.default is inspect.Parameter.empty} <= passed | {"variants"}
     assert set(cli.BENCH_VARIANTS) == set(bench_variants.VARIANTS)
-    for mod in (bench, bench_decode, bench_variants):  # the CLI calls replot(json_path, plot_path)
+    # --varlen: bench_varlen.cli_main takes the prefill options but --seqlen, which becomes "means"
+    from cuflash import bench_varlen
+
+    varlen_params = inspect.signature(bench_varlen.cli_main).parameters
+    assert (passed - {"seqlen"}) | {"means"} <= set(varlen_params)
+    assert {n for n, p in varlen_params.items() if p.default is inspect.Parameter.empty} <= passed
+    for mod in (bench, bench_decode, bench_variants, bench_varlen):  # the CLI calls replot(json_path, plot_path)
         replot = inspect.signature(mod.replot).parameters
         assert list(replot)[:2] == ["json_path", "plot_path"], mod.__name__
         assert all(p.default is not inspect.Parameter.empty for p in list(replot.values())[2:])

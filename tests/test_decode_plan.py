@@ -107,7 +107,9 @@ def test_all_decode_specs():
     assert len(set(names)) == len(names)
     few = plan.all_decode_specs("sm_80", head_dims=(100, 128), dtypes=("bf16",), causals=(True,), aligned=(True,))
     assert {s.head_dim for s in few if s.family == "flash_decode"} == {128}
-    assert len(few) == 3 + 2 + 1  # three slab counts, two combine kernels (bucket 128: wide, lean), one append
+    # three slab counts, two combine kernels (bucket 128: wide, lean), one append, two rotary (both layouts)
+    assert len(few) == 3 + 2 + 1 + 2
+    assert {s.name for s in few if s.family == "rotary"} == {"rotary_bf16_halves_sm80", "rotary_bf16_interleaved_sm80"}
     assert [s for s in few if s.family == "flash_decode_combine"] == [plan.DecodeCombineSpec(128, "bf16", "sm_80"),
                                                                       plan.DecodeCombineSpec(128, "bf16", "sm_80", True)]
 
@@ -901,7 +903,8 @@ def test_api_signature_is_flash_attn_compatible():
     defaults = {n: p.default for n, p in sig.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert defaults == dict(k=None, v=None, cache_seqlens=None, block_table=None, causal=False, softmax_scale=None,
                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=0, return_lse=False,
-                            out=None, check=False, policy=None)  # fmt: skip
+                            out=None, check=False, policy=None, rotary_cos=None, rotary_sin=None,
+                            rotary_interleaved=False, cache_batch_idx=None, cache_leftpad=None)  # fmt: skip
     assert not any(n.startswith("_") for n in sig)  # no private keywords (the old _ctas_per_sm is policy now)
     import cuflash
 
@@ -926,7 +929,7 @@ def test_precompile_builds_decode_variants(tmp_path, monkeypatch):
                                       "--kernels", "decode"], catch_exceptions=False)  # fmt: skip
     assert r.exit_code == 0, r.output
     assert seen == plan.all_decode_specs("sm_90a", head_dims=(128,), dtypes=("bf16",))
-    assert {s.family for s in seen} == {"flash_decode", "flash_decode_combine", "flash_decode_append"}
+    assert {s.family for s in seen} == {"flash_decode", "flash_decode_combine", "flash_decode_append", "rotary"}
 
 
 @pytest.fixture

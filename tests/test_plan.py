@@ -361,7 +361,7 @@ def test_every_spec_names_a_registered_family():
     for name, fam in plan.KERNEL_FAMILIES.items():
         assert isinstance(fam, plan.KernelFamily)
         assert (jit.source_dir() / fam.header).is_file(), (name, fam.header)
-        assert "{args}" in fam.kernel and fam.params in ("FwdParams", "BwdParams", "DecodeParams")
+        assert "{args}" in fam.kernel and fam.params in ("FwdParams", "BwdParams", "DecodeParams", "RotaryParams")
         assert f"struct {fam.params}" in (jit.source_dir() / "params.h").read_text()
 
 

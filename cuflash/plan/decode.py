@@ -8,9 +8,10 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 
-from .common import DTYPES, HEAD_DIM_BUCKETS, MAX_GRID_X, MOD_DROPOUT, MOD_WINDOW, Launch, head_dim_bucket, supports_pdl
+from .common import ALL_MODS, DTYPES, HEAD_DIM_BUCKETS, MAX_GRID_X, MOD_DROPOUT, MOD_WINDOW, Launch, head_dim_bucket, supports_pdl
 from .decode_kernels import (
     DECODE_COMBINE_LEAN_BATCH, DECODE_M_SLABS, DECODE_THREADS, MAX_DECODE_SPLITS, DecodeAppendSpec, DecodeCombineSpec,
+    RotarySpec,
     DecodeSpec, DecodeTile, decode_launch_smem, decode_m_slabs, decode_m_slabs_options, decode_spec, decode_tile,
 )  # fmt: skip
 
@@ -430,7 +431,7 @@ def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causa
     launch. ``causals`` is accepted for the precompile command's uniform call and ignored: causal is
     a run-time flag in decode. ``mods``: the variant combinations (dropout bits are skipped: decode
     has none)."""
-    mods = tuple(dict.fromkeys(m & ~MOD_DROPOUT for m in mods))
+    mods = tuple(dict.fromkeys(m & ALL_MODS & ~MOD_DROPOUT for m in mods))  # no dropout, no varlen in decode
     specs: list = []
     for dt in dtypes:
         for d in head_dims:
@@ -450,4 +451,5 @@ def all_decode_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causa
     specs += [DecodeCombineSpec(head_dim_bucket(d), dt, arch, lean) for dt in dtypes for d in head_dims
               for lean in (False, True)]
     specs += [DecodeAppendSpec(al, arch) for al in aligned]
+    specs += [RotarySpec(dt, il, arch) for dt in dtypes for il in (False, True)]
     return list(dict.fromkeys(specs))

@@ -196,6 +196,23 @@ class DecodeAppendSpec(_DecodeHelperKernel):
 
 
 @dataclass(frozen=True)
+class RotarySpec(_DecodeHelperKernel):
+    """Rotary position embedding of a decode call's query or new key tokens (cuda_src/rotary.cuh)."""
+
+    dtype: str
+    interleaved: bool  # GPT-J pairs (2i, 2i + 1); else GPT-NeoX pairs (i, i + rotary_dim / 2)
+    arch: str
+    family: str = "rotary"
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}_{self.dtype}_{'interleaved' if self.interleaved else 'halves'}_{arch_tag(self.arch)}"
+
+    def template_args(self) -> str:
+        return f"{cpp_bool(self.dtype == 'bf16')}, {cpp_bool(self.interleaved)}"
+
+
+@dataclass(frozen=True)
 class DecodeCombineSpec(_DecodeHelperKernel):
     """The merge of the splits' partial rows as a kernel of its own: one CTA per output row. Wide: each
     warp loads up to 32 (hd > 128: 16) of its splits at once; lean: DECODE_COMBINE_LEAN_BATCH, at
