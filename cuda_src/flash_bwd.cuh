@@ -110,9 +110,23 @@ struct BwdConfig {
 // - off + window_left (off = seqlen_k - seqlen_q).
 struct BwdQueryWalk {
     int head0, m_begin, n_m, n_iters;
-    // seqlen_q, seqlen_k, num_m_blocks: the sequence's (plain: the parameter block's).
+    CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int hk, int n0, int block_m, bool causal, int block_n = 0) {
+        head0 = hk * p.head_ratio;
+        if (block_n > 0) {
+            const int off = p.seqlen_k - p.seqlen_q;
+            m_begin = max(0, n0 - off - p.mod.window_right) / block_m;
+            const int last_row = n0 + block_n - 1 - off + p.mod.window_left;  // may be negative
+            const int m_end = last_row < 0 ? 0 : min(p.num_m_blocks, last_row / block_m + 1);
+            n_m = max(0, m_end - m_begin);
+        } else {
+            m_begin = causal ? max(0, n0 - (p.seqlen_k - p.seqlen_q)) / block_m : 0;
+            n_m = max(0, p.num_m_blocks - m_begin);
+        }
+        n_iters = p.head_ratio * n_m;
+    }
+    // Varlen: the same walk over one packed sequence of seqlen_q queries (num_m_blocks blocks) and seqlen_k keys.
     CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int seqlen_q, int seqlen_k, int num_m_blocks, int hk, int n0, int block_m,
-                                bool causal, int block_n = 0) {
+                                bool causal, int block_n) {
         head0 = hk * p.head_ratio;
         if (block_n > 0) {
             const int off = seqlen_k - seqlen_q;
@@ -156,8 +170,13 @@ struct BwdKeyBlock {
         }
     }
     CUFLASH_DEVICE BwdQueryWalk walk(const BwdParams& p, int hk) const {
-        return BwdQueryWalk(p, seq.len_q(p), seq.len_k(p), num_m_blocks(p), hk, n_block * Cfg::kBlockN, Cfg::kBlockM,
-                            Cfg::kIsCausal, Cfg::kMods & kModWindow ? Cfg::kBlockN : 0);
+        if constexpr (kVarlen) {
+            return BwdQueryWalk(p, seq.seqlen_q, seq.seqlen_k, num_m_blocks(p), hk, n_block * Cfg::kBlockN, Cfg::kBlockM,
+                                Cfg::kIsCausal, Cfg::kMods & kModWindow ? Cfg::kBlockN : 0);
+        } else {
+            return BwdQueryWalk(p, hk, n_block * Cfg::kBlockN, Cfg::kBlockM, Cfg::kIsCausal,
+                                Cfg::kMods & kModWindow ? Cfg::kBlockN : 0);
+        }
     }
     // Deterministic mode: how many key blocks add to query block m0's dQ before this one (the key
     // blocks that visit a query block are consecutive: from the block of its first row's first

@@ -183,7 +183,7 @@ def cli_main(head_dim, tokens, hidden, dtype, causal, op, repeats, peers, means=
     echo(f"({len(points)} points in {time.time() - t0:.0f} s)", err=True)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"environment": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump({"benchmark": "varlen", "environment": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
     if plot_path:
         plot(rows, env, plot_path)
     return rows

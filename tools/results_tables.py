@@ -10,7 +10,9 @@ all sequence lengths. Decode (`cuflash bench --decode --json`): one row per kv h
 cuflash's KV TB/s over the cache lengths and the ratios to the peers. Variants (`cuflash bench --variant
 ... --json`): one row per variant, operation and head dim with the TFLOP/s at the longest sequence and
 the ratios to the variant's peer (FlexAttention; SDPA FlashAttention-2 for dropout) over the lengths,
-and the sliding-window tile check.
+and the sliding-window tile check. Varlen (`cuflash bench --varlen --json`): one row per operation, head
+dim and causal flag with the ratios of the packed uneven batch to the same kernels on an even batch and
+to FlexAttention with a document mask over the mean lengths.
 """
 from __future__ import annotations
 
@@ -136,6 +138,32 @@ def variants_table(data: dict, source: str) -> list[str]:
     return out
 
 
+def varlen_table(data: dict, source: str) -> list[str]:
+    rows = [r for r in data["rows"] if "cuflash" in r["tflops"]]
+    if not rows:
+        return []
+    means = sorted({r["seqlen"] for r in rows})
+    out = [f"**Varlen** (bf16, packed batches of 16k tokens, lengths uniform in [1, 2 x mean] for means "
+           f"{means[0]}-{means[-1]}; TFLOP/s of the useful scores; ratios over the means; `{source}`)", "",
+           "| op | head dim | causal | cuflash TFLOP/s | vs even batch median (min) | vs FlexAttention median (min) |",
+           "|---|---|---|---|---|---|"]
+    per_op: dict = {}
+    for op in ("fwd", "bwd"):
+        for hd, causal in sorted({(r["head_dim"], r["causal"]) for r in rows if r["op"] == op}):
+            group = [r for r in rows if (r["op"], r["head_dim"], r["causal"]) == (op, hd, causal)]
+            eq, fx = _ratios(group, "tflops", "cuflash equal"), _ratios(group, "tflops", "flex")
+            per_op.setdefault(op, ([], []))[0].extend(eq)
+            per_op[op][1].extend(fx)
+            t = [r["tflops"]["cuflash"] for r in group]
+            (me, le), (mf, lf) = _ratio_cells(eq), _ratio_cells(fx)
+            out.append(f"| {op} | {hd} | {'yes' if causal else 'no'} | {min(t):.0f}-{max(t):.0f} | {me} ({le}) | {mf} ({lf}) |")
+    for op, (eq, fx) in per_op.items():
+        (me, le), (mf, lf) = _ratio_cells(eq), _ratio_cells(fx)
+        out.append(f"| {op} | all | | | **{me}** ({le}) | **{mf}** ({lf}) |")
+    out += ["", f"Varlen measured on {_env_line(data['environment'])}.", ""]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", nargs="?", default="docs/results")
@@ -145,7 +173,8 @@ def main() -> int:
     lines, envs = [], []
     for op in OPS:  # the newest file holding each operation
         have = [(d["environment"]["date"], str(p), d) for p, d in runs
-                if "rows" in d and "window_check" not in d and any(r.get("op", "fwd") == op for r in d["rows"])]
+                if "rows" in d and "window_check" not in d and d.get("benchmark") != "varlen"
+                and any(r.get("op", "fwd") == op for r in d["rows"])]
         if have:
             _, path, d = max(have, key=lambda x: x[0])
             lines += prefill_table(op, d["rows"], d["environment"], a.dtype, path)
@@ -158,6 +187,9 @@ def main() -> int:
     for path, d in runs:
         if "window_check" in d:
             lines += variants_table(d, str(path))
+    for path, d in runs:
+        if d.get("benchmark") == "varlen":
+            lines += varlen_table(d, str(path))
     print("\n".join(lines))
     return 0
 

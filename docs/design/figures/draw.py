@@ -678,12 +678,69 @@ def fig_work_split():
 # ---------------------------------------------------------------------------------------------
 
 
+# ---------------------------------------------------------------------------------------------
+# 9. Varlen: the tile scheduler over packed sequences
+# ---------------------------------------------------------------------------------------------
+
+
+def fig_varlen():
+    ax = canvas("varlen.svg", 124, 58)
+    title(ax, 2, 55.5, "Varlen: packed rows, the scheduler's slots f(b) = cu[b] // block + b, and the backward's scratch")
+    lengths = [300, 40, 0, 520, 100]  # rows of each sequence (block = 128)
+    block = 128
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    sx = 100.0 / cu[-1]  # x units per row
+    x0, y_rows = 12.0, 44.0
+    label(ax, 2, y_rows + 2, "packed q\n(total_q rows)", fs=6.6, ha="left")
+    shades = ["#dbe8f6", "#dcefd8", "#ffffff", "#fde6cc", "#ece0f5"]
+    for b, n in enumerate(lengths):
+        if n:
+            box(ax, x0 + cu[b] * sx, y_rows, n * sx, 4, color=shades[b], text=f"seq {b}: {n}", fs=6.4)
+    for value in sorted(set(cu)):
+        names = "=".join(f"cu[{b}]" for b in range(len(cu)) if cu[b] == value)
+        label(ax, x0 + value * sx, y_rows - 1.6, f"{names}={value}", fs=5.4)
+    label(ax, x0 + 100 + 1, y_rows + 2, "(seq 2 empty)", fs=5.6, ha="left")
+    # Slots: f(b) .. f(b+1)-1; tiles of the sequence, then spare slots.
+    f = [cu[b] // block + b for b in range(len(cu))]
+    y_slots, w = 28.0, 100.0 / f[-1]
+    label(ax, 2, y_slots + 2, "grid slots\n(blockIdx.x)", fs=6.6, ha="left")
+    for b, n in enumerate(lengths):
+        tiles = -(-n // block)
+        for t in range(f[b], f[b + 1]):
+            m = t - f[b]
+            real = m < tiles
+            box(ax, x0 + t * w, y_slots, w - 0.4, 4, color=shades[b] if real else "#ffffff",
+                hatch=None if real else "////", text=f"{b}:{m}" if real else "spare", fs=5.6)
+            label(ax, x0 + t * w + w / 2, y_slots - 1.5, str(t), fs=5.2)
+        if b < len(lengths):
+            label(ax, x0 + f[b] * w, y_slots + 6, f"f({b})={f[b]}", fs=5.4)
+    arrow(ax, (x0 + 50, y_rows - 3.5), (x0 + 50, y_slots + 8.5),
+          text="CTA t: the largest b with f(b) <= t (32-way warp search over cu), tile m = t - f(b)", fs=6.2,
+          toff=(1, 0), ha="left")  # fmt: skip
+    # Scratch rows.
+    y_scr = 12.0
+    label(ax, 2, y_scr + 2, "bwd scratch\n(lse_log2, D,\ndq_accum)", fs=6.6, ha="left")
+    for t in range(f[-1]):
+        b = max(i for i in range(len(lengths)) if f[i] <= t)
+        m = t - f[b]
+        real = m < -(-lengths[b] // block)
+        box(ax, x0 + t * w, y_scr, w - 0.4, 4, kind="hbm", color=None if real else "#ffffff",
+            hatch=None if real else "////", text=f"rows {t * block}.." if real else "", fs=5.2)
+    label(ax, x0, y_scr - 3.5, "per head: slots x block rows; sequence b's tile m owns rows (f(b) + m) x block: "
+          "no two sequences share a tile, the preprocess and convert kernels find their rows the same way",
+          fs=6.0, ha="left")
+    label(ax, x0, 3.0, "at most one spare slot per sequence (a CTA that exits at once): grid = total // block + batch; "
+          "causal: each sequence's last (heaviest) tile takes its first slot", fs=6.0, ha="left")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--png", metavar="DIR", help="also write PNG previews into DIR")
     args = ap.parse_args()
     for draw in (fig_forward, fig_forward_masks, fig_backward, fig_backward_dq, fig_decode, fig_decode_merge,
-                 fig_decode_grids, fig_work_split):  # fmt: skip
+                 fig_decode_grids, fig_work_split, fig_varlen):  # fmt: skip
         draw()
     for name, fig in _figures:
         fig.savefig(OUT / name, format="svg", metadata={"Date": None, "Creator": "docs/design/figures/draw.py"})
