@@ -113,6 +113,7 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
     Mask mask;
     int seqlen_k_;  // varlen: the sequence's keys
     bool skip_;     // varlen: a spare slot of the scheduler
+    const int* bt_row_;  // varlen with paged K/V: the sequence's block_table row (else null)
 
     CUFLASH_DEVICE explicit FwdTileRef(const FwdParams& p) : mask(p.mod, p.seqlen_q, p.seqlen_k) {
         if constexpr (kVarlen) {
@@ -146,6 +147,7 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
         const SeqInfo<true>& seq = slot.seq;
         skip_ = slot.skip;
         seqlen_k_ = seq.seqlen_k;
+        bt_row_ = seq.bt_row;
         mask = Mask(p.mod, seq.seqlen_q, seq.seqlen_k);
         const int h = blockIdx.y, b = seq.b;
         const int hk = h / p.head_ratio;
@@ -161,6 +163,15 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
             this->n_block_begin = mask.n_block_begin(m0, Cfg::kBlockN);
             this->alibi_slope = Mask::alibi_slope(p.mod, b, h);
             this->rng = DropoutStream(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
+        }
+    }
+
+    // Key tile n0 of K (or V: its strides) from k (or v): packed rows; varlen with paged K/V, its page.
+    CUFLASH_DEVICE const u16* kv_tile(const FwdParams& p, const u16* base, int n0, i64 batch_stride, i64 row_stride) const {
+        if constexpr (kVarlen) {
+            return base + varlen_kv_tile_off(p.mod, bt_row_, n0, batch_stride, row_stride);
+        } else {
+            return base + n0 * row_stride;
         }
     }
 
@@ -258,11 +269,13 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     auto s_v = [&](int j) { return s_v0 + (Cfg::kStages == 2 ? (j & 1) : 0) * Cfg::kSmemKV; };
     auto load_k = [&](int j) {
         const int n0 = j * kBlockN;
-        load_tile<Cfg, kBlockN>(s_k(j), g_k + n0 * p.k_row_stride, p.k_row_stride, tile.keys(p) - n0, p.head_dim, tid);
+        load_tile<Cfg, kBlockN>(s_k(j), tile.kv_tile(p, g_k, n0, p.k_batch_stride, p.k_row_stride), p.k_row_stride,
+                                tile.keys(p) - n0, p.head_dim, tid);
     };
     auto load_v = [&](int j) {
         const int n0 = j * kBlockN;
-        load_tile<Cfg, kBlockN>(s_v(j), g_v + n0 * p.v_row_stride, p.v_row_stride, tile.keys(p) - n0, p.head_dim, tid);
+        load_tile<Cfg, kBlockN>(s_v(j), tile.kv_tile(p, g_v, n0, p.v_batch_stride, p.v_row_stride), p.v_row_stride,
+                                tile.keys(p) - n0, p.head_dim, tid);
     };
 
     WarpTile<Cfg> wt;

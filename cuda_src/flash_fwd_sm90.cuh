@@ -103,8 +103,10 @@ CUFLASH_DEVICE void flash_fwd_sm90_kernel(const FwdParams& p) {
     auto s_v = [&](int j) { return s_v0 + (j & 1) * Cfg::kTileBytesKV; };
     auto load_kv = [&](int j) {
         const int n0 = j * kBlockN;
-        load_tile_sw128<Cfg, kBlockN>(s_k(j), g_k + n0 * p.k_row_stride, p.k_row_stride, tile.keys(p) - n0, p.head_dim, tid);
-        load_tile_sw128<Cfg, kBlockN>(s_v(j), g_v + n0 * p.v_row_stride, p.v_row_stride, tile.keys(p) - n0, p.head_dim, tid);
+        load_tile_sw128<Cfg, kBlockN>(s_k(j), tile.kv_tile(p, g_k, n0, p.k_batch_stride, p.k_row_stride), p.k_row_stride,
+                                      tile.keys(p) - n0, p.head_dim, tid);
+        load_tile_sw128<Cfg, kBlockN>(s_v(j), tile.kv_tile(p, g_v, n0, p.v_batch_stride, p.v_row_stride), p.v_row_stride,
+                                      tile.keys(p) - n0, p.head_dim, tid);
     };
 
     // Descriptors. A = this warpgroup's 64 rows of Q (K-major); B of S = K (K-major); B of O = V read

@@ -23,12 +23,18 @@ struct ModParams {
     const int* cu_seqlens_q;         // varlen: (batch + 1) int32 prefix sums, sequence b = packed query rows
     const int* cu_seqlens_k;         //   [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows likewise (varlen.cuh)
     const int* seqused_k;            // varlen: (batch,) int32 keys each sequence uses (<= its packed length), or null
+    const int* block_table;          // varlen forward, paged K/V: (batch, >= page_capacity / page_size) int32 pages,
+                                     //   or null: k, v packed like q (cu_seqlens_k rows)
+    long long block_table_stride;    // elements between rows of block_table
     int window_left;                 // sliding window: query i sees keys j with
     int window_right;                //   d - window_left <= j <= d + window_right, d = i + seqlen_k - seqlen_q
     float softcap_scale;             // softcap: softmax_scale / softcap; the score s becomes tanh(s * softcap_scale)
     float alibi_scale;               // ALiBi: slope -> bias per key in raw score units (1 / the softmax's unit scale)
     float dropout_rp;                // dropout: 1 / (1 - dropout_p)
     unsigned int keep_threshold;     // dropout: an element is kept iff its 16-bit random number < keep_threshold
+    int page_size;                   // paged varlen: tokens per page (a multiple of every key tile)
+    int num_pages;                   //   pages of k, v (indices are clamped into [0, num_pages))
+    int page_capacity;               //   keys a sequence can hold: block_table columns x page_size
 };
 
 struct FwdParams {

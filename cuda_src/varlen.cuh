@@ -43,6 +43,16 @@ CUFLASH_DEVICE int varlen_find_seq(const int* cu, int batch, int total, int bloc
     return lo;
 }
 
+// Element offset of key row n0 of a sequence (the first row of a key tile, which never crosses a page:
+// page_size is a multiple of every key tile) from the kv head's key 0: packed rows (bt_row null), or
+// page bt_row[n0 / page_size] clamped into the pages, slot n0 % page_size (paged K/V).
+CUFLASH_DEVICE i64 varlen_kv_tile_off(const ModParams& m, const int* bt_row, int n0, i64 batch_stride, i64 row_stride) {
+    if (bt_row == nullptr) return n0 * row_stride;
+    const int blk = n0 / m.page_size;
+    const int page = min(max(__ldg(bt_row + blk), 0), m.num_pages - 1);
+    return page * batch_stride + (n0 - blk * m.page_size) * row_stride;
+}
+
 // Where the sequence of a CTA lives. Plain batches: batch b (blockIdx.z), lengths and offsets from the
 // parameter block, so every expression is the one the kernels used before varlen existed.
 template <bool kVarlen>
@@ -71,6 +81,7 @@ struct SeqInfo<true> {
     int q_start, k_start;  // first packed row of q and of k
     int seqlen_q, seqlen_k;
     int q_tile0;           // f(b) of the block_m scheduler: the sequence's first scratch tile (backward)
+    const int* bt_row;     // paged K/V (forward): the sequence's block_table row, or null
 
     template <class P>
     CUFLASH_DEVICE SeqInfo(const P& p, int b_, int block_m) : b(b_) {
@@ -83,7 +94,14 @@ struct SeqInfo<true> {
         seqlen_k = max(seqlen_k, 0);
         if (m.seqused_k != nullptr) seqlen_k = min(seqlen_k, max(__ldg(m.seqused_k + b), 0));
         q_tile0 = q_start / block_m + b;
+        bt_row = nullptr;
+        if (m.block_table != nullptr) {  // paged: keys live in pages, not at packed rows
+            bt_row = m.block_table + b * m.block_table_stride;
+            k_start = 0;
+            seqlen_k = min(seqlen_k, m.page_capacity);
+        }
     }
+
     template <class P>
     CUFLASH_DEVICE int len_q(const P&) const { return seqlen_q; }
     template <class P>

@@ -26,12 +26,17 @@ MOD_FIELDS = [
     ("cu_seqlens_q", _PTR),
     ("cu_seqlens_k", _PTR),
     ("seqused_k", _PTR),
+    ("block_table", _PTR),
+    ("block_table_stride", _I64),
     ("window_left", _I32),
     ("window_right", _I32),
     ("softcap_scale", _F32),
     ("alibi_scale", _F32),
     ("dropout_rp", _F32),
     ("keep_threshold", np.uint32),
+    ("page_size", _I32),
+    ("num_pages", _I32),
+    ("page_capacity", _I32),
 ]
 
 MOD_DTYPE = np.dtype(MOD_FIELDS, align=True)

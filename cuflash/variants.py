@@ -44,15 +44,19 @@ class Variants:
         (softcap with softcap: the working score is tanh(s softmax_scale / softcap))."""
         return self.softcap if self.mods & MOD_SOFTCAP else softmax_scale
 
-    def record(self, softmax_scale: float, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, seqused_k: int = 0) -> tuple:
+    def record(self, softmax_scale: float, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, seqused_k: int = 0,
+               paged: tuple = (0, 0, 0, 0, 0)) -> tuple:  # fmt: skip
         """The ModParams fields (cuflash/params.py MOD_FIELDS order); the cu_seqlens / seqused_k device
-        pointers of a varlen call (0 otherwise)."""
+        pointers of a varlen call (0 otherwise) and its paged K/V (block_table pointer, its row stride,
+        page_size, num_pages, page_capacity)."""
         seed, offset = self.rng_state or (0, 0)
         unit = self.unit_scale(softmax_scale)
         softcap_scale = softmax_scale / self.softcap if self.mods & MOD_SOFTCAP else 0.0
         keep = keep_threshold(self.dropout_p) if self.mods & MOD_DROPOUT else 0
-        return (self.alibi_ptr, self.alibi_batch_stride, seed, offset, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                self.window[0], self.window[1], softcap_scale, 1.0 / unit, 1.0 / (1.0 - self.dropout_p), keep)  # fmt: skip
+        bt, bt_stride, page_size, num_pages, capacity = paged
+        return (self.alibi_ptr, self.alibi_batch_stride, seed, offset, cu_seqlens_q, cu_seqlens_k, seqused_k, bt,
+                bt_stride, self.window[0], self.window[1], softcap_scale, 1.0 / unit, 1.0 / (1.0 - self.dropout_p), keep,
+                page_size, num_pages, capacity)  # fmt: skip
 
 
 

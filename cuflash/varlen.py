@@ -20,12 +20,15 @@ from .params import BWD_PACKER, FWD_PACKER
 
 #: Most sequences in one packed batch (the device-side search of varlen.cuh counts in int32 powers of 32).
 MAX_SEQUENCES = 2**24
+#: Paged K/V: page sizes are multiples of this, a multiple of every forward key tile (plan FWD_TILES,
+#: FWD_SM90_TILES), so a key tile never crosses a page.
+PAGE_MULTIPLE = 128
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                      softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                     dropout_p: float = 0.0, rng_state=None, seqused_k=None, return_lse: bool = False, out=None,
-                     check: bool = False):  # fmt: skip
+                     dropout_p: float = 0.0, rng_state=None, seqused_k=None, block_table=None, return_lse: bool = False,
+                     out=None, check: bool = False):  # fmt: skip
     """Exact attention of each packed sequence on its own, with FlashAttention-2 on CuPy arrays.
 
     q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); float16 or bfloat16, one
@@ -36,6 +39,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     max_seqlen_q, max_seqlen_k: the longest sequence of each (flash-attn's arguments; the kernels do
     not need them: any value >= the real maximum is right, and check=True verifies them).
     seqused_k: optional int32 CuPy array (batch,): sequence b uses only its first seqused_k[b] keys.
+    block_table: paged K/V (chunked prefill against a paged KV cache): k, v are then (num_pages,
+    page_size, nheads_kv, headdim) with page_size a multiple of 128, block_table int32 (batch,
+    max_pages) (CuPy, or host ints), and key j of sequence b lives in page block_table[b, j //
+    page_size], slot j % page_size; sequence b has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys (or
+    seqused_k[b]). A host block_table is validated against those lengths (read back: one
+    synchronization); a CuPy one with check=True. Forward only (the backward takes packed k, v).
     causal, softmax_scale, window_size, softcap, alibi_slopes ((nheads,) or (batch, nheads)),
     dropout_p, rng_state: as ``cuflash.attention``, per sequence (sequence b is batch index b of
     ALiBi and of the dropout stream).
@@ -49,21 +58,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     """
     return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-               dropout_p=dropout_p, rng_state=rng_state, seqused_k=seqused_k, return_lse=return_lse, out=out,
-               check=check)  # fmt: skip
+               dropout_p=dropout_p, rng_state=rng_state, seqused_k=seqused_k, block_table=block_table,
+               return_lse=return_lse, out=out, check=check)  # fmt: skip
 
 
 def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, softmax_scale=None,
         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, seqused_k=None,
-        return_lse=False, out=None, check=False, tile: plan.Tile | plan.Sm90Tile | None = None):  # fmt: skip
+        block_table=None, return_lse=False, out=None, check=False,
+        tile: plan.Tile | plan.Sm90Tile | None = None):  # fmt: skip
     """``attention_varlen`` with a forced tile (a plan.Tile runs the mma.sync kernel, a plan.Sm90Tile the
     Hopper one); for tests and tuning. tile=None is exactly ``attention_varlen``."""
     cupy = checks.cupy_module()
-    g = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, check, cupy)
+    g = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, check, cupy,
+                      block_table=block_table)  # fmt: skip
     softmax_scale = checks.resolve_scale(softmax_scale, g.head_dim)
     var = variants.resolve(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            dropout_p=dropout_p, rng_state=rng_state, batch=g.batch, nheads=g.nheads,
-                           seqlen_q=g.total_q, seqlen_k=g.total_k, device_id=g.device_id, cupy=cupy)  # fmt: skip
+                           seqlen_q=g.total_q, seqlen_k=g.keys_bound, device_id=g.device_id, cupy=cupy)  # fmt: skip
 
     def result(out, lse):
         res = (out, lse) if return_lse else (out,)
@@ -76,21 +87,23 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         lse = cupy.empty((g.nheads, g.total_q), dtype=cupy.float32)
         if g.batch == 0 or g.total_q == 0 or g.nheads == 0 or g.head_dim == 0:
             return result(out, lse)
-        q4, k4, v4, o4 = (x[None] for x in (q, k, v, out))  # (1, total, heads, d): the 4-D strides helpers
+        q4, o4 = q[None], out[None]  # (1, total, heads, d): the 4-D strides helpers
+        k4, v4 = (k, v) if g.paged else (k[None], v[None])  # paged: (pages, page_size, heads, d)
         aligned = g.head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q4, k4, v4, o4))
-        how, fn = _plan_and_load(g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim,
+        how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim,
                                  checks.DTYPE_NAMES[q.dtype], var.causal, aligned, g.device_id, var.mods, tile)  # fmt: skip
         unit = var.unit_scale(softmax_scale)
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q4, k4, v4, o4))
         record = FWD_PACKER.pack(
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
             q_batch_stride=0, q_row_stride=qs[1], q_head_stride=qs[2],
-            k_batch_stride=0, k_row_stride=ks[1], k_head_stride=ks[2],
-            v_batch_stride=0, v_row_stride=vs[1], v_head_stride=vs[2],
+            k_batch_stride=ks[0] if g.paged else 0, k_row_stride=ks[1], k_head_stride=ks[2],  # (paged: page stride)
+            v_batch_stride=vs[0] if g.paged else 0, v_row_stride=vs[1], v_head_stride=vs[2],
             o_batch_stride=0, o_row_stride=os_[1], o_head_stride=os_[2],
             batch=g.batch, nheads=g.nheads, nheads_kv=g.nheads_kv, head_ratio=g.nheads // g.nheads_kv,
             seqlen_q=g.total_q, seqlen_k=g.total_k, head_dim=g.head_dim, num_m_blocks=how.grid[0],
-            softmax_scale=unit, scale_log2=unit * math.log2(math.e), mod=var.record(softmax_scale, *g.pointers),
+            softmax_scale=unit, scale_log2=unit * math.log2(math.e),
+            mod=var.record(softmax_scale, *g.pointers, paged=g.paged_record),
         )  # fmt: skip
         launch.launch_record(fn, how, record, cupy.cuda.get_current_stream().ptr)
     return result(out, lse)
@@ -180,7 +193,8 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
 class _Geometry:
     """What the checks found: sizes, q's device and the varlen pointers (cu_seqlens_q, cu_seqlens_k, seqused_k)."""
 
-    __slots__ = ("batch", "total_q", "total_k", "nheads", "nheads_kv", "head_dim", "device_id", "pointers")
+    __slots__ = ("batch", "total_q", "total_k", "nheads", "nheads_kv", "head_dim", "device_id", "pointers", "paged",
+                 "keys_bound", "paged_record", "block_table_dev")  # fmt: skip
 
 
 def _geometry3(name: str, x, cupy) -> tuple:
@@ -190,15 +204,28 @@ def _geometry3(name: str, x, cupy) -> tuple:
     return checks.geometry(name, x[None] if isinstance(x, cupy.ndarray) else x, cupy)
 
 
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, check, cupy) -> _Geometry:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _geometry3(name, x, cupy)
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, check, cupy,
+                  block_table=None) -> _Geometry:  # fmt: skip
+    paged = block_table is not None
+    _geometry3("q", q, cupy)
+    for name, x in (("k", k), ("v", v)):
+        if paged:
+            checks.geometry(name, x, cupy)  # (num_pages, page_size, nheads_kv, headdim)
+        else:
+            _geometry3(name, x, cupy)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if v.shape != k.shape:
         raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
     total_q, nheads, head_dim = q.shape
-    total_k, nheads_kv, head_dim_k = k.shape
+    if paged:
+        num_pages, page_size, nheads_kv, head_dim_k = k.shape
+        total_k = num_pages * page_size
+        if page_size < 1 or page_size % PAGE_MULTIPLE:
+            raise ValueError(f"page size (k.shape[1] with block_table) must be a positive multiple of {PAGE_MULTIPLE} "
+                             f"(every key tile stays in one page), got {page_size}")  # fmt: skip
+    else:
+        total_k, nheads_kv, head_dim_k = k.shape
     if head_dim_k != head_dim:
         raise ValueError(f"q and k must have the same head dim, got {head_dim} and {head_dim_k}")
     checks.check_head_dim(head_dim)
@@ -224,11 +251,33 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if not isinstance(seqused_k, cupy.ndarray):
             raise TypeError(f"seqused_k must be an int32 cupy.ndarray (batch,) on q's device, got {type(seqused_k).__name__}")
         checks.check_device_int32("seqused_k", seqused_k, (batch,), device_id)
-    if check:
-        _validate(cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k, int(max_seqlen_q), int(max_seqlen_k))
     g = _Geometry()
+    g.paged, g.paged_record, g.block_table_dev = paged, (0, 0, 0, 0, 0), None
+    keys_bound = total_k  # the most keys a sequence can have
+    if paged:
+        bt_host, bt_dev = checks.block_table_arrays(block_table, batch, device_id, cupy)
+        capacity = bt_dev.shape[1] * page_size
+        if capacity > checks.INT32_MAX:
+            raise ValueError(f"block_table covers {capacity} tokens per sequence; at most {checks.INT32_MAX}")
+        keys_bound = capacity
+        # cu_seqlens_k then count each sequence's keys; the kernels clamp them to the capacity, never to a total.
+        total_k = checks.INT32_MAX
+        if bt_host is not None or check:  # a table the host can see is validated against the lengths
+            lengths = _validate(cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k, int(max_seqlen_q),
+                                int(max_seqlen_k), check_q=check)  # fmt: skip
+            over = np.flatnonzero(lengths > capacity)
+            if over.size:
+                b = int(over[0])
+                raise ValueError(f"sequence {b} has {int(lengths[b])} keys, more than its block_table row holds "
+                                 f"({bt_dev.shape[1]} pages x {page_size})")  # fmt: skip
+            checks.validate_block_table(bt_host if bt_host is not None else bt_dev.get(), lengths, page_size, num_pages)
+        g.paged_record = (bt_dev.data.ptr, bt_dev.strides[0] // bt_dev.itemsize, page_size, num_pages, capacity)
+        g.block_table_dev = bt_dev  # (kept alive for the launch)
+    elif check:
+        _validate(cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k, int(max_seqlen_q), int(max_seqlen_k))
     g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim, g.device_id = (
         batch, total_q, total_k, nheads, nheads_kv, head_dim, device_id)  # fmt: skip
+    g.keys_bound = keys_bound
     g.pointers = (cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, 0 if seqused_k is None else seqused_k.data.ptr)
     return g
 
@@ -262,8 +311,10 @@ def validate_cu_seqlens(name: str, cu: np.ndarray, total: int, max_seqlen: int |
     return lengths
 
 
-def _validate(cu_q, cu_k, seqused_k, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
-    validate_cu_seqlens("cu_seqlens_q", cu_q.get(), total_q, max_q)
+def _validate(cu_q, cu_k, seqused_k, total_q: int, total_k: int, max_q: int, max_k: int, check_q: bool = True):
+    """Validate the prefix sums (and seqused_k) on the host; returns the keys each sequence uses."""
+    if check_q:
+        validate_cu_seqlens("cu_seqlens_q", cu_q.get(), total_q, max_q)
     lengths_k = validate_cu_seqlens("cu_seqlens_k", cu_k.get(), total_k, max_k)
     if seqused_k is not None:
         used = seqused_k.get().astype(np.int64)
@@ -271,6 +322,8 @@ def _validate(cu_q, cu_k, seqused_k, total_q: int, total_k: int, max_q: int, max
         if bad.size:
             b = int(bad[0])
             raise ValueError(f"seqused_k[{b}] = {int(used[b])} must be in [0, {int(lengths_k[b])}] (sequence {b}'s keys)")
+        return used
+    return lengths_k
 
 
 def _check_lse(lse, shape: tuple, device_id: int, cupy) -> None:

@@ -233,7 +233,7 @@ def test_softcap_alibi_dropout_resolution_and_record():
     assert v.mods == plan.MOD_SOFTCAP | plan.MOD_ALIBI | plan.MOD_DROPOUT
     assert v.unit_scale(0.125) == 30.0
     rec = v.record(0.125)
-    assert rec == (4096, 4, 2**64 - 1, 5, 0, 0, 0, 0, 0, 0.125 / 30.0, 1 / 30.0, 1 / 0.75, 49152)
+    assert rec == (4096, 4, 2**64 - 1, 5, 0, 0, 0, 0, 0, 0, 0, 0.125 / 30.0, 1 / 30.0, 1 / 0.75, 49152, 0, 0, 0)
     assert v.record(0.125, 8, 16, 24)[4:7] == (8, 16, 24)  # varlen: cu_seqlens_q, cu_seqlens_k, seqused_k
     fresh = _resolve(dropout_p=0.1)
     assert fresh.rng_state is not None and fresh.rng_state != _resolve(dropout_p=0.1).rng_state

@@ -352,3 +352,48 @@ def test_torch_varlen_autograd():
     assert (c(out).view(cupy.uint16) == ref.view(cupy.uint16)).all()
     for t, g in zip((q, k, v), grads):
         np.testing.assert_allclose(to_f64(c(t.grad)), to_f64(g), atol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", ["plan", "mma.sync"])
+@pytest.mark.parametrize("page_size, head_dim", [(128, 128), (256, 64), (128, 96)])
+def test_varlen_paged_matches_contiguous(kernel, page_size, head_dim):
+    """block_table: k, v in shuffled pages of a paged cache give exactly the packed call's out and lse
+    (the same key tiles, read from their pages); causal and windowed; a bad page index is an error."""
+    import cupy
+
+    from cuflash import varlen
+
+    rng = np.random.default_rng(page_size + head_dim)
+    lengths_q, lengths_k = [5, 0, 300, 1, 64], [700, 3, 1000, 0, 129]
+    q = _packed(rng, lengths_q, 4, head_dim, "bf16")
+    k, v = _packed(rng, lengths_k, 2, head_dim, "bf16"), _packed(rng, lengths_k, 2, head_dim, "bf16")
+    cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
+    pages_per = [-(-n // page_size) for n in lengths_k]
+    num_pages = sum(pages_per) + 3
+    order = rng.permutation(num_pages)  # page ids handed out in shuffled order
+    k_pages = cupy.asarray(rng.standard_normal((num_pages, page_size, 2, head_dim), dtype=np.float32).astype(DTYPES["bf16"]))
+    v_pages = k_pages.copy()
+    table = np.full((len(lengths_k), max(pages_per) + 1), -1, dtype=np.int32)  # unused entries: -1
+    nxt, start = 0, np.concatenate([[0], np.cumsum(lengths_k)])
+    for b, n in enumerate(lengths_k):
+        for j in range(pages_per[b]):
+            page = int(order[nxt])
+            nxt += 1
+            table[b, j] = page
+            rows = slice(start[b] + j * page_size, min(start[b] + (j + 1) * page_size, start[b] + n))
+            cnt = rows.stop - rows.start
+            k_pages[page, :cnt], v_pages[page, :cnt] = k[rows], v[rows]
+    fwd_tile, _ = _tiles(kernel, head_dim)
+    for kw in (dict(causal=True), dict(causal=False, window_size=(200, 50))):
+        want, want_lse = varlen.run(q, k, v, cu_q, cu_k, 300, 1000, return_lse=True, tile=fwd_tile, **kw)
+        for bt in (table, cupy.asarray(table)):
+            got, lse = varlen.run(q, k_pages, v_pages, cu_q, cu_k, 300, 1000, block_table=bt, return_lse=True,
+                                  check=True, tile=fwd_tile, **kw)  # fmt: skip
+            assert (got.view(cupy.uint16) == want.view(cupy.uint16)).all(), f"paged out differs {kw}"
+            np.testing.assert_array_equal(lse.get(), want_lse.get())
+    bad = table.copy()
+    bad[2, 1] = num_pages
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\] = \d+ is not a page of the cache"):
+        varlen.run(q, k_pages, v_pages, cu_q, cu_k, 300, 1000, block_table=bad)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        varlen.run(q, k_pages[:, :100], v_pages[:, :100], cu_q, cu_k, 300, 1000, block_table=table)
