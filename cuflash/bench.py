@@ -398,13 +398,25 @@ def plot(rows: list[Row], env: dict, path: str) -> None:
                  path)  # fmt: skip
 
 
+def save_run(json_path: str, env: dict, rows: list[Row], **extra) -> None:
+    """Write a run as --json saves it: {**extra, "environment": env, "rows": [...]} (extra: e.g. the
+    benchmark's name or the variants' window check)."""
+    with open(json_path, "w") as f:
+        json.dump({**extra, "environment": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def load_run(json_path: str) -> tuple[list[Row], dict, dict]:
+    """(rows, environment, the whole file) of a run saved by save_run."""
+    with open(json_path) as f:
+        data = json.load(f)
+    return [Row(**r) for r in data["rows"]], data["environment"], data
+
+
 def replot(json_path: str, plot_path: str | None = None, echo=None, ops=None) -> list[Row]:
     """The table of a run saved with --json (and its figure, with ``plot_path``), without a GPU.
     ops: only these operations ("fwd", "bwd", "fwd+bwd"); None: all in the file."""
     echo = echo or _echo
-    with open(json_path) as f:
-        data = json.load(f)
-    rows = [Row(**r) for r in data["rows"]]
+    rows, _, data = load_run(json_path)
     if ops is not None:
         rows = [r for r in rows if r.op in ops]
         if not rows:
@@ -437,8 +449,7 @@ def cli_main(head_dim, seqlen, tokens, hidden, dtype, causal, repeats, peers, js
     echo(table)
     echo(f"({len(points)} points in {time.time() - t0:.0f} s)", err=True)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"environment": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        save_run(json_path, env, rows)
     if plot_path:
         plot(rows, env, plot_path)
     return rows

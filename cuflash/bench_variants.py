@@ -17,14 +17,12 @@ cuflash.bench.time_ms (CUDA events, interleaved, median).
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
 import time
-from dataclasses import asdict
 
-from .bench import Row, environment, grouped_bars, release_memory, time_ms, torch_or_none
+from .bench import Row, environment, grouped_bars, load_run, release_memory, save_run, time_ms, torch_or_none
 
 VARIANTS = ("window", "softcap", "alibi", "dropout")
 SOFTCAP = 30.0
@@ -308,18 +306,15 @@ def cli_main(variants, head_dim, seqlen, tokens, hidden, dtype, causal, op, repe
                  f"{r['tile_fraction'] * r['causal_ms']:.3f} ms: ratio {r['ratio_to_bound']:.3f} (bar <= 1.15)")
     echo(f"({len(points)} points in {time.time() - t0:.0f} s)", err=True)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"environment": env, "rows": [asdict(r) for r in rows], "window_check": extra}, f, indent=1)
+        save_run(json_path, env, rows, window_check=extra)
     if plot_path:
         plot(rows, env, plot_path)
     return rows
 
 
 def replot(json_path: str, plot_path: str | None = None, echo=None) -> list[Row]:
-    with open(json_path) as f:
-        data = json.load(f)
-    rows = [Row(**r) for r in data["rows"]]
-    (echo or print)(format_table(rows, data["environment"]))
+    rows, env, _ = load_run(json_path)
+    (echo or print)(format_table(rows, env))
     if plot_path:
-        plot(rows, data["environment"], plot_path)
+        plot(rows, env, plot_path)
     return rows

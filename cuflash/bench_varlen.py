@@ -14,16 +14,14 @@ TFLOP/s count useful FLOPs only: 4 x headdim per (query, key) pair a query sees 
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
 import time
-from dataclasses import asdict
 
 import numpy as np
 
-from .bench import Row, environment, grouped_bars, release_memory, time_ms, torch_or_none
+from .bench import Row, environment, grouped_bars, load_run, release_memory, save_run, time_ms, torch_or_none
 
 MEANS = (512, 1024, 2048, 4096, 8192)
 FLOP_MODEL = "FLOPs = 4*headdim per (query, key) pair of one sequence x heads; bwd = 2.5x"
@@ -182,18 +180,15 @@ def cli_main(head_dim, tokens, hidden, dtype, causal, op, repeats, peers, means=
     echo(format_table(rows, env))
     echo(f"({len(points)} points in {time.time() - t0:.0f} s)", err=True)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"benchmark": "varlen", "environment": env, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        save_run(json_path, env, rows, benchmark="varlen")
     if plot_path:
         plot(rows, env, plot_path)
     return rows
 
 
 def replot(json_path: str, plot_path: str | None = None, echo=None) -> list[Row]:
-    with open(json_path) as f:
-        data = json.load(f)
-    rows = [Row(**r) for r in data["rows"]]
-    (echo or print)(format_table(rows, data["environment"]))
+    rows, env, _ = load_run(json_path)
+    (echo or print)(format_table(rows, env))
     if plot_path:
-        plot(rows, data["environment"], plot_path)
+        plot(rows, env, plot_path)
     return rows
