@@ -571,9 +571,10 @@ CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
         if (r >= p.seqlen_q_pad) return;
         const SeqInfo<true> seq(p, varlen_find_seq(p.mod.cu_seqlens_q, p.batch, p.seqlen_q, p.block_m, r / p.block_m),
                                 p.block_m);
-        const int i = r - seq.q_tile0 * p.block_m;  // >= 0: the sequence's tiles start at q_tile0
+        const int i = r - seq.q_tile0 * p.block_m;  // the sequence's row (>= 0 unless cu_seqlens_q is invalid)
+        const bool real = i >= 0 && i < seq.seqlen_q;
         float dsum = 0.f;
-        if (i < seq.seqlen_q) {
+        if (real) {
             const i64 row = seq.q_start + i;
             const u16* o = static_cast<const u16*>(p.o) + h * p.o_head_stride + row * p.o_row_stride;
             const u16* dout = static_cast<const u16*>(p.dout) + h * p.do_head_stride + row * p.do_row_stride;
@@ -581,7 +582,7 @@ CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
         }
         if (lane == 0) {
             const i64 idx = (i64)h * p.seqlen_q_pad + r;
-            const float lse = i < seq.seqlen_q ? p.lse[seq.lse_row(p, h) + i] : -kInf;
+            const float lse = real ? p.lse[seq.lse_row(p, h) + i] : -kInf;
             p.dsum[idx] = dsum;
             p.lse_log2[idx] = lse == -kInf ? kInf : lse * kLog2e;
         }

@@ -33,12 +33,14 @@ CUFLASH_DEVICE int varlen_find_seq(const int* cu, int batch, int total, int bloc
     const int lane = threadIdx.x % 32;
     int span = 1;
     while (span < batch) span *= 32;  // batch <= 2^24 (the host checks): no overflow
-    int lo = 0;                       // f(lo) <= t always holds (f(0) = 0)
+    int lo = 0;                       // f(lo) <= t holds for valid prefix sums (f(0) = 0)
     for (; span > 1; span /= 32) {
         const int step = span / 32;
         const int idx = lo + lane * step;
         const bool ok = idx < batch && varlen_start(cu, idx, total) / block + idx <= t;
-        lo += (__popc(__ballot_sync(0xffffffffu, ok)) - 1) * step;  // f increasing: the lanes that pass are a prefix
+        // f increasing: the lanes that pass are a prefix. (A bad cu[0] >= block can leave none passing: stay at
+        // lo, whose slot then lies before its first tile and is skipped, never a sequence -1.)
+        lo += max(__popc(__ballot_sync(0xffffffffu, ok)) - 1, 0) * step;
     }
     return lo;
 }

@@ -584,13 +584,16 @@ def _rotate(cupy, q, k_cache, k, cache_seqlens, block_table, cos, sin, interleav
     seqlen_ro, rotary_dim = cos.shape[0], 2 * cos.shape[1]
     if not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} must be in [2, headdim = {head_dim}]")
-    if block_table is not None:
-        capacity = k_shape[1] * (block_table.shape[1] if getattr(block_table, "ndim", np.ndim(block_table)) == 2 else 0)
-    else:
-        capacity = k_shape[1]
-    if seqlen_ro < capacity:
-        raise ValueError(f"rotary_cos / rotary_sin have {seqlen_ro} rows; they must cover every cache position "
-                         f"({capacity})")  # fmt: skip
+    bt_shape = np.shape(block_table) if block_table is not None else None
+    capacity = k_shape[1] * (bt_shape[1] if bt_shape is not None and len(bt_shape) == 2 else 1 if bt_shape is None else 0)
+    seqlen_new = np.shape(k)[1] if k is not None and len(np.shape(k)) == 4 else 0
+    # The largest position any valid call rotates at: a new key below the capacity; the queries at most
+    # seqlen_q - 1 (per token) past the tokens cached, which are at most capacity - seqlen_new.
+    need = max(capacity if seqlen_new else 0, capacity - seqlen_new + (q_shape[1] if per_token_q else 1))
+    if seqlen_ro < max(need, 1):
+        raise ValueError(f"rotary_cos / rotary_sin have {seqlen_ro} rows; this call can rotate at positions up to "
+                         f"{need - 1} (cache capacity {capacity}, {seqlen_new} new tokens, seqlen_q {q_shape[1]}): "
+                         f"give at least {max(need, 1)} rows")  # fmt: skip
     batch = q_shape[0]
     seqlens_ptr, seqlen_const, keep = 0, capacity, []
     if isinstance(cache_seqlens, cupy.ndarray):
@@ -606,7 +609,6 @@ def _rotate(cupy, q, k_cache, k, cache_seqlens, block_table, cos, sin, interleav
     _, pad_dev = _int_array("cache_leftpad", cache_leftpad, batch, device_id, cupy, False)
     dtype = checks.DTYPE_NAMES[q.dtype]
     fn = jit.get_function(plan.RotarySpec(dtype, bool(interleaved), jit.device_arch(device_id)), device_id)
-    stream = cupy.cuda.get_current_stream().ptr
 
     def rotated(x, per_token):
         shape, strides = checks.geometry("k" if x is k else "q", x, cupy)
@@ -628,6 +630,7 @@ def _rotate(cupy, q, k_cache, k, cache_seqlens, block_table, cos, sin, interleav
 
     fn_spec = plan.RotarySpec(dtype, bool(interleaved), jit.device_arch(device_id))
     with cupy.cuda.Device(device_id):
+        stream = cupy.cuda.get_current_stream().ptr  # q's device's current stream, where the decode kernels run
         q_rot = rotated(q, per_token_q)
         k_rot = None
         if k is not None:

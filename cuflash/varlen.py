@@ -92,6 +92,9 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         aligned = g.head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q4, k4, v4, o4))
         how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim,
                                  checks.DTYPE_NAMES[q.dtype], var.causal, aligned, g.device_id, var.mods, tile)  # fmt: skip
+        if g.paged and k.shape[1] % how.spec.tile.block_n:
+            raise ValueError(f"page size {k.shape[1]} is not a multiple of the key tile ({how.spec.tile.block_n} keys) "
+                             f"of the forced tile {how.spec.tile}")  # fmt: skip
         unit = var.unit_scale(softmax_scale)
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q4, k4, v4, o4))
         record = FWD_PACKER.pack(
@@ -118,8 +121,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
     dout, out: like q; lse: the forward's (nheads, total_q) float32. Every other argument is the
     forward's (rng_state: the one it returned, with dropout). deterministic, dq, dk, dv: as
-    ``cuflash.attention_backward``. Rows that belong to no sequence are not written; with seqused_k,
-    the dk, dv rows of the keys a sequence does not use are 0.
+    ``cuflash.attention_backward``; deterministic=True also validates the prefix sums on the host as
+    check=True does (one synchronization: its ordered dQ additions rely on them). Rows that belong to
+    no sequence are not written; with seqused_k, the dk, dv rows of the keys a sequence does not use
+    are 0.
     """
     return run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -133,7 +138,11 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
                  tile: plan.BwdTile | plan.BwdSm90Tile | None = None):  # fmt: skip
     """``attention_varlen_backward`` with a forced main-kernel tile (as cuflash.backward.run); for tests."""
     cupy = checks.cupy_module()
-    g = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, check, cupy)
+    # Deterministic mode always validates the prefix sums on the host (one synchronization): with a
+    # decreasing cu_seqlens two sequences could share a query block's turn counter, or a key block that
+    # should add before it could have no CTA, and the ordered dQ additions would wait forever.
+    g = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                      check or bool(deterministic), cupy)  # fmt: skip
     softmax_scale = checks.resolve_scale(softmax_scale, g.head_dim)
     checks.check_like("dout", dout, "q", q, g.device_id, cupy)
     checks.check_like("out", out, "q", q, g.device_id, cupy)

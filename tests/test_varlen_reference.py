@@ -181,3 +181,43 @@ def test_validate_cu_seqlens():
         validate_cu_seqlens("cu_seqlens_q", np.array([0, 5, 11]), 10)
     with pytest.raises(ValueError, match="sequence 1 has 6 rows in cu_seqlens_q, more than max_seqlen_q = 5"):
         validate_cu_seqlens("cu_seqlens_q", np.array([0, 4, 10]), 10, 5)
+
+
+def test_varlen_search_model_never_names_sequence_minus_one():
+    """A model of varlen.cuh's 32-way search (varlen_find_seq, VarlenTile): for valid prefix sums every
+    (sequence, tile) pair gets exactly one slot; for a bad cu[0] >= block (unchecked input) the slots
+    before f(0) resolve to sequence 0 and are skipped, never to sequence -1 (an out-of-bounds index)."""
+    rng = np.random.default_rng(1)
+
+    def find(cu, total, block, t):
+        batch, span, lo = len(cu) - 1, 1, 0
+        while span < batch:
+            span *= 32
+        while span > 1:
+            step = span // 32
+            ok = [lo + i * step < batch and min(max(cu[lo + i * step], 0), total) // block + lo + i * step <= t
+                  for i in range(32)]  # fmt: skip
+            lo += max(sum(ok) - 1, 0) * step
+            span //= 32
+        return lo
+
+    def slots(cu, total, block):
+        owned = []
+        for t in range(total // block + len(cu) - 1):
+            b = find(cu, total, block, t)
+            assert 0 <= b < len(cu) - 1
+            start = min(max(cu[b], 0), total)
+            n = -(-max(min(max(cu[b + 1], 0), total) - start, 0) // block)
+            m = t - (start // block + b)
+            if 0 <= m < n:
+                owned.append((b, m))
+        return owned
+
+    for _ in range(300):
+        block = int(rng.choice([64, 128]))
+        lengths = rng.integers(0, 400, size=int(rng.integers(1, 70)))
+        cu = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        owned = slots(cu, cu[-1], block)
+        want = [(b, m) for b, n in enumerate(lengths) for m in range(-(-int(n) // block))]
+        assert sorted(owned) == want
+    slots([256, 300, 400], 400, 128)  # cu[0] >= block: no sequence -1
