@@ -269,13 +269,21 @@ CUFLASH_DEVICE void flash_fwd_kernel(const FwdParams& p) {
     auto s_v = [&](int j) { return s_v0 + (Cfg::kStages == 2 ? (j & 1) : 0) * Cfg::kSmemKV; };
     auto load_k = [&](int j) {
         const int n0 = j * kBlockN;
-        load_tile<Cfg, kBlockN>(s_k(j), tile.kv_tile(p, g_k, n0, p.k_batch_stride, p.k_row_stride), p.k_row_stride,
-                                tile.keys(p) - n0, p.head_dim, tid);
+        if constexpr (FwdTileRef<Cfg>::kVarlen) {  // (paged K/V: the tile's page)
+            load_tile<Cfg, kBlockN>(s_k(j), tile.kv_tile(p, g_k, n0, p.k_batch_stride, p.k_row_stride), p.k_row_stride,
+                                    tile.keys(p) - n0, p.head_dim, tid);
+        } else {
+            load_tile<Cfg, kBlockN>(s_k(j), g_k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        }
     };
     auto load_v = [&](int j) {
         const int n0 = j * kBlockN;
-        load_tile<Cfg, kBlockN>(s_v(j), tile.kv_tile(p, g_v, n0, p.v_batch_stride, p.v_row_stride), p.v_row_stride,
-                                tile.keys(p) - n0, p.head_dim, tid);
+        if constexpr (FwdTileRef<Cfg>::kVarlen) {
+            load_tile<Cfg, kBlockN>(s_v(j), tile.kv_tile(p, g_v, n0, p.v_batch_stride, p.v_row_stride), p.v_row_stride,
+                                    tile.keys(p) - n0, p.head_dim, tid);
+        } else {
+            load_tile<Cfg, kBlockN>(s_v(j), g_v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, p.head_dim, tid);
+        }
     };
 
     WarpTile<Cfg> wt;
