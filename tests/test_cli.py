@@ -944,3 +944,34 @@ def test_time_ms_one_function_has_no_primer(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "get_elapsed_time", lambda a, b: float(b.at - a.at))
     assert bench.time_ms({"only": lambda: log.append("only")}, repeats=3, warmup_s=0.0, calls=2) == {"only": 1.0}
     assert [x for x in log if x != "sync"] == ["only"] * (1 + 3 * 2)
+
+def test_bench_varlen_from_json_and_usage(tmp_path, gpu_never_asked):
+    """--varlen: a saved run prints its table (ratios to the even batch and to FlexAttention) without a
+    GPU; it does not combine with --decode or --variant."""
+    from cuflash import bench, bench_varlen
+
+    rows = [bench.Row("bf16", 128, True, 512, 31, 16, op="fwd", ms={"cuflash": 0.2},
+                      tflops={"cuflash": 200.0, "cuflash equal": 210.0, "flex": 150.0}),
+            bench.Row("bf16", 128, True, 2048, 7, 16, op="bwd", ms={"cuflash": 1.0},
+                      tflops={"cuflash": 300.0, "cuflash equal": 290.0}, notes={"flex": "RuntimeError: no"})]  # fmt: skip
+    path = tmp_path / "varlen.json"
+    bench.save_run(str(path), ENV, rows, benchmark="varlen")
+    r = invoke(["bench", "--varlen", "--from-json", str(path)])
+    assert r.exit_code == 0, r.output
+    assert r.output.strip() == bench_varlen.format_table(rows, ENV).strip()
+    assert "fwd: cuflash varlen / cuflash equal over 1 points: median 0.952" in r.output
+    assert "fwd: cuflash varlen / flex over 1 points: median 1.333" in r.output
+    assert "note: flex at bwd hd128 mean=2048: RuntimeError: no" in r.output
+    for extra in (["--decode"], ["--variant", "window"]):
+        r = invoke(["bench", "--varlen", *extra])
+        assert r.exit_code == 2 and "--varlen" in r.output
+
+
+def test_bench_varlen_lengths_and_pairs():
+    from cuflash import bench_varlen
+
+    for mean in (512, 8192):
+        lengths = bench_varlen.draw_lengths(mean, 16384)
+        assert sum(lengths) == 16384 and all(1 <= n <= 2 * mean for n in lengths)
+        assert lengths == bench_varlen.draw_lengths(mean, 16384)  # seeded: every run the same batch
+    assert bench_varlen.pairs([3, 1], causal=True) == 6 + 1 and bench_varlen.pairs([3, 1], causal=False) == 9 + 1
