@@ -7,9 +7,9 @@
 #               in the logs. TESTS narrows it (pytest paths / -k), HYPOTHESIS_EXAMPLES sets the property
 #               tests' examples (default 60; quick: 15), PYTEST_MARK a marker expression (e.g. "gpu or not slow")
 #   sanitize    compute-sanitizer (SANITIZE_TOOLS, default "memcheck racecheck") over
-#               tests/sanitize_cases.py (SANITIZE_ARGS, e.g. "--only filled" or "--only variants")
+#               tests/sanitize_cases.py (SANITIZE_ARGS, e.g. "--only filled", "--only variants" or "--only varlen")
 #   bench       cuflash bench --op all (prefill forward, backward, forward+backward; BENCH_ARGS adds
-#               options) -> bench.json, bench.png
+#               options, e.g. --varlen for packed batches) -> bench.json, bench.png
 #   decode      cuflash bench --decode (DECODE_ARGS) -> decode.json, decode.png
 # Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT (s).
 # Full logs go to OUTDIR/logs.tgz; a short summary is printed last. The device tool returns at most 8
