@@ -7,8 +7,8 @@ test helpers it uses (run from the repository root after pip install -e .):
 --only filled: just the decode cases on the unsplit wave, the filled and tail-split grids and with CTA loads
 (a short run). --only variants: just the attention variants (window, softcap, ALiBi, dropout) on ragged
 cases of every kernel family. --only varlen: packed ragged batches (zero-length sequences, one long one)
-on the forward and backward of both kernel families, and the KV-cache extras (rotary, cache_batch_idx,
-cache_leftpad).
+on the forward and backward of both kernel families, paged K/V in the varlen forward, and the KV-cache
+extras (rotary, cache_batch_idx, cache_leftpad).
 """
 import dataclasses
 import sys
@@ -210,6 +210,12 @@ def varlen_cases(rng, arch):
                     _check_seq_backward(grads, dout, q, k, v, out, cu_q, cu_k, causal=causal, scale=None, dtype=dt,
                                         what="", **kw)  # fmt: skip
             print(f"ok varlen d={d} {dt} causal={causal} {sorted(kw)}")
+    # Paged K/V in the varlen forward (shuffled pages, unused table entries -1), both kernel families.
+    from test_varlen_gpu import test_varlen_paged_matches_contiguous
+
+    test_varlen_paged_matches_contiguous("plan", 128, 128)
+    test_varlen_paged_matches_contiguous("mma.sync", 128, 96)
+    print("ok paged varlen")
     # The KV-cache extras: rotary (both layouts) with new tokens on a paged cache, cache_batch_idx and
     # cache_leftpad (a whole sequence padded away) with splits.
     from test_kvcache_extras_gpu import test_cache_batch_idx, test_cache_leftpad, test_leftpad_of_a_whole_sequence, test_rotary
