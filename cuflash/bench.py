@@ -60,6 +60,26 @@ class Row:
     host_us: float = float("nan")  # cuflash host time per call (checks, planning, launch)
 
 
+def runs_once(impls: dict, notes: dict, width: int = 120) -> dict:
+    """The implementations of ``impls`` whose first call succeeds; for each one that raises (a peer
+    without a kernel for this shape), why goes to ``notes[name]`` (the message's first line, at most
+    ``width`` characters), and the rest are timed."""
+    runnable = {}
+    for name, fn in impls.items():
+        try:
+            fn()
+            runnable[name] = fn
+        except Exception as exc:  # noqa: BLE001 - any refusal is a result to report
+            notes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:width] if str(exc) else ''}"
+    return runnable
+
+
+def ratio_summary(what: str, ratios: list[float], unit: str = "points") -> str:
+    """One summary line of a table: ``what`` over n points: median, min, max of the ratios."""
+    return (f"{what} over {len(ratios)} {unit}: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
+            f"max {max(ratios):.3f}")  # fmt: skip
+
+
 def time_ms(fns: dict, repeats: int = 30, warmup_s: float = 0.3, calls: int = 5, primer: bool = True) -> dict:
     """Median device milliseconds per call of each fn(), by CUDA events on the current stream.
 
@@ -263,13 +283,7 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
     if peers and op == "fwd" and batch * nheads * seqlen * seqlen * 4 <= naive_max_gb * 2**30:
         impls["naive"] = lambda: _naive(q, k, v, causal, scale)
 
-    runnable = {}
-    for name, fn in impls.items():  # a peer without a kernel for this shape: record why, time the rest
-        try:
-            fn()
-            runnable[name] = fn
-        except Exception as exc:
-            row.notes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    runnable = runs_once(impls, row.notes)
     # The fused kernels are timed together; the naive one apart (its 4-GB passes would sit between them).
     naive = {k: v for k, v in runnable.items() if k == "naive"}
     fused = {k: v for k, v in runnable.items() if k != "naive"}
@@ -337,10 +351,7 @@ def format_table(rows: list[Row], env: dict) -> str:
             ratios = [r.tflops["cuflash"] / r.tflops[peer] for r in rows
                       if r.op == op and peer in r.tflops and "cuflash" in r.tflops]  # fmt: skip
             if ratios:
-                lines.append(
-                    f"{op}: cuflash / {peer} over {len(ratios)} points: median {statistics.median(ratios):.3f}, "
-                    f"min {min(ratios):.3f}, max {max(ratios):.3f}"
-                )
+                lines.append(ratio_summary(f"{op}: cuflash / {peer}", ratios))
     for r in rows:
         for impl, why in r.notes.items():
             lines.append(f"note: {impl} at {r.op} {r.dtype} hd{r.head_dim} causal={r.causal} s={r.seqlen}: {why}")

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 from .bench import (
-    environment, fwd_flops, grouped_bars, host_us, peak_extra_mb, release_memory, time_ms, torch_or_none,
+    environment, fwd_flops, grouped_bars, host_us, peak_extra_mb, ratio_summary, release_memory, runs_once, time_ms,
+    torch_or_none,
     torch_peak_mb,
 )
 
@@ -145,13 +145,7 @@ def run_decode_point(dtype: str, head_dim: int, batch: int, cache_len: int, nhea
         impls["flash"] = _sdpa_peer(torch, SDPBackend.FLASH_ATTENTION, tq, tk, tv, scale, gqa)
         impls["cudnn"] = _sdpa_peer(torch, SDPBackend.CUDNN_ATTENTION, tq, tk, tv, scale, gqa)
 
-    runnable = {}
-    for name, fn in impls.items():  # a peer without a kernel for this shape: record why, time the rest
-        try:
-            fn()
-            runnable[name] = fn
-        except Exception as exc:  # noqa: BLE001 - any refusal is a result to report
-            row.notes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    runnable = runs_once(impls, row.notes, width=160)
     cupy.cuda.get_current_stream().synchronize()
     if torch is not None:
         torch.cuda.synchronize()
@@ -260,10 +254,7 @@ def format_decode_table(rows: list[DecodeRow], env: dict) -> str:
     for peer in ("flash", "cudnn"):
         ratios = [r.tbps["cuflash"] / r.tbps[peer] for r in rows if peer in r.tbps and "cuflash" in r.tbps]
         if ratios:
-            lines.append(
-                f"cuflash / {peer} over {len(ratios)} shapes: median {statistics.median(ratios):.3f}, "
-                f"min {min(ratios):.3f}, max {max(ratios):.3f}"
-            )
+            lines.append(ratio_summary(f"cuflash / {peer}", ratios, unit="shapes"))
     big = [r for r in rows if r.batch * r.cache_len >= 256 * 1024 and "cuflash" in r.tbps]
     if big:
         lines.append(

@@ -18,11 +18,12 @@ cuflash.bench.time_ms (CUDA events, interleaved, median).
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
 
-from .bench import Row, environment, grouped_bars, load_run, release_memory, save_run, time_ms, torch_or_none
+from .bench import (
+    Row, environment, grouped_bars, load_run, ratio_summary, release_memory, runs_once, save_run, time_ms, torch_or_none,
+)
 
 VARIANTS = ("window", "softcap", "alibi", "dropout")
 SOFTCAP = 30.0
@@ -166,13 +167,7 @@ def run_point(variant: str, op: str, dtype: str, head_dim: int, causal: bool, se
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is noted, the rest timed
                 row.notes["flex"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         impls["flash (plain)"] = with_grad(sdpa_fn(0.0))
-    runnable = {}
-    for name, fn in impls.items():
-        try:
-            fn()
-            runnable[name] = fn
-        except Exception as exc:  # noqa: BLE001
-            row.notes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    runnable = runs_once(impls, row.notes)
     row.ms = time_ms(runnable, repeats=repeats)
     for name in runnable:
         row.tflops[name] = flops / (row.ms[name] * 1e-3) / 1e12
@@ -208,8 +203,7 @@ def format_table(rows: list[Row], env: dict) -> str:
                       if r.notes.get("variant") == var and r.op == op and peer_of(var) in r.tflops
                       and "cuflash" in r.tflops]  # fmt: skip
             if ratios:
-                lines.append(f"{var} {op}: cuflash / {peer_of(var)} over {len(ratios)} points: median "
-                             f"{statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+                lines.append(ratio_summary(f"{var} {op}: cuflash / {peer_of(var)}", ratios))
     for r in rows:
         for impl, why in r.notes.items():
             if impl != "variant":

@@ -15,13 +15,14 @@ TFLOP/s count useful FLOPs only: 4 x headdim per (query, key) pair a query sees 
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
 
 import numpy as np
 
-from .bench import Row, environment, grouped_bars, load_run, release_memory, save_run, time_ms, torch_or_none
+from .bench import (
+    Row, environment, grouped_bars, load_run, ratio_summary, release_memory, runs_once, save_run, time_ms, torch_or_none,
+)
 
 MEANS = (512, 1024, 2048, 4096, 8192)
 FLOP_MODEL = "FLOPs = 4*headdim per (query, key) pair of one sequence x heads; bwd = 2.5x"
@@ -109,13 +110,7 @@ def run_point(op: str, dtype: str, head_dim: int, causal: bool, mean: int, token
                 impls["flex"] = lambda: torch.autograd.grad(saved, (tq, tk, tv), tdo, retain_graph=True)
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run is noted, the rest timed
             row.notes["flex"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    runnable = {}
-    for name, fn in impls.items():
-        try:
-            fn()
-            runnable[name] = fn
-        except Exception as exc:  # noqa: BLE001
-            row.notes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    runnable = runs_once(impls, row.notes)
     row.ms = time_ms(runnable, repeats=repeats)
     for name in runnable:
         row.tflops[name] = flops[name] / (row.ms[name] * 1e-3) / 1e12
@@ -143,8 +138,7 @@ def format_table(rows: list[Row], env: dict) -> str:
             ratios = [r.tflops["cuflash"] / r.tflops[peer] for r in rows if r.op == op and peer in r.tflops
                       and "cuflash" in r.tflops]  # fmt: skip
             if ratios:
-                lines.append(f"{op}: cuflash varlen / {peer} over {len(ratios)} points: median "
-                             f"{statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+                lines.append(ratio_summary(f"{op}: cuflash varlen / {peer}", ratios))
     for r in rows:
         for impl, why in r.notes.items():
             if impl != "lengths":
