@@ -188,14 +188,16 @@ def output_like(out, like, device_id: int, cupy, name: str = "out", like_name: s
     return out
 
 
-def check_lse(lse, shape: tuple, device_id: int, cupy) -> None:
-    """The forward's lse handed to the backward: float32 of ``shape``, on the device, C-contiguous."""
+def check_lse(lse, shape: tuple, device_id: int, cupy, layout: str = "(batch, nheads, seqlen_q)",
+              forward: str = "cuflash.attention") -> None:  # fmt: skip
+    """The forward's lse handed to the backward: float32 of ``shape`` (named ``layout``, returned by
+    ``forward``), on the device, C-contiguous."""
     if not isinstance(lse, cupy.ndarray):
         raise TypeError(f"lse must be a cupy.ndarray, got {type(lse).__name__}")
     if lse.shape != shape or lse.dtype != np.float32:
         raise ValueError(
-            f"lse must be float32 of shape (batch, nheads, seqlen_q) = {shape} as returned by "
-            f"cuflash.attention(..., return_lse=True), got {lse.dtype} {lse.shape}"
+            f"lse must be float32 of shape {layout} = {shape} as returned by "
+            f"{forward}(..., return_lse=True), got {lse.dtype} {lse.shape}"
         )
     if lse.device.id != device_id:
         raise ValueError(f"lse is on device {lse.device.id}, q on device {device_id}")

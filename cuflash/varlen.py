@@ -146,7 +146,8 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
     softmax_scale = checks.resolve_scale(softmax_scale, g.head_dim)
     checks.check_like("dout", dout, "q", q, g.device_id, cupy)
     checks.check_like("out", out, "q", q, g.device_id, cupy)
-    _check_lse(lse, (g.nheads, g.total_q), g.device_id, cupy)
+    checks.check_lse(lse, (g.nheads, g.total_q), g.device_id, cupy, layout="(nheads, total_q)",
+                     forward="cuflash.attention_varlen")  # fmt: skip
     var = variants.resolve(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            dropout_p=dropout_p, rng_state=rng_state, batch=g.batch, nheads=g.nheads,
                            seqlen_q=g.total_q, seqlen_k=g.total_k, device_id=g.device_id, cupy=cupy,
@@ -333,18 +334,6 @@ def _validate(cu_q, cu_k, seqused_k, total_q: int, total_k: int, max_q: int, max
             raise ValueError(f"seqused_k[{b}] = {int(used[b])} must be in [0, {int(lengths_k[b])}] (sequence {b}'s keys)")
         return used
     return lengths_k
-
-
-def _check_lse(lse, shape: tuple, device_id: int, cupy) -> None:
-    if not isinstance(lse, cupy.ndarray):
-        raise TypeError(f"lse must be a cupy.ndarray, got {type(lse).__name__}")
-    if lse.shape != shape or lse.dtype != np.float32:
-        raise ValueError(f"lse must be float32 of shape (nheads, total_q) = {shape} as returned by "
-                         f"cuflash.attention_varlen(..., return_lse=True), got {lse.dtype} {lse.shape}")  # fmt: skip
-    if lse.device.id != device_id:
-        raise ValueError(f"lse is on device {lse.device.id}, q on device {device_id}")
-    if not lse.flags.c_contiguous:
-        raise ValueError("lse must be C-contiguous; pass cupy.ascontiguousarray(lse)")
 
 
 @functools.lru_cache(maxsize=1024)
