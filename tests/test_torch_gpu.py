@@ -127,7 +127,7 @@ def test_clear_errors(torch):
     with pytest.raises(ValueError, match="CUDA tensor"):
         x = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
         ct.attention(x, x, x)
-    with pytest.raises(TypeError, match="torch tensors"):
+    with pytest.raises(TypeError, match="torch tensor"):
         ct.attention(1, 2, 3)
 
 

@@ -1,0 +1,122 @@
+"""How a torch call reaches the CuPy API: zero-copy tensors, torch's stream, torch's allocator, torch's RNG.
+
+Every op in cuflash.torch.ops runs its CuPy call inside ``call(device)``, which makes
+
+- ``device`` the current CUDA device (torch's and CuPy's: both read the runtime's);
+- torch's current stream CuPy's current stream, so the kernels are ordered with the caller's torch
+  work and are captured when that stream is capturing a CUDA graph;
+- torch's caching allocator CuPy's allocator, so every buffer cuflash allocates (outputs, lse, the
+  backward's fp32 scratch, the split-KV workspace, rotary copies) comes from torch: memory shows up in
+  ``torch.cuda.max_memory_allocated``, there is one pool instead of two, and under graph capture the
+  buffers come from the graph's private pool (CuPy's own pool would call cudaMalloc during capture).
+
+Tensors cross with DLPack both ways: no copy, the memory is shared.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..checks import cupy_module
+
+_ALLOCATORS: dict = {}  # device index -> CuPy allocator function drawing from torch's caching allocator
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def to_cupy(t: torch.Tensor, name: str = "tensor", copy_ok: bool = True):
+    """A CuPy view of ``t`` (same memory). The kernels need a contiguous last dimension: anything else
+    is copied once, unless ``copy_ok`` is False (a cache the kernels write in place), then an error."""
+    t = t.detach()  # DLPack carries no autograd history; the memory is shared either way
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        if not copy_ok:
+            raise ValueError(
+                f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}): cuflash writes it in "
+                f"place, and a copy would hide the write from you"
+            )
+        t = t.contiguous()
+    return cupy_module().from_dlpack(t)
+
+
+def to_cupy_opt(t, name: str = "tensor"):
+    return None if t is None else to_cupy(t, name)
+
+
+def to_torch(x) -> torch.Tensor:
+    return torch.from_dlpack(x)
+
+
+def _stream():
+    """CuPy view of torch's current CUDA stream: through the CUDA stream protocol where CuPy has
+    Stream.from_external (CuPy 14 deprecates ExternalStream)."""
+    cp = cupy_module()
+    stream = torch.cuda.current_stream()
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cp.cuda.ExternalStream(stream.cuda_stream)
+
+
+def _allocator(index: int):
+    fn = _ALLOCATORS.get(index)
+    if fn is None:
+        cp = cupy_module()
+        device = torch.device("cuda", index)
+
+        def fn(nbytes: int):
+            # The tensor owns the block; CuPy's MemoryPointer keeps the tensor alive, and torch reuses
+            # the block once the last CuPy array (or the torch tensor DLPack made of it) is gone.
+            block = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device)
+            mem = cp.cuda.UnownedMemory(block.data_ptr(), nbytes, block, index)
+            return cp.cuda.MemoryPointer(mem, 0)
+
+        _ALLOCATORS[index] = fn
+    return fn
+
+
+@contextlib.contextmanager
+def call(device: torch.device):
+    """The context of one CuPy call on behalf of torch tensors on ``device`` (see the module docstring)."""
+    index = device_index(device)
+    cp = cupy_module()
+    with torch.cuda.device(index), _stream(), cp.cuda.using_allocator(_allocator(index)):
+        yield cp
+
+
+# Dropout's random stream: a (seed, offset) pair for cuflash's Philox from torch's CUDA generator.
+_U64 = 2**64
+
+
+def draw_rng(device: torch.device) -> tuple[int, int]:
+    """A (seed, offset) from torch's CUDA generator of ``device``: its seed, and an offset reserved by
+    advancing the generator (so torch.manual_seed makes runs reproducible and successive calls draw
+    different masks)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "cuflash dropout under CUDA graph capture: the Philox seed and offset are host values baked into "
+            "the captured launch, so every replay would drop the same elements; capture with dropout_p=0, "
+            "or run the dropout step outside the graph"
+        )
+    gen = torch.cuda.default_generators[device_index(device)]
+    offset = gen.get_offset()
+    gen.set_offset(offset + 4)  # torch's Philox offsets move in steps of 4
+    return gen.initial_seed() % _U64, int(offset)
+
+
+def rng_tensor(rng: tuple[int, int] | None, device: torch.device) -> torch.Tensor:
+    """The (seed, offset) as an int64 CUDA tensor (2,) for the backward (zeros without dropout). The seed
+    is stored modulo 2**64 as a signed value."""
+    if rng is None:
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    seed, offset = rng
+    signed = seed - _U64 if seed >= 2**63 else seed
+    return torch.tensor([signed, offset], dtype=torch.int64).to(device)
+
+
+def rng_from_tensor(t: torch.Tensor) -> tuple[int, int]:
+    """(seed, offset) back from ``rng_tensor``: a read from the GPU (one synchronization, dropout only)."""
+    seed, offset = t.tolist()
+    return seed % _U64, offset

@@ -1,0 +1,227 @@
+"""cuflash's kernels as torch custom ops (``torch.ops.cuflash.*``), with fake implementations and autograd.
+
+Registered with ``torch.library.custom_op``, so ``torch.compile`` traces through them without graph
+breaks (the fake implementations give the output shapes without running anything), autograd works
+eagerly and compiled, and ``torch.library.opcheck`` can test them. Each op converts its tensors to
+CuPy views (DLPack, no copy) and calls the CuPy API inside ``_bridge.call``: the tensors' device,
+torch's current stream, torch's caching allocator.
+
+    cuflash::fwd         dense forward                       -> out, lse, rng_state
+    cuflash::bwd         dense backward                      -> dq, dk, dv
+    cuflash::varlen_fwd  packed variable-length forward      -> out, lse, rng_state
+    cuflash::varlen_bwd  packed variable-length backward     -> dq, dk, dv
+    cuflash::fwd_kvcache decode against a KV cache; appends k, v into k_cache, v_cache in place -> out, lse
+
+rng_state is an int64 CUDA tensor (2,): dropout's Philox (seed, offset), drawn from torch's CUDA
+generator by the forward and replayed by the backward (zeros without dropout). window_size travels
+as two ints (-1 = unbounded). The user-facing functions with flash-attn's signatures are in
+cuflash.torch.interface.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import backward as _backward
+from .. import forward as _forward
+from .. import kvcache as _kvcache
+from .. import varlen as _varlen
+from . import _bridge
+
+__all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd", "fwd_kvcache"]
+
+
+def _rng(dropout_p: float, device) -> tuple[int, int] | None:
+    return _bridge.draw_rng(device) if dropout_p > 0 else None
+
+
+def _grad_out(dout: Optional[Tensor], out: Tensor) -> Tensor:
+    # Only lse was used downstream: out's gradient is zero (lse itself carries no gradient, as in flash-attn).
+    return torch.zeros_like(out) if dout is None else dout
+
+
+# Dense forward / backward.
+
+
+@torch.library.custom_op("cuflash::fwd", mutates_args=(), device_types="cuda")
+def fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout_p: float,
+        softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Dense FlashAttention-2 forward; ``deterministic`` is kept for the backward."""
+    rng = _rng(dropout_p, q.device)
+    with _bridge.call(q.device):
+        out, lse = _forward.attention(
+            _bridge.to_cupy(q, "q"), _bridge.to_cupy(k, "k"), _bridge.to_cupy(v, "v"), causal=causal,
+            softmax_scale=softmax_scale, window_size=(window_left, window_right), softcap=softcap,
+            alibi_slopes=_bridge.to_cupy_opt(alibi_slopes, "alibi_slopes"), dropout_p=dropout_p, rng_state=rng,
+            return_lse=True,
+        )  # fmt: skip
+        return _bridge.to_torch(out), _bridge.to_torch(lse), _bridge.rng_tensor(rng, q.device)
+
+
+@fwd.register_fake
+def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    b, s, h, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32),
+            q.new_empty((2,), dtype=torch.int64))  # fmt: skip
+
+
+@torch.library.custom_op("cuflash::bwd", mutates_args=(), device_types="cuda")
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, alibi_slopes: Optional[Tensor],
+        rng_state: Tensor, dropout_p: float, softmax_scale: Optional[float], causal: bool, window_left: int,
+        window_right: int, softcap: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Dense FlashAttention-2 backward of ``fwd``."""
+    rng = _bridge.rng_from_tensor(rng_state) if dropout_p > 0 else None
+    with _bridge.call(q.device):
+        grads = _backward.attention_backward(
+            _bridge.to_cupy(dout, "dout"), _bridge.to_cupy(q, "q"), _bridge.to_cupy(k, "k"), _bridge.to_cupy(v, "v"),
+            _bridge.to_cupy(out, "out"), _bridge.to_cupy(lse, "lse"), causal=causal, softmax_scale=softmax_scale,
+            window_size=(window_left, window_right), softcap=softcap,
+            alibi_slopes=_bridge.to_cupy_opt(alibi_slopes, "alibi_slopes"), dropout_p=dropout_p, rng_state=rng,
+            deterministic=deterministic,
+        )  # fmt: skip
+        return tuple(_bridge.to_torch(g) for g in grads)
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left, window_right,
+      softcap, deterministic):  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes)  # (no gradient flows to alibi_slopes)
+    ctx.args = (dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic)
+
+
+def _fwd_backward(ctx, dout, dlse, drng):
+    q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = bwd(_grad_out(dout, out), q, k, v, out, lse, alibi_slopes, rng_state, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
+
+
+# Variable-length (packed) forward / backward.
+
+
+@torch.library.custom_op("cuflash::varlen_fwd", mutates_args=(), device_types="cuda")
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, seqused_k: Optional[Tensor], block_table: Optional[Tensor],
+               alibi_slopes: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
+               window_left: int, window_right: int, softcap: float,
+               deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Packed variable-length forward (k, v paged when block_table is given)."""
+    rng = _rng(dropout_p, q.device)
+    with _bridge.call(q.device):
+        out, lse = _varlen.attention_varlen(
+            _bridge.to_cupy(q, "q"), _bridge.to_cupy(k, "k"), _bridge.to_cupy(v, "v"),
+            _bridge.to_cupy(cu_seqlens_q, "cu_seqlens_q"), _bridge.to_cupy(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q,
+            max_seqlen_k, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+            softcap=softcap, alibi_slopes=_bridge.to_cupy_opt(alibi_slopes, "alibi_slopes"), dropout_p=dropout_p,
+            rng_state=rng, seqused_k=_bridge.to_cupy_opt(seqused_k, "seqused_k"),
+            block_table=_bridge.to_cupy_opt(block_table, "block_table"), return_lse=True,
+        )  # fmt: skip
+        return _bridge.to_torch(out), _bridge.to_torch(lse), _bridge.rng_tensor(rng, q.device)
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, alibi_slopes,
+      dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic):  # fmt: skip
+    total, h, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((h, total), dtype=torch.float32),
+            q.new_empty((2,), dtype=torch.int64))  # fmt: skip
+
+
+@torch.library.custom_op("cuflash::varlen_bwd", mutates_args=(), device_types="cuda")
+def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Tensor,
+               cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, seqused_k: Optional[Tensor],
+               alibi_slopes: Optional[Tensor], rng_state: Tensor, dropout_p: float, softmax_scale: Optional[float],
+               causal: bool, window_left: int, window_right: int, softcap: float,
+               deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Packed variable-length backward of ``varlen_fwd`` (packed k, v only)."""
+    rng = _bridge.rng_from_tensor(rng_state) if dropout_p > 0 else None
+    with _bridge.call(q.device):
+        grads = _varlen.attention_varlen_backward(
+            _bridge.to_cupy(dout, "dout"), _bridge.to_cupy(q, "q"), _bridge.to_cupy(k, "k"), _bridge.to_cupy(v, "v"),
+            _bridge.to_cupy(out, "out"), _bridge.to_cupy(lse, "lse"), _bridge.to_cupy(cu_seqlens_q, "cu_seqlens_q"),
+            _bridge.to_cupy(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q, max_seqlen_k, causal=causal,
+            softmax_scale=softmax_scale, window_size=(window_left, window_right), softcap=softcap,
+            alibi_slopes=_bridge.to_cupy_opt(alibi_slopes, "alibi_slopes"), dropout_p=dropout_p, rng_state=rng,
+            seqused_k=_bridge.to_cupy_opt(seqused_k, "seqused_k"), deterministic=deterministic,
+        )  # fmt: skip
+        return tuple(_bridge.to_torch(g) for g in grads)
+
+
+@varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, alibi_slopes,
+      rng_state, dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic):  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, block_table, alibi_slopes, dropout_p, softmax_scale, causal, wl, wr,
+     softcap, deterministic) = inputs  # fmt: skip
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, cu_q, cu_k, seqused_k, alibi_slopes)
+    ctx.paged = block_table is not None
+    ctx.max_seqlens = (max_q, max_k)
+    ctx.args = (dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic)
+
+
+def _varlen_backward(ctx, dout, dlse, drng):
+    if ctx.paged:
+        raise RuntimeError(
+            "the paged varlen forward (block_table) has no backward, as in flash-attn: call it under "
+            "torch.no_grad(), or pass packed k, v for training"
+        )
+    q, k, v, out, lse, rng_state, cu_q, cu_k, seqused_k, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = varlen_bwd(_grad_out(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens, seqused_k,
+                            alibi_slopes, rng_state, *ctx.args)  # fmt: skip
+    return (dq, dk, dv) + (None,) * 14
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+# Decode against a KV cache.
+
+
+@torch.library.custom_op("cuflash::fwd_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], cache_seqlens: Optional[Tensor],
+                cache_seqlens_int: int, cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+                block_table: Optional[Tensor], alibi_slopes: Optional[Tensor], softmax_scale: Optional[float],
+                causal: bool, window_left: int, window_right: int, softcap: float, rotary_interleaved: bool,
+                num_splits: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Attention against a KV cache; new tokens k, v are written into k_cache, v_cache in place first.
+    cache_seqlens (int32 (batch,)) wins over cache_seqlens_int; both absent (None, -1): full caches."""
+    with _bridge.call(q.device):
+        lengths = _bridge.to_cupy(cache_seqlens, "cache_seqlens") if cache_seqlens is not None else (
+            None if cache_seqlens_int < 0 else cache_seqlens_int)  # fmt: skip
+        out, lse = _kvcache.attention_with_kvcache(
+            _bridge.to_cupy(q, "q"), _bridge.to_cupy(k_cache, "k_cache", copy_ok=False),
+            _bridge.to_cupy(v_cache, "v_cache", copy_ok=False), k=_bridge.to_cupy_opt(k, "k"),
+            v=_bridge.to_cupy_opt(v, "v"), cache_seqlens=lengths,
+            block_table=_bridge.to_cupy_opt(block_table, "block_table"), causal=causal, softmax_scale=softmax_scale,
+            window_size=(window_left, window_right), softcap=softcap,
+            alibi_slopes=_bridge.to_cupy_opt(alibi_slopes, "alibi_slopes"), num_splits=num_splits, return_lse=True,
+            rotary_cos=_bridge.to_cupy_opt(rotary_cos, "rotary_cos"),
+            rotary_sin=_bridge.to_cupy_opt(rotary_sin, "rotary_sin"), rotary_interleaved=rotary_interleaved,
+            cache_batch_idx=_bridge.to_cupy_opt(cache_batch_idx, "cache_batch_idx"),
+            cache_leftpad=_bridge.to_cupy_opt(cache_leftpad, "cache_leftpad"),
+        )  # fmt: skip
+        return _bridge.to_torch(out), _bridge.to_torch(lse)
+
+
+@fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int, cache_batch_idx,
+      cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
+      rotary_interleaved, num_splits):  # fmt: skip
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
