@@ -1,0 +1,151 @@
+"""GPU tests of the Hugging Face transformers integration (cuflash.torch.transformers): tiny randomly
+initialised Llama (GQA), Mistral (sliding window) and Gemma 2 (softcap and sliding window) built from
+configs, nothing downloaded. Logits (with and without left padding), one training step's gradients and
+greedy generate() against the reference implementation: SDPA, or eager for Gemma 2 (transformers' SDPA
+path drops Gemma 2's softcap). Skipped without a GPU, torch or transformers."""
+import copy
+import os
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (optional extra cuflash[torch])")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    return torch
+
+
+@pytest.fixture(scope="module")
+def transformers(torch):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional)")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {transformers.__version__}: the integration needs >= 5")
+    import cuflash.torch.transformers as cft
+
+    cft.register()
+    return transformers
+
+
+COMMON = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=512)  # fmt: skip
+MODELS = {
+    "llama": ("LlamaConfig", dict(COMMON), "sdpa"),
+    "mistral": ("MistralConfig", dict(COMMON, sliding_window=24), "sdpa"),
+    "gemma2": ("Gemma2Config", dict(COMMON, sliding_window=24, attn_logit_softcapping=8.0, query_pre_attn_scalar=64),
+               "eager"),
+}  # fmt: skip
+
+
+def _models(torch, transformers, name, dtype):
+    """(reference fp32, reference in dtype, cuflash in dtype), one set of random weights."""
+    cls, kw, ref_impl = MODELS[name]
+    config = getattr(transformers, cls)(**kw)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=ref_impl,
+                                                        dtype=torch.float32).cuda().eval()  # fmt: skip
+    state = ref.state_dict()
+    out = [ref]
+    for impl in (ref_impl, "cufa"):
+        m = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl,
+                                                          dtype=torch.float32)  # fmt: skip
+        m.load_state_dict(state)
+        out.append(m.to(device="cuda", dtype=dtype).eval())
+    assert out[2].config._attn_implementation == "cufa"
+    return out
+
+
+def _inputs(torch, batch=3, seqlen=64):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, COMMON["vocab_size"], (batch, seqlen), device="cuda", generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0  # left padding
+    mask[2, :30] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logits_match_reference(torch, transformers, name):
+    ref, low, ours = _models(torch, transformers, name, torch.bfloat16)
+    ids, mask = _inputs(torch)
+    with torch.no_grad():
+        for m in (None, mask):
+            want = ref(ids, attention_mask=m).logits
+            keep = torch.ones_like(ids, dtype=torch.bool) if m is None else m.bool()
+            err_low = (low(ids, attention_mask=m).logits.float() - want)[keep].abs().max().item()
+            err = (ours(ids, attention_mask=m).logits.float() - want)[keep].abs().max().item()
+            assert err <= 2 * err_low + 1e-2, f"{name}, mask={m is not None}: error {err:.3g} vs reference-bf16 {err_low:.3g}"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_training_step_gradients_match_reference(torch, transformers, name):
+    """One training step (loss over a padded batch, backward): every parameter's gradient is as close
+    to the fp32 reference's as the same-precision reference implementation's."""
+    ref, low, ours = _models(torch, transformers, name, torch.bfloat16)
+    ids, mask = _inputs(torch)
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for m in (ref, low, ours):
+        m.train()
+        m.zero_grad()
+        m(ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad.float() for n, p in m.named_parameters()})
+    worst = 0.0
+    for n, g in grads[0].items():
+        scale = g.norm().item() + 1e-6
+        e_low = (grads[1][n] - g).norm().item() / scale
+        e_ours = (grads[2][n] - g).norm().item() / scale
+        assert e_ours <= 2 * e_low + 2e-2, f"{name} {n}: relative error {e_ours:.3g} vs reference-bf16 {e_low:.3g}"
+        worst = max(worst, e_ours)
+    assert worst < 0.1
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_generate_matches_reference(torch, transformers, name):
+    """generate() with the KV cache, greedy, left-padded batch: the tokens of the same-precision
+    reference, except after a step where the fp32 reference itself has a near tie (the top two
+    logits within 0.05), which rounding may break either way."""
+    ref, low, ours = _models(torch, transformers, name, torch.float16)
+    ids, mask = _inputs(torch, batch=3, seqlen=40)
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = low.generate(ids, **kw)
+        got = ours.generate(ids, **kw)
+        assert got.shape == want.shape
+        for b in range(ids.shape[0]):
+            diff = (got[b] != want[b]).nonzero()
+            if diff.numel() == 0:
+                continue
+            t = int(diff[0])
+            prefix = got[b : b + 1, :t]
+            logits = ref(prefix, attention_mask=torch.cat([mask[b : b + 1], torch.ones_like(prefix[:, ids.shape[1]:])],
+                                                          dim=1)).logits[0, -1]  # fmt: skip
+            top = logits.topk(2).values
+            assert (top[0] - top[1]).item() < 0.05, f"{name} row {b}: tokens differ at {t} without a near tie"
+
+
+def test_compiled_model_matches_eager(torch, transformers):
+    """torch.compile(fullgraph=True) of a cuflash Llama's forward without padding: no graph break."""
+    _, _, ours = _models(torch, transformers, "llama", torch.bfloat16)
+    ids, _ = _inputs(torch)
+    with torch.no_grad():
+        want = ours(ids).logits
+        got = torch.compile(ours, fullgraph=True)(ids).logits
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_float32_activations_and_attentions_are_clear_errors(torch, transformers):
+    _, _, ours = _models(torch, transformers, "llama", torch.bfloat16)
+    ids, _ = _inputs(torch)
+    with pytest.raises(ValueError, match="output_attentions"):
+        ours(ids, output_attentions=True)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ours.float()(ids)
+    import cuflash.torch.transformers as cft
+
+    with pytest.raises(ValueError, match="without 'flash'"):
+        cft.register("cuflash")
