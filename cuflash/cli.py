@@ -39,6 +39,8 @@ VARIANT_ONLY_OPTIONS = ("variant", "window")
 BENCH_VARIANTS = ("window", "softcap", "alibi", "dropout")
 #: Options of `cuflash bench` that only select the varlen benchmark (--varlen, cuflash.bench_varlen).
 VARLEN_ONLY_OPTIONS = ("varlen",)
+#: Options of `cuflash bench` that only belong to the end-to-end benchmark (--e2e, cuflash.bench_e2e).
+E2E_ONLY_OPTIONS = ("e2e", "model", "compile_model", "inference")
 #: Options of `cuflash bench` handled here (redrawing a saved run), not by the benchmark modules.
 REPLOT_OPTIONS = ("from_json",)
 
@@ -436,6 +438,16 @@ def plot_problem(path: str) -> str | None:
               help="Packed variable-length batches instead: --tokens tokens of sequences with lengths uniform in "
                    "[1, 2 x mean] for each mean given by --seqlen (default 512..8k), against cuflash on an even batch "
                    "and FlexAttention with a document mask (--op fwd, bwd or all).")
+@click.option("--e2e", is_flag=True,
+              help="End to end, as the FA2 paper: GPT models trained for a few steps (--repeats timed steps, "
+                   "--tokens per step, contexts from --seqlen, default 2k and 8k) and a prefill + greedy decode run, "
+                   "with cuflash, SDPA FlashAttention-2 and SDPA cuDNN as the model's attention (needs torch).")
+@click.option("--model", "model", multiple=True, type=click.Choice(["gpt-1.3b", "gpt-2.7b"]),
+              help="--e2e: the GPT configurations (default both).")
+@click.option("--compile/--no-compile", "compile_model", default=True, show_default=True,
+              help="--e2e: also train cuflash's model with each block under torch.compile (first model, first context).")
+@click.option("--inference/--no-inference", "inference", default=True, show_default=True,
+              help="--e2e: also time prefill and greedy decode with a KV cache.")
 @click.pass_context
 def bench(ctx, **options):
     """Time cuflash next to torch's FlashAttention-2 and cuDNN, in one run on the same GPU and inputs,
@@ -447,7 +459,12 @@ def bench(ctx, **options):
     decode, batch, kv_heads = (options.pop(name) for name in DECODE_ONLY_OPTIONS)
     variant, window = (options.pop(name) for name in VARIANT_ONLY_OPTIONS)
     (varlen,) = (options.pop(name) for name in VARLEN_ONLY_OPTIONS)
+    e2e, models, compile_model, inference = (options.pop(name) for name in E2E_ONLY_OPTIONS)
     from_json = options.pop("from_json")
+    if e2e and (varlen or decode or variant):
+        raise click.UsageError("--e2e trains and runs whole models; it does not combine with --varlen, --decode or --variant")
+    if models and not e2e:
+        raise click.UsageError("--model applies to --e2e only")
     if varlen and (decode or variant):
         raise click.UsageError("--varlen times packed prefill batches; it does not combine with --decode or --variant")
     if varlen and options["op"] == "fwd+bwd":
@@ -459,7 +476,7 @@ def bench(ctx, **options):
     if variant and options["op"] == "fwd+bwd":
         raise click.UsageError("--variant times --op fwd, bwd or all (forward and backward apart)")
     module = ("cuflash.bench_decode" if decode else "cuflash.bench_variants" if variant else
-              "cuflash.bench_varlen" if varlen else "cuflash.bench")  # fmt: skip
+              "cuflash.bench_varlen" if varlen else "cuflash.bench_e2e" if e2e else "cuflash.bench")  # fmt: skip
     if options["plot_path"]:  # checked before a run that would end without its figure
         problem = plot_problem(options["plot_path"])
         if problem is not None:
@@ -478,7 +495,7 @@ def bench(ctx, **options):
         from click.core import ParameterSource
 
         kw = {}
-        if not decode and not variant and not varlen and ctx.get_parameter_source("op") is not ParameterSource.DEFAULT and options["op"] != "all":
+        if not decode and not variant and not varlen and not e2e and ctx.get_parameter_source("op") is not ParameterSource.DEFAULT and options["op"] != "all":
             kw["ops"] = (options["op"],)  # an explicit --op picks that operation out of the saved run
         try:
             mod.replot(from_json, options["plot_path"], **kw)
@@ -492,6 +509,15 @@ def bench(ctx, **options):
     if variant:
         variants = BENCH_VARIANTS if "all" in variant else tuple(dict.fromkeys(variant))
         mod.cli_main(variants=variants, window=window, **options)
+        return
+    if e2e:
+        from click.core import ParameterSource
+
+        given = lambda name: ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)  # noqa: E731
+        mod.cli_main(models=models or tuple(mod.MODELS), contexts=options["seqlen"] if given("seqlen") else mod.CONTEXTS,
+                     tokens=options["tokens"], repeats=options["repeats"] if given("repeats") else 5,
+                     peers=options["peers"], compile_model=compile_model, inference=inference,
+                     json_path=options["json_path"], plot_path=options["plot_path"])  # fmt: skip
         return
     if varlen:
         from click.core import ParameterSource

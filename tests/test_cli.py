@@ -665,7 +665,7 @@ def test_bench_signature_matches_the_benchmark_module():
     params = inspect.signature(bench.cli_main).parameters
     # --decode's options go to bench_decode, --from-json's are handled by the CLI (replot)
     passed = ({p.name for p in cli.bench.params} - set(cli.DECODE_ONLY_OPTIONS) - set(cli.REPLOT_OPTIONS)
-              - set(cli.VARIANT_ONLY_OPTIONS) - set(cli.VARLEN_ONLY_OPTIONS))  # fmt: skip
+              - set(cli.VARIANT_ONLY_OPTIONS) - set(cli.VARLEN_ONLY_OPTIONS) - set(cli.E2E_ONLY_OPTIONS))  # fmt: skip
     assert passed <= set(params)
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
     assert required <= passed
@@ -975,3 +975,24 @@ def test_bench_varlen_lengths_and_pairs():
         assert sum(lengths) == 16384 and all(1 <= n <= 2 * mean for n in lengths)
         assert lengths == bench_varlen.draw_lengths(mean, 16384)  # seeded: every run the same batch
     assert bench_varlen.pairs([3, 1], causal=True) == 6 + 1 and bench_varlen.pairs([3, 1], causal=False) == 9 + 1
+
+
+def test_bench_e2e_passes_its_options(monkeypatch):
+    """--e2e hands its options to cuflash.bench_e2e.cli_main (keywords it accepts), and refuses the
+    options of the other benchmarks."""
+    import inspect
+
+    from cuflash import bench_e2e
+
+    got = []
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(bench_e2e, "cli_main", lambda **kw: got.append(kw))
+    r = invoke(["bench", "--e2e", "--model", "gpt-1.3b", "--seqlen", "2048", "--tokens", "8192", "--no-compile",
+                "--no-peers"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert got == [dict(models=("gpt-1.3b",), contexts=(2048,), tokens=8192, repeats=5, peers=False,
+                        compile_model=False, inference=True, json_path=None, plot_path=None)]  # fmt: skip
+    monkeypatch.undo()
+    assert set(got[0]) <= set(inspect.signature(bench_e2e.cli_main).parameters)
+    assert invoke(["bench", "--e2e", "--varlen"]).exit_code != 0
+    assert invoke(["bench", "--model", "gpt-1.3b"]).exit_code != 0
