@@ -164,6 +164,52 @@ def varlen_table(data: dict, source: str) -> list[str]:
     return out
 
 
+def e2e_table(data: dict, source: str) -> list[str]:
+    """The end-to-end GPT run (`cuflash bench --e2e --json`): training tokens/s per model and context
+    with the ratios, peak memory; prefill and decode tokens/s."""
+    runs, env = data["runs"], data["environment"]
+    train = {}
+    for r in runs:
+        if r["kind"] == "train" and not r["note"]:
+            train.setdefault((r["model"], r["context"]), {})[r["impl"]] = r
+    lines = [f"**End to end: GPT training** (bf16, 16k tokens per step, {WARMUP_NOTE}; tokens/s, peak GB; "
+             f"`{source}`)", "",
+             "| model | context | cuflash | FA2 | cuDNN | vs FA2 | vs cuDNN | peak GB cuflash / FA2 / cuDNN | compiled / eager |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    ratios = {"flash": [], "cudnn": []}
+    for (model, ctx), g in train.items():
+        ours = g["cuflash"]
+        cells = []
+        for peer in ("flash", "cudnn"):
+            if peer in g:
+                ratios[peer].append(ours["tokens_per_s"] / g[peer]["tokens_per_s"])
+                cells.append(f"{ratios[peer][-1]:.3f}")
+            else:
+                cells.append("n/a")
+        comp = g.get("cuflash+compile")
+        tps = [f"{g[i]['tokens_per_s']:.0f}" if i in g else "n/a" for i in ("cuflash", "flash", "cudnn")]
+        peaks = " / ".join(f"{g[i]['peak_gb']:.1f}" for i in ("cuflash", "flash", "cudnn") if i in g)
+        compiled = f"{comp['tokens_per_s'] / ours['tokens_per_s']:.3f}" if comp else ""
+        lines.append(f"| {model} | {ctx // 1024}k | {' | '.join(tps)} | {cells[0]} | {cells[1]} | {peaks} | {compiled} |")
+    (fm, fl), (cm, cl) = _ratio_cells(ratios["flash"]), _ratio_cells(ratios["cudnn"])
+    lines.append(f"| all | | | | | **{fm}** ({fl}) | **{cm}** ({cl}) | | |")
+    lines += ["", "**End to end: inference** (prefill of context - 64 tokens, then 64 greedy tokens, eager PyTorch; "
+              "tokens/s)", "", "| model | context | batch | prefill cuflash / FA2 / cuDNN | decode cuflash / FA2 / cuDNN |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    infer = {}
+    for r in runs:
+        if r["kind"] == "infer":
+            infer.setdefault((r["model"], r["context"], r["batch"]), {})[r["impl"]] = r
+    for (model, ctx, batch), g in infer.items():
+        cell = lambda key: " / ".join("n/a" if g[i]["note"] else f"{g[i][key]:.0f}" for i in ("cuflash", "flash", "cudnn") if i in g)  # noqa: E731
+        lines.append(f"| {model} | {ctx // 1024}k | {batch} | {cell('prefill_tokens_per_s')} | {cell('decode_tokens_per_s')} |")
+    lines += ["", f"End to end measured on {_env_line(env)}.", "", "![GPT training on the H200](e2e-h200.png)", ""]
+    return lines
+
+
+WARMUP_NOTE = "3 warm-up steps, 5 timed"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", nargs="?", default="docs/results")
@@ -173,7 +219,7 @@ def main() -> int:
     lines, envs = [], []
     for op in OPS:  # the newest file holding each operation
         have = [(d["environment"]["date"], str(p), d) for p, d in runs
-                if "rows" in d and "window_check" not in d and d.get("benchmark") != "varlen"
+                if "rows" in d and "window_check" not in d and d.get("benchmark") not in ("varlen", "e2e")
                 and any(r.get("op", "fwd") == op for r in d["rows"])]
         if have:
             _, path, d = max(have, key=lambda x: x[0])
@@ -190,6 +236,9 @@ def main() -> int:
     for path, d in runs:
         if d.get("benchmark") == "varlen":
             lines += varlen_table(d, str(path))
+    for path, d in runs:
+        if d.get("benchmark") == "e2e":
+            lines += e2e_table(d, str(path))
     print("\n".join(lines))
     return 0
 

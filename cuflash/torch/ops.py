@@ -230,9 +230,10 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
 
 def kvcache(*args):
     """``fwd_kvcache`` for a caller: the op while torch traces (torch.compile, fake tensors, a dispatch
-    mode), else its implementation directly. The dispatcher's share of a call was ~230 of ~260 us of
-    host time on the H200 machine, most of a decode step; the op has no autograd, so eager calls lose
-    only the version-counter bump of k_cache / v_cache."""
+    mode), else its implementation directly, without the dispatcher's per-call work (alias checks,
+    version counters): a decode step's host time is its latency, and the op has no autograd to serve.
+    Eager calls lose only the version-counter bump of k_cache / v_cache. (Host time per call on the
+    H200 machine: tools/torch_host_overhead.py; docs/history/torch.md has the numbers.)"""
     if type(args[0]) is torch.Tensor and not torch.compiler.is_compiling() and _current_dispatch_mode() is None:
         return _fwd_kvcache_impl(*args)
     return fwd_kvcache(*args)
