@@ -40,6 +40,15 @@ def pytest_report_header(config):
     return f"GPU tests: {'run' if GPU_SKIP_REASON is None else 'skipped, ' + GPU_SKIP_REASON}"
 
 
+@pytest.fixture(scope="module")
+def torch():
+    """PyTorch with a CUDA device, for the PyTorch layer's GPU tests (skipped with the reason otherwise)."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (optional extra cuflash[torch])")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    return torch
+
+
 @pytest.fixture
 def cache_full_after_one_entry(monkeypatch):
     """The disk fills up after the first kernel cache entry: cuflash.cache.write_atomic raises ENOSPC

@@ -6,14 +6,6 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def torch():
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed (optional extra cuflash[torch])")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch has no CUDA device")
-    return torch
-
-
 def _sdpa(torch, q, k, v, causal, scale):
     """SDPA on flash-attn layout tensors; causal aligned bottom-right like cuflash (square here)."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa

@@ -12,14 +12,6 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def torch():
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed (optional extra cuflash[torch])")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA GPU")
-    return torch
-
-
-@pytest.fixture(scope="module")
 def ct(torch):
     import cuflash.torch as ct
 

@@ -13,14 +13,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
-def torch():
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed (optional extra cuflash[torch])")
-    if not torch.cuda.is_available():
-        pytest.skip("torch sees no CUDA GPU")
-    return torch
-
-
-@pytest.fixture(scope="module")
 def transformers(torch):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional)")
     if int(transformers.__version__.split(".")[0]) < 5:
