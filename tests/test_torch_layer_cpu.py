@@ -1,0 +1,297 @@
+"""CPU tests of the PyTorch layer above the kernels: flash-attn's signatures and packed forms, the custom
+ops' schemas, fake implementations and autograd registration (torch.library.opcheck), torch.compile
+tracing, and the transformers integration (padding, packed sequences, sliding windows, softcap,
+generate), with the ops' CPU kernels computed by cuflash.reference (tests/torch_cpu_kernels.py).
+Skipped without torch (transformers tests: without transformers >= 5). The same layer runs on the
+real kernels in the GPU tests (test_torch_interface_gpu.py, test_transformers_gpu.py)."""
+import copy
+import os
+
+import numpy as np
+import pytest
+
+from cuflash import reference
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def ct():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (optional extra cuflash[torch])")
+    import torch_cpu_kernels
+
+    import cuflash.torch as ct
+    from cuflash.torch import interface, ops
+
+    torch_cpu_kernels.register()
+
+    def any_device_tensor(name, t, optional=False):  # the layer refuses CPU tensors; these tests need them
+        if t is None and optional:
+            return None
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
+        return t
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interface, "_tensor", any_device_tensor)
+        mp.setattr(ops, "kvcache", ops.fwd_kvcache)  # the eager shortcut calls the CUDA implementation
+        yield ct
+
+
+def _t(torch, gen, shape, grad=True, dtype=None):
+    x = torch.randn(shape, generator=gen).to(dtype or torch.float16)
+    return x.requires_grad_() if grad else x
+
+
+def _h(t):
+    return t.detach().double().numpy()
+
+
+def _close(got, want, tol=1e-2):
+    got = _h(got) if hasattr(got, "detach") else got
+    assert np.abs(got - want).max() <= tol * max(1.0, float(np.abs(want).max()))
+
+
+def test_flash_attn_func_wiring(ct):
+    """Arguments reach the op in flash-attn's order and gradients land on q, k, v (GQA, every variant)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _t(torch, gen, (2, 33, 4, 16)), _t(torch, gen, (2, 40, 2, 16)), _t(torch, gen, (2, 40, 2, 16))
+    slopes = torch.rand(4, generator=gen) * 0.2
+    kw = dict(causal=True, window_size=(9, 0), softcap=4.0, softmax_scale=0.3)
+    out, lse, probs = ct.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, **kw)
+    assert probs is None and out.dtype == torch.float16 and lse.shape == (2, 4, 33)
+    dout = _t(torch, gen, out.shape, grad=False)
+    out.backward(dout)
+    rk = dict(kw, alibi_slopes=_h(slopes))
+    _close(out, reference.attention_forward(_h(q), _h(k), _h(v), **rk)[0])
+    for t, want in zip((q, k, v), reference.attention_backward(_h(dout), _h(q), _h(k), _h(v), **rk)):
+        _close(t.grad, want)
+
+
+def test_packed_forms_route_gradients(ct):
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    qkv = _t(torch, gen, (2, 20, 3, 4, 16))
+    ct.flash_attn_qkvpacked_func(qkv, causal=True).float().square().sum().backward()
+    parts = [x.detach().clone().requires_grad_() for x in qkv.unbind(2)]
+    ct.flash_attn_func(*parts, causal=True).float().square().sum().backward()
+    torch.testing.assert_close(qkv.grad, torch.stack([p.grad for p in parts], dim=2))
+    q, kv = _t(torch, gen, (2, 20, 4, 16)), _t(torch, gen, (2, 25, 2, 2, 16))
+    got = ct.flash_attn_kvpacked_func(q, kv)
+    got.float().square().sum().backward()
+    k, v = (x.detach().clone().requires_grad_() for x in kv.unbind(2))
+    want = ct.flash_attn_func(q.detach(), k, v)
+    want.float().square().sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(kv.grad, torch.stack([k.grad, v.grad], dim=2))
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    qkv_v = _t(torch, gen, (20, 3, 4, 16))
+    out, lse, _ = ct.flash_attn_varlen_qkvpacked_func(qkv_v, cu, 13, causal=True, return_attn_probs=True)
+    assert lse.shape == (4, 20)
+    dout = _t(torch, gen, out.shape, grad=False)
+    out.backward(dout)
+    h = [_h(x) for x in qkv_v.unbind(1)]
+    want = reference.attention_varlen_backward(_h(dout), *h, cu.numpy(), cu.numpy(), causal=True)
+    _close(qkv_v.grad, np.stack(want, axis=1))
+    kvv = _t(torch, gen, (30, 2, 2, 16))
+    cu_k = torch.tensor([0, 10, 30], dtype=torch.int32)
+    got = ct.flash_attn_varlen_kvpacked_func(qkv_v[:, 0].detach(), kvv, cu, cu_k, 13, 20)
+    want = reference.attention_varlen_forward(_h(qkv_v[:, 0]), _h(kvv[:, 0]), _h(kvv[:, 1]), cu.numpy(), cu_k.numpy())
+    _close(got, want[0])
+
+
+def test_errors_name_the_argument(ct):
+    import torch
+
+    q = torch.zeros(1, 8, 2, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="window_size"):
+        ct.flash_attn_func(q, q, q, window_size=3)
+    with pytest.raises(ValueError, match="return_attn_probs"):
+        ct.flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True)
+    with pytest.raises(TypeError, match="k must be a torch tensor"):
+        ct.flash_attn_func(q, np.zeros(3), q)
+    with pytest.raises(ValueError, match=r"qkv must be \(batch, seqlen, 3, nheads, headdim\)"):
+        ct.flash_attn_qkvpacked_func(q)
+    with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
+        ct.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
+                                  torch.tensor([0, 8], dtype=torch.int32), torch.tensor([8, 8]), 8)  # fmt: skip
+
+
+def test_opcheck_every_op(ct):
+    """Schemas, fake implementations against real outputs (shapes, strides, dtypes), autograd registration."""
+    import torch
+    from torch.library import opcheck
+
+    gen = torch.Generator().manual_seed(2)
+    q, k = _t(torch, gen, (2, 12, 4, 16)), _t(torch, gen, (2, 15, 2, 16))
+    ops = torch.ops.cuflash
+    opcheck(ops.fwd.default, (q, k, k, None, 0.0, None, True, -1, -1, 0.0, False))
+    out, lse, rng = ops.fwd(q.detach(), k.detach(), k.detach(), None, 0.0, None, True, -1, -1, 0.0, False)
+    opcheck(ops.bwd.default, (torch.randn_like(out), q.detach(), k.detach(), k.detach(), out, lse, None, rng, 0.0, None,
+                              True, -1, -1, 0.0, False))  # fmt: skip
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 9, 15], dtype=torch.int32)
+    args = (q[0], k[0], k[0], cu_q, cu_k, 7, 9, None, None, None, 0.0, None, True, -1, -1, 0.0, False)
+    opcheck(ops.varlen_fwd.default, args)
+    out, lse, rng = ops.varlen_fwd(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+    opcheck(ops.varlen_bwd.default, (torch.randn_like(out), q[0].detach(), k[0].detach(), k[0].detach(), out, lse, cu_q,
+                                     cu_k, 7, 9, None, None, rng, 0.0, None, True, -1, -1, 0.0, False))  # fmt: skip
+    cache = _t(torch, gen, (2, 32, 2, 16), grad=False)
+    lens = torch.tensor([3, 20], dtype=torch.int32)
+    opcheck(ops.fwd_kvcache.default, (q.detach()[:, :1], cache, cache.clone(), k.detach()[:, :1], k.detach()[:, :1],
+                                      None, None, lens, -1, None, None, None, None, None, True, -1, -1, 0.0, True, 0))  # fmt: skip
+
+
+def test_kvcache_appends_into_the_callers_tensors(ct):
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    q, kn = _t(torch, gen, (2, 1, 4, 16), grad=False), _t(torch, gen, (2, 1, 2, 16), grad=False)
+    kc, vc = _t(torch, gen, (2, 32, 2, 16), grad=False), _t(torch, gen, (2, 32, 2, 16), grad=False)
+    before = _h(kc)
+    out, lse = ct.flash_attn_with_kvcache(q, kc, vc, k=kn, v=kn, cache_seqlens=torch.tensor([3, 20], dtype=torch.int32),
+                                          causal=True, return_softmax_lse=True)  # fmt: skip
+    assert torch.equal(kc[0, 3], kn[0, 0]) and torch.equal(kc[1, 20], kn[1, 0])
+    want = reference.attention_with_kvcache(_h(q), before, _h(vc), k=_h(kn), v=_h(kn), cache_seqlens=[3, 20], causal=True)
+    _close(out, want[0])
+    assert lse.shape == (2, 4, 1)
+
+
+def test_compile_fullgraph_traces_the_functions(ct):
+    """torch.compile(fullgraph=True) over the dense, packed, varlen and kvcache functions: no graph
+    break (fullgraph raises on one), the compiled loss and gradients equal the eager ones."""
+    import torch
+
+    gen = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(64, 192, dtype=torch.float16)
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    cache = _t(torch, gen, (2, 40, 4, 16), grad=False)
+
+    def f(x, kc, vc):
+        qkv = lin(x).view(2, 12, 3, 4, 16)
+        y = ct.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(5, 0))
+        z = ct.flash_attn_varlen_func(*(t.reshape(24, 4, 16) for t in qkv.unbind(2)), cu, cu, 14, 14, softcap=3.0)
+        w = ct.flash_attn_with_kvcache(qkv[:, -1:, 0].detach(), kc, vc, k=qkv[:, -1:, 1].detach(),
+                                       v=qkv[:, -1:, 2].detach(), cache_seqlens=7)  # fmt: skip
+        return (y.float().square().sum() + z.float().square().sum()) + w.float().sum()
+
+    x = _t(torch, gen, (2, 12, 64), grad=False)
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        lin.zero_grad()
+        kc, vc = cache.clone(), cache.clone()
+        loss = fn(x, kc, vc)
+        loss.backward()
+        results.append((loss.detach(), lin.weight.grad.clone(), kc))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+    assert torch.equal(results[0][2], results[1][2])  # the compiled call appended in place too
+
+
+# transformers
+
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=128)  # fmt: skip
+MODELS = {"llama": ("LlamaConfig", {}), "mistral": ("MistralConfig", dict(sliding_window=6)),
+          "gemma2": ("Gemma2Config", dict(sliding_window=6, attn_logit_softcapping=4.0, query_pre_attn_scalar=16))}
+
+
+@pytest.fixture(scope="module")
+def hf(ct):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional)")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {transformers.__version__}: the integration needs >= 5")
+    import cuflash.torch.transformers as cft
+
+    assert cft.register() == "cufa"
+    return transformers
+
+
+def _pair(hf, name):
+    """(eager float32 reference, cuflash float16), the same random weights."""
+    import torch
+
+    cls, extra = MODELS[name]
+    config = getattr(hf, cls)(**COMMON, **extra)
+    torch.manual_seed(0)
+    ref = hf.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32)
+    ours = hf.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="cufa", dtype=torch.float32)
+    ours.load_state_dict(ref.state_dict())
+    return ref.eval(), ours.to(torch.float16).eval()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_transformers_padding_window_softcap(hf, name):
+    """Left-padded batch (the padding path: unpad, varlen, scatter back) with the model's window and
+    softcap: logits at real tokens as the float32 eager model's, within float16 rounding."""
+    import torch
+
+    ref, ours = _pair(hf, name)
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :9] = 0
+    with torch.no_grad():
+        for m in (None, mask):
+            want = ref(ids, attention_mask=m).logits
+            got = ours(ids, attention_mask=m).logits.float()
+            keep = torch.ones_like(ids, dtype=torch.bool) if m is None else mask.bool()
+            assert (got - want)[keep].abs().max() < 2e-2
+
+
+def test_transformers_packed_sequences(hf):
+    """Padding-free packing (batch 1, position_ids that restart; or cu_seq_lens kwargs from a flattening
+    collator): each sequence attends only to itself, as the eager model run on it alone."""
+    import torch
+
+    ref, ours = _pair(hf, "mistral")
+    lengths = [5, 9, 4]
+    ids = torch.randint(0, 128, (1, sum(lengths)), generator=torch.Generator().manual_seed(6))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    with torch.no_grad():
+        want = torch.cat([ref(ids[:, a:b]).logits for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+        by_pos = ours(ids, position_ids=pos).logits.float()
+        by_cu = ours(ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9).logits
+    assert (by_pos - want).abs().max() < 2e-2
+    assert (by_cu.float() - want).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_transformers_generate(hf, name):
+    """Greedy generate() of a left-padded batch with transformers' cache: the float32 eager model's
+    tokens, except after a step where that model has a near tie (top two logits within 1e-2)."""
+    import torch
+
+    ref, ours = _pair(hf, name)
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want, got = ref.generate(ids, **kw), ours.generate(ids, **kw)
+        for b in range(2):
+            diff = (got[b] != want[b]).nonzero()
+            if diff.numel():
+                t = int(diff[0])
+                m = torch.cat([mask[b : b + 1], torch.ones(1, t - ids.shape[1], dtype=mask.dtype)], dim=1)
+                top = ref(got[b : b + 1, :t], attention_mask=m).logits[0, -1].topk(2).values
+                assert (top[0] - top[1]).item() < 1e-2, f"row {b}: tokens differ at {t} without a near tie"
+
+
+def test_transformers_errors(hf):
+    import torch
+
+    import cuflash.torch.transformers as cft
+
+    with pytest.raises(ValueError, match="without 'flash'"):
+        cft.register("cuflash")
+    _, ours = _pair(hf, "llama")
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="output_attentions"):
+        ours(ids, output_attentions=True)
+    with pytest.raises(TypeError, match="float16 / bfloat16"):
+        ours.float()(ids)
