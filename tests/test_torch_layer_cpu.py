@@ -260,10 +260,11 @@ def test_transformers_packed_sequences(hf):
     assert (by_cu.float() - want).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
-def test_transformers_generate(hf, name):
-    """Greedy generate() of a left-padded batch with transformers' cache: the float32 eager model's
-    tokens, except after a step where that model has a near tie (top two logits within 1e-2)."""
+@pytest.mark.parametrize("name, cache", [("llama", "dynamic"), ("gemma2", "dynamic"), ("llama", "static")])
+def test_transformers_generate(hf, name, cache):
+    """Greedy generate() of a left-padded batch with transformers' dynamic or static cache (a static
+    cache hands over every slot: the padding path cuts k, v to the mask's length): the float32 eager
+    model's tokens, except after a step where that model has a near tie (top two logits within 1e-2)."""
     import torch
 
     ref, ours = _pair(hf, name)
@@ -271,6 +272,8 @@ def test_transformers_generate(hf, name):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
     with torch.no_grad():
         want, got = ref.generate(ids, **kw), ours.generate(ids, **kw)
         for b in range(2):
