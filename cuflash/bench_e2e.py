@@ -18,8 +18,9 @@ steps, model TFLOP/s by Megatron-LM's count without recomputation (72 B s L h^2 
 12 L h) per step: the full attention matrix is counted, as in the paper), peak memory
 (torch.cuda.max_memory_allocated over the timed steps: cuflash's buffers come from torch's
 allocator, so they count), and the loss of every step. With --compile (default), cuflash's model
-is also timed with each block under torch.compile(fullgraph=True). Inference: a prompt of the
-context length, batch tokens // context, then 64 greedy tokens with a KV cache; prefill and decode
+is also timed with each block under torch.compile(fullgraph=True). Inference: a prompt of context -
+64 tokens, batch tokens // context, then 64 greedy tokens with a KV cache (the last one at position
+context - 2); prefill and decode
 tokens/s apart (cuflash decodes with flash_attn_with_kvcache appending in place; SDPA reads a
 preallocated cache through views).
 """

@@ -146,7 +146,14 @@ def _run(prep: _Prepared, cupy, device_id: int, q_ptr: int, k_ptr: int, v_ptr: i
     stream = cupy.cuda.get_current_stream().ptr
     o_partial_ptr = lse_partial_ptr = counters_ptr = 0
     if prep.ws_floats:
-        partials, counters = _workspace(cupy, device_id, stream, prep.ws_floats, prep.ws_counters)
+        if cupy.cuda.runtime.streamIsCapturing(stream):
+            # A CUDA graph keeps this call's pointers: it gets a workspace of its own (its counters'
+            # zero-fill captured with it), never the stream's shared one, which a later call may grow
+            # and free, and which another graph captured on the same stream would share.
+            partials = cupy.empty(prep.ws_floats, dtype=cupy.float32)
+            counters = cupy.zeros(prep.ws_counters, dtype=cupy.int32)
+        else:
+            partials, counters = _workspace(cupy, device_id, stream, prep.ws_floats, prep.ws_counters)
         o_partial_ptr = partials.data.ptr
         counters_ptr = counters.data.ptr if prep.merge_in_kernel else 0
         lse_partial_ptr = o_partial_ptr + prep.lse_offset  # bucket % 32 == 0: 128-byte aligned
@@ -190,7 +197,8 @@ def _workspace(cupy, device_id: int, stream: int, floats: int, counters: int):
 
 
 def free_workspaces() -> None:
-    """Drop the scratch buffers of the split-KV path (per device and stream) back to CuPy's pool."""
+    """Drop the scratch buffers of the split-KV path (per device and stream) back to the pool they came
+    from (CuPy's, or torch's through cuflash.torch). A call captured in a CUDA graph has its own."""
     with _WORKSPACE_LOCK:
         _WORKSPACES.clear()
 

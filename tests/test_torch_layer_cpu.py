@@ -298,3 +298,27 @@ def test_transformers_errors(hf):
         ours(ids, output_attentions=True)
     with pytest.raises(TypeError, match="float16 / bfloat16"):
         ours.float()(ids)
+
+
+@pytest.mark.parametrize("q_len, causal", [(3, False), (12, False), (1, True), (1, False)])
+def test_transformers_keys_mask_keeps_every_query(hf, q_len, causal):
+    """Cross-attention (the 2-D mask is the encoder's, the keys') and one new token: every query row
+    is computed against its row's unmasked keys, none dropped (transformers' flash path does the same)."""
+    import torch
+
+    import cuflash.torch.transformers as cft
+
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 4, q_len, 16, generator=gen).half()
+    k, v = torch.randn(2, 2, 8, 16, generator=gen).half(), torch.randn(2, 2, 8, 16, generator=gen).half()
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # right padding of the encoder's second row
+    module = torch.nn.Module()
+    module.is_causal = causal
+    out, _ = cft.attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert out.shape == (2, q_len, 4, 16)
+    for b, n in ((0, 8), (1, 5)):
+        want = reference.attention_forward(_h(q[b : b + 1].transpose(1, 2)), _h(k[b : b + 1, :, :n].transpose(1, 2)),
+                                           _h(v[b : b + 1, :, :n].transpose(1, 2)), causal=causal,
+                                           softmax_scale=0.25)[0]  # fmt: skip
+        _close(out[b : b + 1], want)

@@ -9,10 +9,10 @@
   ``attention_varlen``; re-exported here.
 - cuflash.torch.ops: the torch custom ops underneath (``torch.ops.cuflash.*``), with fake
   implementations and autograd, so torch.compile(fullgraph=True) traces them and CUDA graphs capture them.
-- cuflash.torch.transformers: ``register()`` makes ``attn_implementation="cuflash"`` available to
+- cuflash.torch.transformers: ``register()`` makes ``attn_implementation="cufa"`` available to
   transformers models (imported on demand; transformers is optional).
 
-Tensors cross to CuPy and back through DLPack without a copy; the kernels run on the tensors' device
+Tensors cross to CuPy and back without a copy (by pointer); the kernels run on the tensors' device
 and torch's current stream, with memory from torch's caching allocator. Layout is flash-attn's
 (batch, seqlen, nheads, headdim), not SDPA's (batch, nheads, seqlen, headdim): pass
 ``x.transpose(1, 2)`` views from SDPA code. torch is an optional dependency (``pip install 'cuflash[torch]'``).

@@ -141,7 +141,10 @@ def rng_tensor(rng: tuple[int, int] | None, device: torch.device) -> torch.Tenso
         return torch.zeros(2, dtype=torch.int64, device=device)
     seed, offset = rng
     signed = seed - _U64 if seed >= 2**63 else seed
-    return torch.tensor([signed, offset], dtype=torch.int64).to(device)
+    t = torch.empty(2, dtype=torch.int64, device=device)
+    t[0].fill_(signed)  # two fill kernels on the stream: a copy from host memory would synchronize it
+    t[1].fill_(offset)
+    return t
 
 
 def rng_from_tensor(t: torch.Tensor) -> tuple[int, int]:

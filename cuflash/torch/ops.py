@@ -3,8 +3,10 @@
 Registered with ``torch.library.custom_op``, so ``torch.compile`` traces through them without graph
 breaks (the fake implementations give the output shapes without running anything), autograd works
 eagerly and compiled, and ``torch.library.opcheck`` can test them. Each op converts its tensors to
-CuPy views (DLPack, no copy) and calls the CuPy API inside ``_bridge.call``: the tensors' device,
-torch's current stream, torch's caching allocator.
+CuPy views (by pointer, no copy) and calls the CuPy API inside ``_bridge.call``: the tensors' device,
+torch's current stream, torch's caching allocator. The forward ops draw dropout's random state from
+torch's generator, so they carry the ``nondeterministic_seeded`` tag (a compiler must not merge two
+calls into one).
 
     cuflash::fwd         dense forward                       -> out, lse, rng_state
     cuflash::bwd         dense backward                      -> dq, dk, dv
@@ -46,7 +48,10 @@ def _grad_out(dout: Optional[Tensor], out: Tensor) -> Tensor:
 # Dense forward / backward.
 
 
-@torch.library.custom_op("cuflash::fwd", mutates_args=(), device_types="cuda")
+_SEEDED = (torch.Tag.nondeterministic_seeded,)
+
+
+@torch.library.custom_op("cuflash::fwd", mutates_args=(), device_types="cuda", tags=_SEEDED)
 def fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout_p: float,
         softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
         deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -111,7 +116,7 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 # Variable-length (packed) forward / backward.
 
 
-@torch.library.custom_op("cuflash::varlen_fwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("cuflash::varlen_fwd", mutates_args=(), device_types="cuda", tags=_SEEDED)
 def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, seqused_k: Optional[Tensor], block_table: Optional[Tensor],
                alibi_slopes: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
@@ -229,12 +234,13 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
 
 
 def kvcache(*args):
-    """``fwd_kvcache`` for a caller: the op while torch traces (torch.compile, fake tensors, a dispatch
-    mode), else its implementation directly, without the dispatcher's per-call work (alias checks,
+    """``fwd_kvcache`` for a caller: the op while torch traces or transforms (torch.compile, fake
+    tensors, a dispatch mode, torch.jit.trace, vmap), else its implementation directly, without the dispatcher's per-call work (alias checks,
     version counters): a decode step's host time is its latency, and the op has no autograd to serve.
     Eager calls lose only the version-counter bump of k_cache / v_cache. (Host time per call on the
     H200 machine: tools/torch_host_overhead.py; docs/history/torch.md has the numbers.)"""
-    if type(args[0]) is torch.Tensor and not torch.compiler.is_compiling() and _current_dispatch_mode() is None:
+    if (type(args[0]) is torch.Tensor and not torch.compiler.is_compiling() and _current_dispatch_mode() is None
+            and not torch.jit.is_tracing() and not torch._C._are_functorch_transforms_active()):
         return _fwd_kvcache_impl(*args)
     return fwd_kvcache(*args)
 

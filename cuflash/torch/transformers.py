@@ -13,12 +13,13 @@ masks, transformers' own flash-attention mask function (None when nothing is pad
 padding mask). What the model's config asks for reaches the kernels as flash-attn arguments:
 
 - padding (a 2-D attention mask with zeros): the padded tokens are dropped and the sequences run
-  packed through ``flash_attn_varlen_func`` (left padding in generation included), then scattered
-  back; padding-free batches (``position_ids`` that restart, batch 1, or ``cu_seq_lens_q`` /
+  packed through ``flash_attn_varlen_func`` (left padding in generation included; in cross-attention
+  and for a single new token every query is kept, the mask being the keys'), then scattered back; padding-free batches (``position_ids`` that restart, batch 1, or ``cu_seq_lens_q`` /
   ``cu_seq_lens_k`` kwargs from a flattening collator) run packed the same way;
 - per-layer sliding windows (Mistral, Gemma 2/3, Qwen2): ``window_size = (sliding_window - 1, ...)``,
   transformers' convention (a window of ``sliding_window`` tokens counting the query's own);
 - logit softcapping (Gemma 2): ``softcap``; the model's ``scaling``, ``is_causal`` and training dropout;
+  ``deterministic`` (a kwarg, else ``FLASH_ATTENTION_DETERMINISTIC=1`` as for transformers' flash path);
 - the generation cache: transformers' caches hand over the keys and values of every past token, and
   causal attention aligned bottom-right (flash-attn's convention) lets the new tokens see all of them.
 
@@ -26,6 +27,8 @@ What it cannot do raises: ``output_attentions`` (no probabilities are ever writt
 (``s_aux``), float32 activations outside autocast (the kernels run float16 / bfloat16).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -111,9 +114,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if v_head_dim != head_dim:  # e.g. MLA: the kernels take one head dim; pad v, crop the output
         v = torch.nn.functional.pad(v, (0, head_dim - v_head_dim))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:  # transformers' flash-attention switch, honoured the same way
+        deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
     args = dict(
         dropout_p=float(dropout), softmax_scale=scaling, causal=causal, softcap=float(softcap or 0.0),
         window_size=(sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1),
+        deterministic=bool(deterministic),
     )  # fmt: skip
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -127,10 +134,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         kv_len = mask.shape[1]
         k, v = k[:, :kv_len], v[:, :kv_len]  # a static cache holds more slots than tokens seen
         idx_k, cu_k, max_k = _lengths(mask)
-        if q_len == kv_len:
+        if q_len == kv_len:  # self-attention over the same tokens: the mask is the queries' too
             idx_q, cu_q, max_q = idx_k, cu_k, max_k
-        else:  # the queries are the last q_len positions (left padding in generation)
+        elif causal and q_len > 1:  # the queries are the last q_len positions (left padding in generation)
             idx_q, cu_q, max_q = _lengths(mask[:, -q_len:])
+        else:  # one new token, or cross-attention (the mask is the keys' only): every query is real
+            idx_q = torch.arange(batch * q_len, device=q.device)
+            cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
+            max_q = q_len
         out = interface.flash_attn_varlen_func(_unpad(q, idx_q), _unpad(k, idx_k), _unpad(v, idx_k), cu_q, cu_k,
                                                max_q, max_k, **args)  # fmt: skip
         full = out.new_zeros((batch * q_len, *out.shape[1:]))
