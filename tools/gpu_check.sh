@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, then the steps named (default: precompile tests).
-#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [quick]
+#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [host] [quick]
 #   precompile  every variant for this GPU, 16 NVRTC processes at once (the tests then load kernels
 #               instead of compiling them)
 #   tests       the whole suite, CPU and GPU, with pytest-xdist (-n 8; conftest.py splits the BLAS threads); junit and the 40 slowest tests
@@ -11,9 +11,13 @@
 #   bench       cuflash bench --op all (prefill forward, backward, forward+backward; BENCH_ARGS adds
 #               options, e.g. --varlen for packed batches) -> bench.json, bench.png
 #   decode      cuflash bench --decode (DECODE_ARGS) -> decode.json, decode.png
-# Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT (s).
-# Full logs go to OUTDIR/logs.tgz; a short summary is printed last. The device tool returns at most 8
-# files: summary.txt, bench.json, bench.png, decode.json, decode.png, logs.tgz.
+#   e2e         cuflash bench --e2e (E2E_ARGS; ~3 minutes on the H200) -> e2e.json, e2e.png (the loss
+#               curves go into the logs)
+#   host        tools/torch_host_overhead.py: host us per call of the PyTorch layer, CuPy API and SDPA
+# Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT,
+# E2E_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary is printed last. The device tool
+# returns at most 8 files: summary.txt, bench.json, bench.png, decode.json, decode.png, e2e.json,
+# e2e.png, logs.tgz.
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
 shift
@@ -63,6 +67,15 @@ if has decode; then
   timeout ${DECODE_TIMEOUT:-300} $PY -m cuflash bench --decode ${DECODE_ARGS:-} --json "$OUT/decode.json" --plot "$OUT/decode.png" > "$OUT/decode.txt" 2> "$OUT/decode.err"
   note "bench --decode (rc=$?, $(took)):"; grep -E "median|min|note" "$OUT/decode.txt" >> "$SUMMARY"
 fi
-(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|logs.tgz)$'))
+if has e2e; then
+  timeout ${E2E_TIMEOUT:-420} $PY -m cuflash bench --e2e ${E2E_ARGS:-} --json "$OUT/e2e.json" --plot "$OUT/e2e.png" > "$OUT/e2e.txt" 2> "$OUT/e2e.err"
+  note "bench --e2e (rc=$?, $(took)):"; grep -E "median|n/a" "$OUT/e2e.txt" >> "$SUMMARY"
+fi
+
+if has host; then
+  timeout 120 $PY tools/torch_host_overhead.py > "$OUT/host.txt" 2>&1
+  note "host time per call (rc=$?, $(took)):"; grep -v "compiled" "$OUT/host.txt" >> "$SUMMARY"
+fi
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|e2e.json|e2e.png|logs.tgz)$'))
 echo "================ summary ================"
 cat "$SUMMARY"
