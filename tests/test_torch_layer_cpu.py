@@ -322,3 +322,24 @@ def test_transformers_keys_mask_keeps_every_query(hf, q_len, causal):
                                            _h(v[b : b + 1, :, :n].transpose(1, 2)), causal=causal,
                                            softmax_scale=0.25)[0]  # fmt: skip
         _close(out[b : b + 1], want)
+
+
+def test_bert_padding_helpers(ct):
+    """unpad_input / pad_input (flash-attn 2.7's five-value unpad): the kept tokens in order, prefix sums,
+    longest length, used lengths with unused_mask, the padded batch back with zeros, gradients through."""
+    import torch
+
+    from cuflash.torch.bert_padding import pad_input, unpad_input
+
+    x = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3).requires_grad_()
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    xu, idx, cu, max_len, used = unpad_input(x, mask)
+    assert idx.tolist() == [1, 2, 3, 4, 5] and cu.tolist() == [0, 3, 5] and cu.dtype == torch.int32
+    assert max_len == 3 and used.tolist() == [3, 2]
+    torch.testing.assert_close(xu, x.detach().reshape(8, 3)[[1, 2, 3, 4, 5]])
+    back = pad_input(xu * 2, idx, 2, 4)
+    torch.testing.assert_close(back, x.detach() * 2 * mask[..., None])
+    back.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * mask[..., None].float().expand(2, 4, 3))
+    _, idx2, cu2, max2, used2 = unpad_input(x, mask, unused_mask=torch.tensor([[0, 0, 0, 0], [0, 0, 1, 0]]))
+    assert idx2.tolist() == [1, 2, 3, 4, 5, 6] and cu2.tolist() == [0, 3, 6] and used2.tolist() == [3, 2]

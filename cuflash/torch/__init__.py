@@ -9,6 +9,7 @@
   ``attention_varlen``; re-exported here.
 - cuflash.torch.ops: the torch custom ops underneath (``torch.ops.cuflash.*``), with fake
   implementations and autograd, so torch.compile(fullgraph=True) traces them and CUDA graphs capture them.
+- cuflash.torch.bert_padding: flash-attn's ``unpad_input`` / ``pad_input`` helpers for varlen.
 - cuflash.torch.transformers: ``register()`` makes ``attn_implementation="cufa"`` available to
   transformers models (imported on demand; transformers is optional).
 

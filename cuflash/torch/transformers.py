@@ -33,6 +33,7 @@ import os
 import torch
 
 from . import interface
+from .bert_padding import index_first_axis, pad_input, unpad_input
 
 NAME = "cufa"  # without "flash" (see the module docstring)
 
@@ -66,19 +67,6 @@ def _half_dtype(query: torch.Tensor) -> torch.dtype:
         f"cuflash attention runs float16 / bfloat16, got {query.dtype} activations: load the model with "
         "dtype=torch.bfloat16 (or float16), or run it under torch.autocast('cuda', dtype=torch.bfloat16)"
     )
-
-
-def _unpad(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Rows ``indices`` of x (batch, seqlen, ...) flattened to (batch * seqlen, ...)."""
-    return x.reshape(-1, *x.shape[2:]).index_select(0, indices)
-
-
-def _lengths(mask: torch.Tensor):
-    """(indices of the kept tokens, cu_seqlens int32, max length) of a 2-D keep mask."""
-    lengths = mask.sum(dim=-1, dtype=torch.int32)
-    indices = torch.nonzero(mask.reshape(-1), as_tuple=False).reshape(-1)
-    cu = torch.nn.functional.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
-    return indices, cu, int(lengths.max().item()) if lengths.numel() else 0
 
 
 def _cu_from_position_ids(position_ids: torch.Tensor):
@@ -133,19 +121,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         mask = attention_mask.bool()
         kv_len = mask.shape[1]
         k, v = k[:, :kv_len], v[:, :kv_len]  # a static cache holds more slots than tokens seen
-        idx_k, cu_k, max_k = _lengths(mask)
+        k_unpad, idx_k, cu_k, max_k, _ = unpad_input(k, mask)
+        v_unpad = index_first_axis(v.reshape(-1, *v.shape[2:]), idx_k)
         if q_len == kv_len:  # self-attention over the same tokens: the mask is the queries' too
-            idx_q, cu_q, max_q = idx_k, cu_k, max_k
+            q_unpad, idx_q, cu_q, max_q = index_first_axis(q.reshape(-1, *q.shape[2:]), idx_k), idx_k, cu_k, max_k
         elif causal and q_len > 1:  # the queries are the last q_len positions (left padding in generation)
-            idx_q, cu_q, max_q = _lengths(mask[:, -q_len:])
+            q_unpad, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -q_len:])
         else:  # one new token, or cross-attention (the mask is the keys' only): every query is real
-            idx_q = torch.arange(batch * q_len, device=q.device)
+            q_unpad, idx_q, max_q = q.reshape(-1, *q.shape[2:]), torch.arange(batch * q_len, device=q.device), q_len
             cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
-            max_q = q_len
-        out = interface.flash_attn_varlen_func(_unpad(q, idx_q), _unpad(k, idx_k), _unpad(v, idx_k), cu_q, cu_k,
-                                               max_q, max_k, **args)  # fmt: skip
-        full = out.new_zeros((batch * q_len, *out.shape[1:]))
-        out = full.index_copy(0, idx_q, out).view(batch, q_len, *out.shape[1:])
+        out = interface.flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **args)
+        out = pad_input(out, idx_q, batch, q_len)
     elif all(x is not None for x in (cu_q, cu_k, max_q, max_k)) or _is_packed(position_ids, batch):
         if cu_q is None or cu_k is None or max_q is None or max_k is None:
             cu_q, max_q = _cu_from_position_ids(position_ids)
