@@ -149,9 +149,13 @@ def _run(prep: _Prepared, cupy, device_id: int, q_ptr: int, k_ptr: int, v_ptr: i
         if cupy.cuda.runtime.streamIsCapturing(stream):
             # A CUDA graph keeps this call's pointers: it gets a workspace of its own (its counters'
             # zero-fill captured with it), never the stream's shared one, which a later call may grow
-            # and free, and which another graph captured on the same stream would share.
+            # and free, and which another graph captured on the same stream would share. It is kept
+            # alive with the others (_CAPTURED): CuPy's pool would hand a freed block out again while
+            # the graph still writes it.
             partials = cupy.empty(prep.ws_floats, dtype=cupy.float32)
             counters = cupy.zeros(prep.ws_counters, dtype=cupy.int32)
+            with _WORKSPACE_LOCK:
+                _CAPTURED.append((partials, counters))
         else:
             partials, counters = _workspace(cupy, device_id, stream, prep.ws_floats, prep.ws_counters)
         o_partial_ptr = partials.data.ptr
@@ -176,6 +180,8 @@ def _run(prep: _Prepared, cupy, device_id: int, q_ptr: int, k_ptr: int, v_ptr: i
 #: lse of the splits, int32 split counters). Calls on one stream run in order, so they can share it;
 #: the kernel leaves every counter at 0 when it ends. Grown on demand; free_workspaces() drops them.
 _WORKSPACES: dict = {}
+#: The workspaces of calls captured in CUDA graphs, one per captured call, kept until free_workspaces().
+_CAPTURED: list = []
 _WORKSPACE_LOCK = threading.Lock()
 
 
@@ -197,10 +203,12 @@ def _workspace(cupy, device_id: int, stream: int, floats: int, counters: int):
 
 
 def free_workspaces() -> None:
-    """Drop the scratch buffers of the split-KV path (per device and stream) back to the pool they came
-    from (CuPy's, or torch's through cuflash.torch). A call captured in a CUDA graph has its own."""
+    """Drop the scratch buffers of the split-KV path (per device and stream, and those of calls captured
+    in CUDA graphs) back to the pool they came from (CuPy's, or torch's through cuflash.torch). Call it
+    only when no captured graph that ran the split path will be replayed again."""
     with _WORKSPACE_LOCK:
         _WORKSPACES.clear()
+        _CAPTURED.clear()
 
 
 def attention_with_kvcache(

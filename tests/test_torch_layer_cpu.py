@@ -300,10 +300,11 @@ def test_transformers_errors(hf):
         ours.float()(ids)
 
 
-@pytest.mark.parametrize("q_len, causal", [(3, False), (12, False), (1, True), (1, False)])
+@pytest.mark.parametrize("q_len, causal", [(3, False), (12, False), (8, False), (1, True), (1, False)])
 def test_transformers_keys_mask_keeps_every_query(hf, q_len, causal):
-    """Cross-attention (the 2-D mask is the encoder's, the keys') and one new token: every query row
-    is computed against its row's unmasked keys, none dropped (transformers' flash path does the same)."""
+    """Cross-attention (a decoder's non-causal attention: the 2-D mask is the encoder's, the keys'), q_len
+    8 = kv_len included, and one new token: every query row is computed against its row's unmasked
+    keys, none dropped."""
     import torch
 
     import cuflash.torch.transformers as cft
@@ -314,7 +315,7 @@ def test_transformers_keys_mask_keeps_every_query(hf, q_len, causal):
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 5:] = 0  # right padding of the encoder's second row
     module = torch.nn.Module()
-    module.is_causal = causal
+    module.is_causal, module.is_decoder = causal, True
     out, _ = cft.attention_forward(module, q, k, v, mask, scaling=0.25)
     assert out.shape == (2, q_len, 4, 16)
     for b, n in ((0, 8), (1, 5)):
@@ -343,3 +344,22 @@ def test_bert_padding_helpers(ct):
     torch.testing.assert_close(x.grad, 2 * mask[..., None].float().expand(2, 4, 3))
     _, idx2, cu2, max2, used2 = unpad_input(x, mask, unused_mask=torch.tensor([[0, 0, 0, 0], [0, 0, 1, 0]]))
     assert idx2.tolist() == [1, 2, 3, 4, 5, 6] and cu2.tolist() == [0, 3, 6] and used2.tolist() == [3, 2]
+
+
+def test_transformers_encoder_self_attention_drops_padded_queries(hf):
+    """Non-causal self-attention of an encoder (is_decoder False): the mask is the queries' too, padded
+    query rows are 0 and the real ones see the real keys."""
+    import torch
+
+    import cuflash.torch.transformers as cft
+
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 8, 16, generator=gen).half() for _ in range(3))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 6:] = 0
+    module = torch.nn.Module()
+    module.is_causal, module.is_decoder = False, False
+    out, _ = cft.attention_forward(module, q, k, v, mask)
+    assert out[1, 6:].abs().max() == 0
+    want = reference.attention_forward(*(_h(x[1:2, :, :6].transpose(1, 2)) for x in (q, k, v)))[0]
+    _close(out[1:2, :6], want)

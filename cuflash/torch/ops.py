@@ -5,8 +5,9 @@ breaks (the fake implementations give the output shapes without running anything
 eagerly and compiled, and ``torch.library.opcheck`` can test them. Each op converts its tensors to
 CuPy views (by pointer, no copy) and calls the CuPy API inside ``_bridge.call``: the tensors' device,
 torch's current stream, torch's caching allocator. The forward ops draw dropout's random state from
-torch's generator, so they carry the ``nondeterministic_seeded`` tag (a compiler must not merge two
-calls into one).
+torch's generator, so they carry the ``nondeterministic_seeded`` tag that marks random ops (dead-code
+elimination and reordering respect it; AOT autograd's CSE pass keeps its own list of random aten ops,
+so two identical dropout calls in one compiled graph may still be merged).
 
     cuflash::fwd         dense forward                       -> out, lse, rng_state
     cuflash::bwd         dense backward                      -> dq, dk, dv

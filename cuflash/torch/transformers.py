@@ -123,11 +123,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         k, v = k[:, :kv_len], v[:, :kv_len]  # a static cache holds more slots than tokens seen
         k_unpad, idx_k, cu_k, max_k, _ = unpad_input(k, mask)
         v_unpad = index_first_axis(v.reshape(-1, *v.shape[2:]), idx_k)
-        if q_len == kv_len:  # self-attention over the same tokens: the mask is the queries' too
+        # transformers passes one 2-D mask: the keys'. In self-attention it is the queries' too; in
+        # cross-attention (a decoder's non-causal attention to the encoder) every query is real.
+        cross = not causal and bool(getattr(module, "is_decoder", False))
+        if q_len == kv_len and not cross:  # self-attention over the same tokens
             q_unpad, idx_q, cu_q, max_q = index_first_axis(q.reshape(-1, *q.shape[2:]), idx_k), idx_k, cu_k, max_k
         elif causal and q_len > 1:  # the queries are the last q_len positions (left padding in generation)
             q_unpad, idx_q, cu_q, max_q, _ = unpad_input(q, mask[:, -q_len:])
-        else:  # one new token, or cross-attention (the mask is the keys' only): every query is real
+        else:  # one new token, or cross-attention: every query is real
             q_unpad, idx_q, max_q = q.reshape(-1, *q.shape[2:]), torch.arange(batch * q_len, device=q.device), q_len
             cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
         out = interface.flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_q, cu_k, max_q, max_k, **args)
