@@ -180,7 +180,8 @@ def _run(prep: _Prepared, cupy, device_id: int, q_ptr: int, k_ptr: int, v_ptr: i
 #: lse of the splits, int32 split counters). Calls on one stream run in order, so they can share it;
 #: the kernel leaves every counter at 0 when it ends. Grown on demand; free_workspaces() drops them.
 _WORKSPACES: dict = {}
-#: The workspaces of calls captured in CUDA graphs, one per captured call, kept until free_workspaces().
+#: The buffers of calls captured in CUDA graphs (split-KV workspaces, rotated copies), kept until
+#: free_workspaces(): a graph replays into them.
 _CAPTURED: list = []
 _WORKSPACE_LOCK = threading.Lock()
 
@@ -654,6 +655,9 @@ def _rotate(cupy, q, k_cache, k, cache_seqlens, block_table, cos, sin, interleav
             if k.dtype != q.dtype:
                 raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
             k_rot = rotated(k, True)
+        if cupy.cuda.runtime.streamIsCapturing(stream):  # a graph replays into these copies: keep them
+            with _WORKSPACE_LOCK:
+                _CAPTURED.append((q_rot, k_rot, *keep))
     return q_rot, k_rot
 
 
