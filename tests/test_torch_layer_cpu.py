@@ -113,6 +113,13 @@ def test_errors_name_the_argument(ct):
         ct.flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True)
     with pytest.raises(TypeError, match="k must be a torch tensor"):
         ct.flash_attn_func(q, np.zeros(3), q)
+    with pytest.raises(TypeError, match=r"q has dtype torch.float32; cuflash runs float16 and bfloat16"):
+        ct.flash_attn_func(q.float(), q, q)
+    with pytest.raises(TypeError, match="must share one dtype"):
+        ct.flash_attn_varlen_func(q[0], q[0].bfloat16(), q[0], torch.tensor([0, 8], dtype=torch.int32),
+                                  torch.tensor([0, 8], dtype=torch.int32), 8, 8)  # fmt: skip
+    with pytest.raises(TypeError, match="k_cache torch.float32"):
+        ct.flash_attn_with_kvcache(q, q.float(), q.float())
     with pytest.raises(ValueError, match=r"qkv must be \(batch, seqlen, 3, nheads, headdim\)"):
         ct.flash_attn_qkvpacked_func(q)
     with pytest.raises(ValueError, match="max_seqlen_q must be an int"):

@@ -36,6 +36,18 @@ def _tensor(name: str, t, optional: bool = False):
     return t
 
 
+def _half(named) -> None:
+    """The attention inputs share one dtype, float16 or bfloat16 (the kernels' types)."""
+    dtypes = {t.dtype for _, t in named}
+    name, first = named[0]
+    if first.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{name} has dtype {first.dtype}; cuflash runs float16 and bfloat16: cast with "
+                        f"{name}.to(torch.bfloat16) (or run under torch.autocast)")  # fmt: skip
+    if len(dtypes) > 1:
+        raise TypeError("the attention inputs must share one dtype, got " +
+                        ", ".join(f"{n} {t.dtype}" for n, t in named))  # fmt: skip
+
+
 def _window(window_size) -> tuple[int, int]:
     try:
         left, right = window_size
@@ -68,6 +80,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     p = _dropout(dropout_p, return_attn_probs)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor(name, t)
+    _half((("q", q), ("k", k), ("v", v)))
     _tensor("alibi_slopes", alibi_slopes, optional=True)
     left, right = _window(window_size)
     out, lse, _ = ops.fwd(q, k, v, alibi_slopes, p, softmax_scale, bool(causal), left, right, float(softcap),
@@ -116,6 +129,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     p = _dropout(dropout_p, return_attn_probs)
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _tensor(name, t)
+    _half((("q", q), ("k", k), ("v", v)))
     for name, t in (("alibi_slopes", alibi_slopes), ("block_table", block_table), ("seqused_k", seqused_k)):
         _tensor(name, t, optional=True)
     left, right = _window(window_size)
@@ -177,6 +191,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     a CUDA graph once warmed up (pass cache_seqlens as a tensor so replays see new lengths)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t)
+    _half((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + ((("k", k), ("v", v)) if k is not None else ()))
     named = (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
              ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
              ("alibi_slopes", alibi_slopes))  # fmt: skip
