@@ -64,16 +64,22 @@ def step_flops(layers: int, hidden: int, context: int, batch: int, vocab: int = 
     return 72 * batch * context * layers * hidden**2 * (1 + context / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
+def _sdpa_backend(impl: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
+
+
 def _attention(torch, impl: str):
     """attend(qkv (b, s, 3, h, d), causal) -> (b, s, h, d) of one implementation."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     if impl == "cuflash":
         from .torch import flash_attn_qkvpacked_func
 
         return lambda qkv: flash_attn_qkvpacked_func(qkv, causal=True)
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
+    backend = _sdpa_backend(impl)
 
     def attend(qkv):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
@@ -166,7 +172,7 @@ def train(torch, model_name: str, context: int, tokens: int, impl: str, steps: i
 def infer(torch, model_name: str, context: int, tokens: int, impl: str, new_tokens: int = DECODE_TOKENS) -> Run:
     """Prefill a prompt of ``context - new_tokens`` tokens, then ``new_tokens`` greedy steps with a KV cache."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     layers, hidden, heads = MODELS[model_name]
     head_dim = hidden // heads
@@ -178,7 +184,7 @@ def infer(torch, model_name: str, context: int, tokens: int, impl: str, new_toke
     shape = (batch, context, heads, head_dim) if impl == "cuflash" else (batch, heads, context, head_dim)
     caches = [(torch.empty(shape, device="cuda", dtype=torch.bfloat16), torch.empty(shape, device="cuda",
               dtype=torch.bfloat16)) for _ in range(layers)]  # fmt: skip
-    backend = None if impl == "cuflash" else {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
+    backend = None if impl == "cuflash" else _sdpa_backend(impl)
     if impl == "cuflash":
         from .torch import flash_attn_func, flash_attn_with_kvcache
 

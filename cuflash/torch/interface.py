@@ -48,6 +48,16 @@ def _half(named) -> None:
                         ", ".join(f"{n} {t.dtype}" for n, t in named))  # fmt: skip
 
 
+def _unpack(name: str, x, layout: str):
+    """The parts of a packed tensor: ``layout`` names its dims, one of them "3" or "2" (the packed axis)."""
+    _tensor(name, x)
+    dims = layout.split(", ")
+    axis = dims.index("3") if "3" in dims else dims.index("2")
+    if x.dim() != len(dims) or x.shape[axis] != int(dims[axis]):
+        raise ValueError(f"{name} must be ({layout}), got shape {tuple(x.shape)}")
+    return x.unbind(axis)
+
+
 def _window(window_size) -> tuple[int, int]:
     try:
         left, right = window_size
@@ -104,10 +114,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, deterministic=False, return_attn_probs=False):  # fmt: skip
     """``flash_attn_func`` on qkv (batch, seqlen, 3, nheads, headdim); the gradient is qkv's."""
-    _tensor("qkv", qkv)
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv must be (batch, seqlen, 3, nheads, headdim), got shape {tuple(qkv.shape)}")
-    q, k, v = qkv.unbind(2)
+    q, k, v = _unpack("qkv", qkv, "batch, seqlen, 3, nheads, headdim")
     return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                   return_attn_probs)  # fmt: skip
 
@@ -115,10 +122,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                              alibi_slopes=None, deterministic=False, return_attn_probs=False):  # fmt: skip
     """``flash_attn_func`` on q and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
-    _tensor("kv", kv)
-    if kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError(f"kv must be (batch, seqlen_k, 2, nheads_k, headdim), got shape {tuple(kv.shape)}")
-    k, v = kv.unbind(2)
+    k, v = _unpack("kv", kv, "batch, seqlen_k, 2, nheads_k, headdim")
     return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                   return_attn_probs)  # fmt: skip
 
@@ -156,10 +160,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):  # fmt: skip
     """``flash_attn_varlen_func`` on qkv (total, 3, nheads, headdim) with one cu_seqlens / max_seqlen."""
-    _tensor("qkv", qkv)
-    if qkv.dim() != 4 or qkv.shape[1] != 3:
-        raise ValueError(f"qkv must be (total, 3, nheads, headdim), got shape {tuple(qkv.shape)}")
-    q, k, v = qkv.unbind(1)
+    q, k, v = _unpack("qkv", qkv, "total, 3, nheads, headdim")
     return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
 
@@ -168,10 +169,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):  # fmt: skip
     """``flash_attn_varlen_func`` on q and kv (total_k, 2, nheads_k, headdim)."""
-    _tensor("kv", kv)
-    if kv.dim() != 4 or kv.shape[1] != 2:
-        raise ValueError(f"kv must be (total_k, 2, nheads_k, headdim), got shape {tuple(kv.shape)}")
-    k, v = kv.unbind(1)
+    k, v = _unpack("kv", kv, "total_k, 2, nheads_k, headdim")
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
 
