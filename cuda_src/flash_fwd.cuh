@@ -114,6 +114,10 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
     int seqlen_k_;  // varlen: the sequence's keys
     bool skip_;     // varlen: a spare slot of the scheduler
     const int* bt_row_;  // varlen with paged K/V: the sequence's block_table row (else null)
+    // Coordinates of the tile in the tensor maps of the TMA kernels (flash_fwd_sm90_ws.cuh), whose maps
+    // see q / k / v as 4-D (batch, rows, heads, columns): plain batches (b, m0 / 0, h / hk); varlen
+    // (0, the sequence's first packed row + m0 / its first key row, h / hk); paged K/V: kv_coords.
+    int tma_b, tma_h, tma_hk, q_row0, k_row0;
 
     CUFLASH_DEVICE explicit FwdTileRef(const FwdParams& p) : mask(p.mod, p.seqlen_q, p.seqlen_k) {
         if constexpr (kVarlen) {
@@ -131,6 +135,7 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
         v = static_cast<const u16*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
         o = static_cast<u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + m0 * p.o_row_stride;
         lse = p.lse + ((i64)b * p.nheads + h) * p.seqlen_q + m0;
+        tma_b = b, tma_h = h, tma_hk = hk, q_row0 = m0, k_row0 = 0;
         n_block_end = mask.n_block_end(m0, Cfg::kBlockM, Cfg::kBlockN);
         rows_valid = min(Cfg::kBlockM, p.seqlen_q - m0);
         if constexpr (kMods) {
@@ -157,6 +162,7 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
         v = static_cast<const u16*>(p.v) + seq.k_off(0, p.v_row_stride) + hk * p.v_head_stride;
         o = static_cast<u16*>(p.o) + seq.q_off(0, p.o_row_stride) + h * p.o_head_stride + m0 * p.o_row_stride;
         lse = p.lse + seq.lse_row(p, h) + m0;
+        tma_b = 0, tma_h = h, tma_hk = hk, q_row0 = seq.q_start + m0, k_row0 = seq.k_start;
         n_block_end = mask.n_block_end(m0, Cfg::kBlockM, Cfg::kBlockN);
         rows_valid = min(Cfg::kBlockM, seq.seqlen_q - m0);
         if constexpr (kMods) {
@@ -173,6 +179,21 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
         } else {
             return base + n0 * row_stride;
         }
+    }
+
+    // Tensor-map row and batch coordinates of key tile n0: (k_row0 + n0, tma_b); paged K/V (varlen with a
+    // block table): (slot, page) of the page holding the tile, the page index clamped as kv_tile does.
+    CUFLASH_DEVICE void kv_coords(const FwdParams& p, int n0, int& row, int& batch) const {
+        if constexpr (kVarlen) {
+            if (bt_row_ != nullptr) {
+                const int blk = n0 / p.mod.page_size;
+                batch = min(max(__ldg(bt_row_ + blk), 0), p.mod.num_pages - 1);
+                row = n0 - blk * p.mod.page_size;
+                return;
+            }
+        }
+        row = k_row0 + n0;
+        batch = tma_b;
     }
 
     // Keys of the CTA's sequence.

@@ -164,6 +164,14 @@ struct WarpTile {
     // O is rescaled only when some row of the warp got a larger max (the factor is exactly 1 otherwise).
     CUFLASH_DEVICE void softmax(float (&S)[kMSlabs][kNB][4], float scale_log2) {
         float correction[kMSlabs][2];
+        const bool grew = softmax_rows(S, scale_log2, correction);
+        rescale_o(correction, grew);
+    }
+
+    // The softmax without touching O: S <- P, m and l updated; correction[s][r] is the factor O's rows
+    // must be multiplied by (rescale_o). Returns whether any row's max grew (else every factor is 1).
+    // The Hopper kernel rescales O later, after the P V product of the previous tile has landed.
+    CUFLASH_DEVICE bool softmax_rows(float (&S)[kMSlabs][kNB][4], float scale_log2, float (&correction)[kMSlabs][2]) {
         bool grew = false;
 #pragma unroll
         for (int s = 0; s < kMSlabs; ++s) {
@@ -193,6 +201,11 @@ struct WarpTile {
                 row_sum[s][r] += sum;
             }
         }
+        return grew;
+    }
+
+    // O *= correction (per row) when some row of the warp grew its max.
+    CUFLASH_DEVICE void rescale_o(const float (&correction)[kMSlabs][2], bool grew) {
         if (__any_sync(0xffffffffu, grew)) {  // warp-uniform: skip 2 * kDB * kMSlabs * 2 FMULs when no max moved
 #pragma unroll
             for (int s = 0; s < kMSlabs; ++s)

@@ -1,5 +1,6 @@
 """The forward: ``cuflash.attention``. Argument checks (cuflash/checks.py), output allocation, the plan
-(cuflash/plan/forward.py) and the launch of cuda_src/flash_fwd.cuh (or, on Hopper, flash_fwd_sm90.cuh).
+(cuflash/plan/forward.py) and the launch of cuda_src/flash_fwd.cuh (or, on Hopper, flash_fwd_sm90_ws.cuh with
+its tensor maps, cuflash/tma.py).
 
 The kernels assume their preconditions (see the header comment of cuda_src/flash_fwd.cuh); every
 check happens here, once, with a message that says what to do.
@@ -11,7 +12,7 @@ import math
 
 import numpy as np
 
-from . import checks, jit, launch, plan, variants
+from . import checks, jit, launch, plan, tma, variants
 from .params import FWD_PACKER
 
 
@@ -78,13 +79,16 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
             return result(out, lse)
 
         aligned = head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q, k, v, out))
-        how, fn = _plan_and_load(
-            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, checks.DTYPE_NAMES[q.dtype], var.causal, aligned,
-            device_id, tile, var.mods,
-        )  # fmt: skip
+        dtype = checks.DTYPE_NAMES[q.dtype]
+        how, fn = _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
+                                 device_id, tile, var.mods)  # fmt: skip
+        maps = tma_maps(how, q, k, v, dtype)
+        if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
+            how, fn = _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal,
+                                     aligned, device_id, plan.FWD_SM90_TILES[how.spec.head_dim], var.mods)  # fmt: skip
         unit = var.unit_scale(softmax_scale)  # the softmax's scale: softcap with softcap
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q, k, v, out))
-        record = FWD_PACKER.pack(
+        record = (maps or b"") + FWD_PACKER.pack(
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
             q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
             k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
@@ -96,6 +100,18 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
         )  # fmt: skip
         launch.launch_record(fn, how, record, cupy.cuda.get_current_stream().ptr)
     return result(out, lse)
+
+
+def tma_maps(how, q4, k4, v4, dtype: str) -> bytes | None:
+    """The tensor maps that start the parameter block of the warp-specialized kernel (FwdTmaParams),
+    b"" for the other kernels, None where the driver cannot describe an input with a tensor map
+    (the caller then plans the cp.async Hopper kernel). q4, k4, v4: 4-D (batch, rows, heads, d) views."""
+    if how.spec.family != "flash_fwd_sm90_ws":
+        return b""
+    try:
+        return tma.fwd_maps(q4, k4, v4, dtype, how.spec.tile.block_m, how.spec.tile.block_n)
+    except tma.TensorMapError:
+        return None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -44,7 +44,7 @@ BASE_OPTIONS = ("-std=c++17", "-Xptxas=-v")
 ENTRY_TEMPLATE = (
     '#include "{header}"\n'
     'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
-    "{name}(const cuflash::{params} params) {{\n"
+    "{name}({grid_constant}const cuflash::{params} params) {{\n"
     "    cuflash::{kernel}(params);\n"
     "}}\n"
 )
@@ -88,7 +88,8 @@ _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 def entry_source(spec) -> str:
     family = spec.kernel_family
     return ENTRY_TEMPLATE.format(header=family.header, threads=spec.threads, min_blocks=spec.min_blocks,
-                                 name=spec.name, params=family.params, kernel=spec.entry_kernel())  # fmt: skip
+                                 name=spec.name, grid_constant="__grid_constant__ " if family.grid_constant else "",
+                                 params=family.params, kernel=spec.entry_kernel())  # fmt: skip
 
 
 def included_headers(text: str, src_dir: Path | None = None) -> dict[str, str]:

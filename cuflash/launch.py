@@ -127,10 +127,13 @@ def _plain_launch(fn, launch, argv_ptr: int, stream_ptr: int) -> None:
 
 class LaunchArgs(threading.local):
     """This thread's parameter bytes and the void*[1] argument array cuLaunchKernel reads. The driver
-    copies the bytes at launch, so one buffer serves every launch of every call."""
+    copies the bytes at launch, so one buffer serves every launch of every call. 1024 bytes, 64-byte
+    aligned: the TMA kernels' records start with 128-byte tensor maps (CUtensorMap is 64-byte aligned)."""
 
-    def __init__(self, size: int = 512):
-        self.buf = ctypes.create_string_buffer(size)
+    def __init__(self, size: int = 1024, align: int = 64):
+        self._raw = ctypes.create_string_buffer(size + align)
+        offset = -ctypes.addressof(self._raw) % align
+        self.buf = (ctypes.c_char * size).from_buffer(self._raw, offset)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self.argv)
 

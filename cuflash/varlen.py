@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import checks, jit, launch, plan, variants
+from . import checks, forward, jit, launch, plan, variants
 from .params import BWD_PACKER, FWD_PACKER
 
 #: Most sequences in one packed batch (the device-side search of varlen.cuh counts in int32 powers of 32).
@@ -90,14 +90,20 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         q4, o4 = q[None], out[None]  # (1, total, heads, d): the 4-D strides helpers
         k4, v4 = (k, v) if g.paged else (k[None], v[None])  # paged: (pages, page_size, heads, d)
         aligned = g.head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q4, k4, v4, o4))
-        how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim,
-                                 checks.DTYPE_NAMES[q.dtype], var.causal, aligned, g.device_id, var.mods, tile)  # fmt: skip
+        dtype = checks.DTYPE_NAMES[q.dtype]
+        how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype, var.causal,
+                                 aligned, g.device_id, var.mods, tile)  # fmt: skip
+        maps = forward.tma_maps(how, q4, k4, v4, dtype)
+        if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
+            how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype,
+                                     var.causal, aligned, g.device_id, var.mods,
+                                     plan.FWD_SM90_TILES[how.spec.head_dim])  # fmt: skip
         if g.paged and k.shape[1] % how.spec.tile.block_n:
             raise ValueError(f"page size {k.shape[1]} is not a multiple of the key tile ({how.spec.tile.block_n} keys) "
                              f"of the forced tile {how.spec.tile}")  # fmt: skip
         unit = var.unit_scale(softmax_scale)
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q4, k4, v4, o4))
-        record = FWD_PACKER.pack(
+        record = (maps or b"") + FWD_PACKER.pack(
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
             q_batch_stride=0, q_row_stride=qs[1], q_head_stride=qs[2],
             k_batch_stride=ks[0] if g.paged else 0, k_row_stride=ks[1], k_head_stride=ks[2],  # (paged: page stride)

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 # element-wise loads, and the Hopper kernel).
 SMALL = ["precompile", "--arch", "sm_90a", "--head-dim", "64", "--dtype", "bf16", "--no-causal", "--kernels", "fwd"]
 SMALL_NAMES = {plan.fwd_spec(64, "bf16", False, aligned, "sm_90a").name for aligned in (True, False)} | {
-    plan.fwd_sm90_spec(64, "bf16", False).name
+    plan.fwd_sm90_spec(64, "bf16", False).name, plan.fwd_sm90_ws_spec(64, "bf16", False).name
 }
 N_SMALL = len(SMALL_NAMES)
 

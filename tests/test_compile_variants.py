@@ -34,7 +34,7 @@ MAX_STACK_BYTES_SM90_BWD_HD256 = 96
 def _budget(spec) -> int:
     if spec.family == "flash_bwd_sm90" and spec.head_dim == 256:
         return MAX_STACK_BYTES_SM90_BWD_HD256
-    if spec.family in ("flash_fwd_sm90", "flash_bwd_sm90"):
+    if spec.family in ("flash_fwd_sm90", "flash_fwd_sm90_ws", "flash_bwd_sm90"):
         return 0
     if spec.family.startswith("flash_bwd"):
         return MAX_STACK_BYTES_BWD if spec.family == "flash_bwd" else 0
@@ -71,6 +71,8 @@ def test_every_variant_compiles(compiled):
     # the Hopper forward: sm_90a only, its buckets x dtypes x causal, 16-byte loads only
     hopper = [s for s in specs if s.family == "flash_fwd_sm90"]
     assert len(hopper) == len(plan.FWD_SM90_TILES) * 2 * 2 and {s.arch for s in hopper} == {"sm_90a"}
+    ws = [s for s in specs if s.family == "flash_fwd_sm90_ws"]  # the warp-specialized TMA forward, likewise
+    assert len(ws) == len(plan.FWD_SM90_WS_TILES) * 2 * 2 and {s.arch for s in ws} == {"sm_90a"}
     hopper_bwd = [s for s in specs if s.family == "flash_bwd_sm90"]
     assert len(hopper_bwd) == len(plan.BWD_SM90_TILES) * 2 * 2 and {s.arch for s in hopper_bwd} == {"sm_90a"}
     assert len([s for s in specs if s.family == "flash_bwd"]) == n_main
@@ -199,8 +201,9 @@ def compiled_variants(tmp_path_factory):
 @pytest.mark.slow
 def test_variant_kernels_compile_within_budget(compiled_variants):
     specs, headers = compiled_variants
-    assert {s.family for s in specs} == {"flash_fwd", "flash_fwd_sm90", "flash_bwd", "flash_bwd_sm90", "flash_decode",
-                                         "flash_bwd_pre", "flash_bwd_convert"}  # fmt: skip
+    assert {s.family for s in specs} == {"flash_fwd", "flash_fwd_sm90", "flash_fwd_sm90_ws", "flash_bwd",
+                                         "flash_bwd_sm90", "flash_decode", "flash_bwd_pre",
+                                         "flash_bwd_convert"}  # fmt: skip
     assert all(s.varlen if s.family in ("flash_bwd_pre", "flash_bwd_convert") else s.mods for s in specs)
     assert set(headers) == {s.name for s in specs}
     problems = []

@@ -56,8 +56,9 @@ def _device_arch():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(300, 333), (1, 700), (700, 1), (513, 1025), (128, 128)])
 def test_both_forward_kernels(dtype, head_dim, causal, sq, sk):
-    """On Hopper the planner runs the wgmma kernel for these inputs: check it and the mma.sync kernel
-    (which other GPUs, unaligned inputs and other buckets run) on the same data."""
+    """On Hopper the planner runs the warp-specialized TMA kernel for these inputs: check it, the cp.async
+    wgmma kernel (its fallback) and the mma.sync kernel (which other GPUs, unaligned inputs and other
+    buckets run) on the same data."""
     from cuflash import plan
 
     arch = _device_arch()
@@ -65,7 +66,7 @@ def test_both_forward_kernels(dtype, head_dim, causal, sq, sk):
     q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, head_dim, dtype)
     tiles = [plan.fwd_tile(head_dim, arch)]
     if arch == "sm_90a":
-        tiles.append(plan.FWD_SM90_TILES[head_dim])
+        tiles += [plan.FWD_SM90_TILES[head_dim], plan.FWD_SM90_WS_TILES[head_dim]]
     for tile in tiles:
         check_forward(q, k, v, causal=causal, dtype=dtype, tile=tile, what=f"{tile} sq={sq} sk={sk}")
 

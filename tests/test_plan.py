@@ -249,7 +249,12 @@ def test_all_fwd_specs_covers_every_combination():
     assert {(s.head_dim, s.dtype, s.causal) for s in hopper} == {
         (d, dt, c) for d in plan.FWD_SM90_TILES for dt in plan.DTYPES for c in (False, True)
     }
-    assert len(hopper) == len(plan.FWD_SM90_TILES) * 4 and len(specs) == len(mma) + len(hopper)
+    ws = [s for s in specs if s.family == "flash_fwd_sm90_ws"]  # and the warp-specialized TMA kernel
+    assert {(s.head_dim, s.dtype, s.causal) for s in ws} == {
+        (d, dt, c) for d in plan.FWD_SM90_WS_TILES for dt in plan.DTYPES for c in (False, True)
+    }
+    assert all(s.tile == plan.FWD_SM90_WS_TILES[s.head_dim] for s in ws)
+    assert len(hopper) == len(plan.FWD_SM90_TILES) * 4 and len(specs) == len(mma) + len(hopper) + len(ws)
     assert all(s.family == "flash_fwd" for s in plan.all_fwd_specs("sm_80") + plan.all_fwd_specs("sm_86"))
     # head dims map to buckets, duplicates dropped, order kept
     few = plan.all_fwd_specs("sm_80", head_dims=(33, 64, 60, 100), dtypes=("bf16",), causals=(True,))
@@ -361,7 +366,11 @@ def test_every_spec_names_a_registered_family():
     for name, fam in plan.KERNEL_FAMILIES.items():
         assert isinstance(fam, plan.KernelFamily)
         assert (jit.source_dir() / fam.header).is_file(), (name, fam.header)
-        assert "{args}" in fam.kernel and fam.params in ("FwdParams", "BwdParams", "DecodeParams", "RotaryParams")
+        assert "{args}" in fam.kernel
+        if fam.grid_constant:  # the TMA kernels: tensor maps, then FwdParams, in the family's own header
+            assert fam.params == "FwdTmaParams" and "FwdParams p;" in (jit.source_dir() / fam.header).read_text()
+            continue
+        assert fam.params in ("FwdParams", "BwdParams", "DecodeParams", "RotaryParams")
         assert f"struct {fam.params}" in (jit.source_dir() / "params.h").read_text()
 
 
@@ -374,11 +383,14 @@ def test_entry_source_of_every_family(family):
     assert fam is plan.KERNEL_FAMILIES[family]
     assert spec.entry_kernel() == fam.kernel.format(args=spec.template_args())
     text = jit.entry_source(spec)
+    qual = "__grid_constant__ " if fam.grid_constant else ""  # (TMA reads the maps from parameter space)
+    assert fam.grid_constant == (family == "flash_fwd_sm90_ws")
     assert text == jit.ENTRY_TEMPLATE.format(header=fam.header, threads=spec.threads, min_blocks=spec.min_blocks,
-                                             name=spec.name, params=fam.params, kernel=spec.entry_kernel())  # fmt: skip
+                                             name=spec.name, grid_constant=qual, params=fam.params,
+                                             kernel=spec.entry_kernel())  # fmt: skip
     assert text.splitlines()[0] == f'#include "{fam.header}"'
     assert f"__launch_bounds__({spec.threads}, {spec.min_blocks})" in text
-    assert f"{spec.name}(const cuflash::{fam.params} params)" in text
+    assert f"{spec.name}({qual}const cuflash::{fam.params} params)" in text
     assert f"cuflash::{spec.entry_kernel()}(params);" in text
 
 
@@ -419,12 +431,12 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
                                aligned=aligned, arch=arch)  # fmt: skip
     spec = launch.spec
     bucket = plan.head_dim_bucket(head_dim)
-    if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_TILES:  # the Hopper kernel
-        t = plan.FWD_SM90_TILES[bucket]
-        assert spec == plan.Sm90KernelSpec(bucket, dtype, causal, t)
-        assert launch.smem_bytes == plan.fwd_sm90_smem_bytes(bucket, t) == spec.smem_bytes <= 227 * 1024
+    if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_WS_TILES:  # the warp-specialized Hopper kernel
+        t = plan.FWD_SM90_WS_TILES[bucket]
+        assert spec == plan.Sm90WsKernelSpec(bucket, dtype, causal, t)
+        assert launch.smem_bytes == plan.fwd_sm90_ws_smem_bytes(bucket, t) == spec.smem_bytes <= 227 * 1024
         assert launch.grid == (math.ceil(seqlen_q / t.block_m), nheads, batch)
-        assert launch.block == (t.block_m * 2, 1, 1) == (spec.threads, 1, 1)
+        assert launch.block == ((t.block_m // 64 + 1) * 128, 1, 1) == (spec.threads, 1, 1)
         return
     t = plan.fwd_tile(bucket, arch)
     assert spec == plan.KernelSpec("flash_fwd", bucket, dtype, causal, aligned, t, arch)
@@ -496,10 +508,16 @@ def _fwd_plan(head_dim=128, arch="sm_90a", aligned=True, tile=None, seqlen_q=100
 def test_hopper_kernel_runs_where_it_can(head_dim):
     launch = _fwd_plan(head_dim)
     bucket = plan.head_dim_bucket(head_dim)
-    assert launch.spec.family == "flash_fwd_sm90" and launch.spec.tile == plan.FWD_SM90_TILES[bucket]
-    assert launch.grid == (-(-1000 // launch.spec.tile.block_m), 4, 2)
-    assert launch.block == (launch.spec.tile.block_m * 2, 1, 1)  # 4 warps per 64 rows
-    assert launch.smem_bytes == 1024 + 2 * (launch.spec.tile.block_m + 4 * launch.spec.tile.block_n) * bucket
+    t = plan.FWD_SM90_WS_TILES[bucket]
+    assert launch.spec.family == "flash_fwd_sm90_ws" and launch.spec.tile == t
+    assert launch.grid == (-(-1000 // t.block_m), 4, 2)
+    assert launch.block == (128 * (t.block_m // 64 + 1), 1, 1)  # a producer warpgroup + one per 64 rows
+    # Q, the K/V ring, 1 + 4 * stages mbarriers, 1024 bytes of alignment slack
+    assert launch.smem_bytes == 1024 + 2 * (t.block_m + 2 * t.stages * t.block_n) * bucket + 8 * (2 + 4 * t.stages)
+    # the cp.async wgmma kernel when its tile is given (the callers' fallback where TMA cannot describe an input)
+    old = _fwd_plan(head_dim, tile=plan.FWD_SM90_TILES[bucket])
+    assert old.spec.family == "flash_fwd_sm90" and old.block == (old.spec.tile.block_m * 2, 1, 1)
+    assert old.smem_bytes == 1024 + 2 * (old.spec.tile.block_m + 4 * old.spec.tile.block_n) * bucket
     # the mma.sync kernel elsewhere: other archs, unaligned inputs, buckets without a Hopper tile
     assert _fwd_plan(head_dim, arch="sm_80").spec.family == "flash_fwd"
     assert _fwd_plan(head_dim, arch="sm_89").spec.family == "flash_fwd"

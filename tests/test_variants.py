@@ -289,7 +289,9 @@ def test_variant_specs_name_their_variants_and_pass_them_last():
         plan.decode_spec(128, "bf16", True, 1, "sm_90a", mods=plan.MOD_VARLEN)
     launch = plan.plan_forward(batch=1, seqlen_q=10, seqlen_k=10, nheads=1, nheads_kv=1, head_dim=128, dtype="bf16",
                                causal=False, aligned=True, arch="sm_90a", mods=plan.MOD_SOFTCAP)  # fmt: skip
-    assert launch.spec.family == "flash_fwd_sm90" and launch.spec.mods == plan.MOD_SOFTCAP
+    assert launch.spec.family == "flash_fwd_sm90_ws" and launch.spec.mods == plan.MOD_SOFTCAP
+    ws = plan.fwd_sm90_ws_spec(128, "bf16", False)  # its mods are not last: the schedule bits follow
+    assert ws.template_args().endswith(f", 0, {ws.tile.sched}")
 
 
 def test_spec_lists_take_variant_combinations():

@@ -99,8 +99,8 @@ def test_backward_variants_property(case):
 
 
 def _kernels(head_dim, op):
-    """The tiles to force for op "fwd" or "bwd": the mma.sync kernel's, and on Hopper the wgmma one's
-    where it exists."""
+    """The tiles to force for op "fwd" or "bwd": the mma.sync kernel's, and on Hopper the wgmma ones'
+    where they exist (forward: the cp.async and the warp-specialized TMA kernel)."""
     from cuflash import plan
 
     arch = _arch()
@@ -108,6 +108,8 @@ def _kernels(head_dim, op):
     tiles = [tile_of(plan.head_dim_bucket(head_dim), arch)]
     if arch == "sm_90a" and head_dim in hopper:
         tiles.append(hopper[head_dim])
+    if arch == "sm_90a" and op == "fwd" and head_dim in plan.FWD_SM90_WS_TILES:  # the warp-specialized one too
+        tiles.append(plan.FWD_SM90_WS_TILES[head_dim])
     return tiles
 
 

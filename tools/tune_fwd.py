@@ -1,15 +1,16 @@
 """Sweep forward tile shapes on the GPU at a few points of the paper grid, side by side with
 torch's FlashAttention-2, to choose the rows of cuflash/plan/forward.py FWD_TILES.
 
-    python tools/tune_fwd.py [--hd 64 128 256] [--seqlen 2048 8192] [--dtype bf16] [--sm90]
---sm90 sweeps the Hopper (wgmma) kernel's tiles (FWD_SM90_TILES) instead of the mma.sync kernel's.
+    python tools/tune_fwd.py [--hd 64 128 256] [--seqlen 2048 8192] [--dtype bf16] [--sm90 | --ws]
+--sm90 sweeps the Hopper (wgmma) kernel's tiles (FWD_SM90_TILES) instead of the mma.sync kernel's; --ws the
+warp-specialized TMA kernel's tiles and schedules (FWD_SM90_WS_TILES; its ablations).
 Prints one line per (head dim, tile, causal, seqlen) and, last, the best tile per head dim.
 """
 import argparse
 import statistics
 
 from cuflash import bench
-from cuflash.plan import Sm90Tile, Tile
+from cuflash.plan import Sm90Tile, Sm90WsTile, Tile
 
 T = Tile
 CANDIDATES = {  # (block_m, block_n, warps, q_in_regs, min_blocks, stages)
@@ -32,7 +33,20 @@ SM90_CANDIDATES = {  # (block_m, block_n, stages, min_blocks)
 }
 
 
+W = Sm90WsTile
+SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong); the schedule ablations of the default
+    64: [W(128, 128), W(192, 128, pingpong=False), W(128, 64), W(128, 128, 3), W(128, 128, overlap=False),
+         W(128, 128, pingpong=False)],
+    128: [W(128, 128), W(128, 128, overlap=False), W(128, 128, pingpong=False), W(128, 128, overlap=False, pingpong=False),
+          W(128, 64, 3), W(192, 64, pingpong=False)],
+    256: [W(128, 64), W(128, 64, overlap=False), W(128, 64, pingpong=False), W(128, 64, overlap=False, pingpong=False)],
+}
+
+
 def describe(tile) -> str:
+    if isinstance(tile, Sm90WsTile):
+        return (f"ws bm{tile.block_m} bn{tile.block_n} st{tile.stages} overlap={int(tile.overlap)} "
+                f"pingpong={int(bool(tile.sched & 2))}")
     if isinstance(tile, Sm90Tile):
         return f"sm90 bm{tile.block_m} bn{tile.block_n} st{tile.stages} mb{tile.min_blocks}"
     return f"bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} st={tile.stages}"
@@ -66,13 +80,14 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--sm90", action="store_true", help="sweep the Hopper kernel's tiles")
+    ap.add_argument("--ws", action="store_true", help="sweep the warp-specialized Hopper kernel's tiles and schedules")
     a = ap.parse_args()
-    candidates = SM90_CANDIDATES if a.sm90 else CANDIDATES
+    candidates = SM90_WS_CANDIDATES if a.ws else SM90_CANDIDATES if a.sm90 else CANDIDATES
     best = {}
     for hd in a.hd:
         scores = {}
         for tile in candidates.get(hd, []):
-            ratios = []
+            ratios, vs_cudnn = [], []
             if not check_tile(hd, tile, a.dtype):
                 print(f"hd{hd} {describe(tile)}: WRONG RESULTS, skipped", flush=True)
                 continue
@@ -92,15 +107,17 @@ def main():
                         continue
                     r = t["cuflash"] / t["flash"] if "flash" in t else float("nan")
                     ratios.append(r)
+                    if "cudnn" in t:
+                        vs_cudnn.append(t["cuflash"] / t["cudnn"])
                     print(f"hd{hd} {describe(tile)} "
                           f"causal={int(causal)} s={s:5d}: cuflash {t['cuflash']:6.1f}  flash {t.get('flash', 0):6.1f} "
                           f"cudnn {t.get('cudnn', 0):6.1f}  ratio {r:.3f}", flush=True)
             if ratios:
-                scores[tile] = statistics.median(ratios)
+                scores[tile] = (statistics.median(ratios), statistics.median(vs_cudnn) if vs_cudnn else float("nan"))
         if scores:
-            best[hd] = max(scores, key=scores.get)
-            for tile, sc in sorted(scores.items(), key=lambda kv: -kv[1]):
-                print(f"  hd{hd} median ratio vs flash {sc:.3f}  {tile}")
+            best[hd] = max(scores, key=lambda t: scores[t][0])
+            for tile, (sc, sd) in sorted(scores.items(), key=lambda kv: -kv[1][0]):
+                print(f"  hd{hd} median ratio vs flash {sc:.3f} vs cudnn {sd:.3f}  {describe(tile)}")
     print("BEST:", {hd: tuple(t.__dict__.values()) for hd, t in best.items()})
 
 

@@ -30,8 +30,9 @@ from .decode_kernels import (
     decode_launch_smem, decode_m_slabs, decode_m_slabs_options, decode_smem_bytes, decode_spec, decode_tile,
 )
 from .forward import (
-    FWD_SM90_TILES, FWD_TILES, KernelSpec, Sm90KernelSpec, Sm90Tile, Tile, all_fwd_specs, fwd_sm90_smem_bytes,
-    fwd_sm90_spec, fwd_smem_bytes, fwd_spec, fwd_tile, plan_forward, uses_sm90_forward, varlen_tiles, with_tile,
+    FWD_SM90_TILES, FWD_SM90_WS_TILES, FWD_TILES, KernelSpec, Sm90KernelSpec, Sm90Tile, Sm90WsKernelSpec, Sm90WsTile,
+    Tile, all_fwd_specs, fwd_sm90_smem_bytes, fwd_sm90_spec, fwd_sm90_ws_smem_bytes, fwd_sm90_ws_spec, fwd_smem_bytes,
+    fwd_spec, fwd_tile, plan_forward, uses_sm90_forward, uses_sm90_ws_forward, varlen_tiles, with_tile,
 )
 
 #: Each kernel family's variant list, as `cuflash precompile --kernels` selects them.
@@ -73,6 +74,7 @@ __all__ = [
     "DecodeSpec",
     "DecodeTile",
     "FWD_SM90_TILES",
+    "FWD_SM90_WS_TILES",
     "FWD_TILES",
     "HEAD_DIM_BUCKETS",
     "KERNEL_FAMILIES",
@@ -87,6 +89,8 @@ __all__ = [
     "SMEM_PER_SM_KB",
     "Sm90KernelSpec",
     "Sm90Tile",
+    "Sm90WsKernelSpec",
+    "Sm90WsTile",
     "Tile",
     "all_bwd_specs",
     "all_decode_specs",
@@ -112,6 +116,8 @@ __all__ = [
     "decode_tile",
     "fwd_sm90_smem_bytes",
     "fwd_sm90_spec",
+    "fwd_sm90_ws_smem_bytes",
+    "fwd_sm90_ws_spec",
     "fwd_smem_bytes",
     "fwd_spec",
     "fwd_tile",
@@ -125,6 +131,7 @@ __all__ = [
     "supports_pdl",
     "uses_sm90_backward",
     "uses_sm90_forward",
+    "uses_sm90_ws_forward",
     "varlen_tiles",
     "with_tile",
 ]

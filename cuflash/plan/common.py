@@ -120,12 +120,17 @@ class KernelFamily:
     header: str  # cuda_src header that defines the kernel
     kernel: str  # C++ kernel function template in namespace cuflash; {args}: the spec's template_args()
     params: str  # parameter struct of cuda_src/params.h, the kernel's only argument
+    # The argument is `const __grid_constant__` (it holds TMA tensor maps, which must stay in parameter space).
+    grid_constant: bool = False
 
 
 KERNEL_FAMILIES = {
     "flash_fwd": KernelFamily("flash_fwd.cuh", "flash_fwd_kernel<cuflash::FwdConfig<{args}>>", "FwdParams"),
     "flash_fwd_sm90": KernelFamily("flash_fwd_sm90.cuh", "flash_fwd_sm90_kernel<cuflash::Sm90FwdConfig<{args}>>",
                                    "FwdParams"),
+    "flash_fwd_sm90_ws": KernelFamily("flash_fwd_sm90_ws.cuh",
+                                      "flash_fwd_sm90_ws_kernel<cuflash::Sm90WsFwdConfig<{args}>>", "FwdTmaParams",
+                                      grid_constant=True),
     "flash_bwd": KernelFamily("flash_bwd.cuh", "flash_bwd_kernel<cuflash::BwdConfig<{args}>>", "BwdParams"),
     "flash_bwd_sm90": KernelFamily("flash_bwd_sm90.cuh", "flash_bwd_sm90_kernel<cuflash::Sm90BwdConfig<{args}>>",
                                    "BwdParams"),

@@ -94,6 +94,46 @@ def fwd_sm90_smem_bytes(head_dim_bucket: int, tile: Sm90Tile) -> int:
     return 1024 + 2 * (tile.block_m + 2 * tile.stages * tile.block_n) * head_dim_bucket
 
 
+@dataclass(frozen=True)
+class Sm90WsTile:
+    """Tile and schedule of the warp-specialized Hopper forward (cuda_src/flash_fwd_sm90_ws.cuh):
+    block_m / 64 consumer warpgroups of 64 query rows plus one producer warpgroup that issues the
+    TMA loads into a ring of ``stages`` K/V slots."""
+
+    block_m: int  # query rows per CTA: 128 (2 consumer warpgroups) or 192 (3)
+    block_n: int  # key rows per K/V tile
+    stages: int = 2  # K/V slots of the load ring
+    overlap: bool = True  # a tile's softmax overlaps the previous tile's P V (inside a warpgroup)
+    pingpong: bool = True  # two consumer warpgroups take turns at the tensor cores (block_m 128 only)
+    min_blocks: int = 1
+
+    @property
+    def warps(self) -> int:
+        return 4 * (self.block_m // 64 + 1)
+
+    @property
+    def sched(self) -> int:
+        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong."""
+        return int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0)
+
+
+#: Warp-specialized Hopper forward tiles per head-dim bucket: the default forward on sm_90a for
+#: aligned inputs of these buckets. Registers per consumer thread ~ O (d / 2) + S (block_n / 2) +
+#: P of the previous tile (block_n / 4), within 240 (2 consumer warpgroups) or 160 (3).
+FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
+    64: Sm90WsTile(128, 128),
+    128: Sm90WsTile(128, 128),
+    256: Sm90WsTile(128, 64),
+}
+
+
+def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile) -> int:
+    """Dynamic shared memory of the warp-specialized forward: must match Sm90WsFwdConfig::kSmemBytes
+    (alignment slack, Q, the K/V ring, 1 + 4 * stages mbarriers of 8 bytes rounded to 16)."""
+    barriers = 1 + 4 * tile.stages
+    return 1024 + 2 * (tile.block_m + 2 * tile.stages * tile.block_n) * head_dim_bucket + 8 * ((barriers + 1) // 2 * 2)
+
+
 def fwd_tile(bucket: int, arch: str) -> Tile:
     """The forward tile for a head-dim bucket on ``arch``: the FWD_TILES row (tuned on the H200),
     or, where that needs more shared memory than the arch has, the first smaller shape that fits:
@@ -161,6 +201,58 @@ class Sm90KernelSpec(HopperSpec):
                 f"{mods_arg(self.mods)}")
 
 
+@dataclass(frozen=True)
+class Sm90WsKernelSpec(HopperSpec):
+    """One warp-specialized Hopper forward variant (TMA, wgmma, sm_90a)."""
+
+    tile: Sm90WsTile
+    family: str = "flash_fwd_sm90_ws"
+
+    @property
+    def name(self) -> str:
+        t = self.tile
+        return self._variant_name(f"{'_ov' if t.overlap else ''}{'_pp' if t.sched & 2 else ''}")
+
+    @property
+    def smem_bytes(self) -> int:
+        return fwd_sm90_ws_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        """C++ template argument list of cuflash::Sm90WsFwdConfig for this variant."""
+        t, b = self.tile, cpp_bool
+        return (f"{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {b(self.dtype == 'bf16')}, {b(self.causal)}, "
+                f"{self.mods}, {t.sched}")
+
+
+def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile | None = None,
+                     mods: int = 0) -> Sm90WsKernelSpec:  # fmt: skip
+    """The warp-specialized Hopper forward for ``head_dim`` (its bucket must have a FWD_SM90_WS_TILES
+    row, or give ``tile``)."""
+    bucket = head_dim_bucket(head_dim)
+    check_dtype(dtype)
+    if head_dim % 8 != 0:
+        raise ValueError("the TMA kernel needs head_dim % 8 == 0 (16-byte rows)")
+    if tile is None:
+        if bucket not in FWD_SM90_WS_TILES:
+            raise ValueError(f"no warp-specialized forward tile for head-dim bucket {bucket} (have {sorted(FWD_SM90_WS_TILES)})")
+        tile = FWD_SM90_WS_TILES[bucket]
+    if bucket % 64 or tile.block_m not in (128, 192) or tile.block_n % 64 or tile.block_n > 256 or not 2 <= tile.stages <= 4:
+        raise ValueError(f"warp-specialized tile {tile} for bucket {bucket}: needs block_m 128 or 192, block_n a "
+                         "multiple of 64 up to 256 and 2 to 4 stages")  # fmt: skip
+    consumer_warps = 4 * (tile.block_m // 64)
+    if consumer_warps * 16 * (bucket + 8) * 2 > 2 * tile.stages * tile.block_n * bucket * 2:
+        raise ValueError(f"warp-specialized tile {tile}: the O staging rows do not fit in the K/V slots")
+    if fwd_sm90_ws_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
+        raise ValueError(f"warp-specialized tile {tile} needs {fwd_sm90_ws_smem_bytes(bucket, tile)} bytes of shared memory")
+    return Sm90WsKernelSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
+
+
+def uses_sm90_ws_forward(head_dim: int, aligned: bool, arch: str) -> bool:
+    """True when the forward runs the warp-specialized TMA kernel: sm_90a, 16-byte rows, a bucket of
+    FWD_SM90_WS_TILES."""
+    return arch == "sm_90a" and aligned and head_dim % 8 == 0 and head_dim_bucket(head_dim) in FWD_SM90_WS_TILES
+
+
 def fwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90Tile | None = None, mods: int = 0) -> Sm90KernelSpec:
     """The Hopper forward variant for ``head_dim`` (its bucket must have a FWD_SM90_TILES row, or give ``tile``)."""
     bucket = head_dim_bucket(head_dim)
@@ -218,8 +310,10 @@ def plan_forward(
 ) -> Launch:
     """Kernel variant, grid, block and shared memory for one forward call (all sizes >= 1).
 
-    On sm_90a with 16-byte aligned inputs and a bucket of FWD_SM90_TILES the Hopper (wgmma) kernel
-    runs, else the mma.sync kernel; a given ``tile`` picks the kernel by its type. ``mods``: the
+    On sm_90a with 16-byte aligned inputs and a bucket of FWD_SM90_WS_TILES the warp-specialized TMA
+    kernel runs, else the mma.sync kernel; a given ``tile`` picks the kernel by its type (an Sm90Tile:
+    the cp.async wgmma kernel, which the callers also fall back to where no tensor map can describe
+    an input). ``mods``: the
     attention variants (common.MOD_* bits) compiled into the kernel. With MOD_VARLEN, batch is the
     number of packed sequences and seqlen_q / seqlen_k the packed totals: the grid is the scheduler's
     seqlen_q // block_m + batch slots per head (cuda_src/varlen.cuh)."""
@@ -227,7 +321,11 @@ def plan_forward(
         raise ValueError("plan_forward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-    if isinstance(tile, Sm90Tile) or (tile is None and uses_sm90_forward(head_dim, aligned, arch)):
+    if isinstance(tile, Sm90WsTile) or (tile is None and uses_sm90_ws_forward(head_dim, aligned, arch)):
+        if arch != "sm_90a" or not aligned:
+            raise ValueError("the warp-specialized forward kernel needs arch sm_90a and 16-byte aligned inputs")
+        spec = fwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
+    elif isinstance(tile, Sm90Tile) or (tile is None and uses_sm90_forward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned:
             raise ValueError("the Hopper forward kernel needs arch sm_90a and 16-byte aligned inputs")
         spec = fwd_sm90_spec(head_dim, dtype, causal, tile, mods)
@@ -261,6 +359,8 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                         specs.append(KernelSpec("flash_fwd", bucket, dt, c, al, fwd_tile(bucket, arch), arch, m))
                         if al and uses_sm90_forward(bucket, True, arch):
                             specs.append(fwd_sm90_spec(bucket, dt, c, mods=m))
+                        if al and uses_sm90_ws_forward(bucket, True, arch):
+                            specs.append(fwd_sm90_ws_spec(bucket, dt, c, mods=m))
     return list(dict.fromkeys(specs))  # unique, order kept
 
 

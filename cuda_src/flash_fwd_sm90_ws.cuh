@@ -1,0 +1,335 @@
+// FlashAttention forward on Hopper, warp specialized (sm_90a only): TMA loads by a producer warp,
+// wgmma by consumer warpgroups, the softmax of one tile overlapped with the tensor cores' work.
+//
+// Computes exactly what flash_fwd.cuh computes (same math, masks, variants, lse and output; read its
+// header first): O = softmax(scale * Q K^T + mask) V and lse per query row, one CTA per (query tile,
+// head, batch) or per varlen scheduler slot, K/V tiles visited from the last to the first.
+//
+// Roles (kConsumers = kBlockM / 64 consumer warpgroups, plus one producer warpgroup: warpgroup 0)
+//   producer   one thread issues every load: Q once, then for each K/V tile K and V into a ring of
+//              kStages shared-memory slots (cp.async.bulk.tensor, 128-byte swizzle, exactly the layout
+//              wgmma reads; see sm90_tile.cuh), each slot guarded by a "full" mbarrier (the TMA bytes
+//              landed) and an "empty" one (every consumer warpgroup is done reading it). The
+//              producer warpgroup gives its registers to the consumers (setmaxnreg) and its other
+//              threads exit.
+//   consumers  warpgroup c owns query rows [64c, 64c + 64) of the tile; warp i of it rows 64c + 16i ..
+//              +15 of the softmax (the wgmma accumulator layout, wgmma.cuh).
+//
+//   shared memory:  Q[kBlockM x d] | K[kStages][kBlockN x d] | V[kStages][kBlockN x d] | mbarriers
+//                   (every tile in 64-column atoms of the 128-byte swizzle, 1024-byte aligned)
+//
+// Schedule of a consumer warpgroup (kOverlap, FlashAttention-3's intra-warpgroup pipelining):
+//
+//   tile t:   [issue S_t = Q K_t^T] [issue O += P_{t-1} V_{t-1}]  wait S_t | softmax(S_t) -> P_t  | wait PV
+//             '------ tensor cores busy with S_t, then with P_{t-1} V_{t-1} ------'   rescale O, pack P_t
+//
+// so the exponentials of tile t run while the tensor cores multiply the previous tile's P by V; O is
+// rescaled by tile t's correction once that product has landed. P_{t-1} lives in its own registers
+// (the A operand of an in-flight wgmma) while S_t is computed. kPingPong (2 consumer warpgroups)
+// additionally orders the two warpgroups' GEMM issues through two named barriers, so one warpgroup's
+// softmax runs while the other's GEMMs own the tensor cores. Without kOverlap each tile is
+// S, softmax, P V in sequence (the ablation of the pipelining).
+//
+// Epilogue: after the loop every K/V slot is free; each consumer warp stages its normalized O rows
+// there and writes 16-byte chunks (WarpTile::store), and lse.
+//
+// Preconditions (cuflash/plan/forward.py picks this kernel only then): sm_90a; head_dim % 8 == 0, rows
+// and strides 16-byte aligned (TMA's rules); head-dim bucket a multiple of 64; the host encodes the
+// tensor maps (cuflash/tma.py): q, k, v seen as (batch, rows, heads, head_dim) with boxes of
+// 64 columns x kBlockM (q) or kBlockN (k, v) rows. Rows or columns past the tensor arrive as zeros.
+#pragma once
+
+#include "flash_fwd.cuh"  // FwdTileRef (masks and variants), WarpTile (softmax, epilogue)
+#include "sm90_tile.cuh"
+#include "tma.cuh"
+
+namespace cuflash {
+
+// The kernel's only argument (declared `const __grid_constant__` by the entry point: TMA reads the
+// maps from parameter space): the three tensor maps, then the forward's parameter block.
+struct FwdTmaParams {
+    TmaDesc tma_q, tma_k, tma_v;
+    FwdParams p;
+};
+static_assert(sizeof(TmaDesc) == 128 && alignof(TmaDesc) == 64, "a CUtensorMap is 128 bytes, 64-byte aligned");
+static_assert(__builtin_offsetof(FwdTmaParams, p) == 384, "cuflash/forward.py puts the FwdParams record after 3 maps");
+
+// Schedule bits of the warp-specialized forward (kSched): the ablations of the pipelining.
+constexpr int kSchedOverlap = 1;   // softmax of tile t overlaps P_{t-1} V_{t-1} inside a warpgroup
+constexpr int kSchedPingPong = 2;  // two consumer warpgroups take turns issuing their GEMMs
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0,
+          int kSched_ = kSchedOverlap | kSchedPingPong>
+struct Sm90WsFwdConfig {
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kStages = kStages_;
+    static constexpr bool kIsBF16 = kIsBF16_;
+    static constexpr bool kIsCausal = kIsCausal_;
+    static constexpr int kMods = kMods_;  // attention variants (masks.cuh kMod* bits)
+
+    static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
+    static constexpr int kNThreads = 128 * (kConsumers + 1);
+    static constexpr bool kOverlap = (kSched_ & kSchedOverlap) != 0;
+    static constexpr bool kPingPong = (kSched_ & kSchedPingPong) != 0 && kConsumers == 2;
+    // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
+    // producer keeps kProducerRegs, the consumers take the rest (24 x 128 + 240 x 256 = 64512 <= 168 x 384;
+    // 32 x 128 + 160 x 384 = 65536 = 128 x 512).
+    static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+    static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+    // What WarpTile (warp_tile.cuh) and FwdTileRef need for the softmax, masks and the epilogue.
+    static constexpr bool kAligned = true;
+    static constexpr bool kQInRegs = false;
+    static constexpr int kRowsPerWarp = 16;
+    static constexpr int kMSlabs = 1;
+    static constexpr int kNBlocksS = kBlockN / 8;
+    static constexpr int kDBlocks = kHeadDim / 8;
+    static constexpr int kKStepsQK = kHeadDim / 16;
+    static constexpr int kKStepsPV = kBlockN / 16;
+    static constexpr int kChunksPerRow = kHeadDim / 8;
+    static constexpr int kSmemStride = kHeadDim + 8;  // epilogue staging rows (16 bytes of padding)
+    static constexpr bool kKVSwizzled = false;        // (WarpTile's K/V layout: unused here)
+    static constexpr int kKVStride = kSmemStride;
+
+    static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
+    static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
+    static constexpr int kBarriers = 1 + 4 * kStages;  // Q full; K full, V full, K empty, V empty per slot
+    // 1024 bytes of slack to align the base to the swizzle pattern; the mbarriers after the tiles.
+    static constexpr int kSmemBytes = 1024 + kTileBytesQ + 2 * kStages * kTileBytesKV + 8 * ((kBarriers + 1) / 2 * 2);
+
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-element swizzle atoms, N <= 256");
+    static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (the register split above)");
+    static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tiles are wgmma N (multiple of 64 here)");
+    static_assert(kStages >= 2 && kStages <= 4, "a ring of 2 to 4 K/V slots");
+    static_assert(kConsumers * 4 * 16 * kSmemStride * 2 <= 2 * kStages * kTileBytesKV, "O staging fits in the K/V slots");
+};
+
+template <class Cfg>
+CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
+    constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim, kStages = Cfg::kStages;
+    constexpr bool kBF16 = Cfg::kIsBF16;
+    constexpr int kNB = Cfg::kNBlocksS, kAtoms = kHeadDim / 64;
+    const FwdParams& p = P.p;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wg = warp / 4;
+    const FwdTileRef<Cfg> tile(p);  // rows, visited K/V blocks, variants, coordinates: as flash_fwd_kernel
+    if constexpr (FwdTileRef<Cfg>::kVarlen) {
+        if (tile.skip()) return;  // a spare slot of the varlen scheduler
+    }
+    if (tile.empty()) {
+        tile.write_empty(p, tid);
+        return;
+    }
+    const int n_last = tile.n_block_end - 1;
+    const int n_tiles = tile.n_block_end - tile.first_block();  // >= 1 (not empty)
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const u32 s_base = (smem_u32(smem_raw) + 1023u) & ~1023u;  // swizzle pattern starts on 1024 bytes
+    const u32 s_q = s_base;
+    const u32 s_k0 = s_q + Cfg::kTileBytesQ;
+    const u32 s_v0 = s_k0 + kStages * Cfg::kTileBytesKV;
+    const u32 s_bar = s_v0 + kStages * Cfg::kTileBytesKV;
+    const u32 bar_q = s_bar;
+    auto full_k = [&](int s) { return s_bar + 8u * (1 + s); };
+    auto full_v = [&](int s) { return s_bar + 8u * (1 + kStages + s); };
+    auto empty_k = [&](int s) { return s_bar + 8u * (1 + 2 * kStages + s); };
+    auto empty_v = [&](int s) { return s_bar + 8u * (1 + 3 * kStages + s); };
+
+    if (tid == 0) {
+        mbar_init(bar_q, 1);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full_k(s), 1);
+            mbar_init(full_v(s), 1);
+            mbar_init(empty_k(s), Cfg::kConsumers);  // one thread per consumer warpgroup arrives
+            mbar_init(empty_v(s), Cfg::kConsumers);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---------------- producer ----------------
+        regs_release<Cfg::kProducerRegs>();
+        if (tid == 0) {
+            tma_prefetch(&P.tma_q);
+            tma_prefetch(&P.tma_k);
+            tma_prefetch(&P.tma_v);
+            mbar_arrive_expect_tx(bar_q, Cfg::kTileBytesQ);
+#pragma unroll
+            for (int a = 0; a < kAtoms; ++a) {
+                tma_load_4d(s_q + a * kBlockM * 128, &P.tma_q, bar_q, 64 * a, tile.q_row0, tile.tma_h, tile.tma_b);
+            }
+            for (int t = 0; t < n_tiles; ++t) {
+                const int st = t % kStages;
+                const u32 free_parity = ((t / kStages) & 1) ^ 1;
+                int row, batch;
+                tile.kv_coords(p, (n_last - t) * kBlockN, row, batch);
+                mbar_wait(empty_k(st), free_parity);
+                mbar_arrive_expect_tx(full_k(st), Cfg::kTileBytesKV);
+#pragma unroll
+                for (int a = 0; a < kAtoms; ++a) {
+                    tma_load_4d(s_k0 + st * Cfg::kTileBytesKV + a * kBlockN * 128, &P.tma_k, full_k(st), 64 * a, row,
+                                tile.tma_hk, batch);
+                }
+                mbar_wait(empty_v(st), free_parity);
+                mbar_arrive_expect_tx(full_v(st), Cfg::kTileBytesKV);
+#pragma unroll
+                for (int a = 0; a < kAtoms; ++a) {
+                    tma_load_4d(s_v0 + st * Cfg::kTileBytesKV + a * kBlockN * 128, &P.tma_v, full_v(st), 64 * a, row,
+                                tile.tma_hk, batch);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---------------- consumers ----------------
+    regs_claim<Cfg::kConsumerRegs>();
+    const int cwg = wg - 1;        // consumer warpgroup
+    const int cwarp = warp - 4;    // consumer warp: rows 16 cwarp .. +15 of the tile
+    const bool signals = tid % 128 == 0;  // the thread of its warpgroup that arrives on "empty" barriers
+    const int t4 = lane % 4;
+    const int m0 = tile.m0;
+    const typename FwdTileRef<Cfg>::Mask mask = tile.mask;
+    const int warp_row0 = cwarp * 16;
+    const int row_abs0 = m0 + warp_row0 + lane / 4;
+
+    // Descriptors (as flash_fwd_sm90.cuh): A = this warpgroup's 64 rows of Q (K-major); B of S = K
+    // (K-major); B of O = V read N-major (64-column atoms kBlockN * 128 bytes apart).
+    const u64 desc_q = sw128_desc(s_q + cwg * 64 * 128, 16);
+    const u64 desc_k0 = sw128_desc(s_k0, 16);
+    const u64 desc_v0 = sw128_desc(s_v0, kBlockN * 128);
+    constexpr u64 kSlotStep = Cfg::kTileBytesKV >> 4;
+
+    WarpTile<Cfg> wt;
+    wt.init(warp_row0, lane);
+    const float scale_log2 = p.scale_log2;
+    float S[1][kNB][4];
+    u32 keep[1][kNB / 2];             // dropout keep bits of the current tile (dropout only)
+    u32 pa[Cfg::kKStepsPV][4];        // P of the previous tile: the A operand of its P V product
+    float corr[1][2];
+    float(&s_acc)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(S);
+    float(&o_acc)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(wt.acc_o);
+
+    // Ping-pong: warpgroup c issues its GEMMs after `bar.sync 2 + c` and lets the other one go with
+    // `bar.arrive 3 - c`; warpgroup 1 lets warpgroup 0 go first, and warpgroup 0 takes that last
+    // turn at the end, so every barrier sees as many arrivals as waits.
+    auto turn_wait = [&] {
+        if constexpr (Cfg::kPingPong) named_sync(2 + cwg, 256);
+    };
+    auto turn_pass = [&] {
+        if constexpr (Cfg::kPingPong) named_arrive(3 - cwg, 256);
+    };
+    auto issue_s = [&](int st) {  // S = Q K_st^T
+        wgmma_fence();
+        wgmma_ss_kmajor<kBlockN, kBF16, Cfg::kKStepsQK, kBlockM, kBlockN>(s_acc, desc_q, desc_k0 + st * kSlotStep);
+        wgmma_commit();
+    };
+    auto issue_pv = [&](int st) {  // O += P V_st
+        wgmma_fence();
+        wgmma_rs_ksteps<kHeadDim, kBF16>(o_acc, pa, desc_v0 + st * kSlotStep);
+        wgmma_commit();
+    };
+    auto scores = [&](int j) {  // variants, mask, softmax of S (key block j) -> P; returns "a max grew"
+        tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t4);
+        if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t4);
+        return wt.softmax_rows(S, scale_log2, corr);
+    };
+    auto pack_p = [&] {  // (dropout) then P into A fragments, one per 16-key step
+        tile.drop(S, keep);
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
+            pa[kk][0] = pack2<kBF16>(S[0][2 * kk][0], S[0][2 * kk][1]);
+            pa[kk][1] = pack2<kBF16>(S[0][2 * kk][2], S[0][2 * kk][3]);
+            pa[kk][2] = pack2<kBF16>(S[0][2 * kk + 1][0], S[0][2 * kk + 1][1]);
+            pa[kk][3] = pack2<kBF16>(S[0][2 * kk + 1][2], S[0][2 * kk + 1][3]);
+        }
+    };
+    auto release = [&](u32 bar) {
+        if (signals) mbar_arrive(bar);
+    };
+
+    if (Cfg::kPingPong && cwg == 1) named_arrive(2, 256);
+    mbar_wait(bar_q, 0);
+
+    if constexpr (Cfg::kOverlap) {
+        // Tile 0: S, softmax, P (O is still zero: nothing to rescale).
+        mbar_wait(full_k(0), 0);
+        turn_wait();
+        issue_s(0);
+        turn_pass();
+        tile.draw_keep(keep, n_last, m0 + warp_row0, lane);
+        wgmma_wait<0>();
+        wgmma_fence_operands(s_acc);
+        release(empty_k(0));
+        scores(n_last);
+        pack_p();
+        for (int t = 1; t < n_tiles; ++t) {
+            const int j = n_last - t;
+            const int st = t % kStages, prev = (t - 1) % kStages;
+            mbar_wait(full_k(st), (t / kStages) & 1);
+            mbar_wait(full_v(prev), ((t - 1) / kStages) & 1);
+            turn_wait();
+            issue_s(st);
+            issue_pv(prev);
+            turn_pass();
+            tile.draw_keep(keep, j, m0 + warp_row0, lane);
+            wgmma_wait<1>();  // S_t landed; P_{t-1} V_{t-1} may still run
+            wgmma_fence_operands(s_acc);
+            release(empty_k(st));
+            const bool grew = scores(j);
+            wgmma_wait<0>();  // P_{t-1} V_{t-1} landed: O, pa and V slot prev are free
+            wgmma_fence_operands(o_acc);
+            wgmma_fence_operands(pa);
+            release(empty_v(prev));
+            wt.rescale_o(corr, grew);
+            pack_p();
+        }
+        const int last = (n_tiles - 1) % kStages;
+        mbar_wait(full_v(last), ((n_tiles - 1) / kStages) & 1);
+        turn_wait();
+        issue_pv(last);
+        turn_pass();
+        wgmma_wait<0>();
+        wgmma_fence_operands(o_acc);
+        wgmma_fence_operands(pa);
+    } else {
+        for (int t = 0; t < n_tiles; ++t) {
+            const int j = n_last - t;
+            const int st = t % kStages;
+            const u32 parity = (t / kStages) & 1;
+            mbar_wait(full_k(st), parity);
+            turn_wait();
+            issue_s(st);
+            turn_pass();
+            tile.draw_keep(keep, j, m0 + warp_row0, lane);
+            wgmma_wait<0>();
+            wgmma_fence_operands(s_acc);
+            release(empty_k(st));
+            const bool grew = scores(j);
+            wt.rescale_o(corr, grew);
+            pack_p();
+            mbar_wait(full_v(st), parity);
+            turn_wait();
+            issue_pv(st);
+            turn_pass();
+            wgmma_wait<0>();
+            wgmma_fence_operands(o_acc);
+            wgmma_fence_operands(pa);
+            release(empty_v(st));
+        }
+    }
+    if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);
+
+    // Every consumer's last wgmma has read its K/V slot (and every load has landed): the slots become
+    // O staging rows.
+    named_sync(1, 128 * Cfg::kConsumers);
+    u16* s_stage = reinterpret_cast<u16*>(smem_raw + (s_k0 - smem_u32(smem_raw))) + cwarp * 16 * Cfg::kSmemStride;
+    wt.template store<(Cfg::kMods & kModDropout) != 0>(tile.o, p.o_row_stride, tile.lse, p.softmax_scale, warp_row0,
+                                                          tile.rows_valid, p.head_dim, s_stage, lane, p.mod.dropout_rp);
+}
+
+}  // namespace cuflash

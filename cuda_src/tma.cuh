@@ -1,0 +1,84 @@
+// Hopper's asynchronous machinery (sm_90a), for the warp-specialized kernels: tensor-memory-accelerator
+// (TMA) tile loads, mbarriers that track them, register reallocation between warpgroups, and named
+// barriers among a subset of the CTA's warps. Inline PTX only (PTX ISA 8.0+), no CUDA header.
+//
+//   TmaDesc        a CUtensorMap (128 bytes, 64-byte aligned), built on the host by the driver's
+//                  cuTensorMapEncodeTiled (cuflash/tma.py) and passed inside the kernel's
+//                  `const __grid_constant__` parameter block, so its address is a parameter-space
+//                  address that TMA may read.
+//   mbarrier       a 64-bit shared-memory barrier with an arrival count and a transaction (byte) count;
+//                  a phase completes when both reach zero. A TMA load adds its bytes on completion
+//                  (complete_tx), the producer announces them first (arrive.expect_tx). Waiters name the
+//                  phase by its parity: use k of a ring slot of depth S waits for parity (k / S) & 1,
+//                  and a fresh barrier reads as if the phase of parity 1 had completed (so a producer's
+//                  first pass over an "empty" ring waits for parity ((k / S) & 1) ^ 1 and does not block).
+#pragma once
+
+#include "primitives.cuh"
+
+namespace cuflash {
+
+struct alignas(64) TmaDesc {
+    unsigned long long words[16];
+};
+
+// ---- mbarrier ----
+CUFLASH_DEVICE void mbar_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Make initialized barriers visible to the async proxy (TMA) and to the other threads (with a CTA barrier after).
+CUFLASH_DEVICE void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// One arrival plus `bytes` more expected from asynchronous copies in this phase.
+CUFLASH_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+CUFLASH_DEVICE void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Block until the phase of parity `parity` has completed (acquire: the copies it tracked are visible).
+CUFLASH_DEVICE void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "MBAR_WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra MBAR_WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// ---- TMA ----
+CUFLASH_DEVICE void tma_prefetch(const TmaDesc* desc) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(desc)) : "memory");
+}
+// One box of a rank-4 tensor map at coordinates (c0 innermost: column, c1 row, c2 head, c3 batch)
+// into shared memory at s_dst; its bytes complete on mbarrier `bar`. Elements outside the tensor are
+// written as zeros (and still counted).
+CUFLASH_DEVICE void tma_load_4d(u32 s_dst, const TmaDesc* desc, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(s_dst),
+        "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// ---- registers: move them from the producer warpgroup to the consumers (every warp of a warpgroup) ----
+template <int kRegs>
+CUFLASH_DEVICE void regs_release() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+CUFLASH_DEVICE void regs_claim() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// ---- named barriers (id 0 is __syncthreads); `threads` counts every thread taking part ----
+CUFLASH_DEVICE void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+CUFLASH_DEVICE void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace cuflash

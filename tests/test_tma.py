@@ -1,0 +1,78 @@
+"""The host side of the TMA kernels (cuflash/tma.py): tensor-map geometry from array shapes and strides,
+the arguments handed to the driver's cuTensorMapEncodeTiled, and the parameter record of the
+warp-specialized forward. No GPU needed (the driver call is replaced where one is made)."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from cuflash import launch, tma
+from cuflash.params import FWD_PACKER
+
+
+def test_geometry_is_innermost_first_in_bytes():
+    # (batch 2, rows 100, heads 8, d 128), contiguous: rows 8 * 128 elements apart
+    dims, strides = tma.map_geometry((2, 100, 8, 128), (100 * 8 * 128, 8 * 128, 128, 1))
+    assert dims == (128, 100, 8, 2)
+    assert strides == (8 * 128 * 2, 128 * 2, 100 * 8 * 128 * 2)
+
+
+def test_size_one_dims_get_a_packed_stride():
+    """A dim of size 1 is never stepped (cuflash accepts any stride there); the driver still wants a
+    multiple of 16, so it gets the packed one."""
+    dims, strides = tma.map_geometry((1, 1, 1, 64), (7, 3, 5, 1))
+    assert dims == (64, 1, 1, 1) and strides == (128, 128, 128)
+    dims, strides = tma.map_geometry((1, 300, 4, 8), (0, 3 * 4 * 8, 8, 1))  # varlen's q[None]: batch 1
+    assert strides == (192, 16, 64)  # (the batch's: the last stride x its count, a multiple of 16)
+
+
+def test_geometry_checks_name_the_driver_rules():
+    assert tma.check_geometry(256, (2, 10, 4, 64), (2560, 256, 64, 1)) is None
+    assert "16-byte" in tma.check_geometry(8, (2, 10, 4, 64), (2560, 256, 64, 1))
+    assert "multiples of 16" in tma.check_geometry(256, (2, 10, 4, 64), (2560, 260, 64, 1))  # 520-byte rows
+    assert "dimensions" in tma.check_geometry(256, (2, 0, 4, 64), (2560, 256, 64, 1))  # no rows
+
+
+def test_encode_passes_the_map_to_the_driver(monkeypatch):
+    seen = {}
+
+    def fake(addr, dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        seen.update(addr=addr, dtype=dtype, rank=rank, ptr=ptr, dims=list(dims), strides=list(strides),
+                    box=list(box), elem=list(elem), flags=(interleave, swizzle, l2, oob))  # fmt: skip
+        ctypes.memmove(addr, bytes(range(128)), 128)
+        return 0
+
+    monkeypatch.setattr(tma, "_encode_tiled", lambda: fake)
+    tma.encode.cache_clear()
+    try:
+        got = tma.encode(4096, (2, 100, 8, 120), (100 * 8 * 128, 8 * 128, 128, 1), "bf16", 128)
+    finally:
+        tma.encode.cache_clear()
+    assert got == bytes(range(128))
+    assert seen["addr"] % 64 == 0 and seen["rank"] == 4 and seen["ptr"] == 4096 and seen["dtype"] == tma.DATA_TYPE["bf16"]
+    assert seen["dims"] == [120, 100, 8, 2]  # the real head dim: the bucket's other columns arrive as zeros
+    assert seen["strides"] == [2048, 256, 204800] and seen["box"] == [64, 128, 1, 1] and seen["elem"] == [1, 1, 1, 1]
+    assert seen["flags"] == (tma.INTERLEAVE_NONE, tma.SWIZZLE_128B, tma.L2_PROMOTION_128B, tma.OOB_FILL_ZEROS)
+
+
+def test_refusals_raise_tensor_map_error(monkeypatch):
+    monkeypatch.setattr(tma, "_encode_tiled", lambda: (lambda *a: 1))  # CUDA_ERROR_INVALID_VALUE
+    tma.encode.cache_clear()
+    try:
+        with pytest.raises(tma.TensorMapError, match="CUresult 1"):
+            tma.encode(4096, (1, 10, 1, 64), (640, 64, 64, 1), "fp16", 64)
+        with pytest.raises(tma.TensorMapError, match="16-byte"):
+            tma.encode(4100, (1, 10, 1, 64), (640, 64, 64, 1), "fp16", 64)
+        monkeypatch.setattr(tma, "_encode_tiled", lambda: None)
+        with pytest.raises(tma.TensorMapError, match="no CUDA driver"):
+            tma.encode(4096, (1, 10, 1, 64), (640, 64, 64, 1), "fp16", 64)
+    finally:
+        tma.encode.cache_clear()
+
+
+def test_the_record_fits_the_aligned_launch_buffer():
+    """FwdTmaParams = 3 maps of 128 bytes, then FwdParams at offset 384 (the kernel header asserts it);
+    the launch buffer holds it and is 64-byte aligned, as a CUtensorMap must be."""
+    assert 3 * tma.MAP_BYTES + FWD_PACKER.size <= len(launch.ARGS.buf)
+    assert ctypes.addressof(launch.ARGS.buf) % 64 == 0
