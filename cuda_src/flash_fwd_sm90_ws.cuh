@@ -52,7 +52,8 @@ struct FwdTmaParams {
     FwdParams p;
 };
 static_assert(sizeof(TmaDesc) == 128 && alignof(TmaDesc) == 64, "a CUtensorMap is 128 bytes, 64-byte aligned");
-static_assert(__builtin_offsetof(FwdTmaParams, p) == 384, "cuflash/forward.py puts the FwdParams record after 3 maps");
+static_assert(sizeof(FwdTmaParams) == 384 + (sizeof(FwdParams) + 63) / 64 * 64,
+              "p starts at byte 384, right after the maps: cuflash/forward.py writes the FwdParams record there");
 
 // Schedule bits of the warp-specialized forward (kSched): the ablations of the pipelining.
 constexpr int kSchedOverlap = 1;   // softmax of tile t overlaps P_{t-1} V_{t-1} inside a warpgroup
