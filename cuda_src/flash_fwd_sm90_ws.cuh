@@ -30,6 +30,10 @@
 // softmax runs while the other's GEMMs own the tensor cores. Without kOverlap each tile is
 // S, softmax, P V in sequence (the ablation of the pipelining).
 //
+// Varlen: the first key tile of a sequence (the last block, visited first) may stick out past its keys;
+// its V rows there are zeroed in shared memory before the first P V (clear_v_tail), as the cp.async
+// kernel's zero-filled loads do. Plain batches get zeros from TMA (rows outside the tensor map).
+//
 // Epilogue: after the loop every K/V slot is free; each consumer warp stages its normalized O rows
 // there and writes 16-byte chunks (WarpTile::store), and lse.
 //
@@ -144,8 +148,8 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), 1);
             mbar_init(full_v(s), 1);
-            mbar_init(empty_k(s), Cfg::kConsumers);  // one thread per consumer warpgroup arrives
-            mbar_init(empty_v(s), Cfg::kConsumers);
+            mbar_init(empty_k(s), 4 * Cfg::kConsumers);  // lane 0 of every consumer warp arrives
+            mbar_init(empty_v(s), 4 * Cfg::kConsumers);
         }
         mbar_fence_init();
     }
@@ -191,7 +195,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     regs_claim<Cfg::kConsumerRegs>();
     const int cwg = wg - 1;        // consumer warpgroup
     const int cwarp = warp - 4;    // consumer warp: rows 16 cwarp .. +15 of the tile
-    const bool signals = tid % 128 == 0;  // the thread of its warpgroup that arrives on "empty" barriers
+    const bool signals = lane == 0;  // the thread of its warp that arrives on "empty" barriers
     const int t4 = lane % 4;
     const int m0 = tile.m0;
     const typename FwdTileRef<Cfg>::Mask mask = tile.mask;
@@ -218,18 +222,27 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     // Ping-pong: warpgroup c issues its GEMMs after `bar.sync 2 + c` and lets the other one go with
     // `bar.arrive 3 - c`; warpgroup 1 lets warpgroup 0 go first, and warpgroup 0 takes that last
     // turn at the end, so every barrier sees as many arrivals as waits.
-    auto turn_wait = [&] {
-        if constexpr (Cfg::kPingPong) named_sync(2 + cwg, 256);
+    auto turn_wait = [&] {  // (constant barrier ids: ptxas then reserves only the barriers used)
+        if constexpr (Cfg::kPingPong) {
+            if (cwg == 0) named_sync(2, 256);
+            else named_sync(3, 256);
+        }
     };
     auto turn_pass = [&] {
-        if constexpr (Cfg::kPingPong) named_arrive(3 - cwg, 256);
+        if constexpr (Cfg::kPingPong) {
+            if (cwg == 0) named_arrive(3, 256);
+            else named_arrive(2, 256);
+        }
     };
     auto issue_s = [&](int st) {  // S = Q K_st^T
+        wgmma_fence_operands(s_acc);
         wgmma_fence();
         wgmma_ss_kmajor<kBlockN, kBF16, Cfg::kKStepsQK, kBlockM, kBlockN>(s_acc, desc_q, desc_k0 + st * kSlotStep);
         wgmma_commit();
     };
     auto issue_pv = [&](int st) {  // O += P V_st
+        wgmma_fence_operands(o_acc);
+        wgmma_fence_operands(pa);
         wgmma_fence();
         wgmma_rs_ksteps<kHeadDim, kBF16>(o_acc, pa, desc_v0 + st * kSlotStep);
         wgmma_commit();
@@ -252,6 +265,26 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     auto release = [&](u32 bar) {
         if (signals) mbar_arrive(bar);
     };
+    // Varlen: the first tile visited (key block n_last, slot 0) may end past the sequence's keys, and TMA
+    // then brought the rows that follow them in the packed tensor or page (the next sequence, unused
+    // cache slots: any bits, NaN included). Their P is 0, but 0 * NaN is not: zero those V rows (whole
+    // 128-byte lines of every atom, whatever the swizzle) before any P V reads the slot. Plain batches
+    // need nothing: rows past seqlen_k are outside the tensor map and arrive as zeros.
+    auto clear_v_tail = [&] {
+        if constexpr (FwdTileRef<Cfg>::kVarlen) {
+            const int r0 = tile.keys(p) - n_last * kBlockN;  // first row of slot 0 past the keys
+            if (r0 >= kBlockN) return;  // CTA-uniform
+            mbar_wait(full_v(0), 0);
+            unsigned char* slot = smem_raw + (s_v0 - smem_u32(smem_raw));
+            const int lines = (kBlockN - r0) * kAtoms, ctid = tid - 128;
+            for (int i = ctid; i < lines * 8; i += 128 * Cfg::kConsumers) {
+                const int line = i / 8, a = line % kAtoms, r = r0 + line / kAtoms;
+                *reinterpret_cast<uint4*>(slot + a * kBlockN * 128 + r * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+            }
+            fence_proxy_async_smem();  // generic stores -> the async proxy (wgmma) reads
+            named_sync(4, 128 * Cfg::kConsumers);
+        }
+    };
 
     if (Cfg::kPingPong && cwg == 1) named_arrive(2, 256);
     mbar_wait(bar_q, 0);
@@ -268,6 +301,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         release(empty_k(0));
         scores(n_last);
         pack_p();
+        clear_v_tail();
         for (int t = 1; t < n_tiles; ++t) {
             const int j = n_last - t;
             const int st = t % kStages, prev = (t - 1) % kStages;
@@ -313,6 +347,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             const bool grew = scores(j);
             wt.rescale_o(corr, grew);
             pack_p();
+            if (t == 0) clear_v_tail();
             mbar_wait(full_v(st), parity);
             turn_wait();
             issue_pv(st);

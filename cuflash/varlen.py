@@ -93,7 +93,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         dtype = checks.DTYPE_NAMES[q.dtype]
         how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype, var.causal,
                                  aligned, g.device_id, var.mods, tile)  # fmt: skip
-        maps = forward.tma_maps(how, q4, k4, v4, dtype)
+        maps = forward.tma_maps(how, q4, k4, v4, dtype, forced=tile is not None)
         if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
             how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype,
                                      var.causal, aligned, g.device_id, var.mods,

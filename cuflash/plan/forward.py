@@ -239,6 +239,11 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
     if bucket % 64 or tile.block_m not in (128, 192) or tile.block_n % 64 or tile.block_n > 256 or not 2 <= tile.stages <= 4:
         raise ValueError(f"warp-specialized tile {tile} for bucket {bucket}: needs block_m 128 or 192, block_n a "
                          "multiple of 64 up to 256 and 2 to 4 stages")  # fmt: skip
+    if tile.min_blocks != 1:  # the register hand-over (setmaxnreg) splits the 1-CTA/SM register file exactly
+        raise ValueError(f"warp-specialized tile {tile}: min_blocks must be 1")
+    if tile.block_m == 192 and bucket // 2 + 3 * tile.block_n // 4 > 128:  # 160 registers per consumer thread
+        raise ValueError(f"warp-specialized tile {tile}: O + S + P registers do not fit 3 consumer warpgroups "
+                         f"at head dim {bucket} (take block_m 128 or a smaller block_n)")  # fmt: skip
     consumer_warps = 4 * (tile.block_m // 64)
     if consumer_warps * 16 * (bucket + 8) * 2 > 2 * tile.stages * tile.block_n * bucket * 2:
         raise ValueError(f"warp-specialized tile {tile}: the O staging rows do not fit in the K/V slots")

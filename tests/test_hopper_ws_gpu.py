@@ -1,0 +1,128 @@
+"""GPU tests of what is particular to the warp-specialized TMA forward (cuda_src/flash_fwd_sm90_ws.cuh):
+every schedule (overlap, ping-pong, ring depth, 3 consumer warpgroups) around the ring's edge cases,
+head dims whose last 64-column box sticks out of the tensor, and varlen tails whose rows past a
+sequence's keys hold NaN (TMA reads them; the kernel must not let them reach the output).
+Skipped without a GPU; the schedule tests need sm_90a."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_util import check_forward, random_qkv, to_f64
+
+pytestmark = pytest.mark.gpu
+
+NAN_BITS = 0x7FFF  # NaN in fp16 and bf16
+
+
+def _hopper():
+    from cuflash import jit
+
+    if jit.device_arch(0) != "sm_90a":
+        pytest.skip("the TMA kernel runs on sm_90a only")
+
+
+def _schedules():
+    from cuflash.plan import Sm90WsTile as W
+
+    return [W(128, 128), W(128, 128, overlap=False), W(128, 128, pingpong=False), W(128, 128, overlap=False, pingpong=False),
+            W(128, 128, 3), W(128, 64, 4), W(192, 64, pingpong=False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("tile", _schedules(), ids=lambda t: f"bm{t.block_m}bn{t.block_n}st{t.stages}ov{int(t.overlap)}pp{int(t.pingpong)}")
+@pytest.mark.parametrize("sk", [1, 128, 256, 384, 700])  # 1 key tile, exactly the ring, one past it, ragged
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (100, 30))])
+def test_schedules(tile, sk, causal, window):
+    """Every schedule against the float64 reference with 1, stages, stages + 1 and ragged key-tile counts,
+    and a window whose first visited block is not 0 (the ring starts and ends mid-sequence)."""
+    _hopper()
+    rng = np.random.default_rng(sk)
+    q, k, v = random_qkv(rng, 2, 300, sk, 4, 2, 128, "bf16")
+    kw = {"window_size": window} if window else {}
+    check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"{tile} sk={sk}", **kw)
+
+
+@pytest.mark.parametrize("head_dim", [40, 56, 104, 120, 232, 248])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_partial_last_box(head_dim, dtype):
+    """Head dims below their bucket: the last 64-column box reaches past the tensor (zeros there)."""
+    _hopper()
+    from cuflash import plan
+
+    assert plan.plan_forward(batch=1, seqlen_q=1, seqlen_k=1, nheads=1, nheads_kv=1, head_dim=head_dim, dtype=dtype,
+                             causal=False, aligned=True, arch="sm_90a").spec.family == "flash_fwd_sm90_ws"  # fmt: skip
+    rng = np.random.default_rng(head_dim)
+    q, k, v = random_qkv(rng, 2, 257, 300, 4, 2, head_dim, dtype)
+    for causal in (False, True):
+        check_forward(q, k, v, causal=causal, dtype=dtype, what=f"hd{head_dim} causal={causal}")
+
+
+def _poison(x, rows):
+    x.view("uint16")[rows] = NAN_BITS
+
+
+def test_varlen_nan_after_the_keys_stays_out():
+    """Rows past each sequence's used keys (seqused_k tails, the rows after the last sequence, the unused
+    slots of a last page) hold NaN: the TMA kernel reads them with the sequence's last key tile and
+    must give exactly what the cp.async kernel (which zero-fills them) gives, with no NaN."""
+    _hopper()
+    import cupy
+
+    from cuflash import plan, varlen
+    from cuflash.checks import BF16
+
+    rng = np.random.default_rng(7)
+    h, d = 2, 128
+    lengths = [300, 200, 77]
+    total = sum(lengths) + 40  # 40 rows after the last sequence
+    q, k0, v0 = (cupy.asarray(rng.standard_normal((total, h, d), dtype=np.float32).astype(BF16)) for _ in range(3))
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    used = cupy.asarray(np.array([100, 150, 77], np.int32))
+    k, v = k0.copy(), v0.copy()
+    for x in (k, v):
+        _poison(x, slice(100, 300))  # sequence 0's unused keys
+        _poison(x, slice(450, 500))  # sequence 1's
+        _poison(x, slice(sum(lengths), total))  # past the last sequence
+    old = plan.FWD_SM90_TILES[d]
+    for kw in (dict(causal=False), dict(causal=True), dict(causal=False, window_size=(64, 64))):
+        got = varlen.run(q, k, v, cu, cu, 300, 300, seqused_k=used, **kw)
+        want = varlen.run(q, k, v, cu, cu, 300, 300, seqused_k=used, tile=old, **kw)
+        rows = slice(0, sum(lengths))
+        assert not np.isnan(to_f64(got[rows])).any(), kw
+        np.testing.assert_allclose(to_f64(got[rows]), to_f64(want[rows]), atol=2e-2, err_msg=str(kw))
+    # paged: the unwritten slots of each sequence's last page are NaN
+    page = 128
+    k_pages = cupy.full((8, page, h, d), 0, dtype=BF16)
+    k_pages.view("uint16")[...] = NAN_BITS
+    v_pages = k_pages.copy()
+    table = np.full((3, 3), -1, np.int32)
+    start, nxt = np.concatenate([[0], np.cumsum(lengths)]), 0
+    for b, n in enumerate(lengths):
+        for j in range(-(-n // page)):
+            table[b, j] = nxt
+            cnt = min(page, n - j * page)
+            k_pages[nxt, :cnt] = k0[start[b] + j * page: start[b] + j * page + cnt]
+            v_pages[nxt, :cnt] = v0[start[b] + j * page: start[b] + j * page + cnt]
+            nxt += 1
+    got = varlen.run(q, k_pages, v_pages, cu, cu, 300, 300, block_table=table, causal=True)
+    want = varlen.run(q, k0, v0, cu, cu, 300, 300, causal=True, tile=old)
+    rows = slice(0, sum(lengths))
+    assert not np.isnan(to_f64(got[rows])).any()
+    np.testing.assert_allclose(to_f64(got[rows]), to_f64(want[rows]), atol=2e-2)
+
+
+def test_forced_tile_never_falls_back():
+    """A caller that forces the TMA kernel gets it or an error, never another kernel: broadcast
+    (stride-0) inputs cannot be described by a tensor map."""
+    _hopper()
+    import cupy
+
+    from cuflash import forward, plan, tma
+    from cuflash.checks import BF16
+
+    q = cupy.asarray(np.ones((1, 64, 2, 64), dtype=BF16))
+    k = cupy.broadcast_to(cupy.asarray(np.ones((1, 1, 2, 64), dtype=BF16)), (1, 64, 2, 64))
+    with pytest.raises(tma.TensorMapError):
+        forward.run(q, k, k, tile=plan.FWD_SM90_WS_TILES[64])
+    out = forward.run(q, k, k)  # the planner's choice falls back to the cp.async kernel
+    assert float(cupy.abs(out.astype(cupy.float32) - 1).max()) == 0
