@@ -8,7 +8,9 @@ test helpers it uses (run from the repository root after pip install -e .):
 (a short run). --only variants: just the attention variants (window, softcap, ALiBi, dropout) on ragged
 cases of every kernel family. --only varlen: packed ragged batches (zero-length sequences, one long one)
 on the forward and backward of both kernel families, paged K/V in the varlen forward, and the KV-cache
-extras (rotary, cache_batch_idx, cache_leftpad).
+extras (rotary, cache_batch_idx, cache_leftpad). --only hopper: the warp-specialized TMA forward
+(sm_90a): every schedule on ragged dense cases, packed varlen with NaN past the used keys, paged K/V
+(a short run for memcheck, racecheck and synccheck: mbarrier phases and named barriers).
 """
 import dataclasses
 import sys
@@ -44,8 +46,10 @@ def main():
         return variant_cases(rng, arch)
     if sys.argv[1:] == ["--only", "varlen"]:
         return varlen_cases(rng, arch)
+    if sys.argv[1:] == ["--only", "hopper"]:
+        return hopper_cases(rng, arch)
     if sys.argv[1:] and not filled_only:
-        sys.exit("usage: sanitize_cases.py [--only filled|variants|varlen]")
+        sys.exit("usage: sanitize_cases.py [--only filled|variants|varlen|hopper]")
     for b, sq, sk, h, hk, d, causal, dt, layout in [] if filled_only else CASES:
         q, k, v = random_qkv(rng, b, sq, sk, h, hk, d, dt, layout_q=layout, layout_kv=layout)
         err, bound = check_forward(q, k, v, causal=causal, dtype=dt)
@@ -181,6 +185,28 @@ def variant_cases(rng, arch):
             if not err < 0.05:
                 sys.exit(f"decode {kw} splits={splits}: error {err:.3g}")
             print(f"ok decode variants {sorted(kw)} splits={splits}: err {err:.2e}")
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def hopper_cases(rng, arch):
+    """The warp-specialized TMA forward: each schedule on ragged causal / windowed cases at 1, 3 and
+    ragged key-tile counts; the 3-warpgroup hd64 tile; partial last boxes; varlen NaN tails and paged K/V."""
+    if arch != "sm_90a":
+        sys.exit("--only hopper needs an sm_90a GPU")
+    from test_hopper_ws_gpu import test_varlen_nan_after_the_keys_stays_out
+
+    W = plan.Sm90WsTile
+    for tile in (W(128, 128, pingpong=False), W(128, 128), W(128, 128, overlap=False), W(128, 64, 3), W(192, 64)):
+        for sk, causal, kw in ((128, False, {}), (300, True, {}), (700, False, dict(window_size=(100, 30)))):
+            q, k, v = random_qkv(rng, 2, 200, sk, 4, 2, 128, "bf16")
+            err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, **kw)
+            print(f"ok {tile} sk={sk} causal={causal} {kw}: err {err:.2e} <= {bound:.2e}")
+    for d, dt in ((64, "fp16"), (56, "bf16"), (256, "bf16"), (248, "fp16")):  # planner's tiles, partial boxes
+        q, k, v = random_qkv(rng, 1, 333, 257, 2, 1, d, dt)
+        err, bound = check_forward(q, k, v, causal=True, dtype=dt)
+        print(f"ok d={d} {dt}: err {err:.2e} <= {bound:.2e}")
+    test_varlen_nan_after_the_keys_stays_out()
+    print("ok varlen NaN tails, paged")
     cupy.cuda.runtime.deviceSynchronize()
 
 

@@ -119,11 +119,16 @@ class Sm90WsTile:
 
 #: Warp-specialized Hopper forward tiles per head-dim bucket: the default forward on sm_90a for
 #: aligned inputs of these buckets. Registers per consumer thread ~ O (d / 2) + S (block_n / 2) +
-#: P of the previous tile (block_n / 4), within 240 (2 consumer warpgroups) or 160 (3).
+#: P of the previous tile (block_n / 4), within 240 (2 consumer warpgroups) or 160 (3). Tuned on the
+#: H200 with tools/tune_fwd.py --ws (bf16, median over 1k/4k/16k x causal, ratios to cuDNN; the
+#: ping-pong schedule measured 0.02 slower at every bucket, so it is off; docs/history/hopper.md).
 FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
-    64: Sm90WsTile(128, 128),
-    128: Sm90WsTile(128, 128),
-    256: Sm90WsTile(128, 64),
+    # 3 consumer warpgroups x 128-key tiles: 0.969 (2 warpgroups 0.879, with ping-pong 0.875; 64-key tiles 0.740)
+    64: Sm90WsTile(192, 128, pingpong=False),
+    # 2 warpgroups x 128-key tiles, 161 KB: 0.960 (ping-pong 0.939; 192 x 64 0.958; no overlap 0.852; 64-key x 3 stages 0.795)
+    128: Sm90WsTile(128, 128, pingpong=False),
+    # 2 warpgroups x 64-key tiles, 193 KB: 0.978 (ping-pong 0.960; no overlap 0.894)
+    256: Sm90WsTile(128, 64, pingpong=False),
 }
 
 

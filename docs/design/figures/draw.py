@@ -735,12 +735,67 @@ def fig_varlen():
           "causal: each sequence's last (heaviest) tile takes its first slot", fs=6.0, ha="left")
 
 
+# ---------------------------------------------------------------------------------------------
+# Hopper forward: the warp-specialized pipeline (flash_fwd_sm90_ws.cuh)
+# ---------------------------------------------------------------------------------------------
+
+
+def fig_forward_sm90_ws():
+    ax = canvas("forward-sm90-ws.svg", 124, 66)
+    title(ax, 2, 63.5, "Hopper forward: producer warp, K/V ring, two consumer warpgroups (overlap + ping-pong)")
+    # Shared memory: Q and the ring.
+    y_sm = 49.0
+    label(ax, 2, y_sm + 2.5, "shared\nmemory", fs=6.8, ha="left")
+    box(ax, 12, y_sm, 14, 5, kind="smem", text="Q (128 x d)", fs=6.4)
+    for s in range(2):
+        box(ax, 28 + 30 * s, y_sm, 13, 5, kind="smem", text=f"K slot {s}", fs=6.4)
+        box(ax, 42 + 30 * s, y_sm, 13, 5, kind="smem", text=f"V slot {s}", fs=6.4)
+    box(ax, 90, y_sm, 30, 5, kind="smem", text="mbarriers: Q; full / empty\nper K and V slot", fs=6.0)
+    # Timeline lanes.
+    lanes = [("producer\n(1 thread)", 38.0), ("consumer WG 0\n(rows 0-63)", 27.0), ("consumer WG 1\n(rows 64-127)", 16.0)]
+    for text, y in lanes:
+        label(ax, 2, y + 2, text, fs=6.6, ha="left")
+        ax.plot([12, 121], [y - 0.6, y - 0.6], color="#cccccc", lw=0.5, zorder=1)
+    # Producer: TMA loads (HBM -> smem), waiting on "empty" before reusing a slot.
+    x = 12.0
+    for name, w in [("Q", 5), ("K0", 5), ("V0", 5), ("K1", 5), ("V1", 5)]:
+        box(ax, x, 38, w - 0.4, 4, kind="hbm", text=name, fs=6.0)
+        x += w
+    box(ax, x, 38, 16, 4, kind="grey", text="wait empty K0", fs=5.8, ls="--")
+    box(ax, x + 16, 38, 5, 4, kind="hbm", text="K2", fs=6.0)
+    box(ax, x + 21, 38, 14, 4, kind="grey", text="wait empty V0", fs=5.8, ls="--")
+    box(ax, x + 35, 38, 5, 4, kind="hbm", text="V2", fs=6.0)
+    label(ax, x + 42, 40, "... (TMA: cp.async.bulk.tensor,\n128-byte swizzle, complete_tx)", fs=5.8, ha="left")
+
+    # Consumers: GEMM issues (tensor cores) and softmax (CUDA cores).
+    def wg(y, x0):
+        xs = x0
+        box(ax, xs, y, 6, 4, kind="reg", dark=True, text="S0", fs=6.0)
+        box(ax, xs + 6.5, y, 9, 4, kind="reg", text="softmax 0", fs=5.8)
+        xs += 16
+        for t in (1, 2):
+            box(ax, xs, y, 6, 4, kind="reg", dark=True, text=f"S{t}", fs=6.0)
+            box(ax, xs + 6, y, 7, 4, kind="reg", dark=True, text=f"P{t - 1}V{t - 1}", fs=5.6)
+            box(ax, xs + 6.5, y - 3.2, 9, 2.6, kind="reg", text=f"softmax {t}", fs=5.4)
+            xs += 16
+        return xs
+
+    wg(27, 22)
+    wg(16, 28)
+    label(ax, 12, 9.5, "dark: GEMM issues (wgmma, tensor cores); light: softmax (CUDA cores). Within a warpgroup "
+          "softmax t runs while P(t-1) V(t-1) is on the tensor cores (wait_group 1,", fs=6.0, ha="left")
+    label(ax, 12, 6.5, "then O *= correction after wait_group 0). Between warpgroups: named barriers hand the "
+          "tensor cores over at each issue (ping-pong), so WG 1's softmax hides WG 0's GEMMs.", fs=6.0, ha="left")
+    label(ax, 12, 3.5, "A consumer releases a slot (arrive on its empty barrier) once its wgmma reading it has "
+          "completed; the producer refills it. Epilogue: O staged in the freed slots, 16-byte stores.", fs=6.0, ha="left")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--png", metavar="DIR", help="also write PNG previews into DIR")
     args = ap.parse_args()
     for draw in (fig_forward, fig_forward_masks, fig_backward, fig_backward_dq, fig_decode, fig_decode_merge,
-                 fig_decode_grids, fig_work_split, fig_varlen):  # fmt: skip
+                 fig_decode_grids, fig_work_split, fig_varlen, fig_forward_sm90_ws):  # fmt: skip
         draw()
     for name, fig in _figures:
         fig.savefig(OUT / name, format="svg", metadata={"Date": None, "Creator": "docs/design/figures/draw.py"})
