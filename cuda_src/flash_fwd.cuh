@@ -97,9 +97,9 @@ struct FwdModState {
 template <>
 struct FwdModState<0> {};
 
-// What a forward CTA works on: query tile m of head h in batch b (blockIdx), its rows of Q, O and
-// lse, its kv head's K and V, the K/V blocks [first_block(), n_block_end) it visits, and the
-// variants' values (FwdModState). Varlen (varlen.cuh): blockIdx.x is a scheduler slot that names
+// What a forward CTA works on: query tile m of head h in batch b (blockIdx, or a persistent CTA's work
+// item), its rows of Q, O and lse, its kv head's K and V, the K/V blocks [first_block(), n_block_end)
+// it visits, and the variants' values (FwdModState). Varlen (varlen.cuh): the x index is a scheduler slot that names
 // sequence b and its tile m, or nothing (skip()).
 template <class Cfg>
 struct FwdTileRef : FwdModState<Cfg::kMods> {
@@ -119,14 +119,17 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
     // (0, the sequence's first packed row + m0 / its first key row, h / hk); paged K/V: kv_coords.
     int tma_b, tma_h, tma_hk, q_row0, k_row0;
 
-    CUFLASH_DEVICE explicit FwdTileRef(const FwdParams& p) : mask(p.mod, p.seqlen_q, p.seqlen_k) {
+    CUFLASH_DEVICE explicit FwdTileRef(const FwdParams& p) : FwdTileRef(p, blockIdx.x, blockIdx.y, blockIdx.z) {}
+
+    // The tile of grid index (x, y, z): blockIdx, or the work item a persistent CTA took.
+    CUFLASH_DEVICE FwdTileRef(const FwdParams& p, int x, int y, int z) : mask(p.mod, p.seqlen_q, p.seqlen_k) {
         if constexpr (kVarlen) {
-            init_varlen(p);
+            init_varlen(p, x, y);
             return;
         }
         // Causal row tiles differ in cost (tile m visits about m+1 K/V blocks): launch the heavy ones first.
-        const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - (int)blockIdx.x : (int)blockIdx.x;
-        const int h = blockIdx.y, b = blockIdx.z;
+        const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - x : x;
+        const int h = y, b = z;
         const int hk = h / p.head_ratio;  // GQA: query head h reads kv head h / (nheads / nheads_kv)
         m0 = m_block * Cfg::kBlockM;
         // 64-bit offsets: batch * batch_stride and m0 * row_stride can exceed 2^31 elements.
@@ -147,14 +150,14 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
 
     // Varlen (varlen.cuh): blockIdx.x is a scheduler slot naming sequence b and its query tile (the
     // heaviest first with causal), or nothing (skip()); rows, lengths and lse from the prefix sums.
-    CUFLASH_DEVICE void init_varlen(const FwdParams& p) {
-        const VarlenTile<FwdParams> slot(p, false, Cfg::kBlockM, Cfg::kBlockM, Cfg::kIsCausal);
+    CUFLASH_DEVICE void init_varlen(const FwdParams& p, int x, int y) {
+        const VarlenTile<FwdParams> slot(p, false, Cfg::kBlockM, Cfg::kBlockM, Cfg::kIsCausal, x);
         const SeqInfo<true>& seq = slot.seq;
         skip_ = slot.skip;
         seqlen_k_ = seq.seqlen_k;
         bt_row_ = seq.bt_row;
         mask = Mask(p.mod, seq.seqlen_q, seq.seqlen_k);
-        const int h = blockIdx.y, b = seq.b;
+        const int h = y, b = seq.b;
         const int hk = h / p.head_ratio;
         m0 = slot.m_block * Cfg::kBlockM;
         q = static_cast<const u16*>(p.q) + seq.q_off(0, p.q_row_stride) + h * p.q_head_stride + m0 * p.q_row_stride;
@@ -249,11 +252,11 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
     }
 
     // No row sees any key (empty()): O = 0 and lse = -inf.
-    CUFLASH_DEVICE void write_empty(const FwdParams& p, int tid) const {
-        for (int i = tid; i < rows_valid * p.head_dim; i += Cfg::kNThreads) {
+    CUFLASH_DEVICE void write_empty(const FwdParams& p, int tid, int threads = Cfg::kNThreads) const {
+        for (int i = tid; i < rows_valid * p.head_dim; i += threads) {
             o[(i / p.head_dim) * p.o_row_stride + i % p.head_dim] = 0;
         }
-        for (int i = tid; i < rows_valid; i += Cfg::kNThreads) lse[i] = -kInf;
+        for (int i = tid; i < rows_valid; i += threads) lse[i] = -kInf;
     }
 };
 

@@ -2,16 +2,17 @@
 // wgmma by consumer warpgroups, the softmax of one tile overlapped with the tensor cores' work.
 //
 // Computes exactly what flash_fwd.cuh computes (same math, masks, variants, lse and output; read its
-// header first): O = softmax(scale * Q K^T + mask) V and lse per query row, one CTA per (query tile,
-// head, batch) or per varlen scheduler slot, K/V tiles visited from the last to the first.
+// header first): O = softmax(scale * Q K^T + mask) V and lse per query row for each (query tile, head,
+// batch) or varlen scheduler slot, K/V tiles visited from the last to the first. One CTA per tile, or
+// (kPersistent) one CTA per SM walking the tiles in the same order (grid-stride over them).
 //
 // Roles (kConsumers = kBlockM / 64 consumer warpgroups, plus one producer warpgroup: warpgroup 0)
-//   producer   one thread issues every load: Q once, then for each K/V tile K and V into a ring of
-//              kStages shared-memory slots (cp.async.bulk.tensor, 128-byte swizzle, exactly the layout
-//              wgmma reads; see sm90_tile.cuh), each slot guarded by a "full" mbarrier (the TMA bytes
-//              landed) and an "empty" one (every consumer warpgroup is done reading it). The
-//              producer warpgroup gives its registers to the consumers (setmaxnreg) and its other
-//              threads exit.
+//   producer   one thread issues every load: per tile Q, then for each K/V tile K and V into a ring
+//              of kStages shared-memory slots (cp.async.bulk.tensor, 128-byte swizzle, exactly the
+//              layout wgmma reads; see sm90_tile.cuh), each slot guarded by a "full" mbarrier (the TMA
+//              bytes landed) and an "empty" one (every consumer warp is done with it); the ring runs on
+//              across tiles. The producer warpgroup gives its registers to the consumers (setmaxnreg);
+//              its warp 0 walks the tiles (lane 0 issues), the other warps exit.
 //   consumers  warpgroup c owns query rows [64c, 64c + 64) of the tile; warp i of it rows 64c + 16i ..
 //              +15 of the softmax (the wgmma accumulator layout, wgmma.cuh).
 //
@@ -34,8 +35,10 @@
 // its V rows there are zeroed in shared memory before the first P V (clear_v_tail), as the cp.async
 // kernel's zero-filled loads do. Plain batches get zeros from TMA (rows outside the tensor map).
 //
-// Epilogue: after the loop every K/V slot is free; each consumer warp stages its normalized O rows
-// there and writes 16-byte chunks (WarpTile::store), and lse.
+// Epilogue: each consumer warp stages its normalized O rows in its own rows of the Q tile (Q's swizzled
+// layout) and writes 16-byte chunks (WarpTile::store), and lse; then hands Q back ("Q empty") to the
+// producer, whose loads of the next tile's K/V may already be running (persistent: they overlap this
+// epilogue).
 //
 // Preconditions (cuflash/plan/forward.py picks this kernel only then): sm_90a; head_dim % 8 == 0, rows
 // and strides 16-byte aligned (TMA's rules); head-dim bucket a multiple of 64; the host encodes the
@@ -62,6 +65,7 @@ static_assert(sizeof(FwdTmaParams) == 384 + (sizeof(FwdParams) + 63) / 64 * 64,
 // Schedule bits of the warp-specialized forward (kSched): the ablations of the pipelining.
 constexpr int kSchedOverlap = 1;   // softmax of tile t overlaps P_{t-1} V_{t-1} inside a warpgroup
 constexpr int kSchedPingPong = 2;  // two consumer warpgroups take turns issuing their GEMMs
+constexpr int kSchedPersistent = 4;  // one CTA per SM walks the tiles; the next tile's loads overlap this one's epilogue
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0,
           int kSched_ = kSchedOverlap | kSchedPingPong>
@@ -78,11 +82,12 @@ struct Sm90WsFwdConfig {
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     static constexpr bool kOverlap = (kSched_ & kSchedOverlap) != 0;
     static constexpr bool kPingPong = (kSched_ & kSchedPingPong) != 0 && kConsumers == 2;
+    static constexpr bool kPersistent = (kSched_ & kSchedPersistent) != 0;
     // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
-    // producer keeps kProducerRegs, the consumers take the rest (24 x 128 + 240 x 256 = 64512 <= 168 x 384;
-    // 32 x 128 + 160 x 384 = 65536 = 128 x 512).
-    static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-    static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+    // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40), the
+    // consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384; 32 x 128 + 160 x 384 = 128 x 512).
+    static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
+    static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
     // What WarpTile (warp_tile.cuh) and FwdTileRef need for the softmax, masks and the epilogue.
     static constexpr bool kAligned = true;
     static constexpr bool kQInRegs = false;
@@ -99,7 +104,7 @@ struct Sm90WsFwdConfig {
 
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
-    static constexpr int kBarriers = 1 + 4 * kStages;  // Q full; K full, V full, K empty, V empty per slot
+    static constexpr int kBarriers = 2 + 4 * kStages;  // Q full, Q empty; K full, V full, K empty, V empty per slot
     // 1024 bytes of slack to align the base to the swizzle pattern; the mbarriers after the tiles.
     static constexpr int kSmemBytes = 1024 + kTileBytesQ + 2 * kStages * kTileBytesKV + 8 * ((kBarriers + 1) / 2 * 2);
 
@@ -107,28 +112,32 @@ struct Sm90WsFwdConfig {
     static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (the register split above)");
     static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tiles are wgmma N (multiple of 64 here)");
     static_assert(kStages >= 2 && kStages <= 4, "a ring of 2 to 4 K/V slots");
-    static_assert(kConsumers * 4 * 16 * kSmemStride * 2 <= 2 * kStages * kTileBytesKV, "O staging fits in the K/V slots");
 };
 
 template <class Cfg>
 CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim, kStages = Cfg::kStages;
-    constexpr bool kBF16 = Cfg::kIsBF16;
+    constexpr bool kBF16 = Cfg::kIsBF16, kVarlen = FwdTileRef<Cfg>::kVarlen;
     constexpr int kNB = Cfg::kNBlocksS, kAtoms = kHeadDim / 64;
     const FwdParams& p = P.p;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wg = warp / 4;
-    const FwdTileRef<Cfg> tile(p);  // rows, visited K/V blocks, variants, coordinates: as flash_fwd_kernel
-    if constexpr (FwdTileRef<Cfg>::kVarlen) {
-        if (tile.skip()) return;  // a spare slot of the varlen scheduler
-    }
-    if (tile.empty()) {
-        tile.write_empty(p, tid);
-        return;
-    }
-    const int n_last = tile.n_block_end - 1;
-    const int n_tiles = tile.n_block_end - tile.first_block();  // >= 1 (not empty)
+
+    // Work items: one (blockIdx), or (persistent) items blockIdx.x, + gridDim.x, ... of the grid the
+    // non-persistent launch would have, in its order: query-tile index outermost, so causal's heaviest
+    // tiles (FwdTileRef reverses the index) are taken first.
+    const int heads = p.nheads, batches = kVarlen ? 1 : p.batch;
+    const int n_items = Cfg::kPersistent ? p.num_m_blocks * heads * batches : 1;
+    const int item_step = Cfg::kPersistent ? (int)gridDim.x : 1;
+    auto tile_of = [&](int item) {
+        if constexpr (Cfg::kPersistent) {
+            return FwdTileRef<Cfg>(p, item / (heads * batches), item % heads, (item / heads) % batches);
+        } else {
+            return FwdTileRef<Cfg>(p);
+        }
+    };
+    const int item0 = Cfg::kPersistent ? (int)blockIdx.x : 0;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const u32 s_base = (smem_u32(smem_raw) + 1023u) & ~1023u;  // swizzle pattern starts on 1024 bytes
@@ -136,57 +145,75 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     const u32 s_k0 = s_q + Cfg::kTileBytesQ;
     const u32 s_v0 = s_k0 + kStages * Cfg::kTileBytesKV;
     const u32 s_bar = s_v0 + kStages * Cfg::kTileBytesKV;
-    const u32 bar_q = s_bar;
-    auto full_k = [&](int s) { return s_bar + 8u * (1 + s); };
-    auto full_v = [&](int s) { return s_bar + 8u * (1 + kStages + s); };
-    auto empty_k = [&](int s) { return s_bar + 8u * (1 + 2 * kStages + s); };
-    auto empty_v = [&](int s) { return s_bar + 8u * (1 + 3 * kStages + s); };
+    const u32 full_q = s_bar, empty_q = s_bar + 8u;
+    auto full_k = [&](int s) { return s_bar + 8u * (2 + s); };
+    auto full_v = [&](int s) { return s_bar + 8u * (2 + kStages + s); };
+    auto empty_k = [&](int s) { return s_bar + 8u * (2 + 2 * kStages + s); };
+    auto empty_v = [&](int s) { return s_bar + 8u * (2 + 3 * kStages + s); };
+    auto generic = [&](u32 s_addr) { return smem_raw + (s_addr - smem_u32(smem_raw)); };
 
     if (tid == 0) {
-        mbar_init(bar_q, 1);
+        mbar_init(full_q, 1);
+        mbar_init(empty_q, 4 * Cfg::kConsumers);  // lane 0 of every consumer warp arrives
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), 1);
             mbar_init(full_v(s), 1);
-            mbar_init(empty_k(s), 4 * Cfg::kConsumers);  // lane 0 of every consumer warp arrives
+            mbar_init(empty_k(s), 4 * Cfg::kConsumers);
             mbar_init(empty_v(s), 4 * Cfg::kConsumers);
         }
         mbar_fence_init();
     }
     __syncthreads();
 
+    // Both roles walk the same items and count the same loads: `ring` K/V tiles so far (slot ring %
+    // kStages, phase (ring / kStages) & 1) and `uses` Q tiles so far (phase uses & 1).
+    int ring = 0, uses = 0;
+
     if (wg == 0) {
-        // ---------------- producer ----------------
+        // ---------------- producer: warp 0 walks the items (the varlen scheduler's search needs a
+        // whole warp), its lane 0 issues every load; the other producer warps leave ----------------
         regs_release<Cfg::kProducerRegs>();
-        if (tid == 0) {
+        if (warp != 0) return;
+        if (lane == 0) {
             tma_prefetch(&P.tma_q);
             tma_prefetch(&P.tma_k);
             tma_prefetch(&P.tma_v);
-            mbar_arrive_expect_tx(bar_q, Cfg::kTileBytesQ);
-#pragma unroll
-            for (int a = 0; a < kAtoms; ++a) {
-                tma_load_4d(s_q + a * kBlockM * 128, &P.tma_q, bar_q, 64 * a, tile.q_row0, tile.tma_h, tile.tma_b);
-            }
-            for (int t = 0; t < n_tiles; ++t) {
-                const int st = t % kStages;
-                const u32 free_parity = ((t / kStages) & 1) ^ 1;
-                int row, batch;
-                tile.kv_coords(p, (n_last - t) * kBlockN, row, batch);
-                mbar_wait(empty_k(st), free_parity);
-                mbar_arrive_expect_tx(full_k(st), Cfg::kTileBytesKV);
+        }
+        for (int item = item0; item < n_items; item += item_step) {
+            const FwdTileRef<Cfg> tile = tile_of(item);
+            if (tile.skip() || tile.empty()) continue;
+            const int n_last = tile.n_block_end - 1, n_tiles = tile.n_block_end - tile.first_block();
+            if (lane == 0) {
+                mbar_wait(empty_q, (uses & 1) ^ 1);  // the consumers are done with the last Q (and its O staging)
+                mbar_arrive_expect_tx(full_q, Cfg::kTileBytesQ);
 #pragma unroll
                 for (int a = 0; a < kAtoms; ++a) {
-                    tma_load_4d(s_k0 + st * Cfg::kTileBytesKV + a * kBlockN * 128, &P.tma_k, full_k(st), 64 * a, row,
-                                tile.tma_hk, batch);
+                    tma_load_4d(s_q + a * kBlockM * 128, &P.tma_q, full_q, 64 * a, tile.q_row0, tile.tma_h, tile.tma_b);
                 }
-                mbar_wait(empty_v(st), free_parity);
-                mbar_arrive_expect_tx(full_v(st), Cfg::kTileBytesKV);
+                for (int t = 0; t < n_tiles; ++t) {
+                    const int st = (ring + t) % kStages;
+                    const u32 free_parity = (((ring + t) / kStages) & 1) ^ 1;
+                    int row, batch;
+                    tile.kv_coords(p, (n_last - t) * kBlockN, row, batch);
+                    mbar_wait(empty_k(st), free_parity);
+                    mbar_arrive_expect_tx(full_k(st), Cfg::kTileBytesKV);
 #pragma unroll
-                for (int a = 0; a < kAtoms; ++a) {
-                    tma_load_4d(s_v0 + st * Cfg::kTileBytesKV + a * kBlockN * 128, &P.tma_v, full_v(st), 64 * a, row,
-                                tile.tma_hk, batch);
+                    for (int a = 0; a < kAtoms; ++a) {
+                        tma_load_4d(s_k0 + st * Cfg::kTileBytesKV + a * kBlockN * 128, &P.tma_k, full_k(st), 64 * a,
+                                    row, tile.tma_hk, batch);  // fmt: skip
+                    }
+                    mbar_wait(empty_v(st), free_parity);
+                    mbar_arrive_expect_tx(full_v(st), Cfg::kTileBytesKV);
+#pragma unroll
+                    for (int a = 0; a < kAtoms; ++a) {
+                        tma_load_4d(s_v0 + st * Cfg::kTileBytesKV + a * kBlockN * 128, &P.tma_v, full_v(st), 64 * a,
+                                    row, tile.tma_hk, batch);  // fmt: skip
+                    }
                 }
             }
+            ring += n_tiles;
+            ++uses;
         }
         return;
     }
@@ -195,12 +222,10 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     regs_claim<Cfg::kConsumerRegs>();
     const int cwg = wg - 1;        // consumer warpgroup
     const int cwarp = warp - 4;    // consumer warp: rows 16 cwarp .. +15 of the tile
+    const int ctid = tid - 128;
     const bool signals = lane == 0;  // the thread of its warp that arrives on "empty" barriers
     const int t4 = lane % 4;
-    const int m0 = tile.m0;
-    const typename FwdTileRef<Cfg>::Mask mask = tile.mask;
     const int warp_row0 = cwarp * 16;
-    const int row_abs0 = m0 + warp_row0 + lane / 4;
 
     // Descriptors (as flash_fwd_sm90.cuh): A = this warpgroup's 64 rows of Q (K-major); B of S = K
     // (K-major); B of O = V read N-major (64-column atoms kBlockN * 128 bytes apart).
@@ -208,164 +233,184 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     const u64 desc_k0 = sw128_desc(s_k0, 16);
     const u64 desc_v0 = sw128_desc(s_v0, kBlockN * 128);
     constexpr u64 kSlotStep = Cfg::kTileBytesKV >> 4;
-
-    WarpTile<Cfg> wt;
-    wt.init(warp_row0, lane);
     const float scale_log2 = p.scale_log2;
-    float S[1][kNB][4];
-    u32 keep[1][kNB / 2];             // dropout keep bits of the current tile (dropout only)
-    u32 pa[Cfg::kKStepsPV][4];        // P of the previous tile: the A operand of its P V product
-    float corr[1][2];
-    float(&s_acc)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(S);
-    float(&o_acc)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(wt.acc_o);
 
-    // Ping-pong: warpgroup c issues its GEMMs after `bar.sync 2 + c` and lets the other one go with
-    // `bar.arrive 3 - c`; warpgroup 1 lets warpgroup 0 go first, and warpgroup 0 takes that last
-    // turn at the end, so every barrier sees as many arrivals as waits.
-    auto turn_wait = [&] {  // (constant barrier ids: ptxas then reserves only the barriers used)
-        if constexpr (Cfg::kPingPong) {
-            if (cwg == 0) named_sync(2, 256);
-            else named_sync(3, 256);
+    for (int item = item0; item < n_items; item += item_step) {
+        const FwdTileRef<Cfg> tile = tile_of(item);
+        if (tile.skip()) continue;  // a spare slot of the varlen scheduler
+        if (tile.empty()) {         // no row sees a key: O = 0, lse = -inf; nothing was loaded
+            tile.write_empty(p, ctid, 128 * Cfg::kConsumers);
+            continue;
         }
-    };
-    auto turn_pass = [&] {
-        if constexpr (Cfg::kPingPong) {
-            if (cwg == 0) named_arrive(3, 256);
-            else named_arrive(2, 256);
-        }
-    };
-    auto issue_s = [&](int st) {  // S = Q K_st^T
-        wgmma_fence_operands(s_acc);
-        wgmma_fence();
-        wgmma_ss_kmajor<kBlockN, kBF16, Cfg::kKStepsQK, kBlockM, kBlockN>(s_acc, desc_q, desc_k0 + st * kSlotStep);
-        wgmma_commit();
-    };
-    auto issue_pv = [&](int st) {  // O += P V_st
-        wgmma_fence_operands(o_acc);
-        wgmma_fence_operands(pa);
-        wgmma_fence();
-        wgmma_rs_ksteps<kHeadDim, kBF16>(o_acc, pa, desc_v0 + st * kSlotStep);
-        wgmma_commit();
-    };
-    auto scores = [&](int j) {  // variants, mask, softmax of S (key block j) -> P; returns "a max grew"
-        tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t4);
-        if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t4);
-        return wt.softmax_rows(S, scale_log2, corr);
-    };
-    auto pack_p = [&] {  // (dropout) then P into A fragments, one per 16-key step
-        tile.drop(S, keep);
-#pragma unroll
-        for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
-            pa[kk][0] = pack2<kBF16>(S[0][2 * kk][0], S[0][2 * kk][1]);
-            pa[kk][1] = pack2<kBF16>(S[0][2 * kk][2], S[0][2 * kk][3]);
-            pa[kk][2] = pack2<kBF16>(S[0][2 * kk + 1][0], S[0][2 * kk + 1][1]);
-            pa[kk][3] = pack2<kBF16>(S[0][2 * kk + 1][2], S[0][2 * kk + 1][3]);
-        }
-    };
-    auto release = [&](u32 bar) {
-        if (signals) mbar_arrive(bar);
-    };
-    // Varlen: the first tile visited (key block n_last, slot 0) may end past the sequence's keys, and TMA
-    // then brought the rows that follow them in the packed tensor or page (the next sequence, unused
-    // cache slots: any bits, NaN included). Their P is 0, but 0 * NaN is not: zero those V rows (whole
-    // 128-byte lines of every atom, whatever the swizzle) before any P V reads the slot. Plain batches
-    // need nothing: rows past seqlen_k are outside the tensor map and arrive as zeros.
-    auto clear_v_tail = [&] {
-        if constexpr (FwdTileRef<Cfg>::kVarlen) {
-            const int r0 = tile.keys(p) - n_last * kBlockN;  // first row of slot 0 past the keys
-            if (r0 >= kBlockN) return;  // CTA-uniform
-            mbar_wait(full_v(0), 0);
-            unsigned char* slot = smem_raw + (s_v0 - smem_u32(smem_raw));
-            const int lines = (kBlockN - r0) * kAtoms, ctid = tid - 128;
-            for (int i = ctid; i < lines * 8; i += 128 * Cfg::kConsumers) {
-                const int line = i / 8, a = line % kAtoms, r = r0 + line / kAtoms;
-                *reinterpret_cast<uint4*>(slot + a * kBlockN * 128 + r * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+        const int n_last = tile.n_block_end - 1;
+        const int n_tiles = tile.n_block_end - tile.first_block();  // >= 1 (not empty)
+        const int m0 = tile.m0;
+        const typename FwdTileRef<Cfg>::Mask mask = tile.mask;
+        const int row_abs0 = m0 + warp_row0 + lane / 4;
+
+        WarpTile<Cfg> wt;
+        wt.init(warp_row0, lane);
+        float S[1][kNB][4];
+        u32 keep[1][kNB / 2];       // dropout keep bits of the current tile (dropout only)
+        u32 pa[Cfg::kKStepsPV][4];  // P of the previous tile: the A operand of its P V product
+        float corr[1][2];
+        float(&s_acc)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(S);
+        float(&o_acc)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(wt.acc_o);
+        auto slot = [&](int t) { return (ring + t) % kStages; };
+        auto phase = [&](int t) { return (u32)(((ring + t) / kStages) & 1); };
+
+        // Ping-pong: warpgroup c issues its GEMMs after `bar.sync 2 + c` and lets the other one go with
+        // `bar.arrive 3 - c`; warpgroup 1 lets warpgroup 0 go first, and warpgroup 0 takes that last
+        // turn at the end, so every barrier sees as many arrivals as waits.
+        auto turn_wait = [&] {  // (constant barrier ids: ptxas then reserves only the barriers used)
+            if constexpr (Cfg::kPingPong) {
+                if (cwg == 0) named_sync(2, 256);
+                else named_sync(3, 256);
             }
-            fence_proxy_async_smem();  // generic stores -> the async proxy (wgmma) reads
-            named_sync(4, 128 * Cfg::kConsumers);
-        }
-    };
-
-    if (Cfg::kPingPong && cwg == 1) named_arrive(2, 256);
-    mbar_wait(bar_q, 0);
-
-    if constexpr (Cfg::kOverlap) {
-        // Tile 0: S, softmax, P (O is still zero: nothing to rescale).
-        mbar_wait(full_k(0), 0);
-        turn_wait();
-        issue_s(0);
-        turn_pass();
-        tile.draw_keep(keep, n_last, m0 + warp_row0, lane);
-        wgmma_wait<0>();
-        wgmma_fence_operands(s_acc);
-        release(empty_k(0));
-        scores(n_last);
-        pack_p();
-        clear_v_tail();
-        for (int t = 1; t < n_tiles; ++t) {
-            const int j = n_last - t;
-            const int st = t % kStages, prev = (t - 1) % kStages;
-            mbar_wait(full_k(st), (t / kStages) & 1);
-            mbar_wait(full_v(prev), ((t - 1) / kStages) & 1);
-            turn_wait();
-            issue_s(st);
-            issue_pv(prev);
-            turn_pass();
-            tile.draw_keep(keep, j, m0 + warp_row0, lane);
-            wgmma_wait<1>();  // S_t landed; P_{t-1} V_{t-1} may still run
+        };
+        auto turn_pass = [&] {
+            if constexpr (Cfg::kPingPong) {
+                if (cwg == 0) named_arrive(3, 256);
+                else named_arrive(2, 256);
+            }
+        };
+        auto issue_s = [&](int st) {  // S = Q K_st^T
             wgmma_fence_operands(s_acc);
-            release(empty_k(st));
-            const bool grew = scores(j);
-            wgmma_wait<0>();  // P_{t-1} V_{t-1} landed: O, pa and V slot prev are free
+            wgmma_fence();
+            wgmma_ss_kmajor<kBlockN, kBF16, Cfg::kKStepsQK, kBlockM, kBlockN>(s_acc, desc_q, desc_k0 + st * kSlotStep);
+            wgmma_commit();
+        };
+        auto issue_pv = [&](int st) {  // O += P V_st
             wgmma_fence_operands(o_acc);
             wgmma_fence_operands(pa);
-            release(empty_v(prev));
-            wt.rescale_o(corr, grew);
-            pack_p();
-        }
-        const int last = (n_tiles - 1) % kStages;
-        mbar_wait(full_v(last), ((n_tiles - 1) / kStages) & 1);
-        turn_wait();
-        issue_pv(last);
-        turn_pass();
-        wgmma_wait<0>();
-        wgmma_fence_operands(o_acc);
-        wgmma_fence_operands(pa);
-    } else {
-        for (int t = 0; t < n_tiles; ++t) {
-            const int j = n_last - t;
-            const int st = t % kStages;
-            const u32 parity = (t / kStages) & 1;
-            mbar_wait(full_k(st), parity);
+            wgmma_fence();
+            wgmma_rs_ksteps<kHeadDim, kBF16>(o_acc, pa, desc_v0 + st * kSlotStep);
+            wgmma_commit();
+        };
+        auto scores = [&](int j) {  // variants, mask, softmax of S (key block j) -> P; returns "a max grew"
+            tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t4);
+            if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t4);
+            return wt.softmax_rows(S, scale_log2, corr);
+        };
+        auto pack_p = [&] {  // (dropout) then P into A fragments, one per 16-key step
+            tile.drop(S, keep);
+#pragma unroll
+            for (int kk = 0; kk < Cfg::kKStepsPV; ++kk) {
+                pa[kk][0] = pack2<kBF16>(S[0][2 * kk][0], S[0][2 * kk][1]);
+                pa[kk][1] = pack2<kBF16>(S[0][2 * kk][2], S[0][2 * kk][3]);
+                pa[kk][2] = pack2<kBF16>(S[0][2 * kk + 1][0], S[0][2 * kk + 1][1]);
+                pa[kk][3] = pack2<kBF16>(S[0][2 * kk + 1][2], S[0][2 * kk + 1][3]);
+            }
+        };
+        auto release = [&](u32 bar) {
+            __syncwarp();
+            if (signals) mbar_arrive(bar);
+        };
+        // Varlen: the first tile visited (key block n_last) may end past the sequence's keys, and TMA then
+        // brought the rows that follow them in the packed tensor or page (the next sequence, unused cache
+        // slots: any bits, NaN included). Their P is 0, but 0 * NaN is not: zero those V rows (whole
+        // 128-byte lines of every atom, whatever the swizzle) before any P V reads the slot. Plain batches
+        // need nothing: rows past seqlen_k are outside the tensor map and arrive as zeros.
+        auto clear_v_tail = [&] {
+            if constexpr (kVarlen) {
+                const int r0 = tile.keys(p) - n_last * kBlockN;  // first row of the tile past the keys
+                if (r0 >= kBlockN) return;                       // uniform over the consumers
+                mbar_wait(full_v(slot(0)), phase(0));
+                unsigned char* v_slot = generic(s_v0 + slot(0) * Cfg::kTileBytesKV);
+                const int lines = (kBlockN - r0) * kAtoms;
+                for (int i = ctid; i < lines * 8; i += 128 * Cfg::kConsumers) {
+                    const int line = i / 8, a = line % kAtoms, r = r0 + line / kAtoms;
+                    *reinterpret_cast<uint4*>(v_slot + a * kBlockN * 128 + r * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+                }
+                fence_proxy_async_smem();  // generic stores -> the async proxy (wgmma) reads
+                named_sync(4, 128 * Cfg::kConsumers);
+            }
+        };
+
+        if (Cfg::kPingPong && cwg == 1) named_arrive(2, 256);
+        mbar_wait(full_q, uses & 1);
+
+        if constexpr (Cfg::kOverlap) {
+            // Tile 0: S, softmax, P (O is still zero: nothing to rescale).
+            mbar_wait(full_k(slot(0)), phase(0));
             turn_wait();
-            issue_s(st);
+            issue_s(slot(0));
             turn_pass();
-            tile.draw_keep(keep, j, m0 + warp_row0, lane);
+            tile.draw_keep(keep, n_last, m0 + warp_row0, lane);
             wgmma_wait<0>();
             wgmma_fence_operands(s_acc);
-            release(empty_k(st));
-            const bool grew = scores(j);
-            wt.rescale_o(corr, grew);
+            release(empty_k(slot(0)));
+            scores(n_last);
             pack_p();
-            if (t == 0) clear_v_tail();
-            mbar_wait(full_v(st), parity);
+            clear_v_tail();
+            for (int t = 1; t < n_tiles; ++t) {
+                const int j = n_last - t;
+                mbar_wait(full_k(slot(t)), phase(t));
+                mbar_wait(full_v(slot(t - 1)), phase(t - 1));
+                turn_wait();
+                issue_s(slot(t));
+                issue_pv(slot(t - 1));
+                turn_pass();
+                tile.draw_keep(keep, j, m0 + warp_row0, lane);
+                wgmma_wait<1>();  // S_t landed; P_{t-1} V_{t-1} may still run
+                wgmma_fence_operands(s_acc);
+                release(empty_k(slot(t)));
+                const bool grew = scores(j);
+                wgmma_wait<0>();  // P_{t-1} V_{t-1} landed: O, pa and its V slot are free
+                wgmma_fence_operands(o_acc);
+                wgmma_fence_operands(pa);
+                release(empty_v(slot(t - 1)));
+                wt.rescale_o(corr, grew);
+                pack_p();
+            }
+            mbar_wait(full_v(slot(n_tiles - 1)), phase(n_tiles - 1));
             turn_wait();
-            issue_pv(st);
+            issue_pv(slot(n_tiles - 1));
             turn_pass();
             wgmma_wait<0>();
             wgmma_fence_operands(o_acc);
             wgmma_fence_operands(pa);
-            release(empty_v(st));
+            release(empty_v(slot(n_tiles - 1)));
+        } else {
+            for (int t = 0; t < n_tiles; ++t) {
+                const int j = n_last - t;
+                mbar_wait(full_k(slot(t)), phase(t));
+                turn_wait();
+                issue_s(slot(t));
+                turn_pass();
+                tile.draw_keep(keep, j, m0 + warp_row0, lane);
+                wgmma_wait<0>();
+                wgmma_fence_operands(s_acc);
+                release(empty_k(slot(t)));
+                const bool grew = scores(j);
+                wt.rescale_o(corr, grew);
+                pack_p();
+                if (t == 0) clear_v_tail();
+                mbar_wait(full_v(slot(t)), phase(t));
+                turn_wait();
+                issue_pv(slot(t));
+                turn_pass();
+                wgmma_wait<0>();
+                wgmma_fence_operands(o_acc);
+                wgmma_fence_operands(pa);
+                release(empty_v(slot(t)));
+            }
         }
+        if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);
+        ring += n_tiles;
+        ++uses;
+
+        // Epilogue. Each warp stages its normalized O rows in its own rows of the Q tile (its warpgroup's
+        // last S = Q K^T has completed; the other warpgroup reads only its own rows), in Q's swizzled
+        // layout, and writes 16-byte chunks. Then the Q tile goes back to the producer for the next item,
+        // whose K/V tiles may already be streaming into the ring.
+        u16* s_stage = reinterpret_cast<u16*>(generic(s_q)) + warp_row0 * 64;
+        wt.template store<(Cfg::kMods & kModDropout) != 0, kBlockM>(tile.o, p.o_row_stride, tile.lse, p.softmax_scale,
+                                                                    warp_row0, tile.rows_valid, p.head_dim, s_stage,
+                                                                    lane, p.mod.dropout_rp);  // fmt: skip
+        fence_proxy_async_smem();  // this thread's generic accesses to Q's bytes, before TMA writes them again
+        release(empty_q);
     }
-    if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);
-
-    // Every consumer's last wgmma has read its K/V slot (and every load has landed): the slots become
-    // O staging rows.
-    named_sync(1, 128 * Cfg::kConsumers);
-    u16* s_stage = reinterpret_cast<u16*>(smem_raw + (s_k0 - smem_u32(smem_raw))) + cwarp * 16 * Cfg::kSmemStride;
-    wt.template store<(Cfg::kMods & kModDropout) != 0>(tile.o, p.o_row_stride, tile.lse, p.softmax_scale, warp_row0,
-                                                          tile.rows_valid, p.head_dim, s_stage, lane, p.mod.dropout_rp);
 }
 
 }  // namespace cuflash

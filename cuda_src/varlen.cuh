@@ -125,12 +125,15 @@ struct VarlenTile {
     int m_block;
     bool skip;
     CUFLASH_DEVICE VarlenTile(const P& p, bool keys, int block, int block_m_scratch, bool reverse)
+        : VarlenTile(p, keys, block, block_m_scratch, reverse, (int)blockIdx.x) {}
+    // t: the grid slot (blockIdx.x, or a persistent CTA's work index).
+    CUFLASH_DEVICE VarlenTile(const P& p, bool keys, int block, int block_m_scratch, bool reverse, int t)
         : seq(p, varlen_find_seq(keys ? p.mod.cu_seqlens_k : p.mod.cu_seqlens_q, p.batch, keys ? p.seqlen_k : p.seqlen_q,
-                                 block, blockIdx.x),
+                                 block, t),
               block_m_scratch) {
         const int start = keys ? seq.k_start : seq.q_start;
         const int len = keys ? seq.seqlen_k : seq.seqlen_q;
-        const int slot = (int)blockIdx.x - (start / block + seq.b);
+        const int slot = t - (start / block + seq.b);
         const int n = (len + block - 1) / block;
         m_block = reverse ? n - 1 - slot : slot;
         skip = m_block < 0 || m_block >= n;

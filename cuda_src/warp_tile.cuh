@@ -252,9 +252,20 @@ struct WarpTile {
     // rows start at warp_row0. Aligned variants stage the normalized rows in s_stage (kRowsPerWarp rows
     // of kSmemStride elements that only this warp touches) and write whole 16-byte chunks: coalesced
     // rows instead of 4-byte pieces.
-    template <bool kScaleOut = false>
+    //
+    // kAtomRows > 0: s_stage is not padded rows but the warp's first row of a 128-byte swizzled tile of
+    // kAtomRows rows (64-column atoms kAtomRows * 64 elements apart; chunk c of row r at c ^ (r % 8)),
+    // as the Hopper TMA kernel stages O in its Q tile (same bytes, no padding, no bank conflicts).
+    template <bool kScaleOut = false, int kAtomRows = 0>
     CUFLASH_DEVICE void store(u16* g_o, i64 o_row_stride, float* g_lse, float softmax_scale, int warp_row0,
                               int rows_valid, int head_dim, u16* s_stage, int lane, float out_scale = 1.f) const {
+        auto stage_off = [](int row, int col) {  // element offset of (row, col) of the warp's rows
+            if constexpr (kAtomRows == 0) {
+                return row * kStride + col;
+            } else {
+                return (col / 64) * kAtomRows * 64 + row * 64 + ((((col % 64) / 8) ^ (row % 8)) * 8) + col % 8;
+            }
+        };
         const int g = lane / 4, t = lane % 4;
         float inv_l[kMSlabs][2];
 #pragma unroll
@@ -280,7 +291,7 @@ struct WarpTile {
 #pragma unroll
                     for (int d = 0; d < kDB; ++d) {
                         const u32 packed = pack2<kBF16>(acc_o[s][d][2 * r] * inv_l[s][r], acc_o[s][d][2 * r + 1] * inv_l[s][r]);
-                        *reinterpret_cast<u32*>(s_stage + (16 * s + 8 * r + g) * kStride + d * 8 + 2 * t) = packed;
+                        *reinterpret_cast<u32*>(s_stage + stage_off(16 * s + 8 * r + g, d * 8 + 2 * t)) = packed;
                     }
             __syncwarp();  // staged rows visible to the whole warp
             constexpr int kChunks = Cfg::kRowsPerWarp * Cfg::kChunksPerRow;
@@ -290,7 +301,7 @@ struct WarpTile {
                 const int row = chunk / Cfg::kChunksPerRow, col = (chunk % Cfg::kChunksPerRow) * 8;
                 if ((kChunks % 32 == 0 || chunk < kChunks) && warp_row0 + row < rows_valid && col < head_dim) {
                     *reinterpret_cast<uint4*>(g_o + (warp_row0 + row) * o_row_stride + col) =
-                        *reinterpret_cast<const uint4*>(s_stage + row * kStride + col);
+                        *reinterpret_cast<const uint4*>(s_stage + stage_off(row, col));
                 }
             }
         } else {

@@ -110,7 +110,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
             v_batch_stride=vs[0] if g.paged else 0, v_row_stride=vs[1], v_head_stride=vs[2],
             o_batch_stride=0, o_row_stride=os_[1], o_head_stride=os_[2],
             batch=g.batch, nheads=g.nheads, nheads_kv=g.nheads_kv, head_ratio=g.nheads // g.nheads_kv,
-            seqlen_q=g.total_q, seqlen_k=g.total_k, head_dim=g.head_dim, num_m_blocks=how.grid[0],
+            seqlen_q=g.total_q, seqlen_k=g.total_k, head_dim=g.head_dim, num_m_blocks=how.m_blocks,
             softmax_scale=unit, scale_log2=unit * math.log2(math.e),
             mod=var.record(softmax_scale, *g.pointers, paged=g.paged_record),
         )  # fmt: skip
@@ -348,7 +348,7 @@ def _plan_and_load(batch, total_q, total_k, nheads, nheads_kv, head_dim, dtype, 
     how = plan.plan_forward(
         batch=batch, seqlen_q=total_q, seqlen_k=total_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
         dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
-        mods=mods | plan.MOD_VARLEN,
+        mods=mods | plan.MOD_VARLEN, sm_count=jit.device_sm_count(device_id),
     )  # fmt: skip
     return how, jit.get_function(how.spec, device_id)
 

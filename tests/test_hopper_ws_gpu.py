@@ -26,10 +26,12 @@ def _schedules():
     from cuflash.plan import Sm90WsTile as W
 
     return [W(128, 128), W(128, 128, overlap=False), W(128, 128, pingpong=False), W(128, 128, overlap=False, pingpong=False),
-            W(128, 128, 3), W(128, 64, 4), W(192, 64, pingpong=False)]  # fmt: skip
+            W(128, 128, 3), W(128, 64, 4), W(192, 64, pingpong=False), W(128, 128, pingpong=False, persistent=True),
+            W(128, 128, persistent=True), W(192, 64, pingpong=False, persistent=True)]  # fmt: skip
 
 
-@pytest.mark.parametrize("tile", _schedules(), ids=lambda t: f"bm{t.block_m}bn{t.block_n}st{t.stages}ov{int(t.overlap)}pp{int(t.pingpong)}")
+@pytest.mark.parametrize("tile", _schedules(), ids=lambda t: f"bm{t.block_m}bn{t.block_n}st{t.stages}ov{int(t.overlap)}"
+                         f"pp{int(t.pingpong)}{'persistent' if t.persistent else ''}")
 @pytest.mark.parametrize("sk", [1, 128, 256, 384, 700])  # 1 key tile, exactly the ring, one past it, ragged
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (100, 30))])
 def test_schedules(tile, sk, causal, window):
@@ -40,6 +42,34 @@ def test_schedules(tile, sk, causal, window):
     q, k, v = random_qkv(rng, 2, 300, sk, 4, 2, 128, "bf16")
     kw = {"window_size": window} if window else {}
     check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"{tile} sk={sk}", **kw)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_walks_every_tile(head_dim, causal):
+    """A persistent grid (one CTA per SM) over more tiles than SMs, dense and varlen (empty sequences,
+    spare scheduler slots, one long sequence): the same results as one CTA per tile."""
+    _hopper()
+    import dataclasses
+
+    import cupy
+
+    from cuflash import plan, varlen
+    from cuflash.checks import BF16
+
+    tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[head_dim], persistent=True)
+    rng = np.random.default_rng(head_dim)
+    q, k, v = random_qkv(rng, 3, 1000, 1100, 16, 4, head_dim, "bf16")  # 8 x 16 x 3 = 384 tiles > 132 SMs
+    check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"persistent {tile}")
+    lengths = [0, 700, 3, 129, 0, 1500, 64]
+    total = sum(lengths)
+    q, k, v = (cupy.asarray(rng.standard_normal((total, 8, head_dim), dtype=np.float32).astype(BF16)) for _ in range(3))
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    got, lse = varlen.run(q, k, v, cu, cu, 1500, 1500, causal=causal, return_lse=True, tile=tile)
+    want, want_lse = varlen.run(q, k, v, cu, cu, 1500, 1500, causal=causal, return_lse=True,
+                                tile=dataclasses.replace(tile, persistent=False))  # fmt: skip
+    np.testing.assert_allclose(to_f64(got), to_f64(want), atol=1e-2)
+    np.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-3)
 
 
 @pytest.mark.parametrize("head_dim", [40, 56, 104, 120, 232, 248])

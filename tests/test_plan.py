@@ -524,6 +524,26 @@ def test_hopper_kernel_runs_where_it_can(head_dim):
     assert _fwd_plan(head_dim, aligned=False).spec.family == "flash_fwd"
 
 
+def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
+    """A persistent Sm90WsTile launches min(tiles, SMs) CTAs; m_blocks keeps the query-tile (varlen: slot)
+    count the kernel decomposes its work items with."""
+    import dataclasses
+
+    tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[128], persistent=True)
+    kw = dict(nheads=4, nheads_kv=2, head_dim=128, dtype="bf16", causal=True, aligned=True, arch="sm_90a", tile=tile)
+    big = plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=900, sm_count=132, **kw)
+    assert big.grid == (min(8 * 4 * 2, 132), 1, 1) and big.m_blocks == 8
+    small = plan.plan_forward(batch=1, seqlen_q=100, seqlen_k=900, sm_count=132, **kw)
+    assert small.grid == (4, 1, 1) and small.m_blocks == 1  # never more CTAs than tiles
+    packed = plan.plan_forward(batch=5, seqlen_q=3000, seqlen_k=3000, sm_count=132, mods=plan.MOD_VARLEN, **kw)
+    assert packed.m_blocks == plan.varlen_tiles(3000, 5, 128) and packed.grid == (min(packed.m_blocks * 4, 132), 1, 1)
+    assert "_persistent" in big.spec.name and big.spec.template_args().endswith(f", {1 | 4}")
+    with pytest.raises(ValueError, match="sm_count"):
+        plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=900, **kw)
+    plain = plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=900, **{**kw, "tile": None})
+    assert plain.grid == (8, 4, 2) and plain.m_blocks == 8
+
+
 @pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224])
 def test_buckets_without_hopper_tile_use_mma_sync(head_dim):
     assert _fwd_plan(head_dim).spec.family == "flash_fwd"

@@ -107,6 +107,9 @@ class Launch:
     # Programmatic dependent launch (cuflash/launch.py): the kernel waits (griddepcontrol) for the
     # one before it on the stream, which may then let it start early. Only kernels written for it.
     pdl: bool = False
+    # Forward: query tiles (varlen: scheduler slots) per head, FwdParams.num_m_blocks; grid[0] unless
+    # the launch is persistent.
+    m_blocks: int = 0
 
 
 # ---------------------------------------------------------------------------------------------

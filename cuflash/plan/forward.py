@@ -106,6 +106,7 @@ class Sm90WsTile:
     overlap: bool = True  # a tile's softmax overlaps the previous tile's P V (inside a warpgroup)
     pingpong: bool = True  # two consumer warpgroups take turns at the tensor cores (block_m 128 only)
     min_blocks: int = 1
+    persistent: bool = False  # one CTA per SM walks the tiles (the next tile's loads overlap an epilogue)
 
     @property
     def warps(self) -> int:
@@ -113,8 +114,8 @@ class Sm90WsTile:
 
     @property
     def sched(self) -> int:
-        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong."""
-        return int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0)
+        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent."""
+        return int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0) | (4 if self.persistent else 0)
 
 
 #: Warp-specialized Hopper forward tiles per head-dim bucket: the default forward on sm_90a for
@@ -134,8 +135,8 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
 
 def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile) -> int:
     """Dynamic shared memory of the warp-specialized forward: must match Sm90WsFwdConfig::kSmemBytes
-    (alignment slack, Q, the K/V ring, 1 + 4 * stages mbarriers of 8 bytes rounded to 16)."""
-    barriers = 1 + 4 * tile.stages
+    (alignment slack, Q, the K/V ring, 2 + 4 * stages mbarriers of 8 bytes rounded to 16)."""
+    barriers = 2 + 4 * tile.stages
     return 1024 + 2 * (tile.block_m + 2 * tile.stages * tile.block_n) * head_dim_bucket + 8 * ((barriers + 1) // 2 * 2)
 
 
@@ -216,7 +217,8 @@ class Sm90WsKernelSpec(HopperSpec):
     @property
     def name(self) -> str:
         t = self.tile
-        return self._variant_name(f"{'_ov' if t.overlap else ''}{'_pp' if t.sched & 2 else ''}")
+        return self._variant_name(f"{'_ov' if t.overlap else ''}{'_pp' if t.sched & 2 else ''}"
+                                  f"{'_persistent' if t.persistent else ''}")
 
     @property
     def smem_bytes(self) -> int:
@@ -249,9 +251,6 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
     if tile.block_m == 192 and bucket // 2 + 3 * tile.block_n // 4 > 128:  # 160 registers per consumer thread
         raise ValueError(f"warp-specialized tile {tile}: O + S + P registers do not fit 3 consumer warpgroups "
                          f"at head dim {bucket} (take block_m 128 or a smaller block_n)")  # fmt: skip
-    consumer_warps = 4 * (tile.block_m // 64)
-    if consumer_warps * 16 * (bucket + 8) * 2 > 2 * tile.stages * tile.block_n * bucket * 2:
-        raise ValueError(f"warp-specialized tile {tile}: the O staging rows do not fit in the K/V slots")
     if fwd_sm90_ws_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
         raise ValueError(f"warp-specialized tile {tile} needs {fwd_sm90_ws_smem_bytes(bucket, tile)} bytes of shared memory")
     return Sm90WsKernelSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
@@ -315,8 +314,9 @@ def plan_forward(
     causal: bool,
     aligned: bool,
     arch: str,
-    tile: Tile | Sm90Tile | None = None,
+    tile: Tile | Sm90Tile | Sm90WsTile | None = None,
     mods: int = 0,
+    sm_count: int | None = None,
 ) -> Launch:
     """Kernel variant, grid, block and shared memory for one forward call (all sizes >= 1).
 
@@ -326,7 +326,9 @@ def plan_forward(
     an input). ``mods``: the
     attention variants (common.MOD_* bits) compiled into the kernel. With MOD_VARLEN, batch is the
     number of packed sequences and seqlen_q / seqlen_k the packed totals: the grid is the scheduler's
-    seqlen_q // block_m + batch slots per head (cuda_src/varlen.cuh)."""
+    seqlen_q // block_m + batch slots per head (cuda_src/varlen.cuh). A persistent Sm90WsTile launches
+    min(tiles, ``sm_count``) CTAs that walk those tiles; Launch.m_blocks is the query-tile (or slot)
+    count of FwdParams.num_m_blocks either way."""
     if min(batch, seqlen_q, nheads, nheads_kv) < 1 or seqlen_k < (0 if mods & MOD_VARLEN else 1):
         raise ValueError("plan_forward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
@@ -342,10 +344,15 @@ def plan_forward(
     else:
         spec = fwd_spec(head_dim, dtype, causal, aligned, arch, tile, mods)
     if mods & MOD_VARLEN:
-        return Launch(spec, (varlen_tiles(seqlen_q, batch, spec.tile.block_m), nheads, 1), (spec.threads, 1, 1),
-                      spec.smem_bytes)  # fmt: skip
-    num_m_blocks = -(-seqlen_q // spec.tile.block_m)
-    return Launch(spec, (num_m_blocks, nheads, batch), (spec.threads, 1, 1), spec.smem_bytes)
+        grid = (varlen_tiles(seqlen_q, batch, spec.tile.block_m), nheads, 1)
+    else:
+        grid = (-(-seqlen_q // spec.tile.block_m), nheads, batch)
+    if getattr(spec.tile, "persistent", False):  # one CTA per SM (at most one per tile) walks grid's tiles
+        if sm_count is None or sm_count < 1:
+            raise ValueError("a persistent tile needs sm_count (the GPU's multiprocessors)")
+        return Launch(spec, (min(grid[0] * grid[1] * grid[2], sm_count), 1, 1), (spec.threads, 1, 1),
+                      spec.smem_bytes, m_blocks=grid[0])  # fmt: skip
+    return Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, m_blocks=grid[0])
 
 
 def varlen_tiles(total: int, batch: int, block: int) -> int:
