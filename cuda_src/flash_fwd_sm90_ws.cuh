@@ -234,6 +234,10 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     const u64 desc_v0 = sw128_desc(s_v0, kBlockN * 128);
     constexpr u64 kSlotStep = Cfg::kTileBytesKV >> 4;
     const float scale_log2 = p.scale_log2;
+    // Ping-pong: warpgroup 1 lets warpgroup 0 take the first turn, and warpgroup 0 takes that last turn
+    // after the last item, so each barrier sees as many arrivals as waits, one warpgroup's at a time (a
+    // warpgroup never arrives twice on a barrier before the other has waited on it).
+    if (Cfg::kPingPong && cwg == 1) named_arrive(2, 256);
 
     for (int item = item0; item < n_items; item += item_step) {
         const FwdTileRef<Cfg> tile = tile_of(item);
@@ -260,8 +264,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         auto phase = [&](int t) { return (u32)(((ring + t) / kStages) & 1); };
 
         // Ping-pong: warpgroup c issues its GEMMs after `bar.sync 2 + c` and lets the other one go with
-        // `bar.arrive 3 - c`; warpgroup 1 lets warpgroup 0 go first, and warpgroup 0 takes that last
-        // turn at the end, so every barrier sees as many arrivals as waits.
+        // `bar.arrive 3 - c` (the turns run on across items: both warpgroups take the same number).
         auto turn_wait = [&] {  // (constant barrier ids: ptxas then reserves only the barriers used)
             if constexpr (Cfg::kPingPong) {
                 if (cwg == 0) named_sync(2, 256);
@@ -327,7 +330,6 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             }
         };
 
-        if (Cfg::kPingPong && cwg == 1) named_arrive(2, 256);
         mbar_wait(full_q, uses & 1);
 
         if constexpr (Cfg::kOverlap) {
@@ -396,7 +398,6 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 release(empty_v(slot(t)));
             }
         }
-        if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);
         ring += n_tiles;
         ++uses;
 
@@ -411,6 +412,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         fence_proxy_async_smem();  // this thread's generic accesses to Q's bytes, before TMA writes them again
         release(empty_q);
     }
+    if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);
 }
 
 }  // namespace cuflash
