@@ -32,7 +32,7 @@
 namespace cuflash {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0>
-struct Sm90FwdConfig {
+struct Sm90FwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile's fields)
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
@@ -44,20 +44,6 @@ struct Sm90FwdConfig {
     static constexpr int kWarpGroups = kBlockM / 64;
     static constexpr int kNWarps = 4 * kWarpGroups;
     static constexpr int kNThreads = 32 * kNWarps;
-    // What WarpTile (warp_tile.cuh) needs for the softmax and the epilogue.
-    static constexpr bool kAligned = true;
-    static constexpr bool kQInRegs = false;
-    static constexpr int kRowsPerWarp = 16;
-    static constexpr int kMSlabs = 1;
-    static constexpr int kNBlocksS = kBlockN / 8;
-    static constexpr int kDBlocks = kHeadDim / 8;
-    static constexpr int kKStepsQK = kHeadDim / 16;
-    static constexpr int kKStepsPV = kBlockN / 16;
-    static constexpr int kChunksPerRow = kHeadDim / 8;
-    static constexpr int kSmemStride = kHeadDim + 8;  // epilogue staging rows (16 bytes of padding)
-    static constexpr bool kKVSwizzled = false;        // (WarpTile's K/V layout: unused here)
-    static constexpr int kKVStride = kSmemStride;
-
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
     // 1024 bytes of slack to align the dynamic shared memory base to the swizzle pattern.
@@ -67,7 +53,8 @@ struct Sm90FwdConfig {
     static_assert(kBlockM % 64 == 0 && kBlockM <= 256, "whole warpgroups of 64 rows");
     static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tiles are wgmma N (multiple of 64 here)");
     static_assert(kStages == 2, "K/V tiles are double buffered");
-    static_assert(kNWarps * 16 * kSmemStride * 2 <= 2 * kStages * kTileBytesKV, "O staging fits in the K/V buffers");
+    static_assert(kNWarps * 16 * Sm90WarpTileShape<kHeadDim_, kBlockN_>::kSmemStride * 2 <= 2 * kStages * kTileBytesKV,
+                  "O staging fits in the K/V buffers");
 };
 
 template <class Cfg>

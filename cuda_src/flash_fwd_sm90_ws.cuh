@@ -69,7 +69,7 @@ constexpr int kSchedPersistent = 4;  // one CTA per SM walks the tiles; the next
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0,
           int kSched_ = kSchedOverlap | kSchedPingPong>
-struct Sm90WsFwdConfig {
+struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile's fields)
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
@@ -88,20 +88,6 @@ struct Sm90WsFwdConfig {
     // consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384; 32 x 128 + 160 x 384 = 128 x 512).
     static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
     static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
-    // What WarpTile (warp_tile.cuh) and FwdTileRef need for the softmax, masks and the epilogue.
-    static constexpr bool kAligned = true;
-    static constexpr bool kQInRegs = false;
-    static constexpr int kRowsPerWarp = 16;
-    static constexpr int kMSlabs = 1;
-    static constexpr int kNBlocksS = kBlockN / 8;
-    static constexpr int kDBlocks = kHeadDim / 8;
-    static constexpr int kKStepsQK = kHeadDim / 16;
-    static constexpr int kKStepsPV = kBlockN / 16;
-    static constexpr int kChunksPerRow = kHeadDim / 8;
-    static constexpr int kSmemStride = kHeadDim + 8;  // epilogue staging rows (16 bytes of padding)
-    static constexpr bool kKVSwizzled = false;        // (WarpTile's K/V layout: unused here)
-    static constexpr int kKVStride = kSmemStride;
-
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
     static constexpr int kBarriers = 2 + 4 * kStages;  // Q full, Q empty; K full, V full, K empty, V empty per slot
@@ -203,7 +189,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                         tma_load_4d(s_k0 + st * Cfg::kTileBytesKV + a * kBlockN * 128, &P.tma_k, full_k(st), 64 * a,
                                     row, tile.tma_hk, batch);  // fmt: skip
                     }
-                    mbar_wait(empty_v(st), free_parity);
+                    mbar_wait(empty_v(st), free_parity);  // (V after K: S needs K first)
                     mbar_arrive_expect_tx(full_v(st), Cfg::kTileBytesKV);
 #pragma unroll
                     for (int a = 0; a < kAtoms; ++a) {

@@ -8,6 +8,24 @@
 
 namespace cuflash {
 
+// What WarpTile (warp_tile.cuh) and FwdTileRef need from a Hopper forward config whose warps own 16 rows
+// of the wgmma accumulators each, S is kBlockN keys wide and O kHeadDim: the configs inherit it.
+template <int kHeadDim, int kBlockN>
+struct Sm90WarpTileShape {
+    static constexpr bool kAligned = true;
+    static constexpr bool kQInRegs = false;
+    static constexpr int kRowsPerWarp = 16;
+    static constexpr int kMSlabs = 1;
+    static constexpr int kNBlocksS = kBlockN / 8;
+    static constexpr int kDBlocks = kHeadDim / 8;
+    static constexpr int kKStepsQK = kHeadDim / 16;
+    static constexpr int kKStepsPV = kBlockN / 16;
+    static constexpr int kChunksPerRow = kHeadDim / 8;
+    static constexpr int kSmemStride = kHeadDim + 8;  // padded staging rows (16 bytes of padding)
+    static constexpr bool kKVSwizzled = false;        // (WarpTile's K/V layout: unused by wgmma)
+    static constexpr int kKVStride = kSmemStride;
+};
+
 // Copy a kRows x kHeadDim row-major global tile (rows_valid real rows, head_dim real columns; the rest
 // zero-filled) into the 128-byte swizzled K-major layout of wgmma: the head dim is cut in atoms of 64
 // elements (128 bytes); atom a holds kRows rows of 128 bytes at byte a * kRows * 128, and within each
