@@ -378,14 +378,16 @@ def tensor_core_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=None, d_order: str = "pairwise",
-                   dp_order: str = "ieee", mods: _Mods = _NO_MODS):  # fmt: skip
+                   dp_order: str = "ieee", mods: _Mods = _NO_MODS, lse=None):  # fmt: skip
     """Gradients (dq, dk, dv) of one head.
 
     ``rnd`` rounds P, O and dS where a low-precision implementation would
     store them (identity = exact).  The gradients themselves are returned
     unrounded: callers accumulate dk and dv over a GQA group, then round.
     ``o``: the forward output handed to the backward (used for D); None
-    recomputes it.  ``d_order``: how D = rowsum(dO * O) is summed over the
+    recomputes it. ``lse`` (seqlen_q,): the log-sum-exp P is normalized with, as a kernel
+    takes it from the forward (a block of a longer softmax: its P sums to less than 1); None
+    normalizes over these keys.  ``d_order``: how D = rowsum(dO * O) is summed over the
     head dim, "pairwise" (NumPy's sum) or "sequential" (one running sum per
     row, left to right, as a loop per row would).  ``dp_order``: how dP = dO V^T
     is accumulated, "ieee" (a float32 matmul) or "tensor_core"
@@ -404,7 +406,11 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
         q_c, do_c = q[start:stop], dout[start:stop]
         mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop, mods.window)
         S, T = _scores(q_c, k, scale, mask, mods, start, seqlen_q)
-        P, _ = _softmax_rows(S)
+        if lse is None:
+            P, _ = _softmax_rows(S)
+        else:  # exp(S - lse); rows with lse = -inf saw no key anywhere: P = 0
+            lse_c = lse[start:stop, None]
+            P = np.where(np.isfinite(lse_c), np.exp(S - np.where(np.isfinite(lse_c), lse_c, 0)), 0).astype(S.dtype)
         keep = mods.keep(start, stop, seqlen_k)
         Pd = P if keep is None else np.where(keep, P * rp, 0).astype(P.dtype, copy=False)  # dropped, scaled
         P_r = rnd(Pd)
@@ -452,11 +458,15 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=
 
 
 def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, dropout_p=0.0, rng_state=None):  # fmt: skip
+                       alibi_slopes=None, dropout_p=0.0, rng_state=None, out=None, lse=None):  # fmt: skip
     """Exact gradients of ``sum(out * dout)`` in float64; returns (dq, dk, dv).
 
     With GQA, dk and dv of a kv head are summed over its query heads. The variants as in
     attention_forward (dropout: the same mask as the forward with the same rng_state).
+    ``out`` (shape of q) and ``lse`` (batch, nheads, seqlen_q), as a kernel's backward takes them:
+    D from that output, P normalized by that lse. Given the output and lse of attention over more
+    keys than k, v hold (a block of a ring or a split), the result is that block's share of the
+    gradients of the whole: dq to add up over the blocks, dk and dv of these keys.
     """
     q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
     dout = _to_f64(dout, "dout")
@@ -464,11 +474,14 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     _require_shape(dout, "dout", q.shape)
     scale = _scale(softmax_scale, headdim)
     mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state)
+    o = None if out is None else _to_f64(out, "out")
+    lse_all = None if lse is None else np.asarray(_to_host(lse), dtype=np.float64)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for b in range(batch):
         for h, hk in _head_pairs(nheads, nheads_kv):
             dq_h, dk_h, dv_h = _backward_head(
-                dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, mods=mods(b, h))
+                dout[b, :, h], q[b, :, h], k[b, :, hk], v[b, :, hk], scale, causal, mods=mods(b, h),
+                o=None if o is None else o[b, :, h], lse=None if lse_all is None else lse_all[b, h])
             dq[b, :, h] = dq_h
             dk[b, :, hk] += dk_h
             dv[b, :, hk] += dv_h

@@ -41,7 +41,8 @@ def _fwd(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softca
 def _bwd(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, wl, wr, softcap,
          deterministic):  # fmt: skip
     kw = _variants(alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap)
-    grads = reference.attention_backward(_np(dout), _np(q), _np(k), _np(v), **kw)
+    # As the kernel: D from the given out, P normalized by the given lse (a ring's block uses the whole's).
+    grads = reference.attention_backward(_np(dout), _np(q), _np(k), _np(v), out=_np(out), lse=_np(lse), **kw)
     return tuple(_like(g, t.dtype) for g, t in zip(grads, (q, k, v)))
 
 

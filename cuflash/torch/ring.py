@@ -1,0 +1,331 @@
+"""Context parallelism: ring attention over torch.distributed, forward and backward.
+
+Each rank holds a slice of the sequence (its queries, keys and values, flash-attn's layout
+(batch, seqlen_local, nheads, headdim)). The K/V slices travel around the ring of ranks: at step i
+rank r holds the slice of rank (r - i) mod W, attends its queries to it with cuflash's kernels, and
+merges the partial result into its running output through the log-sum-exp (the merge cuflash's
+split-KV decode does on the device). The next slice is exchanged with NCCL point-to-point
+(``batch_isend_irecv``) on a side stream while the current one is computed. The backward sends K, V
+around again, with their dK, dV partial sums travelling beside them, and ends with every rank
+holding the gradients of its own slice.
+
+Causal attention needs load balance: with contiguous slices the last rank would attend to every key
+and the first to its own only. ``zigzag_shard`` cuts the sequence into 2W chunks and gives rank r the
+chunks r and 2W - 1 - r, so every rank does the same work: at step 0 the local slice is causal
+against itself; from a rank before it, all of the rank's queries see the first half of the slice;
+from a rank after it, the second half of the rank's queries sees the whole slice.
+
+    import torch.distributed as dist
+    from cuflash.torch.ring import ring_attention, zigzag_shard, zigzag_unshard
+    q_loc, k_loc, v_loc = (zigzag_shard(x, rank, world) for x in (q, k, v))   # (b, s / W, h, d)
+    out_loc = ring_attention(q_loc, k_loc, v_loc, causal=True)               # autograd works
+    out = zigzag_unshard(gathered_out_slices)                                  # all ranks' slices
+
+Supported: causal or not, GQA / MQA, softmax_scale, softcap. The sliding window and ALiBi depend on
+absolute positions that the kernels see only relative to one call: not supported across a ring
+(a clear error); neither is dropout. ``simulate_ring`` runs the same schedule in one process over W
+slices (tests, and a check of the merge on one GPU).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import ops  # noqa: F401  (torch.ops.cuflash.fwd / bwd)
+
+__all__ = ["ring_attention", "simulate_ring", "zigzag_shard", "zigzag_unshard"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding
+# ---------------------------------------------------------------------------------------------
+
+
+def zigzag_shard(x: Tensor, rank: int, world: int, dim: int = 1) -> Tensor:
+    """Rank ``rank``'s slice of a full sequence for causal ring attention: chunks rank and
+    2 world - 1 - rank of 2 world equal chunks along ``dim`` (the sequence dim of (b, s, h, d))."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    n = x.shape[dim]
+    if n % (2 * world):
+        raise ValueError(f"the sequence ({n} along dim {dim}) must split into 2 x world = {2 * world} equal chunks; "
+                         "pad it to a multiple")  # fmt: skip
+    chunks = x.chunk(2 * world, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * world - 1 - rank]], dim=dim)
+
+
+def zigzag_unshard(slices: Sequence[Tensor], dim: int = 1) -> Tensor:
+    """The full sequence from every rank's ``zigzag_shard`` slice, in rank order (e.g. after an all-gather)."""
+    world = len(slices)
+    halves = [s.chunk(2, dim=dim) for s in slices]
+    return torch.cat([halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))], dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule: which part of rank r's queries meets which part of the slice of rank src
+# ---------------------------------------------------------------------------------------------
+
+
+def _step_plan(rank: int, src: int, causal: bool) -> tuple[str, str, bool]:
+    """(query part, key part, causal) of rank ``rank``'s queries against the slice of rank ``src``:
+    parts "all", "first" or "second" (halves of the zigzag slice)."""
+    if not causal:
+        return "all", "all", False
+    if src == rank:
+        return "all", "all", True  # [chunk r, chunk 2W-1-r] against itself: causal is exact
+    if src < rank:
+        return "all", "first", False  # chunk src is before both query chunks; chunk 2W-1-src after both
+    return "second", "all", False  # only chunk 2W-1-r comes after both of src's chunks
+
+
+def _part(x: Tensor, part: str, dim: int = 1) -> Tensor:
+    if part == "all":
+        return x
+    half = x.shape[dim] // 2
+    return x.narrow(dim, 0, half) if part == "first" else x.narrow(dim, half, half)
+
+
+def _merge(out: Optional[Tensor], lse: Optional[Tensor], out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge two partial attentions over disjoint keys: fp32 out (b, s, h, d), lse (b, h, s)."""
+    out_b = out_b.float()
+    if out is None:
+        return out_b, lse_b
+    new = torch.logaddexp(lse, lse_b)
+    new_safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # rows that saw no key yet
+    w_a = torch.exp(lse - new_safe).transpose(1, 2).unsqueeze(-1)
+    w_b = torch.exp(lse_b - new_safe).transpose(1, 2).unsqueeze(-1)
+    return out * w_a + out_b * w_b, new
+
+
+def _merge_into(out: Optional[Tensor], lse: Optional[Tensor], part: str, out_b: Tensor, lse_b: Tensor):
+    """_merge of a partial attention of one query part into the running (out, lse) of all queries."""
+    if part == "all":
+        return _merge(out, lse, out_b, lse_b)
+    half = out.shape[1] // 2
+    lo, hi = (0, half) if part == "first" else (half, 2 * half)
+    o_part, l_part = _merge(out[:, lo:hi], lse[:, :, lo:hi], out_b, lse_b)
+    out = torch.cat([out[:, :lo], o_part, out[:, hi:]], dim=1)
+    lse = torch.cat([lse[:, :, :lo], l_part, lse[:, :, hi:]], dim=2)
+    return out, lse
+
+
+class _Args:
+    def __init__(self, softmax_scale: float, softcap: float):
+        self.scale, self.softcap = softmax_scale, softcap
+
+    def fwd(self, q: Tensor, k: Tensor, v: Tensor, causal: bool):
+        out, lse, _ = torch.ops.cuflash.fwd(q, k, v, None, 0.0, self.scale, causal, -1, -1, self.softcap, False)
+        return out, lse
+
+    def bwd(self, dout, q, k, v, out, lse, causal: bool):
+        empty = torch.zeros(2, dtype=torch.int64, device=q.device)
+        return torch.ops.cuflash.bwd(dout, q, k, v, out, lse, None, empty, 0.0, self.scale, causal, -1, -1,
+                                     self.softcap, False)  # fmt: skip
+
+
+def _forward_steps(q: Tensor, kv_of_step: Callable[[int], tuple[Tensor, Tensor]], rank: int, world: int, causal: bool,
+                   args: _Args) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Rank ``rank``'s output and lse (fp32 out) over the W steps; kv_of_step(i) gives the K/V slice
+    held at step i (that of rank (rank - i) mod W)."""
+    out = lse = None
+    for i in range(world):
+        k, v = kv_of_step(i)
+        qp, kp, c = _step_plan(rank, (rank - i) % world, causal)
+        o_b, l_b = args.fwd(_part(q, qp), _part(k, kp), _part(v, kp), c)
+        if out is None and qp != "all":  # (step 0 covers every query: never happens)
+            raise AssertionError("the first step covers every query")
+        out, lse = _merge_into(out, lse, qp, o_b, l_b)
+    return out, lse
+
+
+def _backward_step(dout, q, k, v, out, lse, rank: int, src: int, causal: bool, args: _Args):
+    """(dq, dk, dv) of rank's queries against src's slice: dq of all queries, dk / dv of the whole slice."""
+    qp, kp, c = _step_plan(rank, src, causal)
+    sl = lambda x: _part(x, qp)  # noqa: E731
+    lse_p = lse if qp == "all" else _part(lse, qp, dim=2)
+    dq_p, dk_p, dv_p = args.bwd(sl(dout), sl(q), _part(k, kp), _part(v, kp), sl(out), lse_p.contiguous(), c)
+    dq = dq_p if qp == "all" else torch.cat([torch.zeros_like(dq_p), dq_p], dim=1)
+    if kp == "all":
+        return dq, dk_p, dv_p
+    z = torch.zeros_like(dk_p)
+    return dq, torch.cat([dk_p, z], dim=1), torch.cat([dv_p, torch.zeros_like(dv_p)], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring over torch.distributed
+# ---------------------------------------------------------------------------------------------
+
+
+class _Ring:
+    """Point-to-point exchange with the ring's neighbours (send to rank + 1, receive from rank - 1)
+    on a side stream, so the attention on the slice already held runs meanwhile."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        glob = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
+        self.next, self.prev = glob((self.rank + 1) % self.world), glob((self.rank - 1) % self.world)
+        self.stream = None
+
+    def start(self, tensors: Sequence[Tensor]) -> tuple[list, list[Tensor]]:
+        """Begin sending ``tensors`` to the next rank and receiving as many from the previous one."""
+        recv = [torch.empty_like(t) for t in tensors]
+        ops_ = [self.dist.P2POp(self.dist.isend, t, self.next, self.group) for t in tensors]
+        ops_ += [self.dist.P2POp(self.dist.irecv, t, self.prev, self.group) for t in recv]
+        if tensors[0].is_cuda:
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(device=tensors[0].device)
+            self.stream.wait_stream(torch.cuda.current_stream())  # the sent tensors are written
+            with torch.cuda.stream(self.stream):
+                reqs = self.dist.batch_isend_irecv(ops_)
+        else:
+            reqs = self.dist.batch_isend_irecv(ops_)
+        return reqs, recv
+
+    def finish(self, pending: tuple[list, list[Tensor]]) -> list[Tensor]:
+        reqs, recv = pending
+        for r in reqs:
+            r.wait()
+        if recv[0].is_cuda:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            for t in recv:
+                t.record_stream(torch.cuda.current_stream())
+        return recv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, causal: bool, args: _Args):
+        held = [k.contiguous(), v.contiguous()]
+        pending = None
+
+        def kv_of_step(i):
+            nonlocal held, pending
+            if i > 0:
+                held = ring.finish(pending)
+            if i + 1 < ring.world:
+                pending = ring.start(held)  # the next slice travels while this one is used
+            return held[0], held[1]
+
+        out, lse = _forward_steps(q, kv_of_step, ring.rank, ring.world, causal, args)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.causal, ctx.args = ring, causal, args
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, causal, args = ctx.ring, ctx.causal, ctx.args
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        held = [k.contiguous(), v.contiguous()]
+        kv_pending = dkv_pending = None
+        # Step i: the slice of rank src = rank - i is held; the next slice and the dK, dV partial sums of
+        # this one (from the ranks it visited before) arrive while this step's gradients are computed.
+        # The sums travel one hop behind their slice and, after W hops, are back at its owner.
+        for i in range(ring.world):
+            if i + 1 < ring.world:
+                kv_pending = ring.start(held)
+            dq_i, dk_i, dv_i = _backward_step(dout, q, held[0], held[1], out, lse, ring.rank,
+                                              (ring.rank - i) % ring.world, causal, args)  # fmt: skip
+            dq += dq_i
+            if i == 0:
+                dk, dv = dk_i.float(), dv_i.float()
+            else:
+                dk_in, dv_in = ring.finish(dkv_pending)
+                dk, dv = dk_in + dk_i, dv_in + dv_i
+            if ring.world > 1:
+                dkv_pending = ring.start([dk, dv])
+            if i + 1 < ring.world:
+                held = ring.finish(kv_pending)
+        if ring.world > 1:
+            dk, dv = ring.finish(dkv_pending)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _check(q, k, v, window_size, alibi_slopes, dropout_p):
+    if window_size != (-1, -1) or alibi_slopes is not None:
+        raise NotImplementedError("ring_attention: the sliding window and ALiBi depend on absolute positions, which "
+                                  "cuflash's kernels see only within one call; run them without a ring")  # fmt: skip
+    if dropout_p:
+        raise NotImplementedError("ring_attention: no dropout across a ring")
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q (b, s, h, d) and k, v (b, s_kv, h_kv, d) slices expected, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = False,
+                   softmax_scale: Optional[float] = None, softcap: float = 0.0, window_size=(-1, -1),
+                   alibi_slopes=None, dropout_p: float = 0.0) -> Tensor:  # fmt: skip
+    """Attention of this rank's query slice against the whole sequence, whose K/V slices are spread over
+    ``group`` (torch.distributed, NCCL on GPUs; default the world). q: (batch, seqlen_local, nheads,
+    headdim); k, v: (batch, seqlen_local, nheads_kv, headdim), this rank's slices; with causal, the
+    slices of ``zigzag_shard`` (every rank the same length, even). Returns this rank's output slice;
+    differentiable (the backward runs the ring again). window_size, alibi_slopes and dropout_p exist
+    to say clearly that they are not supported here."""
+    _check(q, k, v, tuple(window_size), alibi_slopes, dropout_p)
+    ring = _Ring(group)
+    if causal and q.shape[1] % 2:
+        raise ValueError(f"causal ring attention takes zigzag slices of even length, got {q.shape[1]}")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError("causal ring attention: q and k slices must have the same length (zigzag_shard of one sequence)")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, ring, causal, _Args(scale, softcap))
+
+
+# ---------------------------------------------------------------------------------------------
+# The same schedule in one process (tests; a check of the merge on one GPU)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Simulated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, causal: bool, args: _Args, *slices):
+        world = len(slices) // 3
+        qs, ks, vs = slices[:world], slices[world: 2 * world], slices[2 * world:]
+        outs, lses = [], []
+        for r in range(world):
+            o, l = _forward_steps(qs[r], lambda i: (ks[(r - i) % world], vs[(r - i) % world]), r, world, causal, args)  # noqa: B023
+            outs.append(o.to(qs[r].dtype))
+            lses.append(l)
+        ctx.save_for_backward(*slices, *outs, *lses)
+        ctx.causal, ctx.args, ctx.world = causal, args, world
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        w, causal, args = ctx.world, ctx.causal, ctx.args
+        saved = ctx.saved_tensors
+        qs, ks, vs, outs, lses = (saved[i * w:(i + 1) * w] for i in range(5))
+        dqs = [torch.zeros_like(q, dtype=torch.float32) for q in qs]
+        dks = [torch.zeros_like(k, dtype=torch.float32) for k in ks]
+        dvs = [torch.zeros_like(v, dtype=torch.float32) for v in vs]
+        for r in range(w):
+            for i in range(w):
+                src = (r - i) % w
+                dq, dk, dv = _backward_step(douts[r].contiguous(), qs[r], ks[src], vs[src], outs[r], lses[r], r, src,
+                                            causal, args)  # fmt: skip
+                dqs[r] += dq
+                dks[src] += dk
+                dvs[src] += dv
+        cast = lambda gs, xs: [g.to(x.dtype) for g, x in zip(gs, xs)]  # noqa: E731
+        return (None, None, *cast(dqs, qs), *cast(dks, ks), *cast(dvs, vs))
+
+
+def simulate_ring(qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor], *, causal: bool = False,
+                  softmax_scale: Optional[float] = None, softcap: float = 0.0) -> list[Tensor]:  # fmt: skip
+    """ring_attention's schedule and merge for W = len(qs) ranks in one process: every rank's output
+    slice, differentiable. The slices as ring_attention takes them (zigzag_shard with causal)."""
+    if not len(qs) == len(ks) == len(vs) >= 1:
+        raise ValueError("one q, k and v slice per simulated rank")
+    for q, k, v in zip(qs, ks, vs):
+        _check(q, k, v, (-1, -1), None, 0.0)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(qs[0].shape[-1])
+    return list(_Simulated.apply(causal, _Args(scale, softcap), *qs, *ks, *vs))

@@ -1,0 +1,110 @@
+"""GPU tests of ring attention (cuflash/torch/ring.py) on cuflash's kernels: the ring simulated in one
+process over W slices (the same schedule and log-sum-exp merge as the distributed ring) against the
+float64 reference over the whole sequence, forward and backward, causal and not, with Hypothesis; and,
+where the machine has 2 or more GPUs, the real ring over NCCL in one process per GPU against
+single-GPU cuflash on the whole sequence. Skipped without a GPU or without torch."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cuflash import reference
+
+pytestmark = pytest.mark.gpu
+
+EXAMPLES = int(os.environ.get("CUFLASH_HYPOTHESIS_EXAMPLES", "60"))
+
+
+def _host(t):
+    return t.detach().double().cpu().numpy()
+
+
+def _bound(single_err, scale):
+    # The ring rounds each step's partial output to the kernel's dtype before the fp32 merge: allow 3x the
+    # single call's own error against float64, plus a little for the merge (relative to the values' size).
+    return 3 * single_err + 2e-3 * max(1.0, scale)
+
+
+@settings(max_examples=max(10, EXAMPLES // 3), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(world=st.integers(1, 4), causal=st.booleans(), chunk=st.integers(1, 200), heads=st.sampled_from([(4, 4), (4, 1), (6, 2)]),
+       head_dim=st.sampled_from([64, 128]), dtype_name=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 2**16))
+def test_simulated_ring_matches_attention_over_the_sequence(torch, world, causal, chunk, heads, head_dim, dtype_name, seed):
+    import cuflash.torch as ct
+    from cuflash.torch import ring
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    nh, nkv = heads
+    s = 2 * world * chunk
+    q, k, v = (torch.randn((2, s, n, head_dim), device="cuda", generator=gen).to(dtype) for n in (nh, nkv, nkv))
+    dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
+    shard = (lambda x, r: ring.zigzag_shard(x, r, world)) if causal else (lambda x, r: x.chunk(world, dim=1)[r])
+    unshard = ring.zigzag_unshard if causal else (lambda parts: torch.cat(parts, dim=1))
+    qs, ks, vs = ([shard(x, r).clone().requires_grad_() for r in range(world)] for x in (q, k, v))
+    outs = ring.simulate_ring(qs, ks, vs, causal=causal)
+    torch.autograd.backward(outs, [shard(dout, r) for r in range(world)])
+    got = [unshard(outs)] + [unshard([g.grad for g in xs]) for xs in (qs, ks, vs)]
+    # the same inputs through one cuflash call on the whole sequence, and the float64 reference
+    q1, k1, v1 = (x.clone().requires_grad_() for x in (q, k, v))
+    o1 = ct.flash_attn_func(q1, k1, v1, causal=causal)
+    o1.backward(dout)
+    single = [o1, q1.grad, k1.grad, v1.grad]
+    want_out, _ = reference.attention_forward(_host(q), _host(k), _host(v), causal=causal)
+    want = [want_out, *reference.attention_backward(_host(dout), _host(q), _host(k), _host(v), causal=causal)]
+    for name, g, s1, w in zip(("out", "dq", "dk", "dv"), got, single, want):
+        err, err1 = np.abs(_host(g) - w).max(), np.abs(_host(s1) - w).max()
+        assert np.isfinite(_host(g)).all(), name
+        assert err <= _bound(err1, float(np.abs(w).max())), f"{name}: ring {err:.3g}, one call {err1:.3g}"
+
+
+def _nccl_worker(rank, world, init_file, causal, result_file):
+    import torch
+    import torch.distributed as dist
+
+    from cuflash.torch import ring
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        q, k, v, dout = (torch.randn((1, 8 * world * 64, 8, 128), device="cuda", generator=gen).to(torch.bfloat16)
+                         for _ in range(4))  # fmt: skip
+        shard = (lambda x: ring.zigzag_shard(x, rank, world)) if causal else (lambda x: x.chunk(world, dim=1)[rank])
+        ql, kl, vl = (shard(x).clone().requires_grad_() for x in (q, k, v))
+        out = ring.ring_attention(ql, kl, vl, causal=causal)
+        out.backward(shard(dout))
+        torch.save({n: t.detach().cpu() for n, t in (("out", out), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))},
+                   f"{result_file}.{rank}")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_over_nccl(torch, tmp_path, causal):
+    """One process per GPU (up to 8), NCCL point-to-point, against one cuflash call on the whole sequence."""
+    n = min(torch.cuda.device_count(), 8)
+    if n < 2:
+        pytest.skip("needs 2 or more GPUs")
+    import torch.multiprocessing as mp
+
+    import cuflash.torch as ct
+    from cuflash.torch import ring
+
+    result = tmp_path / "result"
+    mp.spawn(_nccl_worker, args=(n, str(tmp_path / "init"), causal, str(result)), nprocs=n, join=True)
+    got = [torch.load(f"{result}.{r}") for r in range(n)]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v, dout = (torch.randn((1, 8 * n * 64, 8, 128), device="cuda", generator=gen).to(torch.bfloat16)
+                     for _ in range(4))  # fmt: skip
+    q1, k1, v1 = (x.clone().requires_grad_() for x in (q, k, v))
+    o1 = ct.flash_attn_func(q1, k1, v1, causal=causal)
+    o1.backward(dout)
+    unshard = ring.zigzag_unshard if causal else (lambda parts: torch.cat(parts, dim=1))
+    for name, want in (("out", o1), ("dq", q1.grad), ("dk", k1.grad), ("dv", v1.grad)):
+        g = unshard([r[name] for r in got])
+        np.testing.assert_allclose(_host(g), _host(want), atol=3e-2 * max(1.0, float(want.abs().max())), err_msg=name)
