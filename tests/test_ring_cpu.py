@@ -124,6 +124,7 @@ def _worker(rank, world, init_file, causal, result_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # (spawns processes: ~15 s)
 @pytest.mark.parametrize("world,causal", [(2, True), (3, True), (3, False)])
 def test_ring_over_gloo_processes(ring, tmp_path, world, causal):
     """The real ring: W processes, torch.distributed with gloo (CPU), point-to-point K/V and dK/dV exchange;
