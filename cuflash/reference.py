@@ -474,8 +474,14 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     _require_shape(dout, "dout", q.shape)
     scale = _scale(softmax_scale, headdim)
     mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state)
+    if lse is not None and out is None:
+        raise ValueError("lse without out: a block's share needs the whole's output too (D = rowsum(dout * out))")
     o = None if out is None else _to_f64(out, "out")
+    if o is not None:
+        _require_shape(o, "out", q.shape)
     lse_all = None if lse is None else np.asarray(_to_host(lse), dtype=np.float64)
+    if lse_all is not None:
+        _require_shape(lse_all, "lse", (batch, nheads, q.shape[1]))
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for b in range(batch):
         for h, hk in _head_pairs(nheads, nheads_kv):

@@ -5,7 +5,7 @@ Each rank holds a slice of the sequence (its queries, keys and values, flash-att
 rank r holds the slice of rank (r - i) mod W, attends its queries to it with cuflash's kernels, and
 merges the partial result into its running output through the log-sum-exp (the merge cuflash's
 split-KV decode does on the device). The next slice is exchanged with NCCL point-to-point
-(``batch_isend_irecv``) on a side stream while the current one is computed. The backward sends K, V
+(``batch_isend_irecv``; NCCL runs it on its own stream) while the current one is computed. The backward sends K, V
 around again, with their dK, dV partial sums travelling beside them, and ends with every rank
 holding the gradients of its own slice.
 
@@ -88,27 +88,28 @@ def _part(x: Tensor, part: str, dim: int = 1) -> Tensor:
     return x.narrow(dim, 0, half) if part == "first" else x.narrow(dim, half, half)
 
 
-def _merge(out: Optional[Tensor], lse: Optional[Tensor], out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge two partial attentions over disjoint keys: fp32 out (b, s, h, d), lse (b, h, s)."""
-    out_b = out_b.float()
-    if out is None:
-        return out_b, lse_b
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32 for fp16 / bf16 (float64 stays float64)
+
+
+def _merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Merge a partial attention over disjoint keys into (out, lse) in place (views allowed):
+    out (b, s, h, d) in the accumulator dtype, lse (b, h, s) fp32. Rows that saw no key (-inf) stay 0."""
     new = torch.logaddexp(lse, lse_b)
-    new_safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))  # rows that saw no key yet
+    new_safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
     w_a = torch.exp(lse - new_safe).transpose(1, 2).unsqueeze(-1)
     w_b = torch.exp(lse_b - new_safe).transpose(1, 2).unsqueeze(-1)
-    return out * w_a + out_b * w_b, new
+    out.mul_(w_a).addcmul_(out_b, w_b)
+    lse.copy_(new)
 
 
 def _merge_into(out: Optional[Tensor], lse: Optional[Tensor], part: str, out_b: Tensor, lse_b: Tensor):
-    """_merge of a partial attention of one query part into the running (out, lse) of all queries."""
-    if part == "all":
-        return _merge(out, lse, out_b, lse_b)
-    half = out.shape[1] // 2
-    lo, hi = (0, half) if part == "first" else (half, 2 * half)
-    o_part, l_part = _merge(out[:, lo:hi], lse[:, :, lo:hi], out_b, lse_b)
-    out = torch.cat([out[:, :lo], o_part, out[:, hi:]], dim=1)
-    lse = torch.cat([lse[:, :, :lo], l_part, lse[:, :, hi:]], dim=2)
+    """_merge_ of a partial attention of one query part into the running (out, lse) of all queries."""
+    if out is None:
+        if part != "all":
+            raise AssertionError("the first step covers every query")
+        return out_b.to(_acc_dtype(out_b.dtype)), lse_b.clone()
+    _merge_(_part(out, part), _part(lse, part, dim=2), out_b, lse_b)
     return out, lse
 
 
@@ -135,23 +136,18 @@ def _forward_steps(q: Tensor, kv_of_step: Callable[[int], tuple[Tensor, Tensor]]
         k, v = kv_of_step(i)
         qp, kp, c = _step_plan(rank, (rank - i) % world, causal)
         o_b, l_b = args.fwd(_part(q, qp), _part(k, kp), _part(v, kp), c)
-        if out is None and qp != "all":  # (step 0 covers every query: never happens)
-            raise AssertionError("the first step covers every query")
         out, lse = _merge_into(out, lse, qp, o_b, l_b)
     return out, lse
 
 
 def _backward_step(dout, q, k, v, out, lse, rank: int, src: int, causal: bool, args: _Args):
-    """(dq, dk, dv) of rank's queries against src's slice: dq of all queries, dk / dv of the whole slice."""
+    """((qp, dq_part), (kp, dk_part, dv_part)) of rank's queries against src's slice: the gradients of the
+    query part and key part the step covers (add them into views: _part(dq, qp).add_(dq_part))."""
     qp, kp, c = _step_plan(rank, src, causal)
     sl = lambda x: _part(x, qp)  # noqa: E731
-    lse_p = lse if qp == "all" else _part(lse, qp, dim=2)
-    dq_p, dk_p, dv_p = args.bwd(sl(dout), sl(q), _part(k, kp), _part(v, kp), sl(out), lse_p.contiguous(), c)
-    dq = dq_p if qp == "all" else torch.cat([torch.zeros_like(dq_p), dq_p], dim=1)
-    if kp == "all":
-        return dq, dk_p, dv_p
-    z = torch.zeros_like(dk_p)
-    return dq, torch.cat([dk_p, z], dim=1), torch.cat([dv_p, torch.zeros_like(dv_p)], dim=1)
+    dq_p, dk_p, dv_p = args.bwd(sl(dout), sl(q), _part(k, kp), _part(v, kp), sl(out),
+                                _part(lse, qp, dim=2).contiguous(), c)  # fmt: skip
+    return (qp, dq_p), (kp, dk_p, dv_p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,8 +156,10 @@ def _backward_step(dout, q, k, v, out, lse, rank: int, src: int, causal: bool, a
 
 
 class _Ring:
-    """Point-to-point exchange with the ring's neighbours (send to rank + 1, receive from rank - 1)
-    on a side stream, so the attention on the slice already held runs meanwhile."""
+    """Point-to-point exchange with the ring's neighbours (send to rank + 1, receive from rank - 1).
+    ProcessGroupNCCL runs the transfers on its own stream, ordered after the work already queued on the
+    current stream; work.wait() makes the current stream wait for them: the attention on the slice
+    already held runs meanwhile, with no side stream of ours."""
 
     def __init__(self, group):
         import torch.distributed as dist
@@ -169,33 +167,31 @@ class _Ring:
         self.dist, self.group = dist, group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError("ring_attention: this process is not a member of `group`")
         glob = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
         self.next, self.prev = glob((self.rank + 1) % self.world), glob((self.rank - 1) % self.world)
-        self.stream = None
 
-    def start(self, tensors: Sequence[Tensor]) -> tuple[list, list[Tensor]]:
-        """Begin sending ``tensors`` to the next rank and receiving as many from the previous one."""
+    def start(self, tensors: Sequence[Tensor], tag: int = 0) -> tuple[list, list[Tensor]]:
+        """Begin sending ``tensors`` to the next rank and receiving as many from the previous one
+        (every rank's tensors must have the same shapes and dtypes)."""
         recv = [torch.empty_like(t) for t in tensors]
-        ops_ = [self.dist.P2POp(self.dist.isend, t, self.next, self.group) for t in tensors]
-        ops_ += [self.dist.P2POp(self.dist.irecv, t, self.prev, self.group) for t in recv]
+        ops_ = [self.dist.P2POp(self.dist.isend, t, self.next, self.group, tag) for t in tensors]
+        ops_ += [self.dist.P2POp(self.dist.irecv, t, self.prev, self.group, tag) for t in recv]
         if tensors[0].is_cuda:
-            if self.stream is None:
-                self.stream = torch.cuda.Stream(device=tensors[0].device)
-            self.stream.wait_stream(torch.cuda.current_stream())  # the sent tensors are written
-            with torch.cuda.stream(self.stream):
-                reqs = self.dist.batch_isend_irecv(ops_)
-        else:
-            reqs = self.dist.batch_isend_irecv(ops_)
-        return reqs, recv
+            with torch.cuda.device(tensors[0].device):  # the current stream of the tensors' device
+                return self.dist.batch_isend_irecv(ops_), recv
+        return self.dist.batch_isend_irecv(ops_), recv
 
     def finish(self, pending: tuple[list, list[Tensor]]) -> list[Tensor]:
         reqs, recv = pending
-        for r in reqs:
-            r.wait()
         if recv[0].is_cuda:
-            torch.cuda.current_stream().wait_stream(self.stream)
-            for t in recv:
-                t.record_stream(torch.cuda.current_stream())
+            with torch.cuda.device(recv[0].device):  # wait() orders that device's current stream
+                for r in reqs:
+                    r.wait()
+        else:
+            for r in reqs:
+                r.wait()
         return recv
 
 
@@ -224,7 +220,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, causal, args = ctx.ring, ctx.causal, ctx.args
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        acc = _acc_dtype(q.dtype)
+        dq = torch.zeros_like(q, dtype=acc)
         held = [k.contiguous(), v.contiguous()]
         kv_pending = dkv_pending = None
         # Step i: the slice of rank src = rank - i is held; the next slice and the dK, dV partial sums of
@@ -233,16 +230,17 @@ class _RingAttention(torch.autograd.Function):
         for i in range(ring.world):
             if i + 1 < ring.world:
                 kv_pending = ring.start(held)
-            dq_i, dk_i, dv_i = _backward_step(dout, q, held[0], held[1], out, lse, ring.rank,
-                                              (ring.rank - i) % ring.world, causal, args)  # fmt: skip
-            dq += dq_i
+            (qp, dq_p), (kp, dk_p, dv_p) = _backward_step(dout, q, held[0], held[1], out, lse, ring.rank,
+                                                          (ring.rank - i) % ring.world, causal, args)  # fmt: skip
+            _part(dq, qp).add_(dq_p)
             if i == 0:
-                dk, dv = dk_i.float(), dv_i.float()
+                dk, dv = torch.zeros_like(held[0], dtype=acc), torch.zeros_like(held[1], dtype=acc)
             else:
-                dk_in, dv_in = ring.finish(dkv_pending)
-                dk, dv = dk_in + dk_i, dv_in + dv_i
+                dk, dv = ring.finish(dkv_pending)  # the received sums: ours to add into
+            _part(dk, kp).add_(dk_p)
+            _part(dv, kp).add_(dv_p)
             if ring.world > 1:
-                dkv_pending = ring.start([dk, dv])
+                dkv_pending = ring.start([dk, dv], tag=1)
             if i + 1 < ring.world:
                 held = ring.finish(kv_pending)
         if ring.world > 1:
@@ -267,8 +265,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
     """Attention of this rank's query slice against the whole sequence, whose K/V slices are spread over
     ``group`` (torch.distributed, NCCL on GPUs; default the world). q: (batch, seqlen_local, nheads,
     headdim); k, v: (batch, seqlen_local, nheads_kv, headdim), this rank's slices; with causal, the
-    slices of ``zigzag_shard`` (every rank the same length, even). Returns this rank's output slice;
-    differentiable (the backward runs the ring again). window_size, alibi_slopes and dropout_p exist
+    slices of ``zigzag_shard`` (every rank the same length, even). Every rank's slices must have the
+    same shapes (the receive buffers are shaped like the local slice: pad the sequence to a multiple of
+    the world size, or of twice it with causal). Returns this rank's output slice; differentiable (the
+    backward runs the ring again, and every rank of the group must run it). window_size, alibi_slopes and dropout_p exist
     to say clearly that they are not supported here."""
     _check(q, k, v, tuple(window_size), alibi_slopes, dropout_p)
     ring = _Ring(group)
@@ -304,17 +304,17 @@ class _Simulated(torch.autograd.Function):
         w, causal, args = ctx.world, ctx.causal, ctx.args
         saved = ctx.saved_tensors
         qs, ks, vs, outs, lses = (saved[i * w:(i + 1) * w] for i in range(5))
-        dqs = [torch.zeros_like(q, dtype=torch.float32) for q in qs]
-        dks = [torch.zeros_like(k, dtype=torch.float32) for k in ks]
-        dvs = [torch.zeros_like(v, dtype=torch.float32) for v in vs]
+        dqs = [torch.zeros_like(q, dtype=_acc_dtype(q.dtype)) for q in qs]
+        dks = [torch.zeros_like(k, dtype=_acc_dtype(k.dtype)) for k in ks]
+        dvs = [torch.zeros_like(v, dtype=_acc_dtype(v.dtype)) for v in vs]
         for r in range(w):
             for i in range(w):
                 src = (r - i) % w
-                dq, dk, dv = _backward_step(douts[r].contiguous(), qs[r], ks[src], vs[src], outs[r], lses[r], r, src,
-                                            causal, args)  # fmt: skip
-                dqs[r] += dq
-                dks[src] += dk
-                dvs[src] += dv
+                (qp, dq), (kp, dk, dv) = _backward_step(douts[r].contiguous(), qs[r], ks[src], vs[src], outs[r],
+                                                        lses[r], r, src, causal, args)  # fmt: skip
+                _part(dqs[r], qp).add_(dq)
+                _part(dks[src], kp).add_(dk)
+                _part(dvs[src], kp).add_(dv)
         cast = lambda gs, xs: [g.to(x.dtype) for g, x in zip(gs, xs)]  # noqa: E731
         return (None, None, *cast(dqs, qs), *cast(dks, ks), *cast(dvs, vs))
 
