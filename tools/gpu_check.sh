@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, then the steps named (default: precompile tests).
-#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [host] [quick]
+#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [hopper] [host] [quick]
 #   precompile  every variant for this GPU, 16 NVRTC processes at once (the tests then load kernels
 #               instead of compiling them)
 #   tests       the whole suite, CPU and GPU, with pytest-xdist (-n 8; conftest.py splits the BLAS threads); junit and the 40 slowest tests
@@ -14,6 +14,9 @@
 #   e2e         cuflash bench --e2e (E2E_ARGS; ~3 minutes on the H200) -> e2e.json, e2e.png (the loss
 #               curves go into the logs)
 #   host        tools/torch_host_overhead.py: host us per call of the PyTorch layer, CuPy API and SDPA
+#   hopper      the TMA forward's own checks (issue 30): tools/check_sm90.py --ws, its GPU tests, the forward
+#               property test at HOPPER_EXAMPLES Hypothesis examples (default 400), compute-sanitizer
+#               memcheck, racecheck and synccheck on tests/sanitize_cases.py --only hopper (HOPPER_TIMEOUT per part)
 # Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT,
 # E2E_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary is printed last. The device tool
 # returns at most 8 files: summary.txt, bench.json, bench.png, decode.json, decode.png, e2e.json,
@@ -70,6 +73,19 @@ fi
 if has e2e; then
   timeout ${E2E_TIMEOUT:-420} $PY -m cuflash bench --e2e ${E2E_ARGS:-} --json "$OUT/e2e.json" --plot "$OUT/e2e.png" > "$OUT/e2e.txt" 2> "$OUT/e2e.err"
   note "bench --e2e (rc=$?, $(took)):"; grep -E "median|n/a" "$OUT/e2e.txt" >> "$SUMMARY"
+fi
+
+if has hopper; then
+  HT=${HOPPER_TIMEOUT:-200}
+  timeout $HT $PY tools/check_sm90.py --ws > "$OUT/check-ws.txt" 2>&1
+  note "check_sm90 --ws (rc=$?, $(took)): $(grep -c ' ok' "$OUT/check-ws.txt") ok, $(grep -c WRONG "$OUT/check-ws.txt") wrong"
+  CUFLASH_HYPOTHESIS_EXAMPLES=${HOPPER_EXAMPLES:-400} timeout $HT $PY -m pytest -q --no-header -p no:cacheprovider -n 8 \
+      tests/test_hopper_ws_gpu.py "tests/test_forward_gpu.py::test_forward_property" > "$OUT/pytest-hopper.log" 2>&1
+  note "hopper tests at ${HOPPER_EXAMPLES:-400} examples (rc=$?, $(took)): $(grep -E '(passed|failed|error)' "$OUT/pytest-hopper.log" | tail -1)"
+  for tool in memcheck racecheck synccheck; do
+    timeout $HT compute-sanitizer --tool $tool --error-exitcode 3 $PY tests/sanitize_cases.py --only hopper > "$OUT/sanitize-hopper-$tool.log" 2>&1
+    note "compute-sanitizer $tool, hopper (rc=$?, $(took)): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize-hopper-$tool.log" | tail -1)"
+  done
 fi
 
 if has host; then
