@@ -89,7 +89,7 @@ if has hopper; then
 fi
 
 if has host; then
-  timeout 120 $PY tools/torch_host_overhead.py > "$OUT/host.txt" 2>&1
+  timeout 120 $PY tools/torch_host_overhead.py ${HOST_ARGS:-} > "$OUT/host.txt" 2>&1
   note "host time per call (rc=$?, $(took)):"; grep -v "compiled" "$OUT/host.txt" >> "$SUMMARY"
 fi
 (cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|e2e.json|e2e.png|logs.tgz)$'))
