@@ -90,7 +90,7 @@ fi
 
 if has host; then
   timeout 120 $PY tools/torch_host_overhead.py ${HOST_ARGS:-} > "$OUT/host.txt" 2>&1
-  note "host time per call (rc=$?, $(took)):"; grep -v "compiled" "$OUT/host.txt" >> "$SUMMARY"
+  note "host time per call (rc=$?, $(took)):"; grep -v "compiled" "$OUT/host.txt" | sed '/^profile of/,$d' >> "$SUMMARY"  # (the profile stays in the logs)
 fi
 (cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|e2e.json|e2e.png|logs.tgz)$'))
 echo "================ summary ================"
