@@ -37,8 +37,8 @@
 //
 // Epilogue: each consumer warp stages its normalized O rows in its own rows of the Q tile (Q's swizzled
 // layout) and writes 16-byte chunks (WarpTile::store), and lse; then hands Q back ("Q empty") to the
-// producer, whose loads of the next tile's K/V may already be running (persistent: they overlap this
-// epilogue).
+// producer. Persistent: Q goes back right after the last S = Q K^T, O is staged in a tile of its own,
+// and the next tile's Q and K/V loads overlap the last P V and the epilogue.
 //
 // Preconditions (cuflash/plan/forward.py picks this kernel only then): sm_90a; head_dim % 8 == 0, rows
 // and strides 16-byte aligned (TMA's rules); head-dim bucket a multiple of 64; the host encodes the
@@ -92,7 +92,10 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
     static constexpr int kBarriers = 2 + 4 * kStages;  // Q full, Q empty; K full, V full, K empty, V empty per slot
     // 1024 bytes of slack to align the base to the swizzle pattern; the mbarriers after the tiles.
-    static constexpr int kSmemBytes = 1024 + kTileBytesQ + 2 * kStages * kTileBytesKV + 8 * ((kBarriers + 1) / 2 * 2);
+    // Persistent: O is staged in a tile of its own, so the next item's Q can load during the epilogue.
+    static constexpr int kTileBytesO = kPersistent ? kTileBytesQ : 0;
+    static constexpr int kSmemBytes =
+        1024 + kTileBytesQ + 2 * kStages * kTileBytesKV + kTileBytesO + 8 * ((kBarriers + 1) / 2 * 2);
 
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-element swizzle atoms, N <= 256");
     static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (the register split above)");
@@ -130,7 +133,8 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     const u32 s_q = s_base;
     const u32 s_k0 = s_q + Cfg::kTileBytesQ;
     const u32 s_v0 = s_k0 + kStages * Cfg::kTileBytesKV;
-    const u32 s_bar = s_v0 + kStages * Cfg::kTileBytesKV;
+    const u32 s_o = s_v0 + kStages * Cfg::kTileBytesKV;  // (persistent: O staging)
+    const u32 s_bar = s_o + Cfg::kTileBytesO;
     const u32 full_q = s_bar, empty_q = s_bar + 8u;
     auto full_k = [&](int s) { return s_bar + 8u * (2 + s); };
     auto full_v = [&](int s) { return s_bar + 8u * (2 + kStages + s); };
@@ -295,6 +299,9 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             __syncwarp();
             if (signals) mbar_arrive(bar);
         };
+        auto q_done = [&] {  // (persistent) this warpgroup's last S = Q K^T has completed: Q may be reloaded
+            if constexpr (Cfg::kPersistent) release(empty_q);
+        };
         // Varlen: the first tile visited (key block n_last) may end past the sequence's keys, and TMA then
         // brought the rows that follow them in the packed tensor or page (the next sequence, unused cache
         // slots: any bits, NaN included). Their P is 0, but 0 * NaN is not: zero those V rows (whole
@@ -328,6 +335,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             wgmma_wait<0>();
             wgmma_fence_operands(s_acc);
             release(empty_k(slot(0)));
+            if (n_tiles == 1) q_done();
             scores(n_last);
             pack_p();
             clear_v_tail();
@@ -343,6 +351,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 wgmma_wait<1>();  // S_t landed; P_{t-1} V_{t-1} may still run
                 wgmma_fence_operands(s_acc);
                 release(empty_k(slot(t)));
+                if (t == n_tiles - 1) q_done();
                 const bool grew = scores(j);
                 wgmma_wait<0>();  // P_{t-1} V_{t-1} landed: O, pa and its V slot are free
                 wgmma_fence_operands(o_acc);
@@ -370,6 +379,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 wgmma_wait<0>();
                 wgmma_fence_operands(s_acc);
                 release(empty_k(slot(t)));
+                if (t == n_tiles - 1) q_done();
                 const bool grew = scores(j);
                 wt.rescale_o(corr, grew);
                 pack_p();
@@ -389,14 +399,17 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
 
         // Epilogue. Each warp stages its normalized O rows in its own rows of the Q tile (its warpgroup's
         // last S = Q K^T has completed; the other warpgroup reads only its own rows), in Q's swizzled
-        // layout, and writes 16-byte chunks. Then the Q tile goes back to the producer for the next item,
-        // whose K/V tiles may already be streaming into the ring.
-        u16* s_stage = reinterpret_cast<u16*>(generic(s_q)) + warp_row0 * 64;
+        // layout, and writes 16-byte chunks; then the Q tile goes back to the producer. Persistent: the
+        // Q tile went back after the last S (q_done), the next item's Q and K/V stream in meanwhile, and
+        // O is staged in its own tile (same layout).
+        u16* s_stage = reinterpret_cast<u16*>(generic(Cfg::kPersistent ? s_o : s_q)) + warp_row0 * 64;
         wt.template store<(Cfg::kMods & kModDropout) != 0, kBlockM>(tile.o, p.o_row_stride, tile.lse, p.softmax_scale,
                                                                     warp_row0, tile.rows_valid, p.head_dim, s_stage,
                                                                     lane, p.mod.dropout_rp);  // fmt: skip
-        fence_proxy_async_smem();  // this thread's generic accesses to Q's bytes, before TMA writes them again
-        release(empty_q);
+        if constexpr (!Cfg::kPersistent) {
+            fence_proxy_async_smem();  // this thread's generic accesses to Q's bytes, before TMA writes them again
+            release(empty_q);
+        }
     }
     if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);
 }

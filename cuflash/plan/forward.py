@@ -135,9 +135,12 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
 
 def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile) -> int:
     """Dynamic shared memory of the warp-specialized forward: must match Sm90WsFwdConfig::kSmemBytes
-    (alignment slack, Q, the K/V ring, 2 + 4 * stages mbarriers of 8 bytes rounded to 16)."""
+    (alignment slack, Q, the K/V ring, persistent: an O staging tile, 2 + 4 * stages mbarriers of 8
+    bytes rounded to 16)."""
     barriers = 2 + 4 * tile.stages
-    return 1024 + 2 * (tile.block_m + 2 * tile.stages * tile.block_n) * head_dim_bucket + 8 * ((barriers + 1) // 2 * 2)
+    o_rows = tile.block_m if getattr(tile, "persistent", False) else 0  # persistent: O staged in a tile of its own
+    return (1024 + 2 * (tile.block_m + o_rows + 2 * tile.stages * tile.block_n) * head_dim_bucket
+            + 8 * ((barriers + 1) // 2 * 2))  # fmt: skip
 
 
 def fwd_tile(bucket: int, arch: str) -> Tile:
