@@ -81,12 +81,16 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--sm90", action="store_true", help="sweep the Hopper kernel's tiles")
     ap.add_argument("--ws", action="store_true", help="sweep the warp-specialized Hopper kernel's tiles and schedules")
+    ap.add_argument("--match", nargs="*", default=[],
+                    help="only the candidates whose description contains one of these strings (e.g. persistent=1)")
     a = ap.parse_args()
     candidates = SM90_WS_CANDIDATES if a.ws else SM90_CANDIDATES if a.sm90 else CANDIDATES
     best = {}
     for hd in a.hd:
         scores = {}
         for tile in candidates.get(hd, []):
+            if a.match and not any(m in describe(tile) for m in a.match):
+                continue
             ratios, vs_cudnn = [], []
             if not check_tile(hd, tile, a.dtype):
                 print(f"hd{hd} {describe(tile)}: WRONG RESULTS, skipped", flush=True)
