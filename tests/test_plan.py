@@ -253,7 +253,11 @@ def test_all_fwd_specs_covers_every_combination():
     assert {(s.head_dim, s.dtype, s.causal) for s in ws} == {
         (d, dt, c) for d in plan.FWD_SM90_WS_TILES for dt in plan.DTYPES for c in (False, True)
     }
-    assert all(s.tile == plan.FWD_SM90_WS_TILES[s.head_dim] for s in ws)
+    # each with its default tile, and the short-key persistent tile where its bucket has one
+    assert {s.tile for s in ws if s.head_dim not in plan.FWD_SM90_WS_SHORT_TILES} <= set(plan.FWD_SM90_WS_TILES.values())
+    for d in plan.FWD_SM90_WS_TILES:
+        tiles = {s.tile for s in ws if s.head_dim == d}
+        assert tiles == {plan.FWD_SM90_WS_TILES[d], plan.FWD_SM90_WS_SHORT_TILES.get(d, plan.FWD_SM90_WS_TILES[d])}
     assert len(hopper) == len(plan.FWD_SM90_TILES) * 4 and len(specs) == len(mma) + len(hopper) + len(ws)
     assert all(s.family == "flash_fwd" for s in plan.all_fwd_specs("sm_80") + plan.all_fwd_specs("sm_86"))
     # head dims map to buckets, duplicates dropped, order kept
@@ -428,14 +432,18 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
     nheads = nheads_kv * group
     launch = plan.plan_forward(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads,
                                nheads_kv=nheads_kv, head_dim=head_dim, dtype=dtype, causal=causal,
-                               aligned=aligned, arch=arch)  # fmt: skip
+                               aligned=aligned, arch=arch, sm_count=132)  # fmt: skip
     spec = launch.spec
     bucket = plan.head_dim_bucket(head_dim)
     if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_WS_TILES:  # the warp-specialized Hopper kernel
-        t = plan.FWD_SM90_WS_TILES[bucket]
+        t = plan.sm90_ws_tile(bucket, seqlen_k, causal)
+        short = seqlen_k <= 512 or (causal and seqlen_k <= 1024)
+        assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, plan.FWD_SM90_WS_TILES[bucket]) if short
+                     else plan.FWD_SM90_WS_TILES[bucket])  # fmt: skip
         assert spec == plan.Sm90WsKernelSpec(bucket, dtype, causal, t)
         assert launch.smem_bytes == plan.fwd_sm90_ws_smem_bytes(bucket, t) == spec.smem_bytes <= 227 * 1024
-        assert launch.grid == (math.ceil(seqlen_q / t.block_m), nheads, batch)
+        tiles = math.ceil(seqlen_q / t.block_m) * nheads * batch
+        assert launch.grid == ((min(tiles, 132), 1, 1) if t.persistent else (math.ceil(seqlen_q / t.block_m), nheads, batch))
         assert launch.block == ((t.block_m // 64 + 1) * 128, 1, 1) == (spec.threads, 1, 1)
         return
     t = plan.fwd_tile(bucket, arch)
@@ -500,7 +508,7 @@ def test_plan_forward_rejects_aligned_odd_head_dim():
 
 
 def _fwd_plan(head_dim=128, arch="sm_90a", aligned=True, tile=None, seqlen_q=1000):
-    return plan.plan_forward(batch=2, seqlen_q=seqlen_q, seqlen_k=900, nheads=4, nheads_kv=2, head_dim=head_dim,
+    return plan.plan_forward(batch=2, seqlen_q=seqlen_q, seqlen_k=1500, nheads=4, nheads_kv=2, head_dim=head_dim,
                              dtype="bf16", causal=True, aligned=aligned, arch=arch, tile=tile)  # fmt: skip
 
 
@@ -540,8 +548,25 @@ def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
     assert "_persistent" in big.spec.name and big.spec.template_args().endswith(f", {1 | 4}")
     with pytest.raises(ValueError, match="sm_count"):
         plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=900, **kw)
-    plain = plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=900, **{**kw, "tile": None})
+    plain = plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=1500, **{**kw, "tile": None})
     assert plain.grid == (8, 4, 2) and plain.m_blocks == 8
+
+
+def test_short_keys_take_the_persistent_tma_forward():
+    """Keys up to 512 (causal: up to 1024) take FWD_SM90_WS_SHORT_TILES' persistent tile, longer ones and
+    packed batches the default tile."""
+    kw = dict(batch=2, seqlen_q=700, nheads=4, nheads_kv=4, dtype="fp16", aligned=True, arch="sm_90a", sm_count=132)
+    for d, short in plan.FWD_SM90_WS_SHORT_TILES.items():
+        assert short.persistent
+        for seqlen_k, causal, want in ((512, False, short), (513, False, plan.FWD_SM90_WS_TILES[d]),
+                                       (1024, True, short), (1025, True, plan.FWD_SM90_WS_TILES[d])):  # fmt: skip
+            launch = plan.plan_forward(seqlen_k=seqlen_k, causal=causal, head_dim=d, **kw)
+            assert launch.spec.tile == want, (d, seqlen_k, causal)
+            assert launch.grid == ((min(6 * 4 * 2, 132), 1, 1) if want.persistent else (-(-700 // want.block_m), 4, 2))
+        packed = plan.plan_forward(seqlen_k=300, causal=True, head_dim=d, mods=plan.MOD_VARLEN, **kw)
+        assert packed.spec.tile == plan.FWD_SM90_WS_TILES[d]
+    assert 256 not in plan.FWD_SM90_WS_SHORT_TILES  # (not measured there)
+    assert plan.plan_forward(seqlen_k=300, causal=True, head_dim=256, **kw).spec.tile == plan.FWD_SM90_WS_TILES[256]
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224])

@@ -30,9 +30,9 @@ from .decode_kernels import (
     decode_launch_smem, decode_m_slabs, decode_m_slabs_options, decode_smem_bytes, decode_spec, decode_tile,
 )
 from .forward import (
-    FWD_SM90_TILES, FWD_SM90_WS_TILES, FWD_TILES, KernelSpec, Sm90KernelSpec, Sm90Tile, Sm90WsKernelSpec, Sm90WsTile,
+    FWD_SM90_TILES, FWD_SM90_WS_SHORT_TILES, FWD_SM90_WS_TILES, FWD_TILES, KernelSpec, Sm90KernelSpec, Sm90Tile, Sm90WsKernelSpec, Sm90WsTile,
     Tile, all_fwd_specs, fwd_sm90_smem_bytes, fwd_sm90_spec, fwd_sm90_ws_smem_bytes, fwd_sm90_ws_spec, fwd_smem_bytes,
-    fwd_spec, fwd_tile, plan_forward, uses_sm90_forward, uses_sm90_ws_forward, varlen_tiles, with_tile,
+    fwd_spec, fwd_tile, plan_forward, sm90_ws_tile, uses_sm90_forward, uses_sm90_ws_forward, varlen_tiles, with_tile,
 )
 
 #: Each kernel family's variant list, as `cuflash precompile --kernels` selects them.
@@ -75,6 +75,8 @@ __all__ = [
     "DecodeTile",
     "FWD_SM90_TILES",
     "FWD_SM90_WS_TILES",
+    "FWD_SM90_WS_SHORT_TILES",
+    "sm90_ws_tile",
     "FWD_TILES",
     "HEAD_DIM_BUCKETS",
     "KERNEL_FAMILIES",

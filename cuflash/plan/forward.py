@@ -132,6 +132,26 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
     256: Sm90WsTile(128, 64, pingpong=False),
 }
 
+#: Short keys: a CTA's fixed costs (its Q load, pipeline fill, epilogue) weigh more than its few K/V
+#: tiles, and the persistent schedule overlaps them with the next tile's loads. Measured on the H200
+#: (tools/tune_fwd.py --ws --match, bf16, persistent / default TFLOP/s): hd128 512 tokens 1.07
+#: non-causal, 1.12 causal, 1024 causal 1.06, but 1024 non-causal 0.97, 2048 0.91-1.00, 16k 0.90-0.97;
+#: hd64 (128 rows, persistent, against the 192-row default) 512 tokens 1.01 / 1.33, 1024 causal 1.23.
+FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
+    64: Sm90WsTile(128, 128, pingpong=False, persistent=True),
+    128: Sm90WsTile(128, 128, pingpong=False, persistent=True),
+}
+
+
+def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = False) -> Sm90WsTile:
+    """The warp-specialized forward's tile for a call: FWD_SM90_WS_SHORT_TILES where the keys are
+    short (at most 512, or causal at most 1024), else FWD_SM90_WS_TILES. ``default_only``: always the
+    default (packed batches, whose lengths are not known here; plans without the GPU's SM count)."""
+    short = seqlen_k <= 512 or (causal and seqlen_k <= 1024)
+    if short and not default_only and bucket in FWD_SM90_WS_SHORT_TILES:
+        return FWD_SM90_WS_SHORT_TILES[bucket]
+    return FWD_SM90_WS_TILES[bucket]
+
 
 def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile) -> int:
     """Dynamic shared memory of the warp-specialized forward: must match Sm90WsFwdConfig::kSmemBytes
@@ -339,6 +359,8 @@ def plan_forward(
     if isinstance(tile, Sm90WsTile) or (tile is None and uses_sm90_ws_forward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned:
             raise ValueError("the warp-specialized forward kernel needs arch sm_90a and 16-byte aligned inputs")
+        if tile is None:  # (the persistent short-key tile needs sm_count: without it, the default tile)
+            tile = sm90_ws_tile(head_dim_bucket(head_dim), seqlen_k, causal, bool(mods & MOD_VARLEN) or not sm_count)
         spec = fwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
     elif isinstance(tile, Sm90Tile) or (tile is None and uses_sm90_forward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned:
@@ -381,6 +403,8 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                             specs.append(fwd_sm90_spec(bucket, dt, c, mods=m))
                         if al and uses_sm90_ws_forward(bucket, True, arch):
                             specs.append(fwd_sm90_ws_spec(bucket, dt, c, mods=m))
+                            if bucket in FWD_SM90_WS_SHORT_TILES and not m & MOD_VARLEN:
+                                specs.append(fwd_sm90_ws_spec(bucket, dt, c, FWD_SM90_WS_SHORT_TILES[bucket], m))
     return list(dict.fromkeys(specs))  # unique, order kept
 
 
