@@ -179,6 +179,14 @@ struct BwdModTile {
             pdt[e] = pr * dt;
         }
     }
+    // Whether dropout kept element (nb, 2 r + e) of the warp's S^T (always, without dropout).
+    CUFLASH_DEVICE bool kept(int nb, int r, int e) const {
+        if constexpr (Mask::kDropout) {
+            return (keep[nb / 2] >> (4 * (nb % 2) + 2 * r + e)) & 1u;
+        } else {
+            return true;
+        }
+    }
     // d - j of key j and query i as a float (the ALiBi distance; i + 8 nb adds 8 nb).
     CUFLASH_DEVICE float dist_base(int j, int i) const { return static_cast<float>(i + mask.seqlen_k - mask.seqlen_q - j); }
     // dP^T as dS takes it: Z dP^T / (1 - p) with dropout.

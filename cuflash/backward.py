@@ -1,13 +1,14 @@
 """The backward: ``cuflash.attention_backward``. Argument checks (cuflash/checks.py), buffers, the plan
 (cuflash/plan/backward.py) and the three launches of cuda_src/flash_bwd.cuh (preprocess, main kernel,
-dQ convert; on Hopper the main kernel of flash_bwd_sm90.cuh). The kernels assume what passes here.
+dQ convert; on Hopper the main kernel of flash_bwd_sm90_ws.cuh with its tensor maps, cuflash/tma.py,
+or of flash_bwd_sm90.cuh). The kernels assume what passes here.
 """
 from __future__ import annotations
 
 import functools
 import math
 
-from . import checks, jit, launch, plan, variants
+from . import checks, jit, launch, plan, tma, variants
 from .params import BWD_PACKER
 
 
@@ -44,10 +45,10 @@ def attention_backward(
 def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
         softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None,
         deterministic: bool = False, dq=None, dk=None, dv=None,
-        tile: plan.BwdTile | plan.BwdSm90Tile | None = None):  # fmt: skip
+        tile: plan.BwdTile | plan.BwdSm90Tile | plan.BwdSm90WsTile | None = None):  # fmt: skip
     """``attention_backward`` with a forced main-kernel tile (a plan.BwdTile runs the mma.sync kernel
-    with it, a plan.BwdSm90Tile the Hopper one); for tuning tools and tests. tile=None is exactly
-    ``attention_backward``."""
+    with it, a plan.BwdSm90Tile the cp.async Hopper one, a plan.BwdSm90WsTile the warp-specialized
+    TMA one); for tuning tools and tests. tile=None is exactly ``attention_backward``."""
     cupy = checks.cupy_module()
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = checks.check_qkv(q, k, v, cupy)
     softmax_scale = checks.resolve_scale(softmax_scale, head_dim)
@@ -70,10 +71,16 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
             return grads
 
         aligned = head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q, k, v, out, dout, dq, dk, dv))
+        dtype = checks.DTYPE_NAMES[q.dtype]
         bp, fns = _plan_and_load(
-            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, checks.DTYPE_NAMES[q.dtype], var.causal, aligned,
+            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
             device_id, tile, bool(deterministic), var.mods,
         )  # fmt: skip
+        maps = tma_maps(bp.main, q, k, v, dout, dtype, forced=tile is not None)
+        if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
+            bp, fns = _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
+                                     device_id, plan.BWD_SM90_TILES[bp.main.spec.head_dim], bool(deterministic),
+                                     var.mods)  # fmt: skip
         main_tile = bp.main.spec.tile
         dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
         rows = (batch, nheads, bp.seqlen_q_pad)
@@ -98,9 +105,25 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
             mod=var.record(softmax_scale),
         )  # fmt: skip
         stream = cupy.cuda.get_current_stream().ptr
-        for how, fn in zip((bp.pre, bp.main, bp.convert), fns):
-            launch.launch_record(fn, how, record, stream)
+        launch.launch_record(fns[0], bp.pre, record, stream)
+        launch.launch_record(fns[1], bp.main, (maps or b"") + record, stream)
+        launch.launch_record(fns[2], bp.convert, record, stream)
     return grads
+
+
+def tma_maps(how, q, k, v, dout, dtype: str, forced: bool = False) -> bytes | None:
+    """The tensor maps that start the warp-specialized main kernel's parameter block (BwdTmaParams), b""
+    for the other kernels, None where the driver cannot describe an input with a tensor map (the
+    caller then plans the cp.async Hopper kernel; with ``forced``, a tile the caller gave, the
+    TensorMapError is raised)."""
+    if how.spec.family != "flash_bwd_sm90_ws":
+        return b""
+    try:
+        return tma.bwd_maps(q, k, v, dout, dtype, how.spec.tile.block_m, how.spec.tile.block_n)
+    except tma.TensorMapError:
+        if forced:
+            raise
+        return None
 
 
 @functools.lru_cache(maxsize=1024)

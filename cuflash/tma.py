@@ -1,4 +1,5 @@
-"""Tensor maps (CUtensorMap) for the TMA kernels (cuda_src/tma.cuh, flash_fwd_sm90_ws.cuh), encoded
+"""Tensor maps (CUtensorMap) for the TMA kernels (cuda_src/tma.cuh, flash_fwd_sm90_ws.cuh,
+flash_bwd_sm90_ws.cuh), encoded
 on the host by the CUDA driver's cuTensorMapEncodeTiled through ctypes (CuPy does not wrap it).
 
 A map describes a (batch, rows, heads, head_dim) tensor of 2-byte elements, any strides that are
@@ -101,4 +102,13 @@ def fwd_maps(q4, k4, v4, dtype: str, block_m: int, block_n: int) -> bytes:
     return b"".join(
         encode(x.data.ptr, tuple(x.shape), tuple(s // ELEMENT_BYTES for s in x.strides), dtype, rows)
         for x, rows in ((q4, block_m), (k4, block_n), (v4, block_n))
+    )  # fmt: skip
+
+
+def bwd_maps(q4, k4, v4, do4, dtype: str, block_m: int, block_n: int) -> bytes:
+    """The four maps of the warp-specialized backward's parameter block (BwdTmaParams: q, k, v, dout),
+    for 4-D (batch, rows, heads, head_dim) CuPy views."""
+    return b"".join(
+        encode(x.data.ptr, tuple(x.shape), tuple(s // ELEMENT_BYTES for s in x.strides), dtype, rows)
+        for x, rows in ((q4, block_m), (k4, block_n), (v4, block_n), (do4, block_m))
     )  # fmt: skip

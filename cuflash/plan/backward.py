@@ -197,6 +197,83 @@ class BwdSm90Tile:
 BWD_SM90_TILES: dict[int, BwdSm90Tile] = {64: BwdSm90Tile(), 128: BwdSm90Tile(), 256: BwdSm90Tile(block_n=64)}
 
 
+@dataclass(frozen=True)
+class BwdSm90WsTile:
+    """Tile of the warp-specialized Hopper backward (cuda_src/flash_bwd_sm90_ws.cuh): the pair
+    kernel's tile (128 keys per CTA, one consumer warpgroup per 64 keys, query blocks of 64 rows)
+    plus a producer warpgroup that issues TMA loads into a ring of ``stages`` query-block slots."""
+
+    block_n: int = 128
+    block_m: int = 64
+    stages: int = 2
+    min_blocks: int = 1
+
+    @property
+    def warps(self) -> int:
+        return 12  # a producer warpgroup and two consumer warpgroups
+
+    @property
+    def dq_q_warps(self) -> int:
+        return 4
+
+    def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
+        return {"dq": (16, head_dim_bucket // 2)}
+
+
+#: Warp-specialized Hopper backward tiles: the default backward main kernel on sm_90a for aligned,
+#: non-deterministic, non-packed calls of these buckets (head dim 256 keeps the split cp.async kernel:
+#: its dK + dV accumulators need the head-dim split; packed batches keep it too, see the kernel header).
+#: Measured on the H200 (tools/tune_bwd.py --sm90, bf16, 1k / 4k / 16k x causal, TFLOP/s): 3 stages
+#: 1.00-1.05x 2 stages at head dim 64; at 128, 0.96-1.03x (2 stages kept: 45 KB less shared memory).
+BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {64: BwdSm90WsTile(stages=3), 128: BwdSm90WsTile()}
+
+
+def bwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: BwdSm90WsTile) -> int:
+    """Must match Sm90WsBwdConfig::kSmemBytes: 1 KB alignment, K, V, stages x (Q, dO), 2 x dS^T,
+    stages x (lse_log2, D), 1 + 2 x stages mbarriers."""
+    d, n, m, st = head_dim_bucket, tile.block_n, tile.block_m, tile.stages
+    return 1024 + 2 * n * d * 2 + 2 * st * m * d * 2 + 2 * n * m * 2 + st * 2 * m * 4 + 8 * (1 + 2 * st)
+
+
+@dataclass(frozen=True)
+class BwdSm90WsSpec(HopperSpec):
+    """One warp-specialized Hopper backward main-kernel variant (TMA, wgmma, sm_90a, atomic dQ)."""
+
+    tile: BwdSm90WsTile
+    family: str = "flash_bwd_sm90_ws"
+
+    @property
+    def smem_bytes(self) -> int:
+        return bwd_sm90_ws_smem_bytes(self.head_dim, self.tile)
+
+    def template_args(self) -> str:
+        b = cpp_bool
+        return f"{self.head_dim}, {b(self.dtype == 'bf16')}, {b(self.causal)}, {self.mods}, {self.tile.stages}"
+
+
+def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTile | None = None,
+                     mods: int = 0) -> BwdSm90WsSpec:  # fmt: skip
+    bucket = head_dim_bucket(head_dim)
+    check_dtype(dtype)
+    if bucket not in BWD_SM90_WS_TILES:
+        raise ValueError(f"no warp-specialized backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_WS_TILES)})")
+    if mods & MOD_VARLEN:
+        raise ValueError("the warp-specialized backward runs plain batches; packed (varlen) ones take the cp.async kernel")
+    tile = tile or BWD_SM90_WS_TILES[bucket]
+    if tile.block_n != 128 or tile.block_m != 64 or not 2 <= tile.stages <= 4 or tile.min_blocks != 1:
+        raise ValueError(f"the warp-specialized backward runs 128 keys x 64 queries, 2 to 4 stages, min_blocks 1; got {tile}")
+    if bwd_sm90_ws_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
+        raise ValueError(f"tile {tile} needs {bwd_sm90_ws_smem_bytes(bucket, tile)} bytes of shared memory")
+    return BwdSm90WsSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
+
+
+def uses_sm90_ws_backward(head_dim: int, aligned: bool, arch: str, deterministic: bool, mods: int = 0) -> bool:
+    """True when the backward's main kernel is the warp-specialized TMA one: sm_90a, 16-byte rows, a
+    bucket of BWD_SM90_WS_TILES, atomic dQ, a plain (not packed) batch."""
+    return (arch == "sm_90a" and aligned and not deterministic and head_dim % 8 == 0 and not mods & MOD_VARLEN
+            and head_dim_bucket(head_dim) in BWD_SM90_WS_TILES)  # fmt: skip
+
+
 def bwd_sm90_smem_bytes(head_dim_bucket: int, tile: BwdSm90Tile) -> int:
     """Must match Sm90BwdConfig::kSmemBytes: K, V, 2 x (Q, dO), dS^T, the fp32 P^T exchange of the
     split (64-key) kernel, 2 x (lse_log2, D), 1 KB alignment."""
@@ -266,7 +343,7 @@ def plan_backward(
     causal: bool,
     aligned: bool,
     arch: str,
-    tile: BwdTile | BwdSm90Tile | None = None,
+    tile: BwdTile | BwdSm90Tile | BwdSm90WsTile | None = None,
     deterministic: bool = False,
     mods: int = 0,
 ) -> BwdPlan:
@@ -280,7 +357,12 @@ def plan_backward(
         raise ValueError("plan_backward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-    if isinstance(tile, BwdSm90Tile) or (tile is None and uses_sm90_backward(head_dim, aligned, arch, deterministic)):
+    if isinstance(tile, BwdSm90WsTile) or (tile is None and uses_sm90_ws_backward(head_dim, aligned, arch, deterministic,
+                                                                                    mods)):  # fmt: skip
+        if arch != "sm_90a" or not aligned or deterministic or head_dim % 8:
+            raise ValueError("the warp-specialized backward needs sm_90a, 16-byte aligned inputs and deterministic=False")
+        spec = bwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
+    elif isinstance(tile, BwdSm90Tile) or (tile is None and uses_sm90_backward(head_dim, aligned, arch, deterministic)):
         if arch != "sm_90a" or not aligned or deterministic or head_dim % 8:
             raise ValueError("the Hopper backward kernel needs sm_90a, 16-byte aligned inputs and deterministic=False")
         spec = bwd_sm90_spec(head_dim, dtype, causal, tile, mods)
@@ -336,4 +418,6 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                         specs.append(BwdSpec(bucket, dt, c, al, bwd_tile(bucket, arch), arch, mods=m))
                         if al and uses_sm90_backward(bucket, True, arch, False):
                             specs.append(bwd_sm90_spec(bucket, dt, c, mods=m))
+                        if al and uses_sm90_ws_backward(bucket, True, arch, False, m):
+                            specs.append(bwd_sm90_ws_spec(bucket, dt, c, mods=m))
     return list(dict.fromkeys(specs))
