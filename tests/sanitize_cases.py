@@ -9,8 +9,9 @@ test helpers it uses (run from the repository root after pip install -e .):
 cases of every kernel family. --only varlen: packed ragged batches (zero-length sequences, one long one)
 on the forward and backward of both kernel families, paged K/V in the varlen forward, and the KV-cache
 extras (rotary, cache_batch_idx, cache_leftpad). --only hopper: the warp-specialized TMA forward
-(sm_90a): every schedule on ragged dense cases, packed varlen with NaN past the used keys, paged K/V
-(a short run for memcheck, racecheck and synccheck: mbarrier phases and named barriers).
+(sm_90a): every schedule on ragged dense cases, packed varlen with NaN past the used keys, paged K/V;
+and the warp-specialized backward on ragged cases (a short run for memcheck, racecheck and synccheck:
+mbarrier phases and named barriers).
 """
 import dataclasses
 import sys
@@ -207,6 +208,17 @@ def hopper_cases(rng, arch):
         print(f"ok d={d} {dt}: err {err:.2e} <= {bound:.2e}")
     test_varlen_nan_after_the_keys_stays_out()
     print("ok varlen NaN tails, paged")
+    # the warp-specialized TMA backward: ring depths 2 and 3 over 1 and several query blocks, GQA,
+    # a window, partial boxes, fp16, a variant with dropout
+    B = plan.BwdSm90WsTile
+    for tile, (sq, sk, d, dt, causal, kw) in (
+        (B(), (64, 130, 128, "bf16", True, {})), (B(), (200, 300, 64, "fp16", False, {})),
+        (B(stages=3), (300, 200, 120, "bf16", True, {})), (B(), (100, 900, 64, "bf16", True, dict(window_size=(50, 0)))),
+        (B(), (150, 150, 128, "bf16", False, dict(softcap=5.0, dropout_p=0.2))),
+    ):  # fmt: skip
+        q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, d, dt)
+        check_backward(q, k, v, causal=causal, dtype=dt, tile=tile, rng=rng, **kw)
+        print(f"ok backward {tile} sq={sq} sk={sk} d={d} {dt} causal={causal} {kw}")
     cupy.cuda.runtime.deviceSynchronize()
 
 

@@ -107,8 +107,9 @@ def test_backward_one_key():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk,h,hk", [(300, 333, 4, 2), (1, 700, 2, 1), (700, 1, 2, 2), (513, 1025, 2, 1), (128, 128, 1, 1)])
 def test_both_backward_kernels(dtype, head_dim, causal, sq, sk, h, hk):
-    """On Hopper the planner runs the wgmma backward for these inputs: check it and the mma.sync kernel
-    (other GPUs, unaligned inputs, other buckets, deterministic mode) on the same data."""
+    """On Hopper the planner runs a wgmma backward for these inputs (the warp-specialized TMA one at
+    head dims 64 and 128): check each Hopper kernel and the mma.sync kernel (other GPUs, unaligned
+    inputs, other buckets, deterministic mode) on the same data."""
     from cuflash import jit, plan
 
     arch = jit.device_arch(0)
@@ -117,6 +118,8 @@ def test_both_backward_kernels(dtype, head_dim, causal, sq, sk, h, hk):
     tiles = [plan.bwd_tile(head_dim, arch)]
     if arch == "sm_90a":
         tiles.append(plan.BWD_SM90_TILES[head_dim])
+        if head_dim in plan.BWD_SM90_WS_TILES:
+            tiles.append(plan.BWD_SM90_WS_TILES[head_dim])
     for tile in tiles:
         check_backward(q, k, v, causal=causal, dtype=dtype, tile=tile, rng=rng, what=f"{tile} sq={sq} sk={sk}")
 
@@ -145,6 +148,8 @@ def test_very_negative_scores_with_a_ragged_last_key_block(dtype, head_dim, caus
     tiles = [plan.bwd_tile(head_dim, arch)]
     if arch == "sm_90a" and head_dim in plan.BWD_SM90_TILES:
         tiles.append(plan.BWD_SM90_TILES[head_dim])
+    if arch == "sm_90a" and head_dim in plan.BWD_SM90_WS_TILES:
+        tiles.append(plan.BWD_SM90_WS_TILES[head_dim])
     for tile in tiles:
         check_backward(q, k, v, causal=causal, dtype=dtype, tile=tile, rng=rng, what=f"{tile} sq={sq} sk={sk}")
 

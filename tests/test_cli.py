@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 # element-wise loads, and the Hopper kernel).
 SMALL = ["precompile", "--arch", "sm_90a", "--head-dim", "64", "--dtype", "bf16", "--no-causal", "--kernels", "fwd"]
 SMALL_NAMES = {plan.fwd_spec(64, "bf16", False, aligned, "sm_90a").name for aligned in (True, False)} | {
-    plan.fwd_sm90_spec(64, "bf16", False).name, plan.fwd_sm90_ws_spec(64, "bf16", False).name
+    plan.fwd_sm90_spec(64, "bf16", False).name, plan.fwd_sm90_ws_spec(64, "bf16", False).name,
+    plan.fwd_sm90_ws_spec(64, "bf16", False, plan.FWD_SM90_WS_SHORT_TILES[64]).name,  # (short keys)
 }
 N_SMALL = len(SMALL_NAMES)
 
@@ -229,6 +230,7 @@ def test_precompile_all_selects_every_variant(cache, recorder):
     # and the Hopper kernels, sm_90a only
     assert len([s for s in expected if s.family == "flash_fwd_sm90"]) == len(plan.FWD_SM90_TILES) * 2 * 2
     assert len([s for s in expected if s.family == "flash_bwd_sm90"]) == len(plan.BWD_SM90_TILES) * 2 * 2
+    assert len([s for s in expected if s.family == "flash_bwd_sm90_ws"]) == len(plan.BWD_SM90_WS_TILES) * 2 * 2
     assert recorder.specs == expected
     assert f"{len(expected)} variants: {len(expected)} compiled" in r.output
 

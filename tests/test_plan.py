@@ -371,8 +371,10 @@ def test_every_spec_names_a_registered_family():
         assert isinstance(fam, plan.KernelFamily)
         assert (jit.source_dir() / fam.header).is_file(), (name, fam.header)
         assert "{args}" in fam.kernel
-        if fam.grid_constant:  # the TMA kernels: tensor maps, then FwdParams, in the family's own header
-            assert fam.params == "FwdTmaParams" and "FwdParams p;" in (jit.source_dir() / fam.header).read_text()
+        if fam.grid_constant:  # the TMA kernels: tensor maps, then Fwd/BwdParams, in the family's own header
+            base = {"FwdTmaParams": "FwdParams", "BwdTmaParams": "BwdParams"}[fam.params]
+            text = (jit.source_dir() / fam.header).read_text()
+            assert f"struct {fam.params} {{" in text and f"{base} p;" in text
             continue
         assert fam.params in ("FwdParams", "BwdParams", "DecodeParams", "RotaryParams")
         assert f"struct {fam.params}" in (jit.source_dir() / "params.h").read_text()
@@ -388,7 +390,7 @@ def test_entry_source_of_every_family(family):
     assert spec.entry_kernel() == fam.kernel.format(args=spec.template_args())
     text = jit.entry_source(spec)
     qual = "__grid_constant__ " if fam.grid_constant else ""  # (TMA reads the maps from parameter space)
-    assert fam.grid_constant == (family == "flash_fwd_sm90_ws")
+    assert fam.grid_constant == (family in ("flash_fwd_sm90_ws", "flash_bwd_sm90_ws"))
     assert text == jit.ENTRY_TEMPLATE.format(header=fam.header, threads=spec.threads, min_blocks=spec.min_blocks,
                                              name=spec.name, grid_constant=qual, params=fam.params,
                                              kernel=spec.entry_kernel())  # fmt: skip

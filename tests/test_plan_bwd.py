@@ -81,10 +81,13 @@ def test_plan_backward_errors(kwargs, match):
 
 def test_all_bwd_specs_lists_every_variant_once():
     specs = plan.all_bwd_specs("sm_90a")
-    hopper = len(plan.BWD_SM90_TILES) * 2 * 2  # buckets x dtype x causal, aligned only
+    hopper = (len(plan.BWD_SM90_TILES) + len(plan.BWD_SM90_WS_TILES)) * 2 * 2  # buckets x dtype x causal, aligned only
     assert len(specs) == len(set(specs)) == 8 * 2 * 2 * 2 + 2 * 2 * 2 + hopper  # main + (pre, convert) x dtype x load path
     assert len({s.name for s in specs}) == len(specs)
-    assert not [s for s in plan.all_bwd_specs("sm_80") if s.family == "flash_bwd_sm90"]
+    assert not [s for s in plan.all_bwd_specs("sm_80") if s.family.startswith("flash_bwd_sm90")]
+    # packed batches: no warp-specialized variant (it runs plain batches only)
+    packed = plan.all_bwd_specs("sm_90a", mods=(plan.MOD_VARLEN,))
+    assert not [s for s in packed if s.family == "flash_bwd_sm90_ws"] and [s for s in packed if s.family == "flash_bwd_sm90"]
 
 
 def _bwd_plan(head_dim=128, arch="sm_90a", aligned=True, deterministic=False, tile=None):
@@ -93,9 +96,48 @@ def _bwd_plan(head_dim=128, arch="sm_90a", aligned=True, deterministic=False, ti
                               deterministic=deterministic)  # fmt: skip
 
 
+@pytest.mark.parametrize("head_dim", [64, 56, 128, 120])
+def test_warp_specialized_backward_where_it_can(head_dim):
+    bp = _bwd_plan(head_dim)
+    spec, t = bp.main.spec, bp.main.spec.tile
+    d = spec.head_dim
+    st = 3 if d == 64 else 2
+    assert spec.family == "flash_bwd_sm90_ws" and t == plan.BWD_SM90_WS_TILES[d] == plan.BwdSm90WsTile(stages=st)
+    assert bp.main.grid == (-(-700 // 128), 2, 2) and bp.main.block == (384, 1, 1)  # producer + 2 consumer warpgroups
+    assert bp.num_m_blocks == -(-1000 // 64) and bp.seqlen_q_pad == bp.num_m_blocks * 64
+    # K, V, stages x (Q, dO), 2 dS^T buffers, stages x (lse_log2, D), 1 + 2 stages mbarriers, 1 KB alignment
+    smem = 1024 + 2 * 128 * d * 2 + 2 * st * 64 * d * 2 + 2 * 128 * 64 * 2 + st * 512 + 8 * (1 + 2 * st)
+    assert bp.main.smem_bytes == smem <= 227 * 1024
+    assert t.warp_tiles(d)["dq"] == (16, d // 2) and t.dq_q_warps == 4 and t.warps == 12  # the pair kernel's dQ layout
+    assert spec.template_args() == f"{d}, true, true, 0, {st}"
+    with_mods = plan.plan_backward(batch=2, seqlen_q=100, seqlen_k=100, nheads=2, nheads_kv=2, head_dim=head_dim,
+                                   dtype="fp16", causal=False, aligned=True, arch="sm_90a", mods=plan.MOD_SOFTCAP)
+    assert with_mods.main.spec.template_args() == f"{d}, false, false, {plan.MOD_SOFTCAP}, {st}"
+    # the cp.async Hopper kernel for packed batches or when forced; the mma.sync one elsewhere
+    packed = plan.plan_backward(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=head_dim,
+                                dtype="bf16", causal=True, aligned=True, arch="sm_90a", mods=plan.MOD_VARLEN)
+    assert packed.main.spec.family == "flash_bwd_sm90"
+    assert _bwd_plan(head_dim, tile=plan.BWD_SM90_TILES[d]).main.spec.family == "flash_bwd_sm90"
+    assert _bwd_plan(head_dim, deterministic=True).main.spec.family == "flash_bwd"
+    assert _bwd_plan(head_dim, arch="sm_80").main.spec.family == "flash_bwd"
+    assert _bwd_plan(head_dim, aligned=False).main.spec.family == "flash_bwd"
+    with pytest.raises(ValueError, match="warp-specialized backward"):
+        _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(), deterministic=True)
+    with pytest.raises(ValueError, match="128 keys x 64 queries"):
+        _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(stages=5))
+
+
+def test_warp_specialized_backward_tile_errors():
+    with pytest.raises(ValueError, match="no warp-specialized backward tile"):
+        _bwd_plan(256, tile=plan.BwdSm90WsTile())
+    with pytest.raises(ValueError, match="packed"):
+        plan.bwd_sm90_ws_spec(128, "bf16", False, mods=plan.MOD_VARLEN)
+
+
 @pytest.mark.parametrize("head_dim", [64, 56, 128, 120, 256, 248])
 def test_hopper_backward_where_it_can(head_dim):
-    bp = _bwd_plan(head_dim)
+    bucket = plan.head_dim_bucket(head_dim)
+    bp = _bwd_plan(head_dim, tile=None if bucket == 256 else plan.BWD_SM90_TILES[bucket])
     spec, t = bp.main.spec, bp.main.spec.tile
     assert spec.family == "flash_bwd_sm90" and t == plan.BWD_SM90_TILES[plan.head_dim_bucket(head_dim)]
     d = spec.head_dim

@@ -100,7 +100,7 @@ def test_backward_variants_property(case):
 
 def _kernels(head_dim, op):
     """The tiles to force for op "fwd" or "bwd": the mma.sync kernel's, and on Hopper the wgmma ones'
-    where they exist (forward: the cp.async and the warp-specialized TMA kernel)."""
+    where they exist (the cp.async and the warp-specialized TMA kernels)."""
     from cuflash import plan
 
     arch = _arch()
@@ -110,6 +110,8 @@ def _kernels(head_dim, op):
         tiles.append(hopper[head_dim])
     if arch == "sm_90a" and op == "fwd" and head_dim in plan.FWD_SM90_WS_TILES:  # the warp-specialized one too
         tiles.append(plan.FWD_SM90_WS_TILES[head_dim])
+    if arch == "sm_90a" and op == "bwd" and head_dim in plan.BWD_SM90_WS_TILES:
+        tiles.append(plan.BWD_SM90_WS_TILES[head_dim])
     return tiles
 
 

@@ -14,8 +14,8 @@
 #   e2e         cuflash bench --e2e (E2E_ARGS; ~3 minutes on the H200) -> e2e.json, e2e.png (the loss
 #               curves go into the logs)
 #   host        tools/torch_host_overhead.py: host us per call of the PyTorch layer, CuPy API and SDPA
-#   hopper      the TMA forward's own checks (issue 30): tools/check_sm90.py --ws, its GPU tests, the forward
-#               property test at HOPPER_EXAMPLES Hypothesis examples (default 400), compute-sanitizer
+#   hopper      the TMA kernels' own checks (issue 30): tools/check_sm90.py --ws, their GPU tests, the forward and
+#               backward property tests at HOPPER_EXAMPLES Hypothesis examples (default 400), compute-sanitizer
 #               memcheck, racecheck and synccheck on tests/sanitize_cases.py --only hopper (HOPPER_TIMEOUT per part)
 # Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT,
 # E2E_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary is printed last. The device tool
@@ -80,7 +80,8 @@ if has hopper; then
   timeout $HT $PY tools/check_sm90.py --ws > "$OUT/check-ws.txt" 2>&1
   note "check_sm90 --ws (rc=$?, $(took)): $(grep -c ' ok' "$OUT/check-ws.txt") ok, $(grep -c WRONG "$OUT/check-ws.txt") wrong"
   CUFLASH_HYPOTHESIS_EXAMPLES=${HOPPER_EXAMPLES:-400} timeout $HT $PY -m pytest -q --no-header -p no:cacheprovider -n 8 \
-      tests/test_hopper_ws_gpu.py "tests/test_forward_gpu.py::test_forward_property" > "$OUT/pytest-hopper.log" 2>&1
+      tests/test_hopper_ws_gpu.py tests/test_hopper_ws_bwd_gpu.py "tests/test_forward_gpu.py::test_forward_property" \
+      "tests/test_backward_gpu.py::test_backward_property" > "$OUT/pytest-hopper.log" 2>&1
   note "hopper tests at ${HOPPER_EXAMPLES:-400} examples (rc=$?, $(took)): $(grep -E '(passed|failed|error)' "$OUT/pytest-hopper.log" | tail -1)"
   for tool in memcheck racecheck synccheck; do
     timeout $HT compute-sanitizer --tool $tool --error-exitcode 3 $PY tests/sanitize_cases.py --only hopper > "$OUT/sanitize-hopper-$tool.log" 2>&1

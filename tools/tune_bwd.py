@@ -2,6 +2,7 @@
 FlashAttention-2 backward, to choose the rows of BWD_TILES.
 
     python tools/tune_bwd.py --hd 128 [--seqlen 1024 4096] [--tiles "64,128,8,2,4,4,2" ...]
+    python tools/tune_bwd.py --hd 128 --sm90     (the Hopper kernels: TMA at 2 and 3 stages, cp.async)
 A tile is block_m,block_n,warps,stages,s_key_warps,kv_key_warps,dq_q_warps. Every tile is first
 checked against the float64 reference on a ragged GQA case; then one line per (tile, causal,
 seqlen) and, last, the median ratio per tile.
@@ -41,12 +42,18 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--tiles", nargs="*", default=[])
+    ap.add_argument("--sm90", action="store_true",
+                    help="the Hopper kernels instead: warp-specialized TMA (2, 3 stages) and cp.async, side by side")
     a = ap.parse_args()
-    tiles = [plan.BwdTile(*map(int, t.split(","))) for t in a.tiles] or [plan.BWD_TILES[a.hd]]
+    if a.sm90:
+        tiles = [plan.BwdSm90WsTile(), plan.BwdSm90WsTile(stages=3)] if a.hd in plan.BWD_SM90_WS_TILES else []
+        tiles.append(plan.BWD_SM90_TILES[a.hd])
+    else:
+        tiles = [plan.BwdTile(*map(int, t.split(","))) for t in a.tiles] or [plan.BWD_TILES[a.hd]]
     scores = {}
     for tile in tiles:
-        name = ",".join(str(x) for x in tile.__dict__.values())
-        if not tile.valid_for(a.hd):
+        name = type(tile).__name__ + ":" + ",".join(str(x) for x in tile.__dict__.values())
+        if isinstance(tile, plan.BwdTile) and not tile.valid_for(a.hd):
             print(f"hd{a.hd} {name}: breaks the layout rules, skipped", flush=True)
             continue
         try:
@@ -57,7 +64,7 @@ def main():
         if not ok:
             print(f"hd{a.hd} {name}: WRONG RESULTS, skipped", flush=True)
             continue
-        ratios = []
+        ratios, vs_cudnn = [], []
         for causal in (False, True):
             for s in a.seqlen:
                 b, h = max(1, 16384 // s), 2048 // a.hd
@@ -67,11 +74,14 @@ def main():
                 t = row.tflops
                 r = t["cuflash"] / t["flash"] if "flash" in t and "cuflash" in t else float("nan")
                 ratios.append(r)
+                if "cudnn" in t and "cuflash" in t:
+                    vs_cudnn.append(t["cuflash"] / t["cudnn"])
                 print(f"hd{a.hd} {name} causal={int(causal)} s={s:5d}: cuflash {t.get('cuflash', 0):6.1f} "
                       f"flash {t.get('flash', 0):6.1f} cudnn {t.get('cudnn', 0):6.1f} ratio {r:.3f}", flush=True)
-        scores[name] = statistics.median(ratios)
-    for name, sc in sorted(scores.items(), key=lambda kv: -kv[1]):
-        print(f"  hd{a.hd} median ratio vs flash {sc:.3f}  tile {name}")
+        scores[name] = (statistics.median(ratios), statistics.median(vs_cudnn) if vs_cudnn else float("nan"),
+                        min(vs_cudnn) if vs_cudnn else float("nan"))  # fmt: skip
+    for name, (sc, sd, lo) in sorted(scores.items(), key=lambda kv: -kv[1][0]):
+        print(f"  hd{a.hd} median ratio vs flash {sc:.3f} vs cudnn {sd:.3f} (lowest {lo:.3f})  tile {name}")
 
 
 if __name__ == "__main__":

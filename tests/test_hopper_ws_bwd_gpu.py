@@ -1,0 +1,122 @@
+"""GPU tests of what is particular to the warp-specialized TMA backward (cuda_src/flash_bwd_sm90_ws.cuh):
+ring depths around the walk's length (1 query block, exactly the ring, one past it, many), GQA walks
+over several heads, head dims whose last 64-column box sticks out of the tensor, CTAs whose key block
+no query sees (a window), strided inputs, the fallback where no tensor map describes an input, and
+agreement with the cp.async Hopper kernel on the same data.
+Skipped without a GPU; these need sm_90a."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_util import check_backward, random_qkv, to_f64
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper():
+    from cuflash import jit
+
+    if jit.device_arch(0) != "sm_90a":
+        pytest.skip("the TMA kernel runs on sm_90a only")
+
+
+@pytest.mark.parametrize("head_dim,stages", [(128, 2), (128, 3), (64, 2), (64, 3), (64, 4)])  # (4 at hd128: too much smem)
+@pytest.mark.parametrize("sq", [1, 64, 128, 192, 700])  # query blocks per head: 1, 1, 2, 3, 11
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_depths(head_dim, stages, sq, causal):
+    """Each ring depth with walks of 1, stages, stages + 1 and many query blocks, GQA (2 query heads per
+    kv head: the walk crosses heads), against the float64 reference."""
+    _hopper()
+    from cuflash.plan import BwdSm90WsTile
+
+    rng = np.random.default_rng(sq + stages)
+    q, k, v = random_qkv(rng, 2, sq, 300, 4, 2, head_dim, "bf16")
+    tile = BwdSm90WsTile(stages=stages)
+    check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, rng=rng, what=f"{tile} sq={sq}")
+
+
+@pytest.mark.parametrize("head_dim", [40, 48, 64, 104, 120, 128])  # buckets 64 and 128
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_head_dims_inside_a_box(head_dim, dtype):
+    """Head dims below the bucket: the last 64-column box sticks out of the tensor (TMA fills zeros)."""
+    _hopper()
+    from cuflash import plan
+
+    rng = np.random.default_rng(head_dim)
+    q, k, v = random_qkv(rng, 1, 333, 257, 2, 1, head_dim, dtype)
+    tile = plan.BWD_SM90_WS_TILES[plan.head_dim_bucket(head_dim)]
+    check_backward(q, k, v, causal=True, dtype=dtype, tile=tile, rng=rng, what=f"hd{head_dim}")
+
+
+def test_key_blocks_no_query_sees():
+    """A window that leaves whole key blocks unseen: those CTAs load nothing and write dK = dV = 0."""
+    _hopper()
+    from cuflash import plan
+
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 2, 100, 900, 2, 2, 64, "bf16")  # queries see keys 800 + i - 50 .. 800 + i
+    check_backward(q, k, v, causal=True, dtype="bf16", tile=plan.BWD_SM90_WS_TILES[64], rng=rng,
+                   window_size=(50, 0), what="window leaves key blocks unseen")  # fmt: skip
+
+
+def test_strided_inputs():
+    """q, k, v and dout as slices of wider tensors (row strides of several heads' width)."""
+    _hopper()
+    import cupy
+
+    from cuflash import plan
+    from cuflash.checks import BF16
+
+    rng = np.random.default_rng(7)
+    big = cupy.asarray(rng.standard_normal((2, 400, 6, 128), dtype=np.float32).astype(BF16))
+    q, k, v = big[:, :, 0:2], big[:, :, 2:3], big[:, :, 4:5]
+    check_backward(q, k, v, causal=False, dtype="bf16", tile=plan.BWD_SM90_WS_TILES[128], rng=rng, what="strided")
+
+
+def test_agrees_with_the_cp_async_kernel():
+    """The TMA kernel and the cp.async Hopper kernel compute the same sums in the same order per
+    element: their gradients agree to rounding of the final bf16 (dQ's atomic order aside)."""
+    _hopper()
+    import cupy
+
+    import cuflash
+    from cuflash import backward, plan
+
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, 2, 1000, 1000, 4, 2, 128, "bf16")
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
+    a = backward.run(dout, q, k, v, out, lse, causal=True, tile=plan.BWD_SM90_WS_TILES[128])
+    b = backward.run(dout, q, k, v, out, lse, causal=True, tile=plan.BWD_SM90_TILES[128])
+    for name, x, y in zip(("dq", "dk", "dv"), a, b):
+        x, y = to_f64(x), to_f64(y)
+        scale = np.abs(y).max()
+        assert np.abs(x - y).max() <= 2e-2 * scale, name  # a few bf16 ulps of the largest value
+
+
+def test_default_is_the_tma_kernel_and_falls_back():
+    """The planner's choice for aligned plain batches at head dims 64 / 128 is the TMA kernel; a
+    broadcast (stride-0) input no tensor map can describe runs the cp.async kernel instead, and a
+    caller that forces the TMA kernel gets the error."""
+    _hopper()
+    import cupy
+
+    import cuflash
+    from cuflash import backward, plan, tma
+    from cuflash.checks import BF16
+
+    assert plan.plan_backward(batch=1, seqlen_q=64, seqlen_k=64, nheads=2, nheads_kv=2, head_dim=64, dtype="bf16",
+                              causal=False, aligned=True, arch="sm_90a").main.spec.family == "flash_bwd_sm90_ws"
+    rng = np.random.default_rng(3)
+    q = cupy.asarray(rng.standard_normal((1, 64, 2, 64), dtype=np.float32).astype(BF16))
+    k = cupy.broadcast_to(cupy.asarray(rng.standard_normal((1, 1, 2, 64), dtype=np.float32).astype(BF16)), (1, 64, 2, 64))
+    out, lse = cuflash.attention(q, k, k, return_lse=True)
+    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(BF16))
+    with pytest.raises(tma.TensorMapError):
+        backward.run(dout, q, k, k, out, lse, tile=plan.BWD_SM90_WS_TILES[64])
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, k, out, lse)  # the cp.async kernel
+    want = backward.run(dout, q, k, k, out, lse, tile=plan.BWD_SM90_TILES[64])
+    for got, ref in zip((dq, dk, dv), want):
+        assert not np.isnan(to_f64(got)).any()
+        np.testing.assert_allclose(to_f64(got), to_f64(ref), atol=2e-2, rtol=2e-2)
