@@ -790,12 +790,60 @@ def fig_forward_sm90_ws():
           "completed; the producer refills it. Epilogue: O staged in the freed slots, 16-byte stores.", fs=6.0, ha="left")
 
 
+def fig_backward_sm90_ws():
+    ax = canvas("backward-sm90-ws.svg", 124, 66)
+    title(ax, 2, 63.5, "Hopper backward: producer warp, query-block ring, two consumer warpgroups (64 keys each)")
+    y_sm = 49.0
+    label(ax, 2, y_sm + 2.5, "shared\nmemory", fs=6.8, ha="left")
+    box(ax, 12, y_sm, 9, 5, kind="smem", text="K (128 x d)", fs=6.0)
+    box(ax, 22, y_sm, 9, 5, kind="smem", text="V (128 x d)", fs=6.0)
+    for s in range(2):
+        box(ax, 33 + 24 * s, y_sm, 23, 5, kind="smem", text=f"slot {s}: Q, dO (64 x d),\nlse_log2, D (64)", fs=5.8)
+    box(ax, 82, y_sm, 16, 5, kind="smem", text="dS^T x 2\n(128 x 64)", fs=6.0)
+    box(ax, 100, y_sm, 21, 5, kind="smem", text="mbarriers: K/V full;\nfull / empty per slot", fs=5.8)
+    lanes = [("producer\n(1 thread)", 38.0), ("consumer WG 0\n(keys 0-63)", 27.0), ("consumer WG 1\n(keys 64-127)", 16.0)]
+    for text, y in lanes:
+        label(ax, 2, y + 2, text, fs=6.6, ha="left")
+        ax.plot([12, 121], [y - 0.6, y - 0.6], color="#cccccc", lw=0.5, zorder=1)
+    x = 12.0
+    for name, w in [("K, V", 7), ("slot 0", 7), ("slot 1", 7)]:
+        box(ax, x, 38, w - 0.4, 4, kind="hbm", text=name, fs=6.0)
+        x += w
+    box(ax, x, 38, 24, 4, kind="grey", text="wait empty slot 0", fs=5.8, ls="--")
+    box(ax, x + 24, 38, 7, 4, kind="hbm", text="slot 0", fs=6.0)
+    label(ax, x + 33, 40, "... (TMA tiles + bulk copies of the rows)", fs=5.8, ha="left")
+
+    def wg(y, x0):
+        xs = x0
+        box(ax, xs, y, 5, 4, kind="reg", dark=True, text="S^T", fs=5.8)
+        box(ax, xs + 5, y, 5, 4, kind="reg", dark=True, text="dP^T", fs=5.6)
+        box(ax, xs + 5.5, y - 3.2, 7, 2.6, kind="reg", text="P^T = exp", fs=5.2)
+        box(ax, xs + 12.5, y, 5, 4, kind="reg", dark=True, text="dV", fs=5.8)
+        box(ax, xs + 13, y - 3.2, 7, 2.6, kind="reg", text="dS^T", fs=5.2)
+        box(ax, xs + 20, y, 5, 4, kind="reg", dark=True, text="dK", fs=5.8)
+        box(ax, xs + 25.5, y, 1.2, 4, kind="grey", text="", fs=5)
+        box(ax, xs + 27, y, 6, 4, kind="reg", dark=True, text="dQ", fs=5.8)
+        box(ax, xs + 33.5, y - 3.2, 6, 2.6, kind="hbm", text="red.add", fs=5.2)
+        return xs + 40
+
+    for y in (27, 16):
+        xe = wg(y, 26)
+        wg(y, xe)
+    label(ax, 52.1, 32.0, "barrier", fs=5.2)
+    label(ax, 12, 9.5, "dark: GEMM issues (wgmma, tensor cores); light: CUDA-core work under the GEMM in flight: the "
+          "exponentials while dP^T runs, dS^T while dV runs.", fs=6.0, ha="left")
+    label(ax, 12, 6.5, "A named barrier of the 256 consumer threads (grey) puts both halves of dS^T in shared memory "
+          "before dQ = dS K over all 128 keys; dS^T is double buffered.", fs=6.0, ha="left")
+    label(ax, 12, 3.5, "After dQ completes each warp releases the slot (empty barrier) and adds its dQ part to "
+          "dq_accum (fp32 vector reductions); dK, dV stay in registers to the end.", fs=6.0, ha="left")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--png", metavar="DIR", help="also write PNG previews into DIR")
     args = ap.parse_args()
     for draw in (fig_forward, fig_forward_masks, fig_backward, fig_backward_dq, fig_decode, fig_decode_merge,
-                 fig_decode_grids, fig_work_split, fig_varlen, fig_forward_sm90_ws):  # fmt: skip
+                 fig_decode_grids, fig_work_split, fig_varlen, fig_forward_sm90_ws, fig_backward_sm90_ws):  # fmt: skip
         draw()
     for name, fig in _figures:
         fig.savefig(OUT / name, format="svg", metadata={"Date": None, "Creator": "docs/design/figures/draw.py"})
