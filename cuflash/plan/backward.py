@@ -167,12 +167,23 @@ class BwdAuxSpec(SpecBase):
         return f"{cpp_bool(self.dtype == 'bf16')}, {cpp_bool(self.aligned)}{varlen}"
 
 
+class _Sm90DqLayout:
+    """The dQ tile layout both Hopper backward kernels add in (what the convert kernel reads): 4 warps
+    of 16 query rows x one head-dim half per (consumer) warpgroup."""
+
+    @property
+    def dq_q_warps(self) -> int:
+        return 4
+
+    def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
+        return {"dq": (16, head_dim_bucket // 2)}
+
+
 @dataclass(frozen=True)
-class BwdSm90Tile:
+class BwdSm90Tile(_Sm90DqLayout):
     """Tile of the Hopper (wgmma) backward main kernel (cuda_src/flash_bwd_sm90.cuh): two warpgroups,
     query blocks of 64 rows, and block_n keys per CTA: 128 (one warpgroup per 64 keys) or 64 (the
-    warpgroups split the work and the head dim, for d = 256). Either way the dQ tile layout (what the
-    convert kernel reads) is 4 warps of 16 query rows x one head-dim half per warpgroup."""
+    warpgroups split the work and the head dim, for d = 256)."""
 
     block_n: int = 128
     block_m: int = 64
@@ -183,13 +194,6 @@ class BwdSm90Tile:
     def warps(self) -> int:
         return 8
 
-    @property
-    def dq_q_warps(self) -> int:
-        return 4
-
-    def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
-        return {"dq": (16, head_dim_bucket // 2)}
-
 
 #: Hopper backward tiles. dK + dV accumulators of 64 keys x d per warpgroup take d registers per
 #: thread: d <= 128 gives each warpgroup its own 64 keys; d = 256 splits the head dim between the
@@ -198,7 +202,7 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {64: BwdSm90Tile(), 128: BwdSm90Tile(),
 
 
 @dataclass(frozen=True)
-class BwdSm90WsTile:
+class BwdSm90WsTile(_Sm90DqLayout):
     """Tile of the warp-specialized Hopper backward (cuda_src/flash_bwd_sm90_ws.cuh): the pair
     kernel's tile (128 keys per CTA, one consumer warpgroup per 64 keys, query blocks of 64 rows)
     plus a producer warpgroup that issues TMA loads into a ring of ``stages`` query-block slots."""
@@ -211,13 +215,6 @@ class BwdSm90WsTile:
     @property
     def warps(self) -> int:
         return 12  # a producer warpgroup and two consumer warpgroups
-
-    @property
-    def dq_q_warps(self) -> int:
-        return 4
-
-    def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
-        return {"dq": (16, head_dim_bucket // 2)}
 
 
 #: Warp-specialized Hopper backward tiles: the default backward main kernel on sm_90a for aligned,
