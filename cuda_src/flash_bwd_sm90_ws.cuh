@@ -62,6 +62,7 @@ struct Sm90WsBwdConfig : Sm90BwdConfig<kHeadDim_, 128, kIsBF16_, kIsCausal_, kMo
     static constexpr int kNThreads = 384;
     static constexpr int kProducerRegs = 24;   // 24 x 128 + 240 x 256 = 64512 <= 65536
     static constexpr int kConsumerRegs = 240;
+    static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * 384, "setmaxnreg: within the launch's registers");
     static constexpr int kRowsBytes = 2 * Base::kBlockM * 4;  // lse_log2 and D of one query block
     static constexpr int kBarriers = 1 + 2 * kStages;          // K/V full; full, empty per slot
     static constexpr int kSmemBytes = 1024 + 2 * Base::kTileBytesKV + 2 * kStages * Base::kTileBytesQ +
