@@ -146,6 +146,18 @@ CUFLASH_DEVICE bool bwd_needs_mask(int n0, int block_n, int m0, int offset, int 
     return kCausal ? n0 + block_n - 1 > m0 + offset : n0 + block_n > seqlen_k;
 }
 
+// Whether the (query block m0, key block n0) tile of a Hopper backward kernel (Cfg) needs its mask:
+// bwd_needs_mask for plain variants, the variants' AttnMask otherwise.
+template <class Cfg, class Seq>
+CUFLASH_DEVICE bool bwd_sm90_needs_mask(const BwdParams& p, const Seq& seq, int n0, int m0, int offset) {
+    if constexpr ((Cfg::kMods & kModScores) == 0) {
+        return bwd_needs_mask<Cfg::kIsCausal>(n0, Cfg::kBlockN, m0, offset, seq.len_k(p));
+    } else {
+        return AttnMask<Cfg::kIsCausal, Cfg::kMods>(p.mod, seq.len_q(p), seq.len_k(p))
+            .key_block_needs_mask(n0, Cfg::kBlockN, m0, Cfg::kBlockM);
+    }
+}
+
 // The variants on a warp's 16 keys x kNB * 8 queries of S^T (masks.cuh): the ALiBi slope and dropout
 // stream of query head h, the dropout keep bits of the warp's 16x16 blocks (keys from key16), and per
 // pair of queries P (0 where hidden), the P that dV takes (dropped, scaled by 1 / (1 - p)), P (1 -
@@ -326,12 +338,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
         // ---- P^T = exp2(S^T scale_log2 - lse_log2[i]), dS^T = P^T (dP^T - D[i]), packed as A fragments
         const float* s_lse = sm.lse_log2(stage);
         const float* s_d = sm.dsum(stage);
-        bool need_mask;
-        if constexpr ((Cfg::kMods & kModScores) == 0) {
-            need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, seq.len_k(p));
-        } else {
-            need_mask = Mask(p.mod, seq.len_q(p), seq.len_k(p)).key_block_needs_mask(n0, kBlockN, m0, kBlockM);
-        }
+        const bool need_mask = bwd_sm90_needs_mask<Cfg>(p, seq, n0, m0, offset);
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
 #pragma unroll
         for (int nb = 0; nb < kNB; ++nb) {

@@ -199,12 +199,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
         // ---- P^T (fp32 kept in S for dS; variants: P^T (1 - tanh^2)) and its A fragments
         const float* s_lse = rows_ptr + st * 2 * kBlockM;
         const float* s_d = s_lse + kBlockM;
-        bool need_mask;
-        if constexpr ((Cfg::kMods & kModScores) == 0) {
-            need_mask = bwd_needs_mask<Cfg::kIsCausal>(n0, kBlockN, m0, offset, seq.len_k(p));
-        } else {
-            need_mask = Mask(p.mod, seq.len_q(p), seq.len_k(p)).key_block_needs_mask(n0, kBlockN, m0, kBlockM);
-        }
+        const bool need_mask = bwd_sm90_needs_mask<Cfg>(p, seq, n0, m0, offset);
         u32 a_p[kQSteps][4], a_ds[kQSteps][4];
 #pragma unroll
         for (int nb = 0; nb < kNB; ++nb) {
