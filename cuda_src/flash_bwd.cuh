@@ -7,7 +7,7 @@
 // with dK, dV summed over the query heads of a GQA group.
 //
 // Three kernels:
-//   flash_bwd_pre_kernel      one warp per query row: D = rowsum(dO * O) (fp32), lse_log2 = lse * log2(e)
+//   flash_bwd_pre_kernel      1-8 query rows per warp: D = rowsum(dO * O) (fp32), lse_log2 = lse * log2(e)
 //                             (+inf where lse = -inf and on padding rows, so their P is exactly 0).
 //   flash_bwd_kernel          grid = (ceil(seqlen_k / kBlockN), nheads_kv, batch). CTA (n, hk, b) owns
 //                             keys [n*kBlockN, (n+1)*kBlockN) of kv head hk; K and V stay in smem; it
@@ -538,83 +538,65 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
         }
 }
 
-// rowsum(dO * O) of one row (o, dout: its first element), by one warp; every lane gets the sum (the
-// varlen preprocess; the plain one below keeps its own copy of this loop, so its machine code stays as it was).
-template <bool kIsBF16, bool kAligned>
-CUFLASH_DEVICE float bwd_row_dsum(const u16* o, const u16* dout, int head_dim, int lane) {
-    float dsum = 0.f;
-    if constexpr (kAligned) {  // 16-byte rows: lane owns 8 consecutive columns
-        for (int c = 8 * lane; c < head_dim; c += 8 * 32) {
-            const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-            const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
-            const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                dsum += to_float<kIsBF16>(ow[w] & 0xffffu) * to_float<kIsBF16>(dw[w] & 0xffffu);
-                dsum += to_float<kIsBF16>(ow[w] >> 16) * to_float<kIsBF16>(dw[w] >> 16);
-            }
-        }
-    } else {
-        for (int c = lane; c < head_dim; c += 32) dsum += to_float<kIsBF16>(o[c]) * to_float<kIsBF16>(dout[c]);
-    }
-    return warp_sum(dsum);
-}
-
-// D = rowsum(dO * O) and lse_log2, one warp per row of the padded query range; blockDim = 256.
+// D = rowsum(dO * O) and lse_log2 of the padded query rows; blockDim = 256 (8 warps). Warp w of CTA x
+// covers the p.pre_rows_per_warp (rpw) consecutive rows from (8 x + w) rpw, 32 / rpw lanes per row
+// (the plan's choice, cuflash/plan/backward.py: on the aligned path about one 16-byte chunk of O and
+// of dO per lane, e.g. 8 lanes x 4 rows at head dim 64; 32 lanes x 1 row element-wise), so every lane
+// keeps loads in flight; the row's lanes add their partial sums by shuffles. Padding rows (past the
+// sequence) get D = 0 and lse_log2 = +inf, as rows whose lse is -inf (no key): their P is exactly 0.
 // Varlen: padded row r belongs to query tile r / block_m of the scheduler (varlen.cuh), which names the
-// sequence and its row; rows past the sequence's end are padding.
+// sequence and its row. A warp's rows lie in one tile (block_m is a multiple of 16, rpw divides 8), so
+// each warp searches once for its first row.
 template <bool kIsBF16, bool kAligned, bool kVarlen = false>
 CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y;
+    const int rpw = p.pre_rows_per_warp, lanes = 32 / rpw, sub = lane % lanes;
+    const int r0 = (blockIdx.x * 8 + warp) * rpw;  // the warp's first padded row
+    if (r0 >= p.seqlen_q_pad) return;              // uniform over the warp (seqlen_q_pad is a multiple of rpw)
+    const int r = r0 + lane / lanes;               // this lane's padded row
+    i64 idx, lse_idx;                              // scratch index, lse index (when real)
+    bool real;
+    const u16 *o, *dout;
     if constexpr (kVarlen) {
-        const int r = blockIdx.x * 8 + warp, h = blockIdx.y;
-        if (r >= p.seqlen_q_pad) return;
-        const SeqInfo<true> seq(p, varlen_find_seq(p.mod.cu_seqlens_q, p.batch, p.seqlen_q, p.block_m, r / p.block_m),
+        const SeqInfo<true> seq(p, varlen_find_seq(p.mod.cu_seqlens_q, p.batch, p.seqlen_q, p.block_m, r0 / p.block_m),
                                 p.block_m);
         const int i = r - seq.q_tile0 * p.block_m;  // the sequence's row (>= 0 unless cu_seqlens_q is invalid)
-        const bool real = i >= 0 && i < seq.seqlen_q;
-        float dsum = 0.f;
-        if (real) {
-            const i64 row = seq.q_start + i;
-            const u16* o = static_cast<const u16*>(p.o) + h * p.o_head_stride + row * p.o_row_stride;
-            const u16* dout = static_cast<const u16*>(p.dout) + h * p.do_head_stride + row * p.do_row_stride;
-            dsum = bwd_row_dsum<kIsBF16, kAligned>(o, dout, p.head_dim, lane);
-        }
-        if (lane == 0) {
-            const i64 idx = (i64)h * p.seqlen_q_pad + r;
-            const float lse = real ? p.lse[seq.lse_row(p, h) + i] : -kInf;
-            p.dsum[idx] = dsum;
-            p.lse_log2[idx] = lse == -kInf ? kInf : lse * kLog2e;
-        }
+        real = i >= 0 && i < seq.seqlen_q;
+        idx = (i64)h * p.seqlen_q_pad + r;
+        const i64 row = seq.q_start + i;
+        lse_idx = seq.lse_row(p, h) + i;
+        o = static_cast<const u16*>(p.o) + h * p.o_head_stride + row * p.o_row_stride;
+        dout = static_cast<const u16*>(p.dout) + h * p.do_head_stride + row * p.do_row_stride;
     } else {
-        const int i = blockIdx.x * 8 + warp, h = blockIdx.y, b = blockIdx.z;
-        if (i >= p.seqlen_q_pad) return;
-        float dsum = 0.f;
-        if (i < p.seqlen_q) {
-            const u16* o = static_cast<const u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
-            const u16* dout = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + i * p.do_row_stride;
-            if constexpr (kAligned) {  // 16-byte rows: lane owns 8 consecutive columns
-                for (int c = 8 * lane; c < p.head_dim; c += 8 * 32) {
-                    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-                    const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
-                    const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
+        const int b = blockIdx.z;
+        real = r < p.seqlen_q;
+        idx = ((i64)b * p.nheads + h) * p.seqlen_q_pad + r;
+        lse_idx = ((i64)b * p.nheads + h) * p.seqlen_q + r;
+        o = static_cast<const u16*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + (i64)r * p.o_row_stride;
+        dout = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + (i64)r * p.do_row_stride;
+    }
+    float dsum = 0.f;
+    if (real) {
+        if constexpr (kAligned) {  // 16-byte rows: a lane owns 8 consecutive columns per step
+            for (int c = 8 * sub; c < p.head_dim; c += 8 * lanes) {
+                const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+                const uint4 dv = *reinterpret_cast<const uint4*>(dout + c);
+                const u32 ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w};
 #pragma unroll
-                    for (int w = 0; w < 4; ++w) {
-                        dsum += to_float<kIsBF16>(ow[w] & 0xffffu) * to_float<kIsBF16>(dw[w] & 0xffffu);
-                        dsum += to_float<kIsBF16>(ow[w] >> 16) * to_float<kIsBF16>(dw[w] >> 16);
-                    }
+                for (int w = 0; w < 4; ++w) {
+                    dsum += to_float<kIsBF16>(ow[w] & 0xffffu) * to_float<kIsBF16>(dw[w] & 0xffffu);
+                    dsum += to_float<kIsBF16>(ow[w] >> 16) * to_float<kIsBF16>(dw[w] >> 16);
                 }
-            } else {
-                for (int c = lane; c < p.head_dim; c += 32) dsum += to_float<kIsBF16>(o[c]) * to_float<kIsBF16>(dout[c]);
             }
-            dsum = warp_sum(dsum);
+        } else {
+            for (int c = sub; c < p.head_dim; c += lanes) dsum += to_float<kIsBF16>(o[c]) * to_float<kIsBF16>(dout[c]);
         }
-        if (lane == 0) {
-            const i64 idx = ((i64)b * p.nheads + h) * p.seqlen_q_pad + i;
-            const float lse = i < p.seqlen_q ? p.lse[((i64)b * p.nheads + h) * p.seqlen_q + i] : -kInf;
-            p.dsum[idx] = dsum;
-            p.lse_log2[idx] = lse == -kInf ? kInf : lse * kLog2e;
-        }
+    }
+    for (int off = lanes / 2; off > 0; off /= 2) dsum += __shfl_xor_sync(0xffffffffu, dsum, off);  // within the row's lanes
+    if (sub == 0) {
+        const float lse = real ? p.lse[lse_idx] : -kInf;
+        p.dsum[idx] = dsum;
+        p.lse_log2[idx] = lse == -kInf ? kInf : lse * kLog2e;
     }
 }
 

@@ -110,6 +110,7 @@ struct BwdParams {
     int dq_q_warps;            // the main kernel's dQ warp grid: warps along the query rows ...
     int dq_tile_rows;          // ... and one warp's dQ tile: rows (multiple of 16) x
     int dq_tile_cols;          //     columns (multiple of 16)
+    int pre_rows_per_warp;     // the preprocess's query rows per warp (1, 2, 4 or 8; 32 / rows lanes each)
     float softmax_scale;       // multiplies dS K and dS^T Q (the q.k scale, also with softcap)
     float scale_log2;          // log2(e) times the softmax's unit scale: softmax_scale, or softcap with softcap
     struct ModParams mod;

@@ -101,6 +101,7 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, seqlen_q_pad=bp.seqlen_q_pad,
             dq_accum_cols=bp.dq_accum_cols, num_m_blocks=bp.num_m_blocks, deterministic=int(bool(deterministic)),
             block_m=main_tile.block_m, dq_q_warps=main_tile.dq_q_warps, dq_tile_rows=dq_tile[0], dq_tile_cols=dq_tile[1],
+            pre_rows_per_warp=bp.pre_rows_per_warp,
             softmax_scale=softmax_scale, scale_log2=var.unit_scale(softmax_scale) * math.log2(math.e),
             mod=var.record(softmax_scale),
         )  # fmt: skip

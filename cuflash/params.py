@@ -88,6 +88,7 @@ BWD_FIELDS = (
         for name in (
             "batch", "nheads", "nheads_kv", "head_ratio", "seqlen_q", "seqlen_k", "head_dim", "seqlen_q_pad",
             "dq_accum_cols", "num_m_blocks", "deterministic", "block_m", "dq_q_warps", "dq_tile_rows", "dq_tile_cols",
+            "pre_rows_per_warp",
         )
     ]
     + [("softmax_scale", _F32), ("scale_log2", _F32), ("mod", MOD_DTYPE)]

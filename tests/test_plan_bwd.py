@@ -192,7 +192,7 @@ def test_varlen_backward_plan(arch):
     assert bp.num_m_blocks == 1000 // bm + 5 and bp.seqlen_q_pad == bp.num_m_blocks * bm
     assert bp.main.grid == (3000 // bn + 5, 2, 1)
     assert bp.convert.grid == (bp.num_m_blocks, 8, 1)
-    assert bp.pre.grid == (-(-bp.seqlen_q_pad // 8), 8, 1)
+    assert bp.pre.grid == (-(-bp.seqlen_q_pad // 16), 8, 1)  # 8 warps x 2 rows (head dim 128)
     assert bp.pre.spec.varlen and bp.convert.spec.varlen and "_varlen" in bp.pre.spec.name
     assert bp.main.spec.mods == plan.MOD_VARLEN and "_varlen" in bp.main.spec.name
     assert bp.pre.spec.template_args().endswith(", true")
@@ -215,3 +215,19 @@ def test_varlen_tiles_cover_every_sequence():
         f = cu // block + np.arange(cu.size)
         assert (np.diff(f) >= -(-lengths // block)).all()
         assert f[-1] <= plan.varlen_tiles(int(cu[-1]), lengths.size, block)
+
+
+@pytest.mark.parametrize("head_dim,aligned,rows", [(64, True, 4), (128, True, 2), (256, True, 1), (32, True, 8), (16, True, 8),
+                                                  (96, True, 2), (200, True, 1), (64, False, 1)])  # fmt: skip
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_preprocess_rows_per_warp(head_dim, aligned, rows, arch):
+    """The preprocess gives a row about one 16-byte chunk per lane (1-8 rows per warp, element-wise 1)
+    and its grid covers the padded rows with 8 warps of that many rows; a warp's rows stay in one
+    query tile (varlen: each warp searches the scheduler once)."""
+    assert plan.bwd_pre_rows_per_warp(head_dim, aligned) == rows
+    for mods in (0, plan.MOD_VARLEN):
+        bp = plan.plan_backward(batch=3, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=head_dim, dtype="bf16",
+                                causal=True, aligned=aligned, arch=arch, mods=mods)  # fmt: skip
+        assert bp.pre_rows_per_warp == rows
+        assert bp.pre.grid[:2] == (-(-bp.seqlen_q_pad // (8 * rows)), 8)
+        assert bp.seqlen_q_pad % 8 == 0 and bp.main.spec.tile.block_m % 8 == 0

@@ -13,8 +13,8 @@ modules (cuflash/forward.py, backward.py, kvcache.py) check arguments and call t
 from .backward import (
     BWD_AUX_THREADS, BWD_FALLBACK_TILES, BWD_SM90_TILES, BWD_SM90_WS_TILES, BWD_TILES, CONVERT_SMEM_ELEMS, BwdAuxSpec,
     BwdPlan, BwdSm90Spec, BwdSm90Tile, BwdSm90WsSpec, BwdSm90WsTile, BwdSpec, BwdTile, all_bwd_specs,
-    bwd_sm90_smem_bytes, bwd_sm90_spec, bwd_sm90_ws_smem_bytes, bwd_sm90_ws_spec, bwd_smem_bytes, bwd_spec, bwd_tile,
-    plan_backward, uses_sm90_backward, uses_sm90_ws_backward,
+    bwd_pre_rows_per_warp, bwd_sm90_smem_bytes, bwd_sm90_spec, bwd_sm90_ws_smem_bytes, bwd_sm90_ws_spec, bwd_smem_bytes,
+    bwd_spec, bwd_tile, plan_backward, uses_sm90_backward, uses_sm90_ws_backward,
 )
 from .common import (
     ALL_MODS, DTYPES, HEAD_DIM_BUCKETS, KERNEL_FAMILIES, KNOWN_ARCHS, MAX_GRID_X, MAX_SMEM_KB, MIN_COMPUTE_CAPABILITY,
@@ -55,6 +55,7 @@ __all__ = [
     "BWD_SM90_WS_TILES",
     "BwdSm90WsSpec",
     "BwdSm90WsTile",
+    "bwd_pre_rows_per_warp",
     "bwd_sm90_ws_smem_bytes",
     "bwd_sm90_ws_spec",
     "uses_sm90_ws_backward",

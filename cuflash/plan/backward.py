@@ -302,6 +302,19 @@ def uses_sm90_backward(head_dim: int, aligned: bool, arch: str, deterministic: b
             and head_dim_bucket(head_dim) in BWD_SM90_TILES)  # fmt: skip
 
 
+def bwd_pre_rows_per_warp(head_dim: int, aligned: bool) -> int:
+    """Query rows per warp of the backward's preprocess (flash_bwd_pre_kernel): on the 16-byte path
+    about one 16-byte chunk of O and of dO per lane (lanes per row: ceil(head_dim / 8) rounded up to
+    a power of two, 4 to 32), so that every lane has loads in flight; element-wise: a row per warp.
+    Always 1, 2, 4 or 8 (a divisor of every block_m, so a warp's rows stay in one query tile)."""
+    if not aligned:
+        return 1
+    lanes = 4
+    while lanes < 32 and lanes * 8 < head_dim:
+        lanes *= 2
+    return 32 // lanes
+
+
 @dataclass(frozen=True)
 class BwdPlan:
     pre: Launch
@@ -310,6 +323,7 @@ class BwdPlan:
     seqlen_q_pad: int  # rows of the lse_log2 / D / dq_accum buffers per (batch, head)
     dq_accum_cols: int  # columns of dq_accum (the head-dim bucket)
     num_m_blocks: int  # query blocks per (batch, head); varlen: the scheduler's query tiles per head
+    pre_rows_per_warp: int = 1  # the preprocess's rows per warp (BwdParams.pre_rows_per_warp)
 
 
 def bwd_spec(head_dim: int, dtype: str, causal: bool, aligned: bool, arch: str, tile: BwdTile | None = None,
@@ -375,7 +389,8 @@ def plan_backward(
         num_m_blocks, grid_batch = -(-seqlen_q // bm), batch
         key_blocks = -(-seqlen_k // bn)
     seqlen_q_pad = num_m_blocks * bm
-    rows_per_cta = BWD_AUX_THREADS // 32
+    rpw = bwd_pre_rows_per_warp(head_dim, aligned)
+    rows_per_cta = BWD_AUX_THREADS // 32 * rpw
     aux_block = (BWD_AUX_THREADS, 1, 1)
     pre = Launch(BwdAuxSpec("flash_bwd_pre", dtype, aligned, arch, varlen), (-(-seqlen_q_pad // rows_per_cta), nheads, grid_batch),
                  aux_block, 0)  # fmt: skip
@@ -383,7 +398,7 @@ def plan_backward(
     # One CTA per query block (its dQ tile is staged in CONVERT_SMEM_ELEMS of smem: BwdTile.valid_for).
     convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch, varlen), (num_m_blocks, nheads, grid_batch),
                      aux_block, 0)  # fmt: skip
-    return BwdPlan(pre, main, convert, seqlen_q_pad, spec.head_dim, num_m_blocks)
+    return BwdPlan(pre, main, convert, seqlen_q_pad, spec.head_dim, num_m_blocks, rpw)
 
 
 def bwd_sm90_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90Tile | None = None, mods: int = 0) -> BwdSm90Spec:
