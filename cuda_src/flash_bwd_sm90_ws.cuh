@@ -8,6 +8,7 @@
 //
 // Grid  (ceil(seqlen_k / 128), nheads_kv, batch): CTA (n, hk, b) owns keys [128 n, 128 n + 128) and
 //       walks every (query head of the group, query block of 64 rows) that sees them (BwdQueryWalk).
+//       Packed varlen batches: (scheduler slots over the packed keys, nheads_kv, 1), varlen.cuh.
 // Roles (384 threads: warpgroup 0 produces, warpgroups 1 and 2 consume)
 //   producer   warp 0, lane 0 issues every load: K and V once (cp.async.bulk.tensor, 128-byte swizzle),
 //              then per query block Q and dO (tensor maps) and its lse_log2 and D rows (plain bulk
@@ -35,11 +36,12 @@
 // which the other warpgroup reaches after its dQ of block it completed.
 //
 // Preconditions (cuflash/plan/backward.py picks this kernel only then): sm_90a; head-dim bucket 64 or
-// 128; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules); plain batches (packed
-// varlen batches run flash_bwd_sm90.cuh: TMA would bring the next sequence's rows, not zeros, past a
-// sequence's end); deterministic mode off. Tensor maps (cuflash/tma.py): q, k, v, dout as (batch,
-// rows, heads, head_dim), boxes of 64 columns x 64 (q, dout) or 128 (k, v) rows; rows past the tensor
-// arrive as zeros, as the cp.async kernel's zero-filled loads.
+// 128; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules); deterministic mode off.
+// Tensor maps (cuflash/tma.py): q, k, v, dout as (batch, rows, heads, head_dim) (packed varlen
+// batches: one batch of the packed rows, SeqInfo::tma_*), boxes of 64 columns x 64 (q, dout) or 128
+// (k, v) rows; rows past the tensor arrive as zeros, as the cp.async kernel's zero-filled loads. A
+// packed sequence's last key and query tiles bring the next rows of the packed tensor instead: the
+// consumers zero them in shared memory (clear_tail) before any wgmma reads them.
 #pragma once
 
 #include "flash_bwd_sm90.cuh"  // Sm90BwdConfig, bwd_p_pair, BwdModTile, dq / dK dV epilogues
@@ -68,7 +70,6 @@ struct Sm90WsBwdConfig : Sm90BwdConfig<kHeadDim_, 128, kIsBF16_, kIsCausal_, kMo
     static constexpr int kSmemBytes = 1024 + 2 * Base::kTileBytesKV + 2 * kStages * Base::kTileBytesQ +
                                       2 * Base::kTileBytesDS + kStages * kRowsBytes + 8 * kBarriers;
     static_assert(!Base::kSplit, "head dims 64 and 128 (256 runs the split cp.async kernel)");
-    static_assert((kMods_ & kModVarlen) == 0, "packed batches run flash_bwd_sm90.cuh");
     static_assert(kStages >= 2 && kStages <= 4, "a ring of 2 to 4 query-block slots");
 };
 
@@ -90,7 +91,10 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wg = warp / 4;
-    const BwdKeyBlock<Cfg> blk = BwdKeyBlock<Cfg>::make(p);  // plain batches: (blockIdx.x, blockIdx.z)
+    const BwdKeyBlock<Cfg> blk = BwdKeyBlock<Cfg>::make(p);  // key block n_block of sequence seq (varlen.cuh)
+    if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
+        if (blk.skip) return;  // a spare slot of the scheduler (uniform over the CTA)
+    }
     const auto& seq = blk.seq;
     const int n_block = blk.n_block, hk = blockIdx.y;
     const int n0 = n_block * kBlockN;
@@ -131,18 +135,19 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
         mbar_arrive_expect_tx(full_kv, 2 * Cfg::kTileBytesKV);
 #pragma unroll
         for (int a = 0; a < kAtoms; ++a) {
-            tma_load_4d(s_k + a * kBlockN * 128, &P.tma_k, full_kv, 64 * a, n0, hk, seq.b);
-            tma_load_4d(s_v + a * kBlockN * 128, &P.tma_v, full_kv, 64 * a, n0, hk, seq.b);
+            tma_load_4d(s_k + a * kBlockN * 128, &P.tma_k, full_kv, 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
+            tma_load_4d(s_v + a * kBlockN * 128, &P.tma_v, full_kv, 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
         }
         for (int it = 0; it < n_iters; ++it) {
             const int st = it % kStages;
-            const int h = walk.head(it), m0 = walk.m_block(it) * kBlockM;
+            const int h = walk.head(it), m0 = walk.m_block(it) * kBlockM, row = seq.tma_q_row(m0);
             mbar_wait(empty(st), ((it / kStages) & 1) ^ 1);
             mbar_arrive_expect_tx(full(st), 2 * Cfg::kTileBytesQ + Cfg::kRowsBytes);
 #pragma unroll
             for (int a = 0; a < kAtoms; ++a) {
-                tma_load_4d(s_q0 + st * Cfg::kTileBytesQ + a * kBlockM * 128, &P.tma_q, full(st), 64 * a, m0, h, seq.b);
-                tma_load_4d(s_do0 + st * Cfg::kTileBytesQ + a * kBlockM * 128, &P.tma_do, full(st), 64 * a, m0, h, seq.b);
+                tma_load_4d(s_q0 + st * Cfg::kTileBytesQ + a * kBlockM * 128, &P.tma_q, full(st), 64 * a, row, h, seq.tma_batch());
+                tma_load_4d(s_do0 + st * Cfg::kTileBytesQ + a * kBlockM * 128, &P.tma_do, full(st), 64 * a, row, h,
+                            seq.tma_batch());
             }
             // lse_log2 and D rows are padded to whole query blocks (and 256-byte aligned): no bounds.
             const i64 row0 = seq.scratch_row(p, h) + m0;
@@ -175,13 +180,37 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
     for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     const int key_local = cwg * 64 + (cwarp % 4) * 16 + g;  // this thread's key rows: key_local, key_local + 8
 
-    if (n_iters > 0) mbar_wait(full_kv, 0);
+    // Varlen: rows of a tile past its sequence's keys or queries arrived from the rows that follow in
+    // the packed tensor (the next sequence, rows no sequence owns: any bits, NaN included). Their P is
+    // 0, but 0 * NaN is not: zero them (whole 128-byte lines of every atom, whatever the swizzle) before
+    // any wgmma reads the tile; both consumer warpgroups then meet at named barrier 2. Only a sequence's
+    // last key block and last query block stick out. Plain batches need nothing: rows past the tensor
+    // arrive as zeros.
+    auto clear_tail = [&](u32 s_tile0, u32 s_tile1, int rows, int r0) {
+        if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
+            if (r0 >= rows) return;  // uniform over the consumers
+            const int lines = (rows - r0) * kAtoms;
+            for (int i = tid - 128; i < 2 * lines * 8; i += 256) {
+                const int line = (i / 8) % lines, a = line % kAtoms, r = r0 + line / kAtoms;
+                unsigned char* tile = smem_raw + ((i < lines * 8 ? s_tile0 : s_tile1) - smem_u32(smem_raw));
+                *reinterpret_cast<uint4*>(tile + a * rows * 128 + r * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+            }
+            fence_proxy_async_smem();  // generic stores -> the async proxy (wgmma reads, later TMA writes)
+            named_sync(2, 256);
+        }
+    };
+
+    if (n_iters > 0) {
+        mbar_wait(full_kv, 0);
+        clear_tail(s_k, s_v, kBlockN, seq.len_k(p) - n0);
+    }
     for (int it = 0; it < n_iters; ++it) {
         const int st = it % kStages, buf = it & 1;
         const int h = walk.head(it);
         const int m0 = walk.m_block(it) * kBlockM;
         const u32 s_ds = s_ds0 + buf * Cfg::kTileBytesDS;
         mbar_wait(full(st), (it / kStages) & 1);
+        clear_tail(s_q0 + st * Cfg::kTileBytesQ, s_do0 + st * Cfg::kTileBytesQ, kBlockM, seq.len_q(p) - m0);
 
         // ---- issue S^T = K_c Q^T and dP^T = V_c dO^T as two groups
         float S[kNB][4], dP[kNB][4];

@@ -68,6 +68,11 @@ struct SeqInfo {
     // Element offset of the sequence's first row in a q-shaped / k-shaped tensor.
     CUFLASH_DEVICE i64 q_off(i64 batch_stride, i64 /*row_stride*/) const { return b * batch_stride; }
     CUFLASH_DEVICE i64 k_off(i64 batch_stride, i64 /*row_stride*/) const { return b * batch_stride; }
+    // Tensor-map coordinates (cuflash/tma.py's (batch, rows, heads, head_dim) maps): the batch index and
+    // the rows of query row m0 / key row n0 of the sequence.
+    CUFLASH_DEVICE int tma_batch() const { return b; }
+    CUFLASH_DEVICE int tma_q_row(int m0) const { return m0; }
+    CUFLASH_DEVICE int tma_k_row(int n0) const { return n0; }
     // Index of the sequence's first lse value of head h ((batch, nheads, seqlen_q) layout).
     template <class P>
     CUFLASH_DEVICE i64 lse_row(const P& p, int h) const { return ((i64)b * p.nheads + h) * p.seqlen_q; }
@@ -110,6 +115,10 @@ struct SeqInfo<true> {
     CUFLASH_DEVICE int len_k(const P&) const { return seqlen_k; }
     CUFLASH_DEVICE i64 q_off(i64, i64 row_stride) const { return q_start * row_stride; }
     CUFLASH_DEVICE i64 k_off(i64, i64 row_stride) const { return k_start * row_stride; }
+    // Tensor-map coordinates: one batch of the packed rows (packed K/V: bt_row is null).
+    CUFLASH_DEVICE int tma_batch() const { return 0; }
+    CUFLASH_DEVICE int tma_q_row(int m0) const { return q_start + m0; }
+    CUFLASH_DEVICE int tma_k_row(int n0) const { return k_start + n0; }
     template <class P>
     CUFLASH_DEVICE i64 lse_row(const P& p, int h) const { return (i64)h * p.seqlen_q + q_start; }
     CUFLASH_DEVICE i64 scratch_row(const BwdParams& p, int h) const { return (i64)h * p.seqlen_q_pad + (i64)q_tile0 * p.block_m; }

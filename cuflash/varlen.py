@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import checks, forward, jit, launch, plan, variants
+from . import backward, checks, forward, jit, launch, plan, variants
 from .params import BWD_PACKER, FWD_PACKER
 
 #: Most sequences in one packed batch (the device-side search of varlen.cuh counts in int32 powers of 32).
@@ -141,7 +141,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                  softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                  rng_state=None, seqused_k=None, deterministic=False, dq=None, dk=None, dv=None, check=False,
-                 tile: plan.BwdTile | plan.BwdSm90Tile | None = None):  # fmt: skip
+                 tile: plan.BwdTile | plan.BwdSm90Tile | plan.BwdSm90WsTile | None = None):  # fmt: skip
     """``attention_varlen_backward`` with a forced main-kernel tile (as cuflash.backward.run); for tests."""
     cupy = checks.cupy_module()
     # Deterministic mode always validates the prefix sums on the host (one synchronization): with a
@@ -174,9 +174,14 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
         arrays = {"q": q, "k": k, "v": v, "o": out, "do": dout, "dq": dq, "dk": dk, "dv": dv}
         four = {name: x[None] for name, x in arrays.items()}
         aligned = g.head_dim % 8 == 0 and all(checks.aligned16(x) for x in four.values())
-        bp, fns = _plan_and_load_bwd(g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim,
-                                     checks.DTYPE_NAMES[q.dtype], var.causal, aligned, g.device_id, bool(deterministic),
-                                     var.mods, tile)  # fmt: skip
+        dtype = checks.DTYPE_NAMES[q.dtype]
+        bp, fns = _plan_and_load_bwd(g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim, dtype, var.causal,
+                                     aligned, g.device_id, bool(deterministic), var.mods, tile)  # fmt: skip
+        maps = backward.tma_maps(bp.main, four["q"], four["k"], four["v"], four["do"], dtype, forced=tile is not None)
+        if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
+            bp, fns = _plan_and_load_bwd(g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim, dtype,
+                                         var.causal, aligned, g.device_id, bool(deterministic), var.mods,
+                                         plan.BWD_SM90_TILES[bp.main.spec.head_dim])  # fmt: skip
         main_tile = bp.main.spec.tile
         dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
         rows = (1, g.nheads, bp.seqlen_q_pad)
@@ -202,8 +207,9 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
             mod=var.record(softmax_scale, *g.pointers),
         )  # fmt: skip
         stream = cupy.cuda.get_current_stream().ptr
-        for how, fn in zip((bp.pre, bp.main, bp.convert), fns):
-            launch.launch_record(fn, how, record, stream)
+        launch.launch_record(fns[0], bp.pre, record, stream)
+        launch.launch_record(fns[1], bp.main, (maps or b"") + record, stream)
+        launch.launch_record(fns[2], bp.convert, record, stream)
     return grads
 
 

@@ -191,7 +191,8 @@ def variant_cases(rng, arch):
 
 def hopper_cases(rng, arch):
     """The warp-specialized TMA forward: each schedule on ragged causal / windowed cases at 1, 3 and
-    ragged key-tile counts; the 3-warpgroup hd64 tile; partial last boxes; varlen NaN tails and paged K/V."""
+    ragged key-tile counts; the 3-warpgroup hd64 tile; partial last boxes; varlen NaN tails and paged K/V;
+    the TMA backward's ring depths, a window, variants and its varlen NaN tails."""
     if arch != "sm_90a":
         sys.exit("--only hopper needs an sm_90a GPU")
     from test_hopper_ws_gpu import test_varlen_nan_after_the_keys_stays_out
@@ -219,6 +220,10 @@ def hopper_cases(rng, arch):
         q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, d, dt)
         check_backward(q, k, v, causal=causal, dtype=dt, tile=tile, rng=rng, **kw)
         print(f"ok backward {tile} sq={sq} sk={sk} d={d} {dt} causal={causal} {kw}")
+    from test_hopper_ws_bwd_gpu import test_varlen_nan_past_the_sequences_stays_out
+
+    test_varlen_nan_past_the_sequences_stays_out(64, True)  # packed: tiles past the sequences zeroed in smem
+    print("ok backward varlen NaN tails")
     cupy.cuda.runtime.deviceSynchronize()
 
 

@@ -1,8 +1,9 @@
 """GPU tests of what is particular to the warp-specialized TMA backward (cuda_src/flash_bwd_sm90_ws.cuh):
 ring depths around the walk's length (1 query block, exactly the ring, one past it, many), GQA walks
 over several heads, head dims whose last 64-column box sticks out of the tensor, CTAs whose key block
-no query sees (a window), strided inputs, the fallback where no tensor map describes an input, and
-agreement with the cp.async Hopper kernel on the same data.
+no query sees (a window), strided inputs, the fallback where no tensor map describes an input,
+agreement with the cp.async Hopper kernel on the same data, and packed (varlen) batches whose tiles
+stick out into rows of NaN.
 Skipped without a GPU; these need sm_90a."""
 from __future__ import annotations
 
@@ -120,3 +121,43 @@ def test_default_is_the_tma_kernel_and_falls_back():
     for got, ref in zip((dq, dk, dv), want):
         assert not np.isnan(to_f64(got)).any()
         np.testing.assert_allclose(to_f64(got), to_f64(ref), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_nan_past_the_sequences_stays_out(head_dim, causal):
+    """Packed batches: a sequence's last key tile brings the rows after its used keys (seqused_k gaps,
+    rows after the last sequence), its last query tile the rows after its queries (here NaN in q, dout
+    and out after the last sequence). The TMA kernel zeroes them in shared memory and must give what
+    the cp.async kernel (which zero-fills them) gives, with no NaN; GQA, 3 sequences."""
+    _hopper()
+    import cupy
+
+    from cuflash import plan, varlen
+    from cuflash.checks import BF16
+
+    rng = np.random.default_rng(head_dim + causal)
+    lengths, n = [300, 200, 77], 577
+    total = n + 40  # 40 rows after the last sequence
+    q, k, v, dout = (cupy.asarray(rng.standard_normal((total, h, head_dim), dtype=np.float32).astype(BF16))
+                     for h in (4, 2, 2, 4))  # fmt: skip
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    used = cupy.asarray(np.array([100, 150, 77], np.int32))
+    for x in (k, v):
+        for rows in (slice(100, 300), slice(450, 500), slice(n, total)):  # sequence 0's and 1's unused keys, the tail
+            _poison(x, rows)
+    for x in (q, dout):
+        _poison(x, slice(n, total))
+    out, lse = varlen.run(q, k, v, cu, cu, 300, 300, seqused_k=used, causal=causal, return_lse=True)
+    _poison(out, slice(n, total))
+    kw = dict(seqused_k=used, causal=causal)
+    got = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, tile=plan.BWD_SM90_WS_TILES[head_dim], **kw)
+    want = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, tile=plan.BWD_SM90_TILES[head_dim], **kw)
+    for name, x, y in zip(("dq", "dk", "dv"), got, want):
+        x, y = to_f64(x[:n]), to_f64(y[:n])
+        assert not np.isnan(x).any(), name
+        assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max(), name
+
+
+def _poison(x, rows):
+    x.view("uint16")[rows] = 0x7FFF  # NaN in fp16 and bf16

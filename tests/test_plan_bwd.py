@@ -85,9 +85,11 @@ def test_all_bwd_specs_lists_every_variant_once():
     assert len(specs) == len(set(specs)) == 8 * 2 * 2 * 2 + 2 * 2 * 2 + hopper  # main + (pre, convert) x dtype x load path
     assert len({s.name for s in specs}) == len(specs)
     assert not [s for s in plan.all_bwd_specs("sm_80") if s.family.startswith("flash_bwd_sm90")]
-    # packed batches: no warp-specialized variant (it runs plain batches only)
+    # packed batches: both Hopper kernels (the warp-specialized one is the default, the cp.async one its fallback)
     packed = plan.all_bwd_specs("sm_90a", mods=(plan.MOD_VARLEN,))
-    assert not [s for s in packed if s.family == "flash_bwd_sm90_ws"] and [s for s in packed if s.family == "flash_bwd_sm90"]
+    ws = [s for s in packed if s.family == "flash_bwd_sm90_ws"]
+    assert len(ws) == len(plan.BWD_SM90_WS_TILES) * 2 * 2 and all(s.mods == plan.MOD_VARLEN for s in ws)
+    assert [s for s in packed if s.family == "flash_bwd_sm90"]
 
 
 def _bwd_plan(head_dim=128, arch="sm_90a", aligned=True, deterministic=False, tile=None):
@@ -113,10 +115,11 @@ def test_warp_specialized_backward_where_it_can(head_dim):
     with_mods = plan.plan_backward(batch=2, seqlen_q=100, seqlen_k=100, nheads=2, nheads_kv=2, head_dim=head_dim,
                                    dtype="fp16", causal=False, aligned=True, arch="sm_90a", mods=plan.MOD_SOFTCAP)
     assert with_mods.main.spec.template_args() == f"{d}, false, false, {plan.MOD_SOFTCAP}, {st}"
-    # the cp.async Hopper kernel for packed batches or when forced; the mma.sync one elsewhere
+    # packed batches too (scheduler grid, varlen source); the cp.async Hopper kernel when forced; the mma.sync one elsewhere
     packed = plan.plan_backward(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=head_dim,
                                 dtype="bf16", causal=True, aligned=True, arch="sm_90a", mods=plan.MOD_VARLEN)
-    assert packed.main.spec.family == "flash_bwd_sm90"
+    assert packed.main.spec.family == "flash_bwd_sm90_ws" and packed.main.grid == (700 // 128 + 2, 2, 1)
+    assert packed.main.spec.template_args() == f"{d}, true, true, {plan.MOD_VARLEN}, {st}"
     assert _bwd_plan(head_dim, tile=plan.BWD_SM90_TILES[d]).main.spec.family == "flash_bwd_sm90"
     assert _bwd_plan(head_dim, deterministic=True).main.spec.family == "flash_bwd"
     assert _bwd_plan(head_dim, arch="sm_80").main.spec.family == "flash_bwd"
@@ -130,8 +133,8 @@ def test_warp_specialized_backward_where_it_can(head_dim):
 def test_warp_specialized_backward_tile_errors():
     with pytest.raises(ValueError, match="no warp-specialized backward tile"):
         _bwd_plan(256, tile=plan.BwdSm90WsTile())
-    with pytest.raises(ValueError, match="packed"):
-        plan.bwd_sm90_ws_spec(128, "bf16", False, mods=plan.MOD_VARLEN)
+    with pytest.raises(ValueError, match="no warp-specialized backward tile"):
+        plan.bwd_sm90_ws_spec(256, "bf16", False, mods=plan.MOD_VARLEN)
 
 
 @pytest.mark.parametrize("head_dim", [64, 56, 128, 120, 256, 248])

@@ -119,7 +119,7 @@ def varlen_cases(draw):
         lengths_q=lengths_q, lengths_k=lengths_k, causal=draw(st.booleans()), window=window,
         softcap=draw(st.sampled_from([0.0, 0.0, 20.0])), alibi=draw(st.sampled_from([None, None, "heads", "batch"])),
         scale=draw(st.one_of(st.none(), st.floats(0.05, 1.0))), seed=draw(st.integers(0, 2**32 - 1)),
-        deterministic=draw(st.booleans()), kernel=draw(st.sampled_from(["plan", "mma.sync"])),
+        deterministic=draw(st.booleans()), kernel=draw(st.sampled_from(["plan", "mma.sync", "cp.async"])),
     )  # fmt: skip
 
 
@@ -148,6 +148,8 @@ def test_varlen_property(case):
     rng, q, k, v, cu_q, cu_k, variants = _case_inputs(case)
     dt, what = case["dtype"], f"case {case}"
     fwd_tile, bwd_tile = _tiles(case["kernel"], case["head_dim"])
+    if case["deterministic"] and case["kernel"] == "cp.async":
+        bwd_tile = None  # (ordered dQ additions run the mma.sync kernel)
     max_q, max_k = max(case["lengths_q"]), max(case["lengths_k"])
     out = poisoned(q.shape, dt)
     res = varlen.run(q, k, v, cu_q, cu_k, max_q, max_k, causal=case["causal"], softmax_scale=case["scale"],
@@ -199,26 +201,34 @@ def test_varlen_equal_lengths_match_dense(head_dim, variant):
 
 
 def _tiles(kernel, head_dim):
-    """(forward tile, backward tile) that force a kernel family: None, None for the planner's choice."""
+    """(forward tile, backward tile) that force a kernel family: "mma.sync", "cp.async" (the Hopper
+    kernels without TMA, the TMA ones' fallback; the planner's choice where they cannot run), or
+    "plan": None, None for the planner's choice (on Hopper the TMA kernels at head dims 64 / 128)."""
     from cuflash import jit, plan
 
+    bucket, arch = plan.head_dim_bucket(head_dim), jit.device_arch(0)
+    if kernel == "cp.async":
+        runs = arch == "sm_90a" and head_dim % 8 == 0 and bucket in plan.BWD_SM90_TILES
+        return (plan.FWD_SM90_TILES[bucket], plan.BWD_SM90_TILES[bucket]) if runs else (None, None)
     if kernel == "plan":
         return None, None
-    bucket, arch = plan.head_dim_bucket(head_dim), jit.device_arch(0)
     return plan.fwd_tile(bucket, arch), plan.bwd_tile(bucket, arch)
 
 
-@pytest.mark.parametrize("kernel", ["plan", "mma.sync"])
-@pytest.mark.parametrize("head_dim", [128, 100])
+@pytest.mark.parametrize("kernel", ["plan", "mma.sync", "cp.async"])
+@pytest.mark.parametrize("head_dim", [128, 64, 100])
 def test_varlen_ragged_edges(kernel, head_dim):
     """Zero-length sequences (q, k or both), one very long sequence among short ones, sequences of one
     token, and a query sequence with no keys; forward and backward, causal or not, on the planner's
-    kernel (wgmma on Hopper for 128) or the mma.sync one, 16-byte and element-wise loads."""
+    kernel (on Hopper the TMA ones for 64 and 128), the Hopper cp.async one or the mma.sync one,
+    16-byte and element-wise loads."""
     import cupy
 
     from cuflash import varlen
 
     fwd_tile, bwd_tile = _tiles(kernel, head_dim)
+    if kernel == "cp.async" and bwd_tile is None:
+        pytest.skip("the Hopper cp.async kernels run on sm_90a at 16-byte aligned head dims")
     lengths_q = [0, 5, 1, 2100, 0, 77, 3, 129]
     lengths_k = [3, 0, 1, 2000, 0, 200, 3, 128]
     rng = np.random.default_rng(7)

@@ -218,8 +218,8 @@ class BwdSm90WsTile(_Sm90DqLayout):
 
 
 #: Warp-specialized Hopper backward tiles: the default backward main kernel on sm_90a for aligned,
-#: non-deterministic, non-packed calls of these buckets (head dim 256 keeps the split cp.async kernel:
-#: its dK + dV accumulators need the head-dim split; packed batches keep it too, see the kernel header).
+#: non-deterministic calls of these buckets, packed (varlen) batches included (head dim 256 keeps the
+#: split cp.async kernel: its dK + dV accumulators need the head-dim split).
 #: Measured on the H200 (tools/tune_bwd.py --sm90, bf16, 1k / 4k / 16k x causal, TFLOP/s): 3 stages
 #: 1.00-1.05x 2 stages at head dim 64; at 128, 0.96-1.03x (2 stages kept: 45 KB less shared memory).
 BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {64: BwdSm90WsTile(stages=3), 128: BwdSm90WsTile()}
@@ -254,8 +254,6 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
     check_dtype(dtype)
     if bucket not in BWD_SM90_WS_TILES:
         raise ValueError(f"no warp-specialized backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_WS_TILES)})")
-    if mods & MOD_VARLEN:
-        raise ValueError("the warp-specialized backward runs plain batches; packed (varlen) ones take the cp.async kernel")
     tile = tile or BWD_SM90_WS_TILES[bucket]
     if tile.block_n != 128 or tile.block_m != 64 or not 2 <= tile.stages <= 4 or tile.min_blocks != 1:
         raise ValueError(f"the warp-specialized backward runs 128 keys x 64 queries, 2 to 4 stages, min_blocks 1; got {tile}")
@@ -264,10 +262,10 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
     return BwdSm90WsSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
 
 
-def uses_sm90_ws_backward(head_dim: int, aligned: bool, arch: str, deterministic: bool, mods: int = 0) -> bool:
+def uses_sm90_ws_backward(head_dim: int, aligned: bool, arch: str, deterministic: bool) -> bool:
     """True when the backward's main kernel is the warp-specialized TMA one: sm_90a, 16-byte rows, a
-    bucket of BWD_SM90_WS_TILES, atomic dQ, a plain (not packed) batch."""
-    return (arch == "sm_90a" and aligned and not deterministic and head_dim % 8 == 0 and not mods & MOD_VARLEN
+    bucket of BWD_SM90_WS_TILES, atomic dQ (plain or packed batches alike)."""
+    return (arch == "sm_90a" and aligned and not deterministic and head_dim % 8 == 0
             and head_dim_bucket(head_dim) in BWD_SM90_WS_TILES)  # fmt: skip
 
 
@@ -368,8 +366,7 @@ def plan_backward(
         raise ValueError("plan_backward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-    if isinstance(tile, BwdSm90WsTile) or (tile is None and uses_sm90_ws_backward(head_dim, aligned, arch, deterministic,
-                                                                                    mods)):  # fmt: skip
+    if isinstance(tile, BwdSm90WsTile) or (tile is None and uses_sm90_ws_backward(head_dim, aligned, arch, deterministic)):
         if arch != "sm_90a" or not aligned or deterministic or head_dim % 8:
             raise ValueError("the warp-specialized backward needs sm_90a, 16-byte aligned inputs and deterministic=False")
         spec = bwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
@@ -430,6 +427,6 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                         specs.append(BwdSpec(bucket, dt, c, al, bwd_tile(bucket, arch), arch, mods=m))
                         if al and uses_sm90_backward(bucket, True, arch, False):
                             specs.append(bwd_sm90_spec(bucket, dt, c, mods=m))
-                        if al and uses_sm90_ws_backward(bucket, True, arch, False, m):
+                        if al and uses_sm90_ws_backward(bucket, True, arch, False):
                             specs.append(bwd_sm90_ws_spec(bucket, dt, c, mods=m))
     return list(dict.fromkeys(specs))
