@@ -91,8 +91,10 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         k4, v4 = (k, v) if g.paged else (k[None], v[None])  # paged: (pages, page_size, heads, d)
         aligned = g.head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q4, k4, v4, o4))
         dtype = checks.DTYPE_NAMES[q.dtype]
+        # (the plan reads max_seqlen_k only up to the short-key bound: longer ones share a cache entry)
+        keys_hint = min(int(max_seqlen_k), plan.SHORT_KEYS_CAUSAL + 1)
         how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype, var.causal,
-                                 aligned, g.device_id, var.mods, tile)  # fmt: skip
+                                 aligned, g.device_id, var.mods, tile, keys_hint)  # fmt: skip
         maps = forward.tma_maps(how, q4, k4, v4, dtype, forced=tile is not None)
         if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
             how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype,
@@ -351,11 +353,11 @@ def _validate(cu_q, cu_k, seqused_k, total_q: int, total_k: int, max_q: int, max
 
 @functools.lru_cache(maxsize=1024)
 def _plan_and_load(batch, total_q, total_k, nheads, nheads_kv, head_dim, dtype, causal, aligned, device_id, mods,
-                   tile=None):  # fmt: skip
+                   tile=None, max_seqlen_k=None):  # fmt: skip
     how = plan.plan_forward(
         batch=batch, seqlen_q=total_q, seqlen_k=total_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
         dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
-        mods=mods | plan.MOD_VARLEN, sm_count=jit.device_sm_count(device_id),
+        mods=mods | plan.MOD_VARLEN, sm_count=jit.device_sm_count(device_id), max_seqlen_k=max_seqlen_k,
     )  # fmt: skip
     return how, jit.get_function(how.spec, device_id)
 

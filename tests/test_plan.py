@@ -555,8 +555,8 @@ def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
 
 
 def test_short_keys_take_the_persistent_tma_forward():
-    """Keys up to 512 (causal: up to 1024) take FWD_SM90_WS_SHORT_TILES' persistent tile, longer ones and
-    packed batches the default tile."""
+    """Keys up to 512 (causal: up to 1024) take FWD_SM90_WS_SHORT_TILES' persistent tile, longer ones the
+    default tile; packed batches by their longest sequence (max_seqlen_k; unknown: the default)."""
     kw = dict(batch=2, seqlen_q=700, nheads=4, nheads_kv=4, dtype="fp16", aligned=True, arch="sm_90a", sm_count=132)
     for d, short in plan.FWD_SM90_WS_SHORT_TILES.items():
         assert short.persistent
@@ -567,6 +567,13 @@ def test_short_keys_take_the_persistent_tma_forward():
             assert launch.grid == ((min(6 * 4 * 2, 132), 1, 1) if want.persistent else (-(-700 // want.block_m), 4, 2))
         packed = plan.plan_forward(seqlen_k=300, causal=True, head_dim=d, mods=plan.MOD_VARLEN, **kw)
         assert packed.spec.tile == plan.FWD_SM90_WS_TILES[d]
+        for max_k, causal, want in ((512, False, short), (513, False, plan.FWD_SM90_WS_TILES[d]),
+                                    (1024, True, short), (1025, True, plan.FWD_SM90_WS_TILES[d])):  # fmt: skip
+            packed = plan.plan_forward(seqlen_k=20000, causal=causal, head_dim=d, mods=plan.MOD_VARLEN, max_seqlen_k=max_k,
+                                       **kw)  # fmt: skip
+            assert packed.spec.tile == want and packed.m_blocks == 700 // want.block_m + 2, (d, max_k, causal)
+            if want.persistent:
+                assert packed.grid == (min(packed.m_blocks * 4, 132), 1, 1) and packed.spec.mods == plan.MOD_VARLEN
     assert 256 not in plan.FWD_SM90_WS_SHORT_TILES  # (not measured there)
     assert plan.plan_forward(seqlen_k=300, causal=True, head_dim=256, **kw).spec.tile == plan.FWD_SM90_WS_TILES[256]
 

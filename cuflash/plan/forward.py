@@ -143,11 +143,16 @@ FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
 }
 
 
+#: Keys per sequence up to which FWD_SM90_WS_SHORT_TILES run (causal: SHORT_KEYS_CAUSAL).
+SHORT_KEYS, SHORT_KEYS_CAUSAL = 512, 1024
+
+
 def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = False) -> Sm90WsTile:
     """The warp-specialized forward's tile for a call: FWD_SM90_WS_SHORT_TILES where the keys are
-    short (at most 512, or causal at most 1024), else FWD_SM90_WS_TILES. ``default_only``: always the
-    default (packed batches, whose lengths are not known here; plans without the GPU's SM count)."""
-    short = seqlen_k <= 512 or (causal and seqlen_k <= 1024)
+    short (at most SHORT_KEYS, or causal at most SHORT_KEYS_CAUSAL; packed batches: the longest
+    sequence's), else FWD_SM90_WS_TILES. ``default_only``: always the default (packed batches
+    whose longest sequence is not known; plans without the GPU's SM count)."""
+    short = seqlen_k <= SHORT_KEYS or (causal and seqlen_k <= SHORT_KEYS_CAUSAL)
     if short and not default_only and bucket in FWD_SM90_WS_SHORT_TILES:
         return FWD_SM90_WS_SHORT_TILES[bucket]
     return FWD_SM90_WS_TILES[bucket]
@@ -340,6 +345,7 @@ def plan_forward(
     tile: Tile | Sm90Tile | Sm90WsTile | None = None,
     mods: int = 0,
     sm_count: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> Launch:
     """Kernel variant, grid, block and shared memory for one forward call (all sizes >= 1).
 
@@ -351,7 +357,9 @@ def plan_forward(
     number of packed sequences and seqlen_q / seqlen_k the packed totals: the grid is the scheduler's
     seqlen_q // block_m + batch slots per head (cuda_src/varlen.cuh). A persistent Sm90WsTile launches
     min(tiles, ``sm_count``) CTAs that walk those tiles; Launch.m_blocks is the query-tile (or slot)
-    count of FwdParams.num_m_blocks either way."""
+    count of FwdParams.num_m_blocks either way. ``max_seqlen_k`` (packed batches): the longest
+    sequence's keys, which choose the short-key tile as seqlen_k does for a plain batch (None: the
+    default tile)."""
     if min(batch, seqlen_q, nheads, nheads_kv) < 1 or seqlen_k < (0 if mods & MOD_VARLEN else 1):
         raise ValueError("plan_forward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
@@ -360,7 +368,9 @@ def plan_forward(
         if arch != "sm_90a" or not aligned:
             raise ValueError("the warp-specialized forward kernel needs arch sm_90a and 16-byte aligned inputs")
         if tile is None:  # (the persistent short-key tile needs sm_count: without it, the default tile)
-            tile = sm90_ws_tile(head_dim_bucket(head_dim), seqlen_k, causal, bool(mods & MOD_VARLEN) or not sm_count)
+            varlen = bool(mods & MOD_VARLEN)
+            keys = (max_seqlen_k or 0) if varlen else seqlen_k
+            tile = sm90_ws_tile(head_dim_bucket(head_dim), keys, causal, (varlen and max_seqlen_k is None) or not sm_count)
         spec = fwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
     elif isinstance(tile, Sm90Tile) or (tile is None and uses_sm90_forward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned:
@@ -403,7 +413,7 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                             specs.append(fwd_sm90_spec(bucket, dt, c, mods=m))
                         if al and uses_sm90_ws_forward(bucket, True, arch):
                             specs.append(fwd_sm90_ws_spec(bucket, dt, c, mods=m))
-                            if bucket in FWD_SM90_WS_SHORT_TILES and not m & MOD_VARLEN:
+                            if bucket in FWD_SM90_WS_SHORT_TILES:
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, FWD_SM90_WS_SHORT_TILES[bucket], m))
     return list(dict.fromkeys(specs))  # unique, order kept
 
