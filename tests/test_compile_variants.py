@@ -181,7 +181,7 @@ def _variant_selection():
                                         mods=(mods,))  # fmt: skip
             specs += [s for s in plan.all_bwd_specs(arch, head_dims=(hd,), dtypes=("bf16",), causals=(True,),
                                                     aligned=(True,), mods=(mods,))
-                      if s.family in ("flash_bwd", "flash_bwd_sm90")]  # fmt: skip
+                      if s.family in ("flash_bwd", "flash_bwd_sm90", "flash_bwd_sm90_ws")]  # fmt: skip
             if mods != plan.MOD_DROPOUT:
                 specs.append(plan.decode_spec(hd, "bf16", True, 1, arch, mods=mods & ~plan.MOD_DROPOUT))
         specs.append(plan.fwd_spec(96, "fp16", False, False, arch, mods=plan.ALL_MODS))
@@ -205,7 +205,7 @@ def compiled_variants(tmp_path_factory):
 def test_variant_kernels_compile_within_budget(compiled_variants):
     specs, headers = compiled_variants
     assert {s.family for s in specs} == {"flash_fwd", "flash_fwd_sm90", "flash_fwd_sm90_ws", "flash_bwd",
-                                         "flash_bwd_sm90", "flash_decode", "flash_bwd_pre",
+                                         "flash_bwd_sm90", "flash_bwd_sm90_ws", "flash_decode", "flash_bwd_pre",
                                          "flash_bwd_convert"}  # fmt: skip
     assert all(s.varlen if s.family in ("flash_bwd_pre", "flash_bwd_convert") else s.mods for s in specs)
     assert set(headers) == {s.name for s in specs}
