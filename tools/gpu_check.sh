@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, then the steps named (default: precompile tests).
-#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [hopper] [host] [quick]
+#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [varlen] [variants] [hopper] [host] [quick]
 #   precompile  every variant for this GPU, 16 NVRTC processes at once (the tests then load kernels
 #               instead of compiling them)
 #   tests       the whole suite, CPU and GPU, with pytest-xdist (-n 8; conftest.py splits the BLAS threads); junit and the 40 slowest tests
@@ -11,16 +11,19 @@
 #   bench       cuflash bench --op all (prefill forward, backward, forward+backward; BENCH_ARGS adds
 #               options, e.g. --varlen for packed batches) -> bench.json, bench.png
 #   decode      cuflash bench --decode (DECODE_ARGS) -> decode.json, decode.png
-#   e2e         cuflash bench --e2e (E2E_ARGS; ~3 minutes on the H200) -> e2e.json, e2e.png (the loss
+#   e2e         cuflash bench --e2e (E2E_ARGS; ~2-3 minutes on the H200) -> e2e.json, e2e.png (the loss
 #               curves go into the logs)
+#   varlen      cuflash bench --varlen with docs/results' arguments (~70 s) -> varlen.json
+#   variants    cuflash bench --variant all with docs/results' arguments (~220 s; VARIANTS_OP=bwd halves it)
+#               -> variants.json
 #   host        tools/torch_host_overhead.py: host us per call of the PyTorch layer, CuPy API and SDPA
 #   hopper      the TMA kernels' own checks (issue 30): tools/check_sm90.py --ws, their GPU tests, the forward and
 #               backward property tests at HOPPER_EXAMPLES Hypothesis examples (default 400), compute-sanitizer
 #               memcheck, racecheck and synccheck on tests/sanitize_cases.py --only hopper (HOPPER_TIMEOUT per part)
 # Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT,
-# E2E_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary is printed last. The device tool
-# returns at most 8 files: summary.txt, bench.json, bench.png, decode.json, decode.png, e2e.json,
-# e2e.png, logs.tgz.
+# E2E_TIMEOUT, VARLEN_TIMEOUT, VARIANTS_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary
+# is printed last; the result files stay beside it (summary.txt, bench.json, bench.png, decode.json,
+# decode.png, e2e.json, e2e.png, varlen.json, variants.json, logs.tgz).
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
 shift
@@ -75,6 +78,17 @@ if has e2e; then
   note "bench --e2e (rc=$?, $(took)):"; grep -E "median|n/a" "$OUT/e2e.txt" >> "$SUMMARY"
 fi
 
+if has varlen; then
+  timeout ${VARLEN_TIMEOUT:-150} $PY -m cuflash bench --varlen --op all --head-dim 64 --head-dim 128 --repeats 10 \
+      --json "$OUT/varlen.json" > "$OUT/varlen.txt" 2> "$OUT/varlen.err"
+  note "bench --varlen (rc=$?, $(took)):"; grep -E "over" "$OUT/varlen.txt" >> "$SUMMARY"
+fi
+if has variants; then
+  timeout ${VARIANTS_TIMEOUT:-300} $PY -m cuflash bench --variant all --op ${VARIANTS_OP:-all} --head-dim 64 --head-dim 128 \
+      --seqlen 1024 --seqlen 4096 --seqlen 16384 --causal --repeats 10 --json "$OUT/variants.json" > "$OUT/variants.txt" 2> "$OUT/variants.err"
+  note "bench --variant all (rc=$?, $(took)):"; grep -E "over|window 4096" "$OUT/variants.txt" >> "$SUMMARY"
+fi
+
 if has hopper; then
   HT=${HOPPER_TIMEOUT:-200}
   timeout $HT $PY tools/check_sm90.py --ws > "$OUT/check-ws.txt" 2>&1
@@ -93,6 +107,6 @@ if has host; then
   timeout 120 $PY tools/torch_host_overhead.py ${HOST_ARGS:-} > "$OUT/host.txt" 2>&1
   note "host time per call (rc=$?, $(took)):"; grep -v "compiled" "$OUT/host.txt" | sed '/^profile of/,$d' >> "$SUMMARY"  # (the profile stays in the logs)
 fi
-(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|e2e.json|e2e.png|logs.tgz)$'))
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|e2e.json|e2e.png|varlen.json|variants.json|logs.tgz)$'))
 echo "================ summary ================"
 cat "$SUMMARY"
