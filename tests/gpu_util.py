@@ -34,13 +34,21 @@ def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtyp
     return q, k, v
 
 
+NAN_BITS = 0x7FFF  # NaN in both fp16 and bf16
+
+
 def poisoned(shape, dtype: str):
-    """A fresh array filled with NaN bits (0x7fff is NaN in both fp16 and bf16)."""
+    """A fresh array filled with NaN bits."""
     import cupy
 
     out = cupy.empty(shape, dtype=DTYPES[dtype])
-    out.view(cupy.uint16).fill(0x7FFF)
+    out.view(cupy.uint16).fill(NAN_BITS)
     return out
+
+
+def poison_rows(x, rows):
+    """Fill x[rows] (a fp16 / bf16 CuPy array, rows a slice of its first axis) with NaN bits."""
+    x.view("uint16")[rows] = NAN_BITS
 
 
 def to_f64(x) -> np.ndarray:

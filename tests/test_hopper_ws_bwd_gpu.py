@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_util import check_backward, random_qkv, to_f64
+from gpu_util import check_backward, poison_rows, random_qkv, to_f64
 
 pytestmark = pytest.mark.gpu
 
@@ -145,11 +145,11 @@ def test_varlen_nan_past_the_sequences_stays_out(head_dim, causal):
     used = cupy.asarray(np.array([100, 150, 77], np.int32))
     for x in (k, v):
         for rows in (slice(100, 300), slice(450, 500), slice(n, total)):  # sequence 0's and 1's unused keys, the tail
-            _poison(x, rows)
+            poison_rows(x, rows)
     for x in (q, dout):
-        _poison(x, slice(n, total))
+        poison_rows(x, slice(n, total))
     out, lse = varlen.run(q, k, v, cu, cu, 300, 300, seqused_k=used, causal=causal, return_lse=True)
-    _poison(out, slice(n, total))
+    poison_rows(out, slice(n, total))
     kw = dict(seqused_k=used, causal=causal)
     got = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, tile=plan.BWD_SM90_WS_TILES[head_dim], **kw)
     want = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, tile=plan.BWD_SM90_TILES[head_dim], **kw)
@@ -157,7 +157,3 @@ def test_varlen_nan_past_the_sequences_stays_out(head_dim, causal):
         x, y = to_f64(x[:n]), to_f64(y[:n])
         assert not np.isnan(x).any(), name
         assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max(), name
-
-
-def _poison(x, rows):
-    x.view("uint16")[rows] = 0x7FFF  # NaN in fp16 and bf16

@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_util import check_forward, random_qkv, to_f64
+from gpu_util import NAN_BITS, check_forward, poison_rows, random_qkv, to_f64
 
 pytestmark = pytest.mark.gpu
 
-NAN_BITS = 0x7FFF  # NaN in fp16 and bf16
 
 
 def _hopper():
@@ -87,10 +86,6 @@ def test_partial_last_box(head_dim, dtype):
         check_forward(q, k, v, causal=causal, dtype=dtype, what=f"hd{head_dim} causal={causal}")
 
 
-def _poison(x, rows):
-    x.view("uint16")[rows] = NAN_BITS
-
-
 def test_varlen_nan_after_the_keys_stays_out():
     """Rows past each sequence's used keys (seqused_k tails, the rows after the last sequence, the unused
     slots of a last page) hold NaN: the TMA kernel reads them with the sequence's last key tile and
@@ -110,9 +105,9 @@ def test_varlen_nan_after_the_keys_stays_out():
     used = cupy.asarray(np.array([100, 150, 77], np.int32))
     k, v = k0.copy(), v0.copy()
     for x in (k, v):
-        _poison(x, slice(100, 300))  # sequence 0's unused keys
-        _poison(x, slice(450, 500))  # sequence 1's
-        _poison(x, slice(sum(lengths), total))  # past the last sequence
+        poison_rows(x, slice(100, 300))  # sequence 0's unused keys
+        poison_rows(x, slice(450, 500))  # sequence 1's
+        poison_rows(x, slice(sum(lengths), total))  # past the last sequence
     old = plan.FWD_SM90_TILES[d]
     for kw in (dict(causal=False), dict(causal=True), dict(causal=False, window_size=(64, 64))):
         got = varlen.run(q, k, v, cu, cu, 300, 300, seqused_k=used, **kw)
