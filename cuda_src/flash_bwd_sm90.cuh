@@ -211,9 +211,38 @@ struct BwdModTile {
 struct BwdNoMods {
     template <class Seq>
     CUFLASH_DEVICE BwdNoMods(const BwdParams&, const Seq&, int, int, int, int) {}
+    CUFLASH_DEVICE bool kept(int, int, int) const { return true; }
 };
 template <class Mask, int kNB>
 using BwdModTileOf = Choose<(Mask::kBits & kModScores) != 0, BwdModTile<Mask, kNB>, BwdNoMods>;
+
+// P^T of key j and queries i, i + 1 (elements S^T[nb][2 r], S^T[nb][2 r + 1] of raw scores s0, s1; i0 =
+// m0 + 2 t, the thread's first query of the block) for the two 64-key kernels: pv what dV takes (dropout:
+// dropped, scaled by 1 / (1 - p)), pd what dS^T takes (softcap: times 1 - tanh^2), kept whether dropout
+// kept each. Plain variants: bwd_p_pair, pv = pd.
+template <class Cfg, class Mods>
+CUFLASH_DEVICE void bwd_sm90_probs(const BwdParams& p, const Mods& mods, float s0, float s1, float2 l2, bool need_mask, int nb,
+                                   int r, int j, int i, int i0, int offset, int len_k, float (&pv)[2], float (&pd)[2],
+                                   bool (&kept)[2]) {
+    if constexpr ((Cfg::kMods & kModScores) == 0) {
+        const float2 pp = bwd_p_pair<Cfg::kIsCausal>(s0, s1, l2, p.scale_log2, need_mask, j, i, offset, len_k);
+        pv[0] = pd[0] = pp.x;
+        pv[1] = pd[1] = pp.y;
+        kept[0] = kept[1] = true;
+    } else {
+        mods.probs(s0, s1, l2, p.scale_log2, need_mask, nb, r, j, i, mods.dist_base(j, i0) + 8 * nb, pv, pd, kept);
+    }
+}
+
+// dS^T of one element from bwd_sm90_probs' pd: pd (dP^T - D[i]), dP^T dropped and scaled with dropout.
+template <class Cfg, class Mods>
+CUFLASH_DEVICE float bwd_sm90_ds(const Mods& mods, float pd, float dp, float d, bool kept) {
+    if constexpr ((Cfg::kMods & kModScores) == 0) {
+        return pd * (dp - d);
+    } else {
+        return pd * (mods.dropped_dp(dp, kept) - d);
+    }
+}
 
 // dq_accum += this warp's dQ part (query block at m0 of head h): kCols / 8 float4 groups per thread,
 // in the register order of flash_bwd_convert_kernel with dq_q_warps = 4 (warp w = 4 wg + i holds
@@ -348,20 +377,13 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
             u32 pk[2], dk[2];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                if constexpr ((Cfg::kMods & kModScores) == 0) {
-                    const float2 pp = bwd_p_pair<Cfg::kIsCausal>(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask,
-                                                                n0 + key_local + 8 * r, m0 + col, offset, seq.len_k(p));
-                    pk[r] = pack2<kBF16>(pp.x, pp.y);
-                    dk[r] = pack2<kBF16>(pp.x * (dP[nb][2 * r] - dd.x), pp.y * (dP[nb][2 * r + 1] - dd.y));
-                } else {
-                    float pd[2], pdt[2];
-                    bool kept[2];
-                    mods.probs(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask, nb, r, n0 + key_local + 8 * r,
-                               m0 + col, mods.dist_base(n0 + key_local + 8 * r, m0 + 2 * t) + 8 * nb, pd, pdt, kept);
-                    pk[r] = pack2<kBF16>(pd[0], pd[1]);
-                    dk[r] = pack2<kBF16>(pdt[0] * (mods.dropped_dp(dP[nb][2 * r], kept[0]) - dd.x),
-                                         pdt[1] * (mods.dropped_dp(dP[nb][2 * r + 1], kept[1]) - dd.y));
-                }
+                float pv[2], pd[2];
+                bool kept[2];
+                bwd_sm90_probs<Cfg>(p, mods, S[nb][2 * r], S[nb][2 * r + 1], l2, need_mask, nb, r, n0 + key_local + 8 * r,
+                                    m0 + col, m0 + 2 * t, offset, seq.len_k(p), pv, pd, kept);
+                pk[r] = pack2<kBF16>(pv[0], pv[1]);
+                dk[r] = pack2<kBF16>(bwd_sm90_ds<Cfg>(mods, pd[0], dP[nb][2 * r], dd.x, kept[0]),
+                                     bwd_sm90_ds<Cfg>(mods, pd[1], dP[nb][2 * r + 1], dd.y, kept[1]));
             }
             // A fragment of k-step nb / 2: rows g / g+8 x queries 2t.. of blocks 2kk (regs 0, 1), 2kk+1 (2, 3)
             a_p[nb / 2][2 * (nb % 2)] = pk[0];

@@ -236,22 +236,13 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
             const float2 l2 = *reinterpret_cast<const float2*>(s_lse + col);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int j = n0 + key_local + 8 * r;
-                if constexpr ((Cfg::kMods & kModScores) == 0) {
-                    const float2 pp = bwd_p_pair<Cfg::kIsCausal>(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask, j,
-                                                                m0 + col, offset, seq.len_k(p));
-                    S[nb][2 * r] = pp.x;
-                    S[nb][2 * r + 1] = pp.y;
-                    a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pp.x, pp.y);
-                } else {
-                    float pd[2], pdt[2];
-                    bool kept[2];
-                    mods.probs(S[nb][2 * r], S[nb][2 * r + 1], l2, p.scale_log2, need_mask, nb, r, j, m0 + col,
-                               mods.dist_base(j, m0 + 2 * t) + 8 * nb, pd, pdt, kept);
-                    S[nb][2 * r] = pdt[0];
-                    S[nb][2 * r + 1] = pdt[1];
-                    a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pd[0], pd[1]);
-                }
+                float pv[2], pd[2];
+                bool kept[2];
+                bwd_sm90_probs<Cfg>(p, mods, S[nb][2 * r], S[nb][2 * r + 1], l2, need_mask, nb, r, n0 + key_local + 8 * r,
+                                    m0 + col, m0 + 2 * t, offset, seq.len_k(p), pv, pd, kept);
+                S[nb][2 * r] = pd[0];  // (kept for dS^T)
+                S[nb][2 * r + 1] = pd[1];
+                a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pv[0], pv[1]);
             }
         }
 
@@ -269,12 +260,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
             const float2 dd = *reinterpret_cast<const float2*>(s_d + col);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float dp0 = dP[nb][2 * r], dp1 = dP[nb][2 * r + 1];
-                if constexpr ((Cfg::kMods & kModScores) != 0) {
-                    dp0 = mods.dropped_dp(dp0, mods.kept(nb, r, 0));
-                    dp1 = mods.dropped_dp(dp1, mods.kept(nb, r, 1));
-                }
-                const u32 ds = pack2<kBF16>(S[nb][2 * r] * (dp0 - dd.x), S[nb][2 * r + 1] * (dp1 - dd.y));
+                const u32 ds = pack2<kBF16>(bwd_sm90_ds<Cfg>(mods, S[nb][2 * r], dP[nb][2 * r], dd.x, mods.kept(nb, r, 0)),
+                                            bwd_sm90_ds<Cfg>(mods, S[nb][2 * r + 1], dP[nb][2 * r + 1], dd.y, mods.kept(nb, r, 1)));
                 a_ds[nb / 2][2 * (nb % 2) + r] = ds;
                 const int row = key_local + 8 * r;  // 16-byte chunk nb of the row, swizzled by the row
                 asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t), "r"(ds));
