@@ -36,7 +36,8 @@
 // which the other warpgroup reaches after its dQ of block it completed.
 //
 // Preconditions (cuflash/plan/backward.py picks this kernel only then): sm_90a; head-dim bucket 64 or
-// 128; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules); deterministic mode off.
+// 128; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules). Deterministic mode orders
+// the dQ additions of a query block by key block (turn counters), as flash_bwd_kernel does.
 // Tensor maps (cuflash/tma.py): q, k, v, dout as (batch, rows, heads, head_dim) (packed varlen
 // batches: one batch of the packed rows, SeqInfo::tma_*), boxes of 64 columns x 64 (q, dout) or 128
 // (k, v) rows; rows past the tensor arrive as zeros, as the cp.async kernel's zero-filled loads. A
@@ -291,7 +292,24 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
         __syncwarp();
         if (lane == 0) mbar_arrive(empty(st));  // Q, dO and the rows of this slot are no longer read
 
+        // Deterministic mode: the key blocks that visit this query block add their dQ parts in key-block
+        // order (the turn counter, as flash_bwd_kernel): one consumer thread waits for this CTA's turn,
+        // named barrier 3 holds the other 255 until then, and after every warp's additions (fenced) the
+        // turn passes on. CTAs wait only on lower key blocks, which launch earlier: no deadlock.
+        int* turn = p.dq_turn + seq.turn_row(p, h) + walk.m_block(it);
+        if (p.deterministic) {
+            if (tid == 128) {
+                while (ld_acquire_gpu(turn) != blk.dq_turn(p, m0)) {
+                }
+            }
+            named_sync(3, 256);
+        }
         bwd_sm90_add_dq<Cfg::kDQCols>(p, acc_dq, seq, h, m0, cwarp, lane);
+        if (p.deterministic) {
+            __threadfence();  // this thread's additions are visible device-wide ...
+            named_sync(3, 256);  // ... for every consumer thread, before the turn passes on
+            if (tid == 128) red_release_gpu_add(turn, 1);
+        }
     }
 
     bwd_sm90_store_dkdv<kBF16, kHeadDim>(p, acc_dk, acc_dv, seq, hk, n0 + key_local, 0, t);

@@ -30,8 +30,8 @@ def attention_backward(
     forward's dropout mask).
     deterministic: False (default) adds the dq partial sums with fp32 atomics in whatever order the
     CTAs run (results may differ in the last bits between runs); True adds them in a fixed order
-    (bitwise identical results run after run, somewhat slower; on Hopper it runs the mma.sync main
-    kernel instead of the wgmma one).
+    (bitwise identical results run after run, somewhat slower; on Hopper head dims 64 and 128 keep
+    the TMA kernel, other head dims run the mma.sync one).
     dq, dk, dv: optional outputs (shapes and dtypes of q, k, v, last dim contiguous) written in place.
 
     Runs on CuPy's current stream and never synchronizes. Extra device memory: an fp32 buffer of
@@ -77,10 +77,10 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
             device_id, tile, bool(deterministic), var.mods,
         )  # fmt: skip
         maps = tma_maps(bp.main, q, k, v, dout, dtype, forced=tile is not None)
-        if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
+        if maps is None:  # no tensor map describes an input: the kernel without TMA
             bp, fns = _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
-                                     device_id, plan.BWD_SM90_TILES[bp.main.spec.head_dim], bool(deterministic),
-                                     var.mods)  # fmt: skip
+                                     device_id, fallback_tile(bp.main.spec.head_dim, bool(deterministic)),
+                                     bool(deterministic), var.mods)  # fmt: skip
         main_tile = bp.main.spec.tile
         dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
         rows = (batch, nheads, bp.seqlen_q_pad)
@@ -110,6 +110,12 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
         launch.launch_record(fns[1], bp.main, (maps or b"") + record, stream)
         launch.launch_record(fns[2], bp.convert, record, stream)
     return grads
+
+
+def fallback_tile(bucket: int, deterministic: bool):
+    """The main-kernel tile where no tensor map describes an input: the cp.async Hopper kernel, or the
+    mma.sync one in deterministic mode (the cp.async kernel has no ordered dQ additions)."""
+    return plan.bwd_tile(bucket, "sm_90a") if deterministic else plan.BWD_SM90_TILES[bucket]
 
 
 def tma_maps(how, q, k, v, dout, dtype: str, forced: bool = False) -> bytes | None:

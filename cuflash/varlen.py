@@ -181,10 +181,10 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
         bp, fns = _plan_and_load_bwd(g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim, dtype, var.causal,
                                      aligned, g.device_id, bool(deterministic), var.mods, tile)  # fmt: skip
         maps = backward.tma_maps(bp.main, four["q"], four["k"], four["v"], four["do"], dtype, forced=tile is not None)
-        if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
+        if maps is None:  # no tensor map describes an input: the kernel without TMA
             bp, fns = _plan_and_load_bwd(g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim, dtype,
                                          var.causal, aligned, g.device_id, bool(deterministic), var.mods,
-                                         plan.BWD_SM90_TILES[bp.main.spec.head_dim])  # fmt: skip
+                                         backward.fallback_tile(bp.main.spec.head_dim, bool(deterministic)))  # fmt: skip
         main_tile = bp.main.spec.tile
         dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
         rows = (1, g.nheads, bp.seqlen_q_pad)

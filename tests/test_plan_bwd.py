@@ -121,11 +121,11 @@ def test_warp_specialized_backward_where_it_can(head_dim):
     assert packed.main.spec.family == "flash_bwd_sm90_ws" and packed.main.grid == (700 // 128 + 2, 2, 1)
     assert packed.main.spec.template_args() == f"{d}, true, true, {plan.MOD_VARLEN}, {st}"
     assert _bwd_plan(head_dim, tile=plan.BWD_SM90_TILES[d]).main.spec.family == "flash_bwd_sm90"
-    assert _bwd_plan(head_dim, deterministic=True).main.spec.family == "flash_bwd"
+    assert _bwd_plan(head_dim, deterministic=True).main.spec == spec  # ordered dQ additions on the same kernel
     assert _bwd_plan(head_dim, arch="sm_80").main.spec.family == "flash_bwd"
     assert _bwd_plan(head_dim, aligned=False).main.spec.family == "flash_bwd"
     with pytest.raises(ValueError, match="warp-specialized backward"):
-        _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(), deterministic=True)
+        _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(), aligned=False)
     with pytest.raises(ValueError, match="128 keys x 64 queries"):
         _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(stages=5))
 
@@ -155,7 +155,8 @@ def test_hopper_backward_where_it_can(head_dim):
     assert t.warp_tiles(d)["dq"] == (16, d // 2) and t.dq_q_warps == 4 and t.warps == 8
     assert spec.template_args() == f"{d}, {n}, true, true"
     # the mma.sync kernel elsewhere
-    assert _bwd_plan(head_dim, deterministic=True).main.spec.family == "flash_bwd"  # ordered dQ additions
+    want = "flash_bwd_sm90_ws" if bucket in plan.BWD_SM90_WS_TILES else "flash_bwd"  # ordered dQ additions
+    assert _bwd_plan(head_dim, deterministic=True).main.spec.family == want
     assert _bwd_plan(head_dim, arch="sm_80").main.spec.family == "flash_bwd"
     assert _bwd_plan(head_dim, aligned=False).main.spec.family == "flash_bwd"
 

@@ -217,9 +217,9 @@ class BwdSm90WsTile(_Sm90DqLayout):
         return 12  # a producer warpgroup and two consumer warpgroups
 
 
-#: Warp-specialized Hopper backward tiles: the default backward main kernel on sm_90a for aligned,
-#: non-deterministic calls of these buckets, packed (varlen) batches included (head dim 256 keeps the
-#: split cp.async kernel: its dK + dV accumulators need the head-dim split).
+#: Warp-specialized Hopper backward tiles: the default backward main kernel on sm_90a for aligned
+#: calls of these buckets, packed (varlen) batches and deterministic mode included (head dim 256 keeps
+#: the split cp.async kernel: its dK + dV accumulators need the head-dim split).
 #: Measured on the H200 (tools/tune_bwd.py --sm90, bf16, 1k / 4k / 16k x causal, TFLOP/s): 3 stages
 #: 1.00-1.05x 2 stages at head dim 64; at 128, 0.96-1.03x (2 stages kept: 45 KB less shared memory).
 BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {64: BwdSm90WsTile(stages=3), 128: BwdSm90WsTile()}
@@ -264,9 +264,9 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
 
 def uses_sm90_ws_backward(head_dim: int, aligned: bool, arch: str, deterministic: bool) -> bool:
     """True when the backward's main kernel is the warp-specialized TMA one: sm_90a, 16-byte rows, a
-    bucket of BWD_SM90_WS_TILES, atomic dQ (plain or packed batches alike)."""
-    return (arch == "sm_90a" and aligned and not deterministic and head_dim % 8 == 0
-            and head_dim_bucket(head_dim) in BWD_SM90_WS_TILES)  # fmt: skip
+    bucket of BWD_SM90_WS_TILES (plain or packed batches, atomic or deterministic dQ alike)."""
+    del deterministic  # (the kernel orders its dQ additions by turn counters in deterministic mode)
+    return arch == "sm_90a" and aligned and head_dim % 8 == 0 and head_dim_bucket(head_dim) in BWD_SM90_WS_TILES
 
 
 def bwd_sm90_smem_bytes(head_dim_bucket: int, tile: BwdSm90Tile) -> int:
@@ -367,8 +367,8 @@ def plan_backward(
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
     if isinstance(tile, BwdSm90WsTile) or (tile is None and uses_sm90_ws_backward(head_dim, aligned, arch, deterministic)):
-        if arch != "sm_90a" or not aligned or deterministic or head_dim % 8:
-            raise ValueError("the warp-specialized backward needs sm_90a, 16-byte aligned inputs and deterministic=False")
+        if arch != "sm_90a" or not aligned or head_dim % 8:
+            raise ValueError("the warp-specialized backward needs sm_90a and 16-byte aligned inputs")
         spec = bwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
     elif isinstance(tile, BwdSm90Tile) or (tile is None and uses_sm90_backward(head_dim, aligned, arch, deterministic)):
         if arch != "sm_90a" or not aligned or deterministic or head_dim % 8:
