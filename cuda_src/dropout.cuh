@@ -3,13 +3,16 @@
 // normalized first, then each element is kept with probability 1 - p and scaled by 1 / (1 - p)).
 //
 // Random numbers: Philox4x32-10 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"),
-// key (seed_lo, seed_hi ^ offset_hi), one call per (batch b, head h, 16x16 block of the score matrix
-// (i16, j16), lane), counter (j16, 32 i16 + lane, b * nheads + h, offset_lo). Its four 32-bit words
-// hold eight 16-bit numbers, one per element; element (i, j) is kept iff its number < keep_threshold
-// = round((1 - p) 65536). In the 16x16 block, element (i, j) (i, j mod 16) belongs to
-//     lane = 4 (i mod 8) + (j mod 8) / 2,   word = 2 (j / 8) + j mod 2,   half = i / 8
+// key (seed_lo, seed_hi ^ offset_hi), one call per (batch b, head h, 16-row x 32-column block of the
+// score matrix (i16, j32), lane), counter (j32, 32 i16 + lane, b * nheads + h, offset_lo). Its four
+// 32-bit words hold sixteen 8-bit numbers, one per element (flash-attn draws 8-bit numbers too: one
+// call covers twice the elements of 16-bit ones, and the Philox rounds are most of dropout's cost);
+// element (i, j) is kept iff its number < keep_threshold = round((1 - p) 256), clamped to [1, 255].
+// In the 16x32 block, element (i, j) (i mod 16, j mod 32) belongs to
+//     lane = 4 (i mod 8) + (j mod 8) / 2,   word = 2 ((j / 8) mod 2) + j mod 2,   byte = 2 (j / 16) + i / 8
 // which is exactly what lane (g = lane / 4, t = lane % 4) of an m16n8k16 accumulator holds for rows
-// g, g + 8 and columns 2t, 2t + 1, 2t + 8, 2t + 9 (forward S tiles: one call per thread and block).
+// g, g + 8 and columns 2t, 2t + 1 of the block's four 8-column blocks (forward S tiles: one call per
+// thread and 16x32 block).
 // The backward holds the transposed tile (S^T: keys as rows): each thread draws its own lane's call
 // and four warp shuffles hand every thread the numbers of its elements (keep_bits_transposed).
 // cuflash/reference.py rebuilds the same numbers in float64 NumPy (dropout_keep_mask).
@@ -49,39 +52,83 @@ struct DropoutStream {
           offset_lo(static_cast<u32>(offset)),
           threshold(keep_threshold) {}
 
-    // The call of `lane` for the 16x16 block whose first row is i0 and first column j0 (multiples of 16).
+    // The call of `lane` for the 16x32 block whose first row is i0 (a multiple of 16) and first
+    // column j0 (a multiple of 32).
     CUFLASH_DEVICE U32x4 draw(int i0, int j0, int lane) const {
-        return philox4x32_10(U32x4{static_cast<u32>(j0) >> 4, (static_cast<u32>(i0) >> 4) * 32u + lane, bh, offset_lo},
+        return philox4x32_10(U32x4{static_cast<u32>(j0) >> 5, (static_cast<u32>(i0) >> 4) * 32u + lane, bh, offset_lo},
                              k0, k1);
     }
 
-    // Keep bits of this thread's 8 elements of a forward (row-major) 16x16 block: bit 4c + 2a + e is
-    // S[.][2 kk + c][2 a + e] (row g + 8a, column 8c + 2t + e).
+    // Keep bits of this thread's 16 elements of a forward (row-major) 16x32 block: bit 8h + 4c + 2a + e
+    // is row g + 8a, column 16h + 8c + 2t + e (bits 0-7: the first 16x16 block, 8-15: the second, each
+    // in S[.][2 kk + c][2 a + e] order).
     CUFLASH_DEVICE u32 keep_bits(int i0, int j0, int lane) const {
         const U32x4 r = draw(i0, j0, lane);
         const u32 w[4] = {r.x, r.y, r.z, r.w};
         u32 bits = 0;
 #pragma unroll
-        for (int c = 0; c < 2; ++c)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int a = 0; a < 2; ++a)
+            for (int c = 0; c < 2; ++c)
 #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    if (((w[2 * c + e] >> (16 * a)) & 0xffffu) < threshold) bits |= 1u << (4 * c + 2 * a + e);
+                for (int a = 0; a < 2; ++a)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (((w[2 * c + e] >> (8 * (2 * h + a))) & 0xffu) < threshold) bits |= 1u << (8 * h + 4 * c + 2 * a + e);
         return bits;
     }
 
-    // Keep bits of this thread's 8 elements of a transposed 16x16 block (keys k0.. as rows, queries
-    // q0.. as columns; the whole warp calls it for the same block): bit 4c + 2a + e is S^T[.][2 kk + c][2a + e]
-    // (key g + 8a, query 8c + 2t + e). Element (query i, key j) is word 2 (j / 8) + j mod 2, half i / 8
+    // Keep bits of this thread's 16 elements of a transposed 32x16 block (keys k32.., a multiple of
+    // 32, as rows; queries q0.. as columns; the whole warp calls it for the same block): bit
+    // 8h + 4c + 2a + e is S^T key 16h + g + 8a, query 8c + 2t + e (bits 0-7: the first 16 keys, 8-15:
+    // the next 16). Element (query i, key j) is word 2 ((j / 8) mod 2) + j mod 2, byte 2 (j / 16) + i / 8
     // of lane 4 (i mod 8) + (j mod 8) / 2: for this thread, lane (2t + e) 4 + g / 2, word 2a + g % 2,
-    // half c. Round (a, r) moves, from every lane L, the word 2a + (r ^ bit 2 of L) to the one thread
-    // that needs it (the one with g % 2 = r ^ e, e = bit 2 of L).
-    CUFLASH_DEVICE u32 keep_bits_transposed(int q0, int k0_, int lane) const {
-        const U32x4 r = draw(q0, k0_, lane);
+    // byte 2h + c. Round (a, r) moves, from every lane L, the word 2a + (r ^ bit 2 of L) to the one
+    // thread that needs it (the one with g % 2 = r ^ e, e = bit 2 of L); all four of its bytes are that
+    // thread's.
+    CUFLASH_DEVICE u32 keep_bits_transposed(int q0, int k32, int lane) const {
+        u32 got[2][2];
+        transposed_words(q0, k32, lane, got);
+        const int e0 = (lane >> 2) & 1;
+        u32 bits = 0;
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        if (((got[a][rr] >> (8 * (2 * h + c))) & 0xffu) < threshold) bits |= 1u << (8 * h + 4 * c + 2 * a + (rr ^ e0));
+        return bits;
+    }
+
+    // The keep bits of one 16x16 block of S^T (keys key16.., a multiple of 16; queries q0..): its half
+    // of the 32x16 block (bits 0-7 as in keep_bits_transposed; the other half is not compared).
+    CUFLASH_DEVICE u32 keep_bits_transposed16(int q0, int key16, int lane) const {
+        u32 got[2][2];
+        transposed_words(q0, key16 & ~31, lane, got);
+        const int e0 = (lane >> 2) & 1, shift = key16 & 16;  // byte 2h + c, h = bit 4 of key16
+        u32 bits = 0;
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const u32 word = got[a][rr] >> shift;
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+                    if (((word >> (8 * c)) & 0xffu) < threshold) bits |= 1u << (4 * c + 2 * a + (rr ^ e0));
+            }
+        return bits;
+    }
+
+  private:
+    // The shuffles of keep_bits_transposed: got[a][rr] is word 2a + g % 2 of lane (2t + e) 4 + g / 2,
+    // e = rr ^ (g % 2), whose bytes 2h + c are this thread's S^T key 16h + g + 8a, query 8c + 2t + e.
+    CUFLASH_DEVICE void transposed_words(int q0, int k32, int lane, u32 (&got)[2][2]) const {
+        const U32x4 r = draw(q0, k32, lane);
         const int g = lane / 4, t = lane % 4;
         const u32 own_e = (lane >> 2) & 1u;
-        u32 bits = 0;
 #pragma unroll
         for (int a = 0; a < 2; ++a)
 #pragma unroll
@@ -89,12 +136,8 @@ struct DropoutStream {
                 const u32 lo = a == 0 ? r.x : r.z, hi = a == 0 ? r.y : r.w;
                 const u32 offer = (static_cast<u32>(rr) ^ own_e) ? hi : lo;
                 const int e = rr ^ (g & 1);
-                const u32 got = __shfl_sync(0xffffffffu, offer, (2 * t + e) * 4 + g / 2);
-#pragma unroll
-                for (int c = 0; c < 2; ++c)
-                    if (((got >> (16 * c)) & 0xffffu) < threshold) bits |= 1u << (4 * c + 2 * a + e);
+                got[a][rr] = __shfl_sync(0xffffffffu, offer, (2 * t + e) * 4 + g / 2);
             }
-        return bits;
     }
 };
 

@@ -301,11 +301,22 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
         u32 keep[Cfg::kSSlabs][Cfg::kSNB / 2];
         if constexpr ((Cfg::kMods & kModDropout) != 0) {
             const DropoutStream rng(p.mod.seed, p.mod.offset, b, p.nheads, h, p.mod.keep_threshold);
+            if constexpr (Cfg::kSSlabs % 2 == 0) {  // slab pairs are 32-key blocks: one Philox call for both
 #pragma unroll
-            for (int s = 0; s < Cfg::kSSlabs; ++s)
+                for (int s = 0; s < Cfg::kSSlabs; s += 2)
 #pragma unroll
-                for (int kk = 0; kk < Cfg::kSNB / 2; ++kk)
-                    keep[s][kk] = rng.keep_bits_transposed(m0 + s_col0 + 16 * kk, n0 + s_key0 + 16 * s, lane);
+                    for (int kk = 0; kk < Cfg::kSNB / 2; ++kk) {
+                        const u32 both = rng.keep_bits_transposed(m0 + s_col0 + 16 * kk, n0 + s_key0 + 16 * s, lane);
+                        keep[s][kk] = both & 0xffu;
+                        keep[s + 1][kk] = both >> 8;
+                    }
+            } else {
+#pragma unroll
+                for (int s = 0; s < Cfg::kSSlabs; ++s)
+#pragma unroll
+                    for (int kk = 0; kk < Cfg::kSNB / 2; ++kk)
+                        keep[s][kk] = rng.keep_bits_transposed16(m0 + s_col0 + 16 * kk, n0 + s_key0 + 16 * s, lane);
+            }
         }
 
         // ---- Scores: S^T = K Q^T, dP^T = V dO^T       S^T[j][i] = sum_d K[j][d] Q[i][d]

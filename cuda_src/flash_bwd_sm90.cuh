@@ -174,7 +174,7 @@ struct BwdModTile {
         if constexpr (Mask::kDropout) {
             const DropoutStream rng(p.mod.seed, p.mod.offset, seq.b, p.nheads, h, p.mod.keep_threshold);
 #pragma unroll
-            for (int kk = 0; kk < kNB / 2; ++kk) keep[kk] = rng.keep_bits_transposed(m0 + 16 * kk, key16, lane);
+            for (int kk = 0; kk < kNB / 2; ++kk) keep[kk] = rng.keep_bits_transposed16(m0 + 16 * kk, key16, lane);
         }
     }
     // Key j, queries i and i + 1: elements S^T[nb][2r], S^T[nb][2r + 1] of raw scores s0, s1; dist: i's

@@ -192,16 +192,22 @@ struct AttnMask : ScoreMods<kMods> {
 
 // Forward dropout, in two steps so the random numbers can be drawn while the tensor cores compute
 // S = Q K^T (they do not depend on it): dropout_bits draws the keep bits of this thread's 16x16 blocks
-// of a tile (the warp's rows from row16, a multiple of 16; columns from col16, a multiple of 16;
-// bits[s][kk] for slab s and column block kk), dropout_apply zeroes the dropped probabilities (after the
-// softmax's row sums: the normalization counts every element). S[s][nb][2r + e] as in AttnMask::apply;
-// the 1 / (1 - p) of the kept ones is applied to O at the end.
+// of a tile (the warp's rows from row16, a multiple of 16; columns from col32, a multiple of 32; one
+// Philox call per 16x32 block; bits[s][kk] for slab s and column block kk, in its low 8 bits),
+// dropout_apply zeroes the dropped probabilities (after the softmax's row sums: the normalization counts
+// every element). S[s][nb][2r + e] as in AttnMask::apply; the 1 / keep probability of the kept ones is
+// applied to O at the end.
 template <int kMSlabs, int kNB>
-CUFLASH_DEVICE void dropout_bits(u32 (&bits)[kMSlabs][kNB / 2], const DropoutStream& rng, int row16, int col16, int lane) {
+CUFLASH_DEVICE void dropout_bits(u32 (&bits)[kMSlabs][kNB / 2], const DropoutStream& rng, int row16, int col32, int lane) {
+    static_assert(kNB % 4 == 0, "dropout draws 16x32 blocks: the key tile must be a multiple of 32 columns");
 #pragma unroll
     for (int s = 0; s < kMSlabs; ++s)
 #pragma unroll
-        for (int kk = 0; kk < kNB / 2; ++kk) bits[s][kk] = rng.keep_bits(row16 + 16 * s, col16 + 16 * kk, lane);
+        for (int kk = 0; kk < kNB / 4; ++kk) {
+            const u32 both = rng.keep_bits(row16 + 16 * s, col32 + 32 * kk, lane);
+            bits[s][2 * kk] = both & 0xffu;
+            bits[s][2 * kk + 1] = both >> 8;
+        }
 }
 template <int kMSlabs, int kNB>
 CUFLASH_DEVICE void dropout_apply(float (&S)[kMSlabs][kNB][4], const u32 (&bits)[kMSlabs][kNB / 2]) {

@@ -30,8 +30,8 @@ struct ModParams {
     int window_right;                //   d - window_left <= j <= d + window_right, d = i + seqlen_k - seqlen_q
     float softcap_scale;             // softcap: softmax_scale / softcap; the score s becomes tanh(s * softcap_scale)
     float alibi_scale;               // ALiBi: slope -> bias per key in raw score units (1 / the softmax's unit scale)
-    float dropout_rp;                // dropout: 1 / (1 - dropout_p)
-    unsigned int keep_threshold;     // dropout: an element is kept iff its 16-bit random number < keep_threshold
+    float dropout_rp;                // dropout: 1 / keep probability (keep_threshold / 256)
+    unsigned int keep_threshold;     // dropout: an element is kept iff its 8-bit random number < keep_threshold
     int page_size;                   // paged varlen: tokens per page (a multiple of every key tile)
     int num_pages;                   //   pages of k, v (indices are clamped into [0, num_pages))
     int page_capacity;               //   keys a sequence can hold: block_table columns x page_size

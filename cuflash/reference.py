@@ -32,8 +32,9 @@ Variants (flash-attn's semantics; every public function takes them as keywords):
 ``d = i + seqlen_k - seqlen_q``; causal sets ``right = 0``), ``softcap`` (``s -> softcap *
 tanh(s / softcap)`` on the scaled score), ``alibi_slopes`` (``(nheads,)`` or ``(batch, nheads)``; adds
 ``-slope * |d - j|`` after the softcap) and ``dropout_p`` with ``rng_state = (seed, offset)`` (each
-probability kept with probability ``1 - p`` and scaled by ``1 / (1 - p)`` after the normalization; the
-keep mask is :func:`dropout_keep_mask`, the kernels' Philox4x32-10 stream, rebuilt here).
+probability kept with probability ``1 - p``, rounded to a multiple of 1/256 (:func:`keep_probability`, as
+flash-attn's 8-bit draws do), and scaled by the inverse of that probability after the normalization;
+the keep mask is :func:`dropout_keep_mask`, the kernels' Philox4x32-10 stream, rebuilt here).
 
 Besides the exact oracle, :func:`plain_attention` and
 :func:`plain_attention_backward` compute attention the "plain" way in a low
@@ -57,6 +58,7 @@ __all__ = [
     "philox4x32_10",
     "dropout_keep_mask",
     "keep_threshold",
+    "keep_probability",
     "attention_forward",
     "attention_backward",
     "attention_with_kvcache",
@@ -211,26 +213,37 @@ def philox4x32_10(counter, key) -> tuple[np.ndarray, ...]:
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """An element is kept iff its 16-bit random number is below this: round((1 - p) * 65536)."""
-    return min(65536, max(0, int(round((1.0 - float(dropout_p)) * 65536))))
+    """An element is kept iff its 8-bit random number is below this: round((1 - p) * 256), clamped to
+    [1, 255] when p > 0 (256, every number, when p = 0)."""
+    p = float(dropout_p)
+    if p <= 0.0:
+        return 256
+    return min(255, max(1, int(round((1.0 - p) * 256))))
+
+
+def keep_probability(dropout_p: float) -> float:
+    """The probability that dropout keeps an element, keep_threshold / 256: 1 - p rounded to a multiple
+    of 1/256 (at most 1/512 away for p in [1/512, 1 - 1/512]). Kept elements are scaled by its
+    inverse, so the output's expectation is the output without dropout."""
+    return keep_threshold(dropout_p) / 256.0
 
 
 def dropout_keep_mask(rng_state, b: int, h: int, nheads: int, dropout_p: float,
                       q_start: int, q_stop: int, seqlen_k: int) -> np.ndarray:
     """Boolean keep mask of query rows [q_start, q_stop) x keys [0, seqlen_k) of (batch b, head h), as
     the kernels draw it (cuda_src/dropout.cuh): Philox key (seed_lo, seed_hi ^ offset_hi), counter
-    (j // 16, 32 (i // 16) + lane, b nheads + h, offset_lo) with lane = 4 (i % 8) + (j % 8) // 2; the
-    element's 16-bit number is half (i % 16) // 8 of word 2 ((j % 16) // 8) + j % 2."""
+    (j // 32, 32 (i // 16) + lane, b nheads + h, offset_lo) with lane = 4 (i % 8) + (j % 8) // 2; the
+    element's 8-bit number is byte 2 ((j % 32) // 16) + (i % 16) // 8 of word 2 ((j % 16) // 8) + j % 2."""
     seed, offset = (int(x) for x in rng_state)
     i = np.arange(q_start, q_stop, dtype=np.int64)[:, None]
     j = np.arange(seqlen_k, dtype=np.int64)[None, :]
     lane = 4 * (i % 8) + (j % 8) // 2
-    words = philox4x32_10((j // 16, 32 * (i // 16) + lane, (b * nheads + h) & _M32, offset & _M32),
+    words = philox4x32_10((j // 32, 32 * (i // 16) + lane, (b * nheads + h) & _M32, offset & _M32),
                           (seed & _M32, (seed >> 32) ^ (offset >> 32)))
     word = 2 * ((j % 16) // 8) + j % 2
     chosen = np.choose(np.broadcast_to(word, lane.shape), words)
-    r16 = (chosen.astype(np.int64) >> (16 * ((i % 16) // 8))) & 0xFFFF
-    return r16 < keep_threshold(dropout_p)
+    r8 = (chosen.astype(np.int64) >> (8 * (2 * ((j % 32) // 16) + (i % 16) // 8))) & 0xFF
+    return r8 < keep_threshold(dropout_p)
 
 
 @dataclass(frozen=True)
@@ -332,7 +345,7 @@ def _forward_head(q, k, v, scale, causal, rnd: Rounder = _identity, p_order: str
     seqlen_q, seqlen_k = q.shape[0], k.shape[0]
     out = np.zeros(q.shape, dtype=q.dtype)
     lse = np.full(seqlen_q, -np.inf)
-    rp = q.dtype.type(1.0 / (1.0 - mods.dropout_p))
+    rp = q.dtype.type(1.0 / keep_probability(mods.dropout_p))
     for start, stop in _row_chunks(seqlen_q, seqlen_k):
         mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop, mods.window)
         S, _ = _scores(q[start:stop], k, scale, mask, mods, start, seqlen_q)
@@ -401,7 +414,7 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
     dq = np.zeros(q.shape, dtype=q.dtype)
     dk = np.zeros(k.shape, dtype=q.dtype)
     dv = np.zeros(v.shape, dtype=q.dtype)
-    rp = q.dtype.type(1.0 / (1.0 - mods.dropout_p))
+    rp = q.dtype.type(1.0 / keep_probability(mods.dropout_p))
     for start, stop in _row_chunks(seqlen_q, seqlen_k):
         q_c, do_c = q[start:stop], dout[start:stop]
         mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop, mods.window)
@@ -417,7 +430,7 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
         O = rnd(P_r @ v) if o is None else o[start:stop]  # the forward output, recomputed or given
         dv += P_r.T @ do_c                     # dV = Pd^T dO
         dP = do_c @ v.T if dp_order == "ieee" else tensor_core_matmul(do_c, v.T)  # dPd = dO V^T
-        if keep is not None:                   # dP = Z dPd / (1 - p)
+        if keep is not None:                   # dP = Z dPd / keep probability
             dP = np.where(keep, dP * rp, 0).astype(dP.dtype, copy=False)
         if d_order == "pairwise":              # D = rowsum(dO * O)
             D = np.sum(do_c * O, axis=1)

@@ -8,8 +8,9 @@ the key it is aligned to (bottom-right, like causal).
       is the window (-1, 0), and with both the right side is 0.
   softcap > 0: the scaled score s becomes softcap * tanh(s / softcap).
   alibi_slopes (nheads,) or (batch, nheads) float32: the score gets - slope * |d - j| (after the softcap).
-  dropout_p in [0, 1): each probability is kept with probability 1 - p and scaled by 1 / (1 - p), after
-      the normalization; the keep mask is a Philox4x32-10 stream of rng_state = (seed, offset)
+  dropout_p in [0, 1): each probability is kept with probability 1 - p, rounded to a multiple of 1/256
+      (8-bit random numbers, as flash-attn; reference.keep_probability), and scaled by the inverse of
+      that probability, after the normalization; the keep mask is a Philox4x32-10 stream of rng_state = (seed, offset)
       (cuda_src/dropout.cuh, reproduced by cuflash.reference.dropout_keep_mask).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import MOD_ALIBI, MOD_DROPOUT, MOD_SOFTCAP, MOD_WINDOW
-from .reference import keep_threshold
+from .reference import keep_probability, keep_threshold
 
 _LOG2E = math.log2(math.e)
 
@@ -55,7 +56,7 @@ class Variants:
         keep = keep_threshold(self.dropout_p) if self.mods & MOD_DROPOUT else 0
         bt, bt_stride, page_size, num_pages, capacity = paged
         return (self.alibi_ptr, self.alibi_batch_stride, seed, offset, cu_seqlens_q, cu_seqlens_k, seqused_k, bt,
-                bt_stride, self.window[0], self.window[1], softcap_scale, 1.0 / unit, 1.0 / (1.0 - self.dropout_p), keep,
+                bt_stride, self.window[0], self.window[1], softcap_scale, 1.0 / unit, 1.0 / keep_probability(self.dropout_p), keep,
                 page_size, num_pages, capacity)  # fmt: skip
 
 

@@ -39,16 +39,16 @@ def _mask_one_by_one(state, b, h, nheads, p, sq, sk):
     for i in range(sq):
         for j in range(sk):
             lane = 4 * (i % 8) + (j % 8) // 2
-            words = reference.philox4x32_10((j // 16, 32 * (i // 16) + lane, b * nheads + h, offset & 0xFFFFFFFF), key)
+            words = reference.philox4x32_10((j // 32, 32 * (i // 16) + lane, b * nheads + h, offset & 0xFFFFFFFF), key)
             word = int(words[2 * ((j % 16) // 8) + j % 2])
-            out[i, j] = (word >> (16 * ((i % 16) // 8))) & 0xFFFF < thr
+            out[i, j] = (word >> (8 * (2 * ((j % 32) // 16) + (i % 16) // 8))) & 0xFF < thr
     return out
 
 
 def test_dropout_mask_layout_and_rate():
     state = (0xDEADBEEF_12345678, 3 << 32 | 9)
-    got = reference.dropout_keep_mask(state, 1, 2, 3, 0.25, 0, 37, 45)
-    assert (got == _mask_one_by_one(state, 1, 2, 3, 0.25, 37, 45)).all()
+    got = reference.dropout_keep_mask(state, 1, 2, 3, 0.25, 0, 37, 77)
+    assert (got == _mask_one_by_one(state, 1, 2, 3, 0.25, 37, 77)).all()
     # a row range is the same rows of the whole mask; heads, batches and offsets give other masks
     whole = reference.dropout_keep_mask(state, 0, 0, 1, 0.5, 0, 300, 300)
     assert (reference.dropout_keep_mask(state, 0, 0, 1, 0.5, 17, 200, 300) == whole[17:200]).all()
@@ -59,8 +59,18 @@ def test_dropout_mask_layout_and_rate():
         assert 0.4 < (other != whole).mean() < 0.6
     for p in (0.1, 0.5, 0.9):
         rate = reference.dropout_keep_mask(state, 0, 0, 1, p, 0, 512, 512).mean()
-        assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / 512**2)
-    assert reference.keep_threshold(0.0) == 65536 and reference.keep_threshold(0.5) == 32768
+        keep = reference.keep_probability(p)
+        assert abs(keep - (1 - p)) <= 1 / 512
+        assert abs(rate - keep) < 5 * math.sqrt(keep * (1 - keep) / 512**2)
+
+
+def test_keep_threshold_rounds_to_a_256th_and_never_keeps_all_or_none():
+    assert reference.keep_threshold(0.0) == 256 and reference.keep_probability(0.0) == 1.0
+    assert reference.keep_threshold(0.5) == 128 and reference.keep_threshold(0.25) == 192
+    assert reference.keep_threshold(0.1) == 230  # 0.9 * 256 = 230.4
+    assert reference.keep_threshold(1e-6) == 255 and reference.keep_threshold(0.999999) == 1
+    for p in np.linspace(1 / 512, 1 - 1 / 512, 101):
+        assert abs(reference.keep_probability(p) - (1 - p)) <= 1 / 512 + 1e-12
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,7 +110,7 @@ def _direct(q, k, v, scale, causal, window, softcap, slopes, p, state):
             pr = np.where(l > 0, e / np.where(l > 0, l, 1), 0)
             lse[b, h] = np.where(l[:, 0] > 0, np.log(np.where(l[:, 0] > 0, l[:, 0], 1)) + np.where(np.isfinite(m[:, 0]), m[:, 0], 0), -np.inf)
             if p:
-                pr = pr * reference.dropout_keep_mask(state, b, h, nh, p, 0, sq, sk) / (1 - p)
+                pr = pr * reference.dropout_keep_mask(state, b, h, nh, p, 0, sq, sk) / reference.keep_probability(p)
             out[b, :, h] = pr @ v[b, :, hk]
     return out, lse
 
@@ -233,7 +243,7 @@ def test_softcap_alibi_dropout_resolution_and_record():
     assert v.mods == plan.MOD_SOFTCAP | plan.MOD_ALIBI | plan.MOD_DROPOUT
     assert v.unit_scale(0.125) == 30.0
     rec = v.record(0.125)
-    assert rec == (4096, 4, 2**64 - 1, 5, 0, 0, 0, 0, 0, 0, 0, 0.125 / 30.0, 1 / 30.0, 1 / 0.75, 49152, 0, 0, 0)
+    assert rec == (4096, 4, 2**64 - 1, 5, 0, 0, 0, 0, 0, 0, 0, 0.125 / 30.0, 1 / 30.0, 1 / 0.75, 192, 0, 0, 0)
     assert v.record(0.125, 8, 16, 24)[4:7] == (8, 16, 24)  # varlen: cu_seqlens_q, cu_seqlens_k, seqused_k
     fresh = _resolve(dropout_p=0.1)
     assert fresh.rng_state is not None and fresh.rng_state != _resolve(dropout_p=0.1).rng_state

@@ -161,15 +161,18 @@ def test_softcap_alibi_dropout_on_every_kernel(dtype, head_dim):
 
 def _recovered_mask(out, seqlen_k, p):
     """From attention with q = k = 0 (P = 1 / seqlen_k everywhere) and one-hot V rows (v[j] = e_j):
-    out[b, i, h, j] = keep(i, j) / ((1 - p) seqlen_k), so the keep mask is out > half that."""
-    return to_f64(out) * seqlen_k * (1 - p) > 0.5
+    out[b, i, h, j] = keep(i, j) / (keep probability * seqlen_k), so the keep mask is out > half that."""
+    from cuflash import reference
+
+    return to_f64(out) * seqlen_k * reference.keep_probability(p) > 0.5
 
 
 @pytest.mark.parametrize("head_dim,seqlen", [(256, 200), (128, 128), (200, 200), (64, 64)])
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_mask_is_the_reference_philox_stream(head_dim, seqlen, p):
     """Forward: the mask the kernels apply is exactly reference.dropout_keep_mask (every element, both
-    kernel families), and the keep rate is 1 - p (within 5 standard deviations). Backward: dV = P^T dO
+    kernel families), and the keep rate is reference.keep_probability(p), 1 - p rounded to a 256th
+    (within 5 standard deviations). Backward: dV = P^T dO
     with one-hot dO rows reads the transposed mask, which the backward regenerates through warp
     shuffles: exactly the same mask."""
     import cupy
@@ -192,9 +195,9 @@ def test_dropout_mask_is_the_reference_philox_stream(head_dim, seqlen, p):
         assert (mask == want).all(), f"{tile}: {(mask != want).sum()} elements differ from the reference mask"
         check_lse(lse, np.full(lse.shape, np.log(seqlen)))
     n = want.size
-    rate = want.mean()
-    assert abs(rate - (1 - p)) < 5 * np.sqrt(p * (1 - p) / n), f"keep rate {rate:.4f} vs {1 - p}"
-    # Backward: dO = one-hot rows (dO[i] = e_i): dV[j, i] = Pd[i, j] = keep(i, j) / ((1 - p) seqlen).
+    rate, keep = want.mean(), reference.keep_probability(p)
+    assert abs(rate - keep) < 5 * np.sqrt(keep * (1 - keep) / n), f"keep rate {rate:.4f} vs {keep}"
+    # Backward: dO = one-hot rows (dO[i] = e_i): dV[j, i] = Pd[i, j] = keep(i, j) / (keep probability seqlen).
     out, lse, _ = forward.run(q, k, v, dropout_p=p, rng_state=state, return_lse=True)
     dout = v.copy()
     for tile in _backward_kernels(head_dim):
