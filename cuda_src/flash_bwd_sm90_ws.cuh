@@ -13,7 +13,7 @@
 //   producer   warp 0, lane 0 issues every load: K and V once (cp.async.bulk.tensor, 128-byte swizzle),
 //              then per query block Q and dO (tensor maps) and its lse_log2 and D rows (plain bulk
 //              copies) into a ring of kStages slots. Each slot has a "full" mbarrier (its bytes
-//              landed) and an "empty" one (all 8 consumer warps are done with it). The producer
+//              landed) and an "empty" one (all 256 consumer threads are done with it). The producer
 //              warpgroup hands its registers to the consumers (setmaxnreg: 24 + 2 x 240 per thread).
 //   consumers  warpgroup c (c = 0, 1) owns keys [64 c, 64 c + 64) of the CTA; warp i of it key rows
 //              64 c + 16 i + (g, g + 8) of every accumulator (g = lane / 4). dK, dV accumulate in
@@ -121,7 +121,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), 8);  // lane 0 of each consumer warp
+            mbar_init(empty(s), 256);  // every consumer thread (see the arrive)
         }
         mbar_fence_init();
     }
@@ -289,8 +289,11 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
         wgmma_fence_operands(acc_dk);
         wgmma_fence_operands(a_p);
         wgmma_fence_operands(a_ds);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(st));  // Q, dO and the rows of this slot are no longer read
+        // Q, dO and the lse_log2 / D rows of this slot are no longer read: every consumer thread arrives
+        // for its own reads (and its writes of clear_tail's zero rows), so the producer's next refill is
+        // ordered after each of them. (One arrive per warp after __syncwarp orders them too, but
+        // compute-sanitizer racecheck follows an arrive only for the arriving thread's own accesses.)
+        mbar_arrive(empty(st));
 
         // Deterministic mode: the key blocks that visit this query block add their dQ parts in key-block
         // order (the turn counter, as flash_bwd_kernel): one consumer thread waits for this CTA's turn,
