@@ -72,15 +72,10 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
 
         aligned = head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q, k, v, out, dout, dq, dk, dv))
         dtype = checks.DTYPE_NAMES[q.dtype]
-        bp, fns = _plan_and_load(
-            batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
-            device_id, tile, bool(deterministic), var.mods,
-        )  # fmt: skip
-        maps = tma_maps(bp.main, q, k, v, dout, dtype, forced=tile is not None)
-        if maps is None:  # no tensor map describes an input: the kernel without TMA
-            bp, fns = _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
-                                     device_id, fallback_tile(bp.main.spec.head_dim, bool(deterministic)),
-                                     bool(deterministic), var.mods)  # fmt: skip
+        bp, fns, maps = load_with_maps(
+            lambda t: _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
+                                     device_id, t, bool(deterministic), var.mods),
+            q, k, v, dout, dtype, tile, bool(deterministic))  # fmt: skip
         main_tile = bp.main.spec.tile
         dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
         rows = (batch, nheads, bp.seqlen_q_pad)
@@ -107,7 +102,7 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
         )  # fmt: skip
         stream = cupy.cuda.get_current_stream().ptr
         launch.launch_record(fns[0], bp.pre, record, stream)
-        launch.launch_record(fns[1], bp.main, (maps or b"") + record, stream)
+        launch.launch_record(fns[1], bp.main, maps + record, stream)
         launch.launch_record(fns[2], bp.convert, record, stream)
     return grads
 
@@ -131,6 +126,18 @@ def tma_maps(how, q, k, v, dout, dtype: str, forced: bool = False) -> bytes | No
         if forced:
             raise
         return None
+
+
+def load_with_maps(load, q, k, v, dout, dtype: str, tile, deterministic: bool):
+    """Plan and kernels from ``load(tile)`` (a memoized plan-and-load of one call signature) and the
+    tensor maps of the main kernel's parameter block (tma_maps): where no tensor map describes an
+    input, plan again with fallback_tile (maps b""). Returns (plan, kernels, maps)."""
+    bp, fns = load(tile)
+    maps = tma_maps(bp.main, q, k, v, dout, dtype, forced=tile is not None)
+    if maps is None:
+        bp, fns = load(fallback_tile(bp.main.spec.head_dim, deterministic))
+        maps = b""
+    return bp, fns, maps
 
 
 @functools.lru_cache(maxsize=1024)

@@ -80,15 +80,12 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
 
         aligned = head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q, k, v, out))
         dtype = checks.DTYPE_NAMES[q.dtype]
-        how, fn = _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
-                                 device_id, tile, var.mods)  # fmt: skip
-        maps = tma_maps(how, q, k, v, dtype, forced=tile is not None)
-        if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
-            how, fn = _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal,
-                                     aligned, device_id, plan.FWD_SM90_TILES[how.spec.head_dim], var.mods)  # fmt: skip
+        how, fn, maps = load_with_maps(
+            lambda t: _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
+                                     device_id, t, var.mods), q, k, v, dtype, tile)  # fmt: skip
         unit = var.unit_scale(softmax_scale)  # the softmax's scale: softcap with softcap
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q, k, v, out))
-        record = (maps or b"") + FWD_PACKER.pack(
+        record = maps + FWD_PACKER.pack(
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
             q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
             k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
@@ -115,6 +112,18 @@ def tma_maps(how, q4, k4, v4, dtype: str, forced: bool = False) -> bytes | None:
         if forced:  # a tool asked for this kernel: say so rather than time or check another one
             raise
         return None
+
+
+def load_with_maps(load, q4, k4, v4, dtype: str, tile):
+    """Plan and kernel from ``load(tile)`` (a memoized plan-and-load of one call signature) and the
+    tensor maps of its parameter block (tma_maps): where no tensor map describes an input, plan again
+    with the cp.async Hopper tile (maps b""). Returns (plan, kernel, maps)."""
+    how, fn = load(tile)
+    maps = tma_maps(how, q4, k4, v4, dtype, forced=tile is not None)
+    if maps is None:
+        how, fn = load(plan.FWD_SM90_TILES[how.spec.head_dim])
+        maps = b""
+    return how, fn, maps
 
 
 @functools.lru_cache(maxsize=1024)

@@ -94,19 +94,16 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         dtype = checks.DTYPE_NAMES[q.dtype]
         # (the plan reads max_seqlen_k only up to the short-key bound: longer ones share a cache entry)
         keys_hint = min(int(max_seqlen_k), plan.SHORT_KEYS_CAUSAL + 1)
-        how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype, var.causal,
-                                 aligned, g.device_id, var.mods, tile, keys_hint)  # fmt: skip
-        maps = forward.tma_maps(how, q4, k4, v4, dtype, forced=tile is not None)
-        if maps is None:  # no tensor map describes an input: the cp.async Hopper kernel
-            how, fn = _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype,
-                                     var.causal, aligned, g.device_id, var.mods,
-                                     plan.FWD_SM90_TILES[how.spec.head_dim])  # fmt: skip
+        how, fn, maps = forward.load_with_maps(
+            lambda t: _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype,
+                                     var.causal, aligned, g.device_id, var.mods, t, keys_hint),
+            q4, k4, v4, dtype, tile)  # fmt: skip
         if g.paged and k.shape[1] % how.spec.tile.block_n:
             raise ValueError(f"page size {k.shape[1]} is not a multiple of the key tile ({how.spec.tile.block_n} keys) "
                              f"of the forced tile {how.spec.tile}")  # fmt: skip
         unit = var.unit_scale(softmax_scale)
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q4, k4, v4, o4))
-        record = (maps or b"") + FWD_PACKER.pack(
+        record = maps + FWD_PACKER.pack(
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
             q_batch_stride=0, q_row_stride=qs[1], q_head_stride=qs[2],
             k_batch_stride=ks[0] if g.paged else 0, k_row_stride=ks[1], k_head_stride=ks[2],  # (paged: page stride)
@@ -178,13 +175,10 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
         four = {name: x[None] for name, x in arrays.items()}
         aligned = g.head_dim % 8 == 0 and all(checks.aligned16(x) for x in four.values())
         dtype = checks.DTYPE_NAMES[q.dtype]
-        bp, fns = _plan_and_load_bwd(g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim, dtype, var.causal,
-                                     aligned, g.device_id, bool(deterministic), var.mods, tile)  # fmt: skip
-        maps = backward.tma_maps(bp.main, four["q"], four["k"], four["v"], four["do"], dtype, forced=tile is not None)
-        if maps is None:  # no tensor map describes an input: the kernel without TMA
-            bp, fns = _plan_and_load_bwd(g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim, dtype,
-                                         var.causal, aligned, g.device_id, bool(deterministic), var.mods,
-                                         backward.fallback_tile(bp.main.spec.head_dim, bool(deterministic)))  # fmt: skip
+        bp, fns, maps = backward.load_with_maps(
+            lambda t: _plan_and_load_bwd(g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim, dtype,
+                                         var.causal, aligned, g.device_id, bool(deterministic), var.mods, t),
+            four["q"], four["k"], four["v"], four["do"], dtype, tile, bool(deterministic))  # fmt: skip
         main_tile = bp.main.spec.tile
         dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
         rows = (1, g.nheads, bp.seqlen_q_pad)
@@ -211,7 +205,7 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
         )  # fmt: skip
         stream = cupy.cuda.get_current_stream().ptr
         launch.launch_record(fns[0], bp.pre, record, stream)
-        launch.launch_record(fns[1], bp.main, (maps or b"") + record, stream)
+        launch.launch_record(fns[1], bp.main, maps + record, stream)
         launch.launch_record(fns[2], bp.convert, record, stream)
     return grads
 
