@@ -217,10 +217,10 @@ def main() -> int:
     a = ap.parse_args()
     runs = [(path, json.loads(path.read_text())) for path in sorted(Path(a.folder).glob("*.json"))]
     lines, envs = [], []
-    for op in OPS:  # the newest file holding each operation
+    for op in OPS:  # the newest file holding each operation in this dtype
         have = [(d["environment"]["date"], str(p), d) for p, d in runs
                 if "rows" in d and "window_check" not in d and d.get("benchmark") not in ("varlen", "e2e")
-                and any(r.get("op", "fwd") == op for r in d["rows"])]
+                and any(r.get("op", "fwd") == op and r.get("dtype") == a.dtype for r in d["rows"])]
         if have:
             _, path, d = max(have, key=lambda x: x[0])
             lines += prefill_table(op, d["rows"], d["environment"], a.dtype, path)
