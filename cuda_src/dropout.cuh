@@ -1,6 +1,7 @@
 // Attention dropout: which probabilities survive, regenerated from a counter-based generator so the
 // forward and the backward draw the same mask without storing it (flash-attn's semantics: P is
-// normalized first, then each element is kept with probability 1 - p and scaled by 1 / (1 - p)).
+// normalized first, then each element is kept with probability q ~ 1 - p and scaled by 1 / q; q is
+// keep_threshold / 256, 1 - p rounded to a 256th).
 //
 // Random numbers: Philox4x32-10 (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3"),
 // key (seed_lo, seed_hi ^ offset_hi), one call per (batch b, head h, 16-row x 32-column block of the
@@ -86,29 +87,22 @@ struct DropoutStream {
     // byte 2h + c. Round (a, r) moves, from every lane L, the word 2a + (r ^ bit 2 of L) to the one
     // thread that needs it (the one with g % 2 = r ^ e, e = bit 2 of L); all four of its bytes are that
     // thread's.
-    CUFLASH_DEVICE u32 keep_bits_transposed(int q0, int k32, int lane) const {
-        u32 got[2][2];
-        transposed_words(q0, k32, lane, got);
-        const int e0 = (lane >> 2) & 1;
-        u32 bits = 0;
-#pragma unroll
-        for (int a = 0; a < 2; ++a)
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c)
-                        if (((got[a][rr] >> (8 * (2 * h + c))) & 0xffu) < threshold) bits |= 1u << (8 * h + 4 * c + 2 * a + (rr ^ e0));
-        return bits;
-    }
+    CUFLASH_DEVICE u32 keep_bits_transposed(int q0, int k32, int lane) const { return transposed_bits<2>(q0, k32, lane); }
 
     // The keep bits of one 16x16 block of S^T (keys key16.., a multiple of 16; queries q0..): its half
     // of the 32x16 block (bits 0-7 as in keep_bits_transposed; the other half is not compared).
     CUFLASH_DEVICE u32 keep_bits_transposed16(int q0, int key16, int lane) const {
+        return transposed_bits<1>(q0, key16, lane);
+    }
+
+  private:
+    // keep_bits_transposed (kHalves = 2, key a multiple of 32) or keep_bits_transposed16 (kHalves = 1,
+    // key a multiple of 16: only the half holding it, bytes 2h + c with h = bit 4 of key, compared).
+    template <int kHalves>
+    CUFLASH_DEVICE u32 transposed_bits(int q0, int key, int lane) const {
         u32 got[2][2];
-        transposed_words(q0, key16 & ~31, lane, got);
-        const int e0 = (lane >> 2) & 1, shift = key16 & 16;  // byte 2h + c, h = bit 4 of key16
+        transposed_words(q0, kHalves == 2 ? key : key & ~31, lane, got);
+        const int e0 = (lane >> 2) & 1, shift = kHalves == 2 ? 0 : key & 16;
         u32 bits = 0;
 #pragma unroll
         for (int a = 0; a < 2; ++a)
@@ -116,13 +110,14 @@ struct DropoutStream {
             for (int rr = 0; rr < 2; ++rr) {
                 const u32 word = got[a][rr] >> shift;
 #pragma unroll
-                for (int c = 0; c < 2; ++c)
-                    if (((word >> (8 * c)) & 0xffu) < threshold) bits |= 1u << (4 * c + 2 * a + (rr ^ e0));
+                for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        if (((word >> (8 * (2 * h + c))) & 0xffu) < threshold) bits |= 1u << (8 * h + 4 * c + 2 * a + (rr ^ e0));
             }
         return bits;
     }
 
-  private:
     // The shuffles of keep_bits_transposed: got[a][rr] is word 2a + g % 2 of lane (2t + e) 4 + g / 2,
     // e = rr ^ (g % 2), whose bytes 2h + c are this thread's S^T key 16h + g + 8a, query 8c + 2t + e.
     CUFLASH_DEVICE void transposed_words(int q0, int k32, int lane, u32 (&got)[2][2]) const {

@@ -33,7 +33,7 @@
 // Variants (Cfg::kMods, masks.cuh / dropout.cuh): the window narrows each key block's query walk
 // (BwdQueryWalk); P^T is recomputed with softcap, ALiBi and the mask (AttnMask::prob); dropout's keep
 // bits come from the same Philox stream as the forward's, transposed by warp shuffles: dV takes the
-// dropped P^T / (1 - p), dS^T = P^T (Z dP^T / (1 - p) - D) (1 - tanh^2 with softcap).
+// dropped P^T / q, dS^T = P^T (Z dP^T / q - D) (1 - tanh^2 with softcap).
 //
 // Fragment layouts: primitives.cuh. Preconditions (checked in cuflash/backward.py): as the forward;
 // lse is the forward's lse of these inputs; dq_accum, dq_turn zeroed; lse_log2 / dsum from the
@@ -391,7 +391,7 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
             } else {
                 // The variants (masks.cuh): softcap and ALiBi on every score, the mask where the block
                 // needs it, dropout on P (regenerated, dropout.cuh; dV takes the dropped and scaled P^T)
-                // and on dP^T:  dS^T = P^T (Z dP^T / (1 - p) - D) (1 - tanh^2).
+                // and on dP^T:  dS^T = P^T (Z dP^T / q - D) (1 - tanh^2), q the keep probability.
                 const Mask mask(p.mod, seq.len_q(p), seq.len_k(p));
                 const bool need_mask = mask.key_block_needs_mask(n0, kBlockN, m0, kBlockM);
                 const float slope = Mask::alibi_slope(p.mod, b, h);

@@ -160,8 +160,8 @@ CUFLASH_DEVICE bool bwd_sm90_needs_mask(const BwdParams& p, const Seq& seq, int 
 
 // The variants on a warp's 16 keys x kNB * 8 queries of S^T (masks.cuh): the ALiBi slope and dropout
 // stream of query head h, the dropout keep bits of the warp's 16x16 blocks (keys from key16), and per
-// pair of queries P (0 where hidden), the P that dV takes (dropped, scaled by 1 / (1 - p)), P (1 -
-// tanh^2) that dS takes, and whether each element was kept.
+// pair of queries P (0 where hidden), the P that dV takes (dropped, scaled by 1 / the keep
+// probability), P (1 - tanh^2) that dS takes, and whether each element was kept.
 template <class Mask, int kNB>
 struct BwdModTile {
     Mask mask;
@@ -201,7 +201,7 @@ struct BwdModTile {
     }
     // d - j of key j and query i as a float (the ALiBi distance; i + 8 nb adds 8 nb).
     CUFLASH_DEVICE float dist_base(int j, int i) const { return static_cast<float>(i + mask.seqlen_k - mask.seqlen_q - j); }
-    // dP^T as dS takes it: Z dP^T / (1 - p) with dropout.
+    // dP^T as dS takes it: Z dP^T / the keep probability with dropout.
     CUFLASH_DEVICE float dropped_dp(float dp, bool kept) const {
         return Mask::kDropout ? (kept ? dp * rp : 0.f) : dp;
     }
@@ -217,9 +217,9 @@ template <class Mask, int kNB>
 using BwdModTileOf = Choose<(Mask::kBits & kModScores) != 0, BwdModTile<Mask, kNB>, BwdNoMods>;
 
 // P^T of key j and queries i, i + 1 (elements S^T[nb][2 r], S^T[nb][2 r + 1] of raw scores s0, s1; i0 =
-// m0 + 2 t, the thread's first query of the block) for the two 64-key kernels: pv what dV takes (dropout:
-// dropped, scaled by 1 / (1 - p)), pd what dS^T takes (softcap: times 1 - tanh^2), kept whether dropout
-// kept each. Plain variants: bwd_p_pair, pv = pd.
+// m0 + 2 t, the thread's first query of the block) for the two 64-key kernels: pv what dV takes
+// (dropout: dropped, scaled by 1 / the keep probability), pd what dS^T takes (softcap: times
+// 1 - tanh^2), kept whether dropout kept each. Plain variants: bwd_p_pair, pv = pd.
 template <class Cfg, class Mods>
 CUFLASH_DEVICE void bwd_sm90_probs(const BwdParams& p, const Mods& mods, float s0, float s1, float2 l2, bool need_mask, int nb,
                                    int r, int j, int i, int i0, int offset, int len_k, float (&pv)[2], float (&pd)[2],
@@ -551,7 +551,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
             // The variants (BwdModTile): warpgroup 0 forms P^T and hands warpgroup 1, through pf, P^T (1 - tanh^2)
             // negated where dropout dropped the element, and, through the dS^T slots that warpgroup 1's
             // thread of the same rows and columns overwrites with dS^T afterwards, the P^T that dV takes
-            // (dropped and scaled by 1 / (1 - p)) as packed A fragments.
+            // (dropped and scaled by 1 / the keep probability) as packed A fragments.
             auto slot = [&](int row, int nb) { return s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t; };
             if (wg == 0) {
                 const bool need_mask = mods.mask.key_block_needs_mask(n0, kBlockN, m0, kBlockM);
@@ -574,7 +574,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
                 }
             }
             __syncthreads();  // pf and the P^T fragments in smem for warpgroup 1
-            if (wg == 1) {  // dS^T = P^T (1 - tanh^2) (Z dP^T / (1 - p) - D[i])
+            if (wg == 1) {  // dS^T = P^T (1 - tanh^2) (Z dP^T / q - D[i], q the keep probability)
                 const float rp = p.mod.dropout_rp;
 #pragma unroll
                 for (int nb = 0; nb < kNB; ++nb) {

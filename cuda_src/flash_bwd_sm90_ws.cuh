@@ -254,7 +254,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
         wgmma_wait<1>();  // dP^T landed; dV may still run
         wgmma_fence_operands(dp_acc);
 
-        // ---- dS^T = P^T (dP^T - D[i]) (variants: P^T (1 - tanh^2) (Z dP^T / (1 - p) - D[i])), to A fragments and smem
+        // ---- dS^T = P^T (dP^T - D[i]), to A fragments and smem (variants: P^T (1 - tanh^2) (Z dP^T / q - D[i]),
+        //      q the keep probability)
 #pragma unroll
         for (int nb = 0; nb < kNB; ++nb) {
             const int col = 8 * nb + 2 * t;
