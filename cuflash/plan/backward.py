@@ -262,10 +262,10 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
     return BwdSm90WsSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
 
 
-def uses_sm90_ws_backward(head_dim: int, aligned: bool, arch: str, deterministic: bool) -> bool:
+def uses_sm90_ws_backward(head_dim: int, aligned: bool, arch: str) -> bool:
     """True when the backward's main kernel is the warp-specialized TMA one: sm_90a, 16-byte rows, a
-    bucket of BWD_SM90_WS_TILES (plain or packed batches, atomic or deterministic dQ alike)."""
-    del deterministic  # (the kernel orders its dQ additions by turn counters in deterministic mode)
+    bucket of BWD_SM90_WS_TILES (plain or packed batches, atomic or deterministic dQ alike: the kernel
+    orders its dQ additions by turn counters in deterministic mode)."""
     return arch == "sm_90a" and aligned and head_dim % 8 == 0 and head_dim_bucket(head_dim) in BWD_SM90_WS_TILES
 
 
@@ -366,7 +366,7 @@ def plan_backward(
         raise ValueError("plan_backward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
         raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv})")
-    if isinstance(tile, BwdSm90WsTile) or (tile is None and uses_sm90_ws_backward(head_dim, aligned, arch, deterministic)):
+    if isinstance(tile, BwdSm90WsTile) or (tile is None and uses_sm90_ws_backward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned or head_dim % 8:
             raise ValueError("the warp-specialized backward needs sm_90a and 16-byte aligned inputs")
         spec = bwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
@@ -427,6 +427,6 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                         specs.append(BwdSpec(bucket, dt, c, al, bwd_tile(bucket, arch), arch, mods=m))
                         if al and uses_sm90_backward(bucket, True, arch, False):
                             specs.append(bwd_sm90_spec(bucket, dt, c, mods=m))
-                        if al and uses_sm90_ws_backward(bucket, True, arch, False):
+                        if al and uses_sm90_ws_backward(bucket, True, arch):
                             specs.append(bwd_sm90_ws_spec(bucket, dt, c, mods=m))
     return list(dict.fromkeys(specs))
