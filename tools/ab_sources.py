@@ -9,7 +9,7 @@ cuflash side by side, so a kernel change is judged against its base on the same 
                                                                   # tool's carry
     python3 tools/ab_sources.py run ab --op bwd                   # on the GPU machine: every tree, 2 rounds
 
-`run` times each tree in its own Python process (PYTHONPATH=ab/<name>, its own kernel cache
+`run` times each tree in its own Python process (run in ab/<name>, PYTHONPATH too; its own kernel cache
 .kcache_ab_<name>), cuflash only (no peers), with cuflash.bench.run_point, in rounds that alternate the
 trees, and prints one line per point: TFLOP/s of every tree in every round, then each tree's median
 ratio to the first tree. The points: --op fwd or bwd, --head-dim, --seqlen, both causal flags, 16k
@@ -28,7 +28,9 @@ from pathlib import Path
 
 CHILD = r"""
 import json, sys
+import cuflash
 from cuflash import bench
+print("MODULE" + cuflash.__file__, flush=True)
 points = json.loads(sys.argv[1])
 out = {}
 for op, dtype, hd, causal, s in points:
@@ -73,8 +75,13 @@ def run(folder: str, trees: list[str], points: list, rounds: int) -> int:
         for name in trees if rnd % 2 == 0 else trees[::-1]:
             tree = Path(folder, name).resolve()
             env = dict(os.environ, PYTHONPATH=str(tree), CUFLASH_CACHE_DIR=str(Path(f".kcache_ab_{name}").resolve()))
+            # cwd = the tree: `python -c` puts the current directory first on sys.path, ahead of PYTHONPATH,
+            # so from the repository root every child would import the checkout's cuflash
             proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(points)], env=env, capture_output=True,
-                                  text=True)  # fmt: skip
+                                  text=True, cwd=tree)  # fmt: skip
+            module = [x[6:] for x in proc.stdout.splitlines() if x.startswith("MODULE")]
+            if module and not Path(module[0]).resolve().is_relative_to(tree):
+                sys.exit(f"{name}: imported {module[0]}, not the tree's cuflash")
             line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
             if not line:
                 print(f"{name}: FAILED\n{proc.stderr[-2000:]}", flush=True)
