@@ -92,8 +92,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         k4, v4 = (k, v) if g.paged else (k[None], v[None])  # paged: (pages, page_size, heads, d)
         aligned = g.head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q4, k4, v4, o4))
         dtype = checks.DTYPE_NAMES[q.dtype]
-        # (the plan reads max_seqlen_k only up to the short-key bound: longer ones share a cache entry)
-        keys_hint = min(int(max_seqlen_k), plan.SHORT_KEYS_CAUSAL + 1)
+        keys_hint = plan.short_keys_hint(max_seqlen_k)  # (longer keys share a plan-cache entry)
         how, fn, maps = forward.load_with_maps(
             lambda t: _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype,
                                      var.causal, aligned, g.device_id, var.mods, t, keys_hint),

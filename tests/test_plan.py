@@ -442,6 +442,8 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
         short = seqlen_k <= 512 or (causal and seqlen_k <= 1024)
         assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, plan.FWD_SM90_WS_TILES[bucket]) if short
                      else plan.FWD_SM90_WS_TILES[bucket])  # fmt: skip
+        assert plan.sm90_ws_tile(bucket, plan.short_keys_hint(seqlen_k), causal) == t  # the hint varlen caches by
+        assert plan.short_keys_hint(seqlen_k) <= min(seqlen_k, plan.SHORT_KEYS_CAUSAL + 1)
         assert spec == plan.Sm90WsKernelSpec(bucket, dtype, causal, t)
         assert launch.smem_bytes == plan.fwd_sm90_ws_smem_bytes(bucket, t) == spec.smem_bytes <= 227 * 1024
         tiles = math.ceil(seqlen_q / t.block_m) * nheads * batch

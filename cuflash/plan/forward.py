@@ -147,6 +147,12 @@ FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
 SHORT_KEYS, SHORT_KEYS_CAUSAL = 512, 1024
 
 
+def short_keys_hint(seqlen_k: int) -> int:
+    """``seqlen_k`` clamped to just past the longest keys sm90_ws_tile tells apart: the tile is the same
+    for every longer one, so callers that cache plans by it (varlen.run) share one entry for them."""
+    return min(int(seqlen_k), SHORT_KEYS_CAUSAL + 1)
+
+
 def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = False) -> Sm90WsTile:
     """The warp-specialized forward's tile for a call: FWD_SM90_WS_SHORT_TILES where the keys are
     short (at most SHORT_KEYS, or causal at most SHORT_KEYS_CAUSAL; packed batches: the longest
