@@ -43,6 +43,22 @@
 // (k, v) rows; rows past the tensor arrive as zeros, as the cp.async kernel's zero-filled loads. A
 // packed sequence's last key and query tiles bring the next rows of the packed tensor instead: the
 // consumers zero them in shared memory (clear_tail) before any wgmma reads them.
+//
+// Head dim 256 (kSplit: 64 keys per CTA, flash_bwd_sm90_ws_split_consumer): dK + dV of 64 keys x 256
+// columns would take 256 registers per thread, so the consumer warpgroups split the keys for the
+// score GEMMs and the head dim for the others, and P^T / dS^T cross between them through shared memory:
+//
+//   warpgroup c: S_c = Q K_c^T, dP_c = dO V_c^T    wgmma m64n32 (queries x keys [32 c, 32 c + 32)),
+//                                                  both from smem; P_c, dS_c from them in registers
+//   P_c^T, dS_c^T -> P^T[it % 2], dS^T[it % 2]      [64 keys x 64 queries] each, stmatrix .trans
+//   named barrier of the 256 consumer threads       (both warpgroups' keys written)
+//   issue dQ[:, 128 c ..] = dS K[:, 128 c ..]       m64n128, A = dS read M-major from the dS^T rows
+//   issue dV_c += P^T dO[:, 128 c ..], dK_c += dS^T Q[:, 128 c ..]   m64n128 over all 64 keys
+//   wait dQ | dq_accum += dQ part (dV, dK in flight) | wait all | slot empty
+//
+// So no warpgroup waits for the other's softmax (the flash_bwd_sm90_split_kernel exchange), dQ is
+// added while dV and dK run, and dK, dV, dQ accumulators take 64 registers each. P^T and dS^T are
+// double buffered like dS^T above.
 #pragma once
 
 #include "flash_bwd_sm90.cuh"  // Sm90BwdConfig, bwd_p_pair, BwdModTile, dq / dK dV epilogues
@@ -59,8 +75,8 @@ struct BwdTmaParams {
 static_assert(sizeof(BwdTmaParams) == 512 + (sizeof(BwdParams) + 63) / 64 * 64, "p starts at byte 512, after the maps");
 
 template <int kHeadDim_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0, int kStages_ = 2>
-struct Sm90WsBwdConfig : Sm90BwdConfig<kHeadDim_, 128, kIsBF16_, kIsCausal_, kMods_> {
-    using Base = Sm90BwdConfig<kHeadDim_, 128, kIsBF16_, kIsCausal_, kMods_>;
+struct Sm90WsBwdConfig : Sm90BwdConfig<kHeadDim_, kHeadDim_ == 256 ? 64 : 128, kIsBF16_, kIsCausal_, kMods_> {
+    using Base = Sm90BwdConfig<kHeadDim_, kHeadDim_ == 256 ? 64 : 128, kIsBF16_, kIsCausal_, kMods_>;
     static constexpr int kStages = kStages_;
     static constexpr int kNThreads = 384;
     static constexpr int kProducerRegs = 24;   // 24 x 128 + 240 x 256 = 64512 <= 65536
@@ -68,10 +84,11 @@ struct Sm90WsBwdConfig : Sm90BwdConfig<kHeadDim_, 128, kIsBF16_, kIsCausal_, kMo
     static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * 384, "setmaxnreg: within the launch's registers");
     static constexpr int kRowsBytes = 2 * Base::kBlockM * 4;  // lse_log2 and D of one query block
     static constexpr int kBarriers = 1 + 2 * kStages;          // K/V full; full, empty per slot
+    static constexpr int kDsTiles = Base::kSplit ? 2 : 1;      // dS^T (split: and P^T) per buffer
     static constexpr int kSmemBytes = 1024 + 2 * Base::kTileBytesKV + 2 * kStages * Base::kTileBytesQ +
-                                      2 * Base::kTileBytesDS + kStages * kRowsBytes + 8 * kBarriers;
-    static_assert(!Base::kSplit, "head dims 64 and 128 (256 runs the split cp.async kernel)");
+                                      2 * kDsTiles * Base::kTileBytesDS + kStages * kRowsBytes + 8 * kBarriers;
     static_assert(kStages >= 2 && kStages <= 4, "a ring of 2 to 4 query-block slots");
+    static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
 // Plain (non-tensor) bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from
@@ -82,98 +99,134 @@ CUFLASH_DEVICE void bulk_load(u32 s_dst, const void* src, u32 bytes, u32 bar) {
                  : "memory");
 }
 
+// The kernel's shared memory (see the header; 1024-byte aligned for the swizzle) and its mbarriers.
+// Buffer b of the dS^T tiles: dS^T at ds(b); the split kernel's P^T at pt(b), its dS^T after it.
 template <class Cfg>
-CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
+struct BwdWsSmem {
+    u32 k, v, q0, do0, ds0, rows0, bar;
+
+    CUFLASH_DEVICE explicit BwdWsSmem(const unsigned char* smem_raw) {
+        k = (smem_u32(smem_raw) + 1023u) & ~1023u;  // the swizzle pattern starts on 1024 bytes
+        v = k + Cfg::kTileBytesKV;
+        q0 = v + Cfg::kTileBytesKV;
+        do0 = q0 + Cfg::kStages * Cfg::kTileBytesQ;
+        ds0 = do0 + Cfg::kStages * Cfg::kTileBytesQ;
+        rows0 = ds0 + 2 * Cfg::kDsTiles * Cfg::kTileBytesDS;
+        bar = rows0 + Cfg::kStages * Cfg::kRowsBytes;
+    }
+    CUFLASH_DEVICE u32 q(int st) const { return q0 + st * Cfg::kTileBytesQ; }
+    CUFLASH_DEVICE u32 dout(int st) const { return do0 + st * Cfg::kTileBytesQ; }
+    CUFLASH_DEVICE u32 full_kv() const { return bar; }
+    CUFLASH_DEVICE u32 full(int st) const { return bar + 8u * (1 + st); }
+    CUFLASH_DEVICE u32 empty(int st) const { return bar + 8u * (1 + Cfg::kStages + st); }
+};
+
+// The producer (one thread): K and V once, then Q, dO, lse_log2 and D of every query block of the
+// walk into the ring's slots, each after its slot's consumers released it.
+template <class Cfg, class Seq>
+CUFLASH_DEVICE void bwd_ws_produce(const BwdTmaParams& P, const Seq& seq, const BwdQueryWalk& walk, int hk, int n0,
+                                   const BwdWsSmem<Cfg>& sm) {
+    constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages, kAtoms = Cfg::kHeadDim / 64;
+    const BwdParams& p = P.p;
+    tma_prefetch(&P.tma_q);
+    tma_prefetch(&P.tma_do);
+    mbar_arrive_expect_tx(sm.full_kv(), 2 * Cfg::kTileBytesKV);
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a) {
+        tma_load_4d(sm.k + a * kBlockN * 128, &P.tma_k, sm.full_kv(), 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
+        tma_load_4d(sm.v + a * kBlockN * 128, &P.tma_v, sm.full_kv(), 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
+    }
+    for (int it = 0; it < walk.n_iters; ++it) {
+        const int st = it % kStages;
+        const int h = walk.head(it), m0 = walk.m_block(it) * kBlockM, row = seq.tma_q_row(m0);
+        mbar_wait(sm.empty(st), ((it / kStages) & 1) ^ 1);
+        mbar_arrive_expect_tx(sm.full(st), 2 * Cfg::kTileBytesQ + Cfg::kRowsBytes);
+#pragma unroll
+        for (int a = 0; a < kAtoms; ++a) {
+            tma_load_4d(sm.q(st) + a * kBlockM * 128, &P.tma_q, sm.full(st), 64 * a, row, h, seq.tma_batch());
+            tma_load_4d(sm.dout(st) + a * kBlockM * 128, &P.tma_do, sm.full(st), 64 * a, row, h, seq.tma_batch());
+        }
+        // lse_log2 and D rows are padded to whole query blocks (and 256-byte aligned): no bounds.
+        const i64 row0 = seq.scratch_row(p, h) + m0;
+        const u32 s_rows = sm.rows0 + st * Cfg::kRowsBytes;
+        bulk_load(s_rows, p.lse_log2 + row0, kBlockM * 4, sm.full(st));
+        bulk_load(s_rows + kBlockM * 4, p.dsum + row0, kBlockM * 4, sm.full(st));
+    }
+}
+
+// Varlen: rows of a tile past its sequence's keys or queries arrived from the rows that follow in the
+// packed tensor (the next sequence, rows no sequence owns: any bits, NaN included). Their P is 0, but
+// 0 * NaN is not: zero rows [r0, rows) of both tiles (whole 128-byte lines of every atom, whatever the
+// swizzle) before any wgmma reads them; both consumer warpgroups then meet at named barrier 2. Only
+// a sequence's last key block and last query block stick out. Plain batches need nothing: rows past
+// the tensor arrive as zeros.
+template <class Cfg>
+CUFLASH_DEVICE void bwd_ws_clear_tail(unsigned char* smem_raw, u32 s_tile0, u32 s_tile1, int rows, int r0, int tid) {
+    if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
+        constexpr int kAtoms = Cfg::kHeadDim / 64;
+        if (r0 >= rows) return;  // uniform over the consumers
+        const int lines = (rows - r0) * kAtoms;
+        for (int i = tid - 128; i < 2 * lines * 8; i += 256) {
+            const int line = (i / 8) % lines, a = line % kAtoms, r = r0 + line / kAtoms;
+            unsigned char* tile = smem_raw + ((i < lines * 8 ? s_tile0 : s_tile1) - smem_u32(smem_raw));
+            *reinterpret_cast<uint4*>(tile + a * rows * 128 + r * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async_smem();  // generic stores -> the async proxy (wgmma reads, later TMA writes)
+        named_sync(2, 256);
+    }
+}
+
+// dq_accum += this warp's dQ part of block it (query head h, rows from m0). Deterministic mode: the key
+// blocks that visit this query block add their dQ parts in key-block order (the turn counter, as
+// flash_bwd_kernel): one consumer thread waits for this CTA's turn, named barrier 3 holds the other
+// 255 until then, and after every warp's additions (fenced) the turn passes on. CTAs wait only on
+// lower key blocks, which launch earlier: no deadlock.
+template <class Cfg>
+CUFLASH_DEVICE void bwd_ws_add_dq(const BwdParams& p, const float (&acc_dq)[Cfg::kDQCols / 2], const BwdKeyBlock<Cfg>& blk,
+                                  const BwdQueryWalk& walk, int it, int h, int m0, int cwarp, int lane, int tid) {
+    int* turn = p.dq_turn + blk.seq.turn_row(p, h) + walk.m_block(it);
+    if (p.deterministic) {
+        if (tid == 128) {
+            while (ld_acquire_gpu(turn) != blk.dq_turn(p, m0)) {
+            }
+        }
+        named_sync(3, 256);
+    }
+    bwd_sm90_add_dq<Cfg::kDQCols>(p, acc_dq, blk.seq, h, m0, cwarp, lane);
+    if (p.deterministic) {
+        __threadfence();  // this thread's additions are visible device-wide ...
+        named_sync(3, 256);  // ... for every consumer thread, before the turn passes on
+        if (tid == 128) red_release_gpu_add(turn, 1);
+    }
+}
+
+// Head dims 64 and 128: consumer warpgroup c owns keys [64 c, 64 c + 64) of the CTA (the header's
+// first schedule).
+template <class Cfg>
+CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const BwdKeyBlock<Cfg>& blk, const BwdQueryWalk& walk,
+                                                    const BwdWsSmem<Cfg>& sm, unsigned char* smem_raw, int tid, int warp, int lane,
+                                                    int n0, int offset) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim, kStages = Cfg::kStages;
     constexpr bool kBF16 = Cfg::kIsBF16;
     constexpr int kNB = kBlockM / 8, kQSteps = kBlockM / 16, kDSteps = kHeadDim / 16, kKeySteps = kBlockN / 16;
-    constexpr int kAtoms = kHeadDim / 64;
-    const BwdParams& p = P.p;
-
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int wg = warp / 4;
-    const BwdKeyBlock<Cfg> blk = BwdKeyBlock<Cfg>::make(p);  // key block n_block of sequence seq (varlen.cuh)
-    if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
-        if (blk.skip) return;  // a spare slot of the scheduler (uniform over the CTA)
-    }
     const auto& seq = blk.seq;
-    const int n_block = blk.n_block, hk = blockIdx.y;
-    const int n0 = n_block * kBlockN;
-    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
-    const BwdQueryWalk walk = blk.walk(p, hk);
+    const int cwg = warp / 4 - 1, cwarp = warp - 4;
+    const int g = lane / 4, t = lane % 4;
+    const int hk = blockIdx.y;
     const int n_iters = walk.n_iters;
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
-
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const u32 s_k = (smem_u32(smem_raw) + 1023u) & ~1023u;  // the swizzle pattern starts on 1024 bytes
-    const u32 s_v = s_k + Cfg::kTileBytesKV;
-    const u32 s_q0 = s_v + Cfg::kTileBytesKV;
-    const u32 s_do0 = s_q0 + kStages * Cfg::kTileBytesQ;
-    const u32 s_ds0 = s_do0 + kStages * Cfg::kTileBytesQ;
-    const u32 s_rows0 = s_ds0 + 2 * Cfg::kTileBytesDS;
-    const u32 s_bar = s_rows0 + kStages * Cfg::kRowsBytes;
-    const u32 full_kv = s_bar;
-    auto full = [&](int s) { return s_bar + 8u * (1 + s); };
-    auto empty = [&](int s) { return s_bar + 8u * (1 + kStages + s); };
-
-    if (tid == 0) {
-        mbar_init(full_kv, 1);
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) {
-            mbar_init(full(s), 1);
-            mbar_init(empty(s), 256);  // every consumer thread (see the arrive)
-        }
-        mbar_fence_init();
-    }
-    __syncthreads();
-
-    if (wg == 0) {
-        // ---------------- producer ----------------
-        regs_release<Cfg::kProducerRegs>();
-        if (warp != 0 || lane != 0 || n_iters == 0) return;
-        tma_prefetch(&P.tma_q);
-        tma_prefetch(&P.tma_do);
-        mbar_arrive_expect_tx(full_kv, 2 * Cfg::kTileBytesKV);
-#pragma unroll
-        for (int a = 0; a < kAtoms; ++a) {
-            tma_load_4d(s_k + a * kBlockN * 128, &P.tma_k, full_kv, 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
-            tma_load_4d(s_v + a * kBlockN * 128, &P.tma_v, full_kv, 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
-        }
-        for (int it = 0; it < n_iters; ++it) {
-            const int st = it % kStages;
-            const int h = walk.head(it), m0 = walk.m_block(it) * kBlockM, row = seq.tma_q_row(m0);
-            mbar_wait(empty(st), ((it / kStages) & 1) ^ 1);
-            mbar_arrive_expect_tx(full(st), 2 * Cfg::kTileBytesQ + Cfg::kRowsBytes);
-#pragma unroll
-            for (int a = 0; a < kAtoms; ++a) {
-                tma_load_4d(s_q0 + st * Cfg::kTileBytesQ + a * kBlockM * 128, &P.tma_q, full(st), 64 * a, row, h, seq.tma_batch());
-                tma_load_4d(s_do0 + st * Cfg::kTileBytesQ + a * kBlockM * 128, &P.tma_do, full(st), 64 * a, row, h,
-                            seq.tma_batch());
-            }
-            // lse_log2 and D rows are padded to whole query blocks (and 256-byte aligned): no bounds.
-            const i64 row0 = seq.scratch_row(p, h) + m0;
-            bulk_load(s_rows0 + st * Cfg::kRowsBytes, p.lse_log2 + row0, kBlockM * 4, full(st));
-            bulk_load(s_rows0 + st * Cfg::kRowsBytes + kBlockM * 4, p.dsum + row0, kBlockM * 4, full(st));
-        }
-        return;
-    }
-
-    // ---------------- consumers ----------------
-    regs_claim<Cfg::kConsumerRegs>();
-    const int cwg = wg - 1, cwarp = warp - 4;
-    const int g = lane / 4, t = lane % 4;
-    const float* rows_ptr = reinterpret_cast<const float*>(smem_raw + (s_rows0 - smem_u32(smem_raw)));
+    const float* rows_ptr = reinterpret_cast<const float*>(smem_raw + (sm.rows0 - smem_u32(smem_raw)));
 
     // Descriptors as in flash_bwd_sm90_pair_kernel (K-major A / B step 32 bytes per k-step inside an
     // atom; N-major B and M-major A: 64-column atoms rows * 128 bytes apart, 2048 bytes per k-step).
-    const u64 desc_k_w = sw128_desc(s_k + cwg * 64 * 128, 16);
-    const u64 desc_v_w = sw128_desc(s_v + cwg * 64 * 128, 16);
-    const u64 desc_q0 = sw128_desc(s_q0, 16);
-    const u64 desc_do0 = sw128_desc(s_do0, 16);
-    const u64 desc_q0_n = sw128_desc(s_q0, kBlockM * 128);
-    const u64 desc_do0_n = sw128_desc(s_do0, kBlockM * 128);
-    const u64 desc_ds0 = sw128_desc(s_ds0, kBlockN * 128);
-    const u64 desc_k_dq = sw128_desc(s_k + (cwg * Cfg::kDQCols / 64) * kBlockN * 128 + (cwg * Cfg::kDQCols % 64) * 2, kBlockN * 128);
+    const u64 desc_k_w = sw128_desc(sm.k + cwg * 64 * 128, 16);
+    const u64 desc_v_w = sw128_desc(sm.v + cwg * 64 * 128, 16);
+    const u64 desc_q0 = sw128_desc(sm.q0, 16);
+    const u64 desc_do0 = sw128_desc(sm.do0, 16);
+    const u64 desc_q0_n = sw128_desc(sm.q0, kBlockM * 128);
+    const u64 desc_do0_n = sw128_desc(sm.do0, kBlockM * 128);
+    const u64 desc_ds0 = sw128_desc(sm.ds0, kBlockN * 128);
+    const u64 desc_k_dq = sw128_desc(sm.k + (cwg * Cfg::kDQCols / 64) * kBlockN * 128 + (cwg * Cfg::kDQCols % 64) * 2, kBlockN * 128);
     constexpr u64 kQStage = Cfg::kTileBytesQ >> 4, kDsBuf = Cfg::kTileBytesDS >> 4;
 
     float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];
@@ -181,37 +234,17 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
     for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     const int key_local = cwg * 64 + (cwarp % 4) * 16 + g;  // this thread's key rows: key_local, key_local + 8
 
-    // Varlen: rows of a tile past its sequence's keys or queries arrived from the rows that follow in
-    // the packed tensor (the next sequence, rows no sequence owns: any bits, NaN included). Their P is
-    // 0, but 0 * NaN is not: zero them (whole 128-byte lines of every atom, whatever the swizzle) before
-    // any wgmma reads the tile; both consumer warpgroups then meet at named barrier 2. Only a sequence's
-    // last key block and last query block stick out. Plain batches need nothing: rows past the tensor
-    // arrive as zeros.
-    auto clear_tail = [&](u32 s_tile0, u32 s_tile1, int rows, int r0) {
-        if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
-            if (r0 >= rows) return;  // uniform over the consumers
-            const int lines = (rows - r0) * kAtoms;
-            for (int i = tid - 128; i < 2 * lines * 8; i += 256) {
-                const int line = (i / 8) % lines, a = line % kAtoms, r = r0 + line / kAtoms;
-                unsigned char* tile = smem_raw + ((i < lines * 8 ? s_tile0 : s_tile1) - smem_u32(smem_raw));
-                *reinterpret_cast<uint4*>(tile + a * rows * 128 + r * 128 + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
-            }
-            fence_proxy_async_smem();  // generic stores -> the async proxy (wgmma reads, later TMA writes)
-            named_sync(2, 256);
-        }
-    };
-
     if (n_iters > 0) {
-        mbar_wait(full_kv, 0);
-        clear_tail(s_k, s_v, kBlockN, seq.len_k(p) - n0);
+        mbar_wait(sm.full_kv(), 0);
+        bwd_ws_clear_tail<Cfg>(smem_raw, sm.k, sm.v, kBlockN, seq.len_k(p) - n0, tid);
     }
     for (int it = 0; it < n_iters; ++it) {
         const int st = it % kStages, buf = it & 1;
         const int h = walk.head(it);
         const int m0 = walk.m_block(it) * kBlockM;
-        const u32 s_ds = s_ds0 + buf * Cfg::kTileBytesDS;
-        mbar_wait(full(st), (it / kStages) & 1);
-        clear_tail(s_q0 + st * Cfg::kTileBytesQ, s_do0 + st * Cfg::kTileBytesQ, kBlockM, seq.len_q(p) - m0);
+        const u32 s_ds = sm.ds0 + buf * Cfg::kTileBytesDS;
+        mbar_wait(sm.full(st), (it / kStages) & 1);
+        bwd_ws_clear_tail<Cfg>(smem_raw, sm.q(st), sm.dout(st), kBlockM, seq.len_q(p) - m0, tid);
 
         // ---- issue S^T = K_c Q^T and dP^T = V_c dO^T as two groups
         float S[kNB][4], dP[kNB][4];
@@ -294,29 +327,257 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
         // for its own reads (and its writes of clear_tail's zero rows), so the producer's next refill is
         // ordered after each of them. (One arrive per warp after __syncwarp orders them too, but
         // compute-sanitizer racecheck follows an arrive only for the arriving thread's own accesses.)
-        mbar_arrive(empty(st));
-
-        // Deterministic mode: the key blocks that visit this query block add their dQ parts in key-block
-        // order (the turn counter, as flash_bwd_kernel): one consumer thread waits for this CTA's turn,
-        // named barrier 3 holds the other 255 until then, and after every warp's additions (fenced) the
-        // turn passes on. CTAs wait only on lower key blocks, which launch earlier: no deadlock.
-        int* turn = p.dq_turn + seq.turn_row(p, h) + walk.m_block(it);
-        if (p.deterministic) {
-            if (tid == 128) {
-                while (ld_acquire_gpu(turn) != blk.dq_turn(p, m0)) {
-                }
-            }
-            named_sync(3, 256);
-        }
-        bwd_sm90_add_dq<Cfg::kDQCols>(p, acc_dq, seq, h, m0, cwarp, lane);
-        if (p.deterministic) {
-            __threadfence();  // this thread's additions are visible device-wide ...
-            named_sync(3, 256);  // ... for every consumer thread, before the turn passes on
-            if (tid == 128) red_release_gpu_add(turn, 1);
-        }
+        mbar_arrive(sm.empty(st));
+        bwd_ws_add_dq<Cfg>(p, acc_dq, blk, walk, it, h, m0, cwarp, lane, tid);
     }
 
     bwd_sm90_store_dkdv<kBF16, kHeadDim>(p, acc_dk, acc_dv, seq, hk, n0 + key_local, 0, t);
+}
+
+// The variants on a warp's 16 queries x 32 keys of S (the split consumer's orientation, the forward's):
+// the ALiBi slope and dropout stream of query head h, and the dropout keep bits of the 16x32 block
+// (one Philox call, DropoutStream::keep_bits: bit 4 nb + 2 a + e is element S[nb][2 a + e]).
+template <class Mask>
+struct BwdModRows {
+    Mask mask;
+    float slope, rp;
+    u32 keep;
+
+    template <class Seq>
+    CUFLASH_DEVICE BwdModRows(const BwdParams& p, const Seq& seq, int h, int row16, int key32, int lane)
+        : mask(p.mod, seq.len_q(p), seq.len_k(p)), slope(Mask::alibi_slope(p.mod, seq.b, h)), rp(p.mod.dropout_rp), keep(0) {
+        if constexpr (Mask::kDropout) {
+            keep = DropoutStream(p.mod.seed, p.mod.offset, seq.b, p.nheads, h, p.mod.keep_threshold).keep_bits(row16, key32, lane);
+        }
+    }
+    CUFLASH_DEVICE bool kept(int nb, int a, int e) const {
+        return Mask::kDropout ? ((keep >> (4 * nb + 2 * a + e)) & 1u) != 0 : true;
+    }
+    // Query i, keys j and j + 1 (elements S[nb][2 a], S[nb][2 a + 1] of raw scores s0, s1; dist the ALiBi
+    // distance of (i, j) as a float): pv what dV takes, pd what dS takes, kept as in BwdModTile::probs.
+    CUFLASH_DEVICE void probs(float s0, float s1, float lse_log2, float scale_log2, bool need_mask, int nb, int a, int j, int i,
+                              float dist, float (&pv)[2], float (&pd)[2], bool (&kept_e)[2]) const {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float dt;
+            const float pr = mask.prob(e ? s1 : s0, i, j + e, dist - e, lse_log2, scale_log2, need_mask, slope, &dt);
+            kept_e[e] = kept(nb, a, e);
+            pv[e] = Mask::kDropout ? (kept_e[e] ? pr * rp : 0.f) : pr;
+            pd[e] = pr * dt;
+        }
+    }
+    CUFLASH_DEVICE float dropped_dp(float dp, bool k) const { return Mask::kDropout ? (k ? dp * rp : 0.f) : dp; }
+};
+struct BwdNoModRows {
+    template <class Seq>
+    CUFLASH_DEVICE BwdNoModRows(const BwdParams&, const Seq&, int, int, int, int) {}
+    CUFLASH_DEVICE bool kept(int, int, int) const { return true; }
+};
+template <class Mask>
+using BwdModRowsOf = Choose<(Mask::kBits & kModScores) != 0, BwdModRows<Mask>, BwdNoModRows>;
+
+// Head dim 256: the split schedule of the header. Warpgroup c forms P and dS for keys [32 c, 32 c + 32)
+// of the CTA and all 64 queries, then dV, dK and dQ for head-dim columns [128 c, 128 c + 128).
+template <class Cfg>
+CUFLASH_DEVICE void flash_bwd_sm90_ws_split_consumer(const BwdParams& p, const BwdKeyBlock<Cfg>& blk, const BwdQueryWalk& walk,
+                                                     const BwdWsSmem<Cfg>& sm, unsigned char* smem_raw) {
+    constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHalf = Cfg::kDQCols, kStages = Cfg::kStages;
+    constexpr bool kBF16 = Cfg::kIsBF16;
+    constexpr int kDSteps = Cfg::kHeadDim / 16, kQSteps = kBlockM / 16, kKeySteps = kBlockN / 16;
+    constexpr int kKeys = kBlockN / 2;  // keys of S_c per warpgroup
+    constexpr int kNB = kKeys / 8;      // their 8-key blocks
+    static_assert(kKeys == 32 && kBlockM == 64, "S_c is one m64n32 wgmma group; dropout draws 16x32 blocks");
+    const auto& seq = blk.seq;
+    const int tid = threadIdx.x, lane = tid % 32, cwarp = tid / 32 - 4, cwg = cwarp / 4, wq = cwarp % 4;
+    const int g = lane / 4, t = lane % 4;
+    const int n0 = blk.n_block * kBlockN, hk = blockIdx.y;
+    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
+    const int n_iters = walk.n_iters;
+    using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
+    const float* rows_ptr = reinterpret_cast<const float*>(smem_raw + (sm.rows0 - smem_u32(smem_raw)));
+
+    // Descriptors. S_c, dP_c: A = Q / dO and B = K / V rows [32 c, 32 c + 32), all K-major. dV, dK: A =
+    // P^T / dS^T K-major (a 64-query row is one atom), B = dO / Q columns [128 c, ...) N-major. dQ: A = dS
+    // read M-major from the dS^T rows, B = K columns [128 c, ...) N-major (16 rows of k per 2048 bytes).
+    const u64 desc_q0 = sw128_desc(sm.q0, 16);
+    const u64 desc_do0 = sw128_desc(sm.do0, 16);
+    const u64 desc_k_c = sw128_desc(sm.k + cwg * kKeys * 128, 16);
+    const u64 desc_v_c = sw128_desc(sm.v + cwg * kKeys * 128, 16);
+    const u64 desc_q_half = sw128_desc(sm.q0 + 2 * cwg * kBlockM * 128, kBlockM * 128);
+    const u64 desc_do_half = sw128_desc(sm.do0 + 2 * cwg * kBlockM * 128, kBlockM * 128);
+    const u64 desc_k_half = sw128_desc(sm.k + 2 * cwg * kBlockN * 128, kBlockN * 128);
+    const u64 desc_pt0 = sw128_desc(sm.ds0, 16);
+    const u64 desc_dst0 = sw128_desc(sm.ds0 + Cfg::kTileBytesDS, 16);
+    const u64 desc_ds0 = sw128_desc(sm.ds0 + Cfg::kTileBytesDS, kBlockN * 128);
+    constexpr u64 kQStage = Cfg::kTileBytesQ >> 4, kBuf = (2 * Cfg::kTileBytesDS) >> 4;
+
+    float acc_dk[kHalf / 2], acc_dv[kHalf / 2];
+#pragma unroll
+    for (int i = 0; i < kHalf / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    // This thread's elements of S_c: queries q_row, q_row + 8 of the block x keys j_first + 8 nb (+ 1).
+    const int q_row = 16 * wq + g;
+    const int j_first = n0 + kKeys * cwg + 2 * t;
+    // stmatrix .trans of P_c / dS_c into the [key][query] tiles: lane 8 m + i addresses row i of
+    // matrix m (key kKeys c + 8 (2 kk + m / 2) + i, queries 16 wq + 8 (m % 2) .. + 8: one 16-byte chunk,
+    // swizzled by the row); matrix m of call kk holds the fragments of 8-key block 2 kk + m / 2, row half m % 2.
+    const int st_row = kKeys * cwg + 8 * (lane / 16) + lane % 8;
+    const u32 st_off = st_row * 128 + (((2 * wq + (lane / 8) % 2) ^ (lane % 8)) << 4);
+
+    if (n_iters > 0) {
+        mbar_wait(sm.full_kv(), 0);
+        bwd_ws_clear_tail<Cfg>(smem_raw, sm.k, sm.v, kBlockN, seq.len_k(p) - n0, tid);
+    }
+    for (int it = 0; it < n_iters; ++it) {
+        const int st = it % kStages, buf = it & 1;
+        const int h = walk.head(it);
+        const int m0 = walk.m_block(it) * kBlockM;
+        const u32 s_pt = sm.ds0 + buf * 2 * Cfg::kTileBytesDS, s_dst = s_pt + Cfg::kTileBytesDS;
+        mbar_wait(sm.full(st), (it / kStages) & 1);
+        bwd_ws_clear_tail<Cfg>(smem_raw, sm.q(st), sm.dout(st), kBlockM, seq.len_q(p) - m0, tid);
+
+        // ---- issue S_c = Q K_c^T and dP_c = dO V_c^T as two groups
+        float S[kNB][4], dP[kNB][4];
+        float(&s_acc)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(S);
+        float(&dp_acc)[kKeys / 2] = reinterpret_cast<float(&)[kKeys / 2]>(dP);
+        wgmma_fence();
+        wgmma_ss_kmajor<kKeys, kBF16, kDSteps, kBlockM, kBlockN>(s_acc, desc_q0 + st * kQStage, desc_k_c);
+        wgmma_commit();
+        wgmma_ss_kmajor<kKeys, kBF16, kDSteps, kBlockM, kBlockN>(dp_acc, desc_do0 + st * kQStage, desc_v_c);
+        wgmma_commit();
+        const BwdModRowsOf<Mask> mods(p, seq, h, m0 + 16 * wq, n0 + kKeys * cwg, lane);  // (variants) while they run
+        wgmma_wait<1>();  // S_c landed; dP_c may still run
+        wgmma_fence_operands(s_acc);
+
+        // ---- P_c (fp32 kept in S for dS; variants: P (1 - tanh^2)); P^T (what dV takes) to smem
+        const float* s_lse = rows_ptr + st * 2 * kBlockM;
+        const float* s_d = s_lse + kBlockM;
+        const bool need_mask = bwd_sm90_needs_mask<Cfg>(p, seq, n0, m0, offset);
+        u32 pk[kNB][2];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+            const int i = m0 + q_row + 8 * a;
+            const float lse = s_lse[q_row + 8 * a];
+            float dist = 0.f;  // the ALiBi distance of (i, j_first) (variants only)
+            if constexpr ((Cfg::kMods & kModScores) != 0) dist = static_cast<float>(i + offset - j_first);
+#pragma unroll
+            for (int nb = 0; nb < kNB; ++nb) {
+                const int j = j_first + 8 * nb;
+                float pv[2], pd[2];
+                if constexpr ((Cfg::kMods & kModScores) == 0) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float x = fast_exp2(fmaf(S[nb][2 * a + e], p.scale_log2, -lse));
+                        if (need_mask && (Cfg::kIsCausal ? j + e > i + offset : j + e >= seq.len_k(p))) x = 0.f;
+                        pv[e] = pd[e] = x;
+                    }
+                } else {
+                    bool kept[2];
+                    mods.probs(S[nb][2 * a], S[nb][2 * a + 1], lse, p.scale_log2, need_mask, nb, a, j, i, dist - 8 * nb, pv, pd, kept);
+                }
+                S[nb][2 * a] = pd[0];  // (kept for dS)
+                S[nb][2 * a + 1] = pd[1];
+                pk[nb][a] = pack2<kBF16>(pv[0], pv[1]);
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < kNB / 2; ++kk) {
+            stmatrix_x4_trans(s_pt + st_off + kk * 16 * 128, pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]);
+        }
+
+        // ---- dS_c = P (dP - D[i]) (variants: P (1 - tanh^2) (Z dP / q - D[i]), q the keep probability) to smem
+        wgmma_wait<0>();
+        wgmma_fence_operands(dp_acc);
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+            const float d = s_d[q_row + 8 * a];
+#pragma unroll
+            for (int nb = 0; nb < kNB; ++nb) {
+                pk[nb][a] = pack2<kBF16>(bwd_sm90_ds<Cfg>(mods, S[nb][2 * a], dP[nb][2 * a], d, mods.kept(nb, a, 0)),
+                                         bwd_sm90_ds<Cfg>(mods, S[nb][2 * a + 1], dP[nb][2 * a + 1], d, mods.kept(nb, a, 1)));
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < kNB / 2; ++kk) {
+            stmatrix_x4_trans(s_dst + st_off + kk * 16 * 128, pk[2 * kk][0], pk[2 * kk][1], pk[2 * kk + 1][0], pk[2 * kk + 1][1]);
+        }
+        fence_proxy_async_smem();
+        named_sync(1, 256);  // both warpgroups' keys of P^T and dS^T in smem
+
+        // ---- issue dQ part = dS K[:, half], then dV[:, half] += P^T dO[:, half], dK[:, half] += dS^T Q[:, half]
+        float acc_dq[kHalf / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKeySteps; ++kk) {
+            wgmma_ss<kHalf, kBF16, 1, 1>(acc_dq, desc_ds0 + buf * kBuf + static_cast<u64>(kk * 128),
+                                         desc_k_half + static_cast<u64>(kk * 128), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < kQSteps; ++ks) {
+            wgmma_ss<kHalf, kBF16, 0, 1>(acc_dv, desc_pt0 + buf * kBuf + kmajor_kstep<kBlockN>(ks),
+                                         desc_do_half + st * kQStage + static_cast<u64>(ks * 128), true);
+        }
+#pragma unroll
+        for (int ks = 0; ks < kQSteps; ++ks) {
+            wgmma_ss<kHalf, kBF16, 0, 1>(acc_dk, desc_dst0 + buf * kBuf + kmajor_kstep<kBlockN>(ks),
+                                         desc_q_half + st * kQStage + static_cast<u64>(ks * 128), true);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // dQ landed: add it while dV and dK run
+        wgmma_fence_operands(acc_dq);
+        bwd_ws_add_dq<Cfg>(p, acc_dq, blk, walk, it, h, m0, cwarp, lane, tid);
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc_dv);
+        wgmma_fence_operands(acc_dk);
+        mbar_arrive(sm.empty(st));  // (every consumer thread: see the pair consumer)
+    }
+
+    bwd_sm90_store_dkdv<kBF16, kHalf>(p, acc_dk, acc_dv, seq, hk, n0 + 16 * wq + g, cwg * kHalf, t);  // this warpgroup's half
+}
+
+template <class Cfg>
+CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
+    const BwdParams& p = P.p;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wg = warp / 4;
+    const BwdKeyBlock<Cfg> blk = BwdKeyBlock<Cfg>::make(p);  // key block n_block of sequence seq (varlen.cuh)
+    if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
+        if (blk.skip) return;  // a spare slot of the scheduler (uniform over the CTA)
+    }
+    const auto& seq = blk.seq;
+    const int n_block = blk.n_block, hk = blockIdx.y;
+    const int n0 = n_block * Cfg::kBlockN;
+    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
+    const BwdQueryWalk walk = blk.walk(p, hk);
+    const int n_iters = walk.n_iters;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const BwdWsSmem<Cfg> sm(smem_raw);
+    if (tid == 0) {
+        mbar_init(sm.full_kv(), 1);
+#pragma unroll
+        for (int s = 0; s < Cfg::kStages; ++s) {
+            mbar_init(sm.full(s), 1);
+            mbar_init(sm.empty(s), 256);  // every consumer thread (see the arrive)
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---------------- producer ----------------
+        regs_release<Cfg::kProducerRegs>();
+        if (warp != 0 || lane != 0 || n_iters == 0) return;
+        bwd_ws_produce<Cfg>(P, seq, walk, hk, n0, sm);
+        return;
+    }
+    // ---------------- consumers ----------------
+    regs_claim<Cfg::kConsumerRegs>();
+    if constexpr (Cfg::kSplit) {
+        flash_bwd_sm90_ws_split_consumer<Cfg>(p, blk, walk, sm, smem_raw);
+    } else {
+        flash_bwd_sm90_ws_pair_consumer<Cfg>(p, blk, walk, sm, smem_raw, tid, warp, lane, n0, offset);
+    }
 }
 
 }  // namespace cuflash

@@ -61,6 +61,15 @@ CUFLASH_DEVICE u64 sw128_desc(u32 s_addr, u32 leading_bytes) {
            (static_cast<u64>(1024 >> 4) << 32) | (1ull << 62);
 }
 
+// Four 8x8 16-bit matrices from mma-layout fragments (r0..r3: this thread's packed pair of each) to
+// shared memory, transposed (stmatrix .trans, sm_90): row i of stored matrix m, at the address lane
+// 8 m + i gives, holds column i of fragment m (8 elements, 16 bytes).
+CUFLASH_DEVICE void stmatrix_x4_trans(u32 s_addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(s_addr), "r"(r0), "r"(r1), "r"(r2),
+                 "r"(r3)
+                 : "memory");
+}
+
 // Fence this thread's generic-proxy shared-memory writes (cp.async) before async-proxy reads (wgmma).
 CUFLASH_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 

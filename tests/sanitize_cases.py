@@ -210,12 +210,14 @@ def hopper_cases(rng, arch):
     test_varlen_nan_after_the_keys_stays_out()
     print("ok varlen NaN tails, paged")
     # the warp-specialized TMA backward: ring depths 2 and 3 over 1 and several query blocks, GQA,
-    # a window, partial boxes, fp16, a variant with dropout
+    # a window, partial boxes, fp16, a variant with dropout; head dim 256's split consumers
     B = plan.BwdSm90WsTile
     for tile, (sq, sk, d, dt, causal, kw) in (
         (B(), (64, 130, 128, "bf16", True, {})), (B(), (200, 300, 64, "fp16", False, {})),
         (B(stages=3), (300, 200, 120, "bf16", True, {})), (B(), (100, 900, 64, "bf16", True, dict(window_size=(50, 0)))),
         (B(), (150, 150, 128, "bf16", False, dict(softcap=5.0, dropout_p=0.2))),
+        (B(block_n=64), (200, 150, 256, "bf16", True, {})), (B(block_n=64), (70, 130, 248, "fp16", False, {})),
+        (B(block_n=64), (150, 200, 256, "bf16", False, dict(softcap=5.0, dropout_p=0.2, window_size=(60, 10)))),
     ):  # fmt: skip
         q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, d, dt)
         check_backward(q, k, v, causal=causal, dtype=dt, tile=tile, rng=rng, **kw)
@@ -223,6 +225,7 @@ def hopper_cases(rng, arch):
     from test_hopper_ws_bwd_gpu import test_varlen_nan_past_the_sequences_stays_out
 
     test_varlen_nan_past_the_sequences_stays_out(64, True)  # packed: tiles past the sequences zeroed in smem
+    test_varlen_nan_past_the_sequences_stays_out(256, False)
     print("ok backward varlen NaN tails")
     cupy.cuda.runtime.deviceSynchronize()
 

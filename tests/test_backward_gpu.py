@@ -107,8 +107,8 @@ def test_backward_one_key():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk,h,hk", [(300, 333, 4, 2), (1, 700, 2, 1), (700, 1, 2, 2), (513, 1025, 2, 1), (128, 128, 1, 1)])
 def test_both_backward_kernels(dtype, head_dim, causal, sq, sk, h, hk):
-    """On Hopper the planner runs a wgmma backward for these inputs (the warp-specialized TMA one at
-    head dims 64 and 128): check each Hopper kernel and the mma.sync kernel (other GPUs, unaligned
+    """On Hopper the planner runs a wgmma backward for these inputs (the warp-specialized TMA one by
+    default): check each Hopper kernel and the mma.sync kernel (other GPUs, unaligned
     inputs, other buckets, deterministic mode) on the same data."""
     from cuflash import jit, plan
 
@@ -155,7 +155,7 @@ def test_very_negative_scores_with_a_ragged_last_key_block(dtype, head_dim, caus
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 96])  # (on Hopper: the TMA kernel at 64 and 128, mma.sync at 96)
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])  # (on Hopper: the TMA kernel at 64, 128, 256, mma.sync at 96)
 def test_deterministic_mode_is_bitwise_reproducible(causal, head_dim):
     """deterministic=True: 50 runs give bitwise identical dq, dk, dv (GQA, many key blocks per query block)."""
     import cupy

@@ -22,7 +22,7 @@ def _hopper():
         pytest.skip("the TMA kernel runs on sm_90a only")
 
 
-@pytest.mark.parametrize("head_dim,stages", [(128, 2), (128, 3), (64, 2), (64, 3), (64, 4)])  # (4 at hd128: too much smem)
+@pytest.mark.parametrize("head_dim,stages", [(128, 2), (128, 3), (64, 2), (64, 3), (64, 4), (256, 2)])  # (4 at hd128, 3 at 256: too much smem)
 @pytest.mark.parametrize("sq", [1, 64, 128, 192, 700])  # query blocks per head: 1, 1, 2, 3, 11
 @pytest.mark.parametrize("causal", [False, True])
 def test_ring_depths(head_dim, stages, sq, causal):
@@ -33,11 +33,11 @@ def test_ring_depths(head_dim, stages, sq, causal):
 
     rng = np.random.default_rng(sq + stages)
     q, k, v = random_qkv(rng, 2, sq, 300, 4, 2, head_dim, "bf16")
-    tile = BwdSm90WsTile(stages=stages)
+    tile = BwdSm90WsTile(block_n=64 if head_dim == 256 else 128, stages=stages)
     check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, rng=rng, what=f"{tile} sq={sq}")
 
 
-@pytest.mark.parametrize("head_dim", [40, 48, 64, 104, 120, 128])  # buckets 64 and 128
+@pytest.mark.parametrize("head_dim", [40, 48, 64, 104, 120, 128, 240, 248])  # buckets 64, 128 and 256
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_head_dims_inside_a_box(head_dim, dtype):
     """Head dims below the bucket: the last 64-column box sticks out of the tensor (TMA fills zeros)."""
@@ -75,9 +75,11 @@ def test_strided_inputs():
     check_backward(q, k, v, causal=False, dtype="bf16", tile=plan.BWD_SM90_WS_TILES[128], rng=rng, what="strided")
 
 
-def test_agrees_with_the_cp_async_kernel():
-    """The TMA kernel and the cp.async Hopper kernel compute the same sums in the same order per
-    element: their gradients agree to rounding of the final bf16 (dQ's atomic order aside)."""
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_agrees_with_the_cp_async_kernel(head_dim):
+    """The TMA kernel and the cp.async Hopper kernel compute the same sums (at head dim 128 in the same
+    order per element; at 256 from P and dS in bf16 both): their gradients agree to rounding of the
+    final bf16 (dQ's atomic order aside)."""
     _hopper()
     import cupy
 
@@ -85,11 +87,11 @@ def test_agrees_with_the_cp_async_kernel():
     from cuflash import backward, plan
 
     rng = np.random.default_rng(11)
-    q, k, v = random_qkv(rng, 2, 1000, 1000, 4, 2, 128, "bf16")
+    q, k, v = random_qkv(rng, 2, 1000, 1000, 4, 2, head_dim, "bf16")
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
-    a = backward.run(dout, q, k, v, out, lse, causal=True, tile=plan.BWD_SM90_WS_TILES[128])
-    b = backward.run(dout, q, k, v, out, lse, causal=True, tile=plan.BWD_SM90_TILES[128])
+    a = backward.run(dout, q, k, v, out, lse, causal=True, tile=plan.BWD_SM90_WS_TILES[head_dim])
+    b = backward.run(dout, q, k, v, out, lse, causal=True, tile=plan.BWD_SM90_TILES[head_dim])
     for name, x, y in zip(("dq", "dk", "dv"), a, b):
         x, y = to_f64(x), to_f64(y)
         scale = np.abs(y).max()
@@ -129,7 +131,7 @@ def test_default_is_the_tma_kernel_and_falls_back():
         np.testing.assert_allclose(to_f64(x), to_f64(ref), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_nan_past_the_sequences_stays_out(head_dim, causal):
     """Packed batches: a sequence's last key tile brings the rows after its used keys (seqused_k gaps,

@@ -98,17 +98,20 @@ def _bwd_plan(head_dim=128, arch="sm_90a", aligned=True, deterministic=False, ti
                               deterministic=deterministic)  # fmt: skip
 
 
-@pytest.mark.parametrize("head_dim", [64, 56, 128, 120])
+@pytest.mark.parametrize("head_dim", [64, 56, 128, 120, 256, 248])
 def test_warp_specialized_backward_where_it_can(head_dim):
     bp = _bwd_plan(head_dim)
     spec, t = bp.main.spec, bp.main.spec.tile
     d = spec.head_dim
     st = 3 if d == 64 else 2
-    assert spec.family == "flash_bwd_sm90_ws" and t == plan.BWD_SM90_WS_TILES[d] == plan.BwdSm90WsTile(stages=st)
-    assert bp.main.grid == (-(-700 // 128), 2, 2) and bp.main.block == (384, 1, 1)  # producer + 2 consumer warpgroups
+    n = 64 if d == 256 else 128  # d = 256: the consumer warpgroups split the keys of S and the head dim of dK, dV, dQ
+    assert spec.family == "flash_bwd_sm90_ws" and t == plan.BWD_SM90_WS_TILES[d] == plan.BwdSm90WsTile(block_n=n, stages=st)
+    assert bp.main.grid == (-(-700 // n), 2, 2) and bp.main.block == (384, 1, 1)  # producer + 2 consumer warpgroups
     assert bp.num_m_blocks == -(-1000 // 64) and bp.seqlen_q_pad == bp.num_m_blocks * 64
-    # K, V, stages x (Q, dO), 2 dS^T buffers, stages x (lse_log2, D), 1 + 2 stages mbarriers, 1 KB alignment
-    smem = 1024 + 2 * 128 * d * 2 + 2 * st * 64 * d * 2 + 2 * 128 * 64 * 2 + st * 512 + 8 * (1 + 2 * st)
+    # K, V, stages x (Q, dO), 2 dS^T buffers (split: and 2 P^T), stages x (lse_log2, D), 1 + 2 stages mbarriers,
+    # 1 KB alignment
+    ds_tiles = 2 if n == 64 else 1
+    smem = 1024 + 2 * n * d * 2 + 2 * st * 64 * d * 2 + 2 * ds_tiles * n * 64 * 2 + st * 512 + 8 * (1 + 2 * st)
     assert bp.main.smem_bytes == smem <= 227 * 1024
     assert t.warp_tiles(d)["dq"] == (16, d // 2) and t.dq_q_warps == 4 and t.warps == 12  # the pair kernel's dQ layout
     assert spec.template_args() == f"{d}, true, true, 0, {st}"
@@ -118,29 +121,33 @@ def test_warp_specialized_backward_where_it_can(head_dim):
     # packed batches too (scheduler grid, varlen source); the cp.async Hopper kernel when forced; the mma.sync one elsewhere
     packed = plan.plan_backward(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=head_dim,
                                 dtype="bf16", causal=True, aligned=True, arch="sm_90a", mods=plan.MOD_VARLEN)
-    assert packed.main.spec.family == "flash_bwd_sm90_ws" and packed.main.grid == (700 // 128 + 2, 2, 1)
+    assert packed.main.spec.family == "flash_bwd_sm90_ws" and packed.main.grid == (700 // n + 2, 2, 1)
     assert packed.main.spec.template_args() == f"{d}, true, true, {plan.MOD_VARLEN}, {st}"
     assert _bwd_plan(head_dim, tile=plan.BWD_SM90_TILES[d]).main.spec.family == "flash_bwd_sm90"
     assert _bwd_plan(head_dim, deterministic=True).main.spec == spec  # ordered dQ additions on the same kernel
     assert _bwd_plan(head_dim, arch="sm_80").main.spec.family == "flash_bwd"
     assert _bwd_plan(head_dim, aligned=False).main.spec.family == "flash_bwd"
     with pytest.raises(ValueError, match="warp-specialized backward"):
-        _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(), aligned=False)
-    with pytest.raises(ValueError, match="128 keys x 64 queries"):
-        _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(stages=5))
+        _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(block_n=n), aligned=False)
+    with pytest.raises(ValueError, match="x 64 queries, 2 to 4"):
+        _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(block_n=n, stages=5))
 
 
 def test_warp_specialized_backward_tile_errors():
     with pytest.raises(ValueError, match="no warp-specialized backward tile"):
+        _bwd_plan(192, tile=plan.BwdSm90WsTile())
+    with pytest.raises(ValueError, match="64 for head dim 256"):
         _bwd_plan(256, tile=plan.BwdSm90WsTile())
-    with pytest.raises(ValueError, match="no warp-specialized backward tile"):
-        plan.bwd_sm90_ws_spec(256, "bf16", False, mods=plan.MOD_VARLEN)
+    with pytest.raises(ValueError, match="64 for head dim 256"):
+        _bwd_plan(128, tile=plan.BwdSm90WsTile(block_n=64))
+    with pytest.raises(ValueError, match="shared memory"):  # 3 stages of 256-column Q and dO do not fit
+        _bwd_plan(256, tile=plan.BwdSm90WsTile(block_n=64, stages=3))
 
 
 @pytest.mark.parametrize("head_dim", [64, 56, 128, 120, 256, 248])
 def test_hopper_backward_where_it_can(head_dim):
     bucket = plan.head_dim_bucket(head_dim)
-    bp = _bwd_plan(head_dim, tile=None if bucket == 256 else plan.BWD_SM90_TILES[bucket])
+    bp = _bwd_plan(head_dim, tile=plan.BWD_SM90_TILES[bucket])
     spec, t = bp.main.spec, bp.main.spec.tile
     assert spec.family == "flash_bwd_sm90" and t == plan.BWD_SM90_TILES[plan.head_dim_bucket(head_dim)]
     d = spec.head_dim

@@ -203,9 +203,10 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {64: BwdSm90Tile(), 128: BwdSm90Tile(),
 
 @dataclass(frozen=True)
 class BwdSm90WsTile(_Sm90DqLayout):
-    """Tile of the warp-specialized Hopper backward (cuda_src/flash_bwd_sm90_ws.cuh): the pair
-    kernel's tile (128 keys per CTA, one consumer warpgroup per 64 keys, query blocks of 64 rows)
-    plus a producer warpgroup that issues TMA loads into a ring of ``stages`` query-block slots."""
+    """Tile of the warp-specialized Hopper backward (cuda_src/flash_bwd_sm90_ws.cuh): query blocks of
+    64 rows, ``block_n`` keys per CTA (128: one consumer warpgroup per 64 keys; 64 for head dim 256:
+    the consumer warpgroups split the keys of S and the head dim of dK, dV, dQ), and a producer
+    warpgroup that issues TMA loads into a ring of ``stages`` query-block slots."""
 
     block_n: int = 128
     block_m: int = 64
@@ -218,18 +219,21 @@ class BwdSm90WsTile(_Sm90DqLayout):
 
 
 #: Warp-specialized Hopper backward tiles: the default backward main kernel on sm_90a for aligned
-#: calls of these buckets, packed (varlen) batches and deterministic mode included (head dim 256 keeps
-#: the split cp.async kernel: its dK + dV accumulators need the head-dim split).
+#: calls of these buckets, packed (varlen) batches and deterministic mode included.
 #: Measured on the H200 (tools/tune_bwd.py --sm90, bf16, 1k / 4k / 16k x causal, TFLOP/s): 3 stages
 #: 1.00-1.05x 2 stages at head dim 64; at 128, 0.96-1.03x (2 stages kept: 45 KB less shared memory).
-BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {64: BwdSm90WsTile(stages=3), 128: BwdSm90WsTile()}
+#: Head dim 256 fits 2 stages only (226 KB).
+BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
+    64: BwdSm90WsTile(stages=3), 128: BwdSm90WsTile(), 256: BwdSm90WsTile(block_n=64),
+}
 
 
 def bwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: BwdSm90WsTile) -> int:
-    """Must match Sm90WsBwdConfig::kSmemBytes: 1 KB alignment, K, V, stages x (Q, dO), 2 x dS^T,
-    stages x (lse_log2, D), 1 + 2 x stages mbarriers."""
+    """Must match Sm90WsBwdConfig::kSmemBytes: 1 KB alignment, K, V, stages x (Q, dO), 2 x dS^T (and,
+    64-key split tile, 2 x P^T), stages x (lse_log2, D), 1 + 2 x stages mbarriers."""
     d, n, m, st = head_dim_bucket, tile.block_n, tile.block_m, tile.stages
-    return 1024 + 2 * n * d * 2 + 2 * st * m * d * 2 + 2 * n * m * 2 + st * 2 * m * 4 + 8 * (1 + 2 * st)
+    ds_tiles = 2 if n == 64 else 1
+    return 1024 + 2 * n * d * 2 + 2 * st * m * d * 2 + 2 * ds_tiles * n * m * 2 + st * 2 * m * 4 + 8 * (1 + 2 * st)
 
 
 @dataclass(frozen=True)
@@ -255,8 +259,10 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
     if bucket not in BWD_SM90_WS_TILES:
         raise ValueError(f"no warp-specialized backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_WS_TILES)})")
     tile = tile or BWD_SM90_WS_TILES[bucket]
-    if tile.block_n != 128 or tile.block_m != 64 or not 2 <= tile.stages <= 4 or tile.min_blocks != 1:
-        raise ValueError(f"the warp-specialized backward runs 128 keys x 64 queries, 2 to 4 stages, min_blocks 1; got {tile}")
+    if (tile.block_n != (64 if bucket == 256 else 128) or tile.block_m != 64 or not 2 <= tile.stages <= 4
+            or tile.min_blocks != 1):  # fmt: skip
+        raise ValueError("the warp-specialized backward runs 128 keys (64 for head dim 256) x 64 queries, 2 to 4 "
+                         f"stages, min_blocks 1; got {tile}")  # fmt: skip
     if bwd_sm90_ws_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
         raise ValueError(f"tile {tile} needs {bwd_sm90_ws_smem_bytes(bucket, tile)} bytes of shared memory")
     return BwdSm90WsSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
