@@ -1,12 +1,14 @@
 // FlashAttention-2 backward main kernel on Hopper, warp specialized (sm_90a only): TMA loads by a
 // producer warp, wgmma by two consumer warpgroups, each softmax step overlapped with a GEMM in flight.
 //
-// Computes exactly what flash_bwd_sm90_pair_kernel (flash_bwd_sm90.cuh) computes, with the same
-// tiles, math, masks, variants and outputs: dK and dV of the CTA's 128 keys and its dQ part, added to
-// dq_accum with fp32 vector reductions in flash_bwd_convert_kernel's layout. Read that file's header
-// first; the preprocess and convert kernels run around this one unchanged.
+// Computes exactly what flash_bwd_sm90_kernel (flash_bwd_sm90.cuh) computes, with the same math,
+// masks, variants and outputs: dK and dV of the CTA's kBlockN keys and its dQ part, added to dq_accum
+// with fp32 vector reductions in flash_bwd_convert_kernel's layout. Head dims 64 and 128 (the pair
+// consumers) keep that file's pair-kernel tile, 128 keys per CTA; head dim 256 (the split consumers,
+// last section of this header) 64 keys per CTA. Read that file's header first; the preprocess and
+// convert kernels run around this one unchanged.
 //
-// Grid  (ceil(seqlen_k / 128), nheads_kv, batch): CTA (n, hk, b) owns keys [128 n, 128 n + 128) and
+// Grid  (ceil(seqlen_k / kBlockN), nheads_kv, batch): CTA (n, hk, b) owns keys [kBlockN n, ...) and
 //       walks every (query head of the group, query block of 64 rows) that sees them (BwdQueryWalk).
 //       Packed varlen batches: (scheduler slots over the packed keys, nheads_kv, 1), varlen.cuh.
 // Roles (384 threads: warpgroup 0 produces, warpgroups 1 and 2 consume)
@@ -15,15 +17,15 @@
 //              copies) into a ring of kStages slots. Each slot has a "full" mbarrier (its bytes
 //              landed) and an "empty" one (all 256 consumer threads are done with it). The producer
 //              warpgroup hands its registers to the consumers (setmaxnreg: 24 + 2 x 240 per thread).
-//   consumers  warpgroup c (c = 0, 1) owns keys [64 c, 64 c + 64) of the CTA; warp i of it key rows
-//              64 c + 16 i + (g, g + 8) of every accumulator (g = lane / 4). dK, dV accumulate in
-//              registers for the whole walk.
+//   consumers  (head dims 64, 128) warpgroup c (c = 0, 1) owns keys [64 c, 64 c + 64) of the CTA; warp
+//              i of it key rows 64 c + 16 i + (g, g + 8) of every accumulator (g = lane / 4). dK, dV
+//              accumulate in registers for the whole walk.
 //
-//   shared memory:  K, V [128 x d] | Q[kStages], dO[kStages] [64 x d] | dS^T[2] [128 x 64] |
-//                   (lse_log2, D)[kStages] [64 + 64 floats] | mbarriers
-//                   (tiles in 64-column atoms of the 128-byte swizzle, 1024-byte aligned)
+//   shared memory:  K, V [kBlockN x d] | Q[kStages], dO[kStages] [64 x d] | dS^T[2] [kBlockN x 64]
+//                   (split: P^T[b], dS^T[b] [64 x 64] for b = 0, 1) | (lse_log2, D)[kStages] [64 + 64
+//                   floats] | mbarriers (tiles in 64-column atoms of the 128-byte swizzle, 1024-byte aligned)
 //
-// Schedule of one query block (per consumer warpgroup; groups complete in issue order):
+// Schedule of one query block (head dims 64, 128; per consumer warpgroup; groups complete in issue order):
 //
 //   wait slot full | issue S^T = K_c Q^T | issue dP^T = V_c dO^T | wait S^T (dP^T in flight)
 //   P^T = exp2(S^T scale_log2 - lse_log2) -> A fragments  | issue dV_c += P^T dO
@@ -35,11 +37,11 @@
 // is double buffered: a warpgroup writes buffer (it + 2) % 2 only after the barrier of block it + 1,
 // which the other warpgroup reaches after its dQ of block it completed.
 //
-// Preconditions (cuflash/plan/backward.py picks this kernel only then): sm_90a; head-dim bucket 64 or
-// 128; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules). Deterministic mode orders
-// the dQ additions of a query block by key block (turn counters), as flash_bwd_kernel does.
+// Preconditions (cuflash/plan/backward.py picks this kernel only then): sm_90a; head-dim bucket 64,
+// 128 or 256; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules). Deterministic mode
+// orders the dQ additions of a query block by key block (turn counters), as flash_bwd_kernel does.
 // Tensor maps (cuflash/tma.py): q, k, v, dout as (batch, rows, heads, head_dim) (packed varlen
-// batches: one batch of the packed rows, SeqInfo::tma_*), boxes of 64 columns x 64 (q, dout) or 128
+// batches: one batch of the packed rows, SeqInfo::tma_*), boxes of 64 columns x 64 (q, dout) or kBlockN
 // (k, v) rows; rows past the tensor arrive as zeros, as the cp.async kernel's zero-filled loads. A
 // packed sequence's last key and query tiles bring the next rows of the packed tensor instead: the
 // consumers zero them in shared memory (clear_tail) before any wgmma reads them.
@@ -56,9 +58,10 @@
 //   issue dV_c += P^T dO[:, 128 c ..], dK_c += dS^T Q[:, 128 c ..]   m64n128 over all 64 keys
 //   wait dQ | dq_accum += dQ part (dV, dK in flight) | wait all | slot empty
 //
-// So no warpgroup waits for the other's softmax (the flash_bwd_sm90_split_kernel exchange), dQ is
-// added while dV and dK run, and dK, dV, dQ accumulators take 64 registers each. P^T and dS^T are
-// double buffered like dS^T above.
+// So dS needs no P handed between the warpgroups (flash_bwd_sm90_split_kernel's fp32 exchange and its
+// two extra barriers); they meet once per block, at the barrier before dQ, dV and dK. dQ is added
+// while dV and dK run, and dK, dV, dQ accumulators take 64 registers each. P^T and dS^T are double
+// buffered like dS^T above.
 #pragma once
 
 #include "flash_bwd_sm90.cuh"  // Sm90BwdConfig, bwd_p_pair, BwdModTile, dq / dK dV epilogues
@@ -100,7 +103,8 @@ CUFLASH_DEVICE void bulk_load(u32 s_dst, const void* src, u32 bytes, u32 bar) {
 }
 
 // The kernel's shared memory (see the header; 1024-byte aligned for the swizzle) and its mbarriers.
-// Buffer b of the dS^T tiles: dS^T at ds(b); the split kernel's P^T at pt(b), its dS^T after it.
+// Buffer b of the dS^T tiles starts at ds0 + b kTileBytesDS (pair consumers); the split consumers'
+// buffer b at ds0 + 2 b kTileBytesDS holds P^T, then dS^T.
 template <class Cfg>
 struct BwdWsSmem {
     u32 k, v, q0, do0, ds0, rows0, bar;

@@ -8,6 +8,7 @@ checked against the float64 reference on a ragged GQA case; then one line per (t
 seqlen) and, last, the median ratio per tile.
 """
 import argparse
+import dataclasses
 import statistics
 
 from cuflash import bench, plan
@@ -46,7 +47,9 @@ def main():
                     help="the Hopper kernels instead: warp-specialized TMA (2, 3 stages) and cp.async, side by side")
     a = ap.parse_args()
     if a.sm90:
-        tiles = [plan.BwdSm90WsTile(), plan.BwdSm90WsTile(stages=3)] if a.hd in plan.BWD_SM90_WS_TILES else []
+        ws = plan.BWD_SM90_WS_TILES.get(a.hd)  # its block_n (64 at head dim 256); every ring depth that fits
+        tiles = [dataclasses.replace(ws, stages=st) for st in (2, 3)
+                 if ws and plan.bwd_sm90_ws_smem_bytes(a.hd, dataclasses.replace(ws, stages=st)) <= 227 * 1024]
         tiles.append(plan.BWD_SM90_TILES[a.hd])
     else:
         tiles = [plan.BwdTile(*map(int, t.split(","))) for t in a.tiles] or [plan.BWD_TILES[a.hd]]

@@ -14,6 +14,7 @@ Columns (TFLOP/s of the useful scores, the bench's FLOP model):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import numpy as np
@@ -57,7 +58,8 @@ def main(argv=None) -> int:
                         if bucket in plan.FWD_SM90_WS_SHORT_TILES:
                             tiles["short"] = plan.FWD_SM90_WS_SHORT_TILES[bucket]
                     else:
-                        tiles = {f"ws{s}": plan.BwdSm90WsTile(stages=s) for s in (2, 3) if bucket == 64 or s == 2}
+                        ws = plan.BWD_SM90_WS_TILES[bucket]  # (its block_n: 64 at head dim 256)
+                        tiles = {f"ws{s}": dataclasses.replace(ws, stages=s) for s in (2, 3) if bucket == 64 or s == 2}
                         tiles["cp.async"] = plan.BWD_SM90_TILES[bucket]
                     for name, lengths in list(cases.items()) + [(t, ragged) for t in tiles]:
                         tot = sum(lengths)
