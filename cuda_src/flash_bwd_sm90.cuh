@@ -207,7 +207,7 @@ struct BwdModTile {
     }
 };
 
-// Plain variants carry no variant state (BwdModTileOf).
+// Plain variants carry no variant state (BwdModTileOf; flash_bwd_sm90_ws.cuh's BwdModRowsOf).
 struct BwdNoMods {
     template <class Seq>
     CUFLASH_DEVICE BwdNoMods(const BwdParams&, const Seq&, int, int, int, int) {}

@@ -372,13 +372,8 @@ struct BwdModRows {
     }
     CUFLASH_DEVICE float dropped_dp(float dp, bool k) const { return Mask::kDropout ? (k ? dp * rp : 0.f) : dp; }
 };
-struct BwdNoModRows {
-    template <class Seq>
-    CUFLASH_DEVICE BwdNoModRows(const BwdParams&, const Seq&, int, int, int, int) {}
-    CUFLASH_DEVICE bool kept(int, int, int) const { return true; }
-};
 template <class Mask>
-using BwdModRowsOf = Choose<(Mask::kBits & kModScores) != 0, BwdModRows<Mask>, BwdNoModRows>;
+using BwdModRowsOf = Choose<(Mask::kBits & kModScores) != 0, BwdModRows<Mask>, BwdNoMods>;  // (no state)
 
 // Head dim 256: the split schedule of the header. Warpgroup c forms P and dS for keys [32 c, 32 c + 32)
 // of the CTA and all 64 queries, then dV, dK and dQ for head-dim columns [128 c, 128 c + 128).
