@@ -113,15 +113,22 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wg = warp / 4;
 
-    // Work items: one (blockIdx), or (persistent) items blockIdx.x, + gridDim.x, ... of the grid the
-    // non-persistent launch would have, in its order: query-tile index outermost, so causal's heaviest
-    // tiles (FwdTileRef reverses the index) are taken first.
+    // Work items: one (blockIdx), or (persistent) items blockIdx.x, + gridDim.x, ... of the tiles the
+    // non-persistent launch would have, in groups of p.sched_group (head, batch) pairs (the last group
+    // may hold fewer): inside a group the query-tile index is outermost, then the pair. So the CTAs
+    // that run together read the K/V of one group's heads, which the host sized to stay in L2
+    // (plan.persistent_group), and causal's heaviest tiles (FwdTileRef reverses the index) come first
+    // in each group.
     const int heads = p.nheads, batches = kVarlen ? 1 : p.batch;
     const int n_items = Cfg::kPersistent ? p.num_m_blocks * heads * batches : 1;
     const int item_step = Cfg::kPersistent ? (int)gridDim.x : 1;
     auto tile_of = [&](int item) {
         if constexpr (Cfg::kPersistent) {
-            return FwdTileRef<Cfg>(p, item / (heads * batches), item % heads, (item / heads) % batches);
+            const int group_items = p.sched_group * p.num_m_blocks;
+            const int first = item / group_items * p.sched_group;  // the group's first pair
+            const int size = min(p.sched_group, heads * batches - first), in = item % group_items;
+            const int pair = first + in % size;
+            return FwdTileRef<Cfg>(p, in / size, pair % heads, pair / heads);
         } else {
             return FwdTileRef<Cfg>(p);
         }

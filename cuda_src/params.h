@@ -66,6 +66,7 @@ struct FwdParams {
     float softmax_scale;       // multiplies q.k before the softmax (> 0)
     float scale_log2;          // softmax_scale * log2(e): the kernel exponentiates with exp2
     struct ModParams mod;      // the variants (softcap: softmax_scale and scale_log2 are the softcap's)
+    int sched_group;           // persistent Hopper forward: (head, batch) pairs per group of its walk (L2 reuse)
 };
 
 // Parameter block shared by the three backward kernels (cuda_src/flash_bwd.cuh): preprocess,

@@ -93,6 +93,7 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
             o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
             batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_ratio=nheads // nheads_kv,
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, num_m_blocks=how.m_blocks,
+            sched_group=how.sched_group,
             softmax_scale=unit, scale_log2=unit * math.log2(math.e), mod=var.record(softmax_scale),
         )  # fmt: skip
         launch.launch_record(fn, how, record, cupy.cuda.get_current_stream().ptr)
@@ -134,6 +135,6 @@ def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype
     how = plan.plan_forward(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
         dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile, mods=mods,
-        sm_count=jit.device_sm_count(device_id),
+        sm_count=jit.device_sm_count(device_id), l2_bytes=jit.device_l2_bytes(device_id),
     )  # fmt: skip
     return how, jit.get_function(how.spec, device_id)

@@ -388,6 +388,13 @@ def device_sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
+def device_l2_bytes(device_id: int) -> int:
+    """L2 cache bytes of the device (the persistent forward sizes its walk's groups by it)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["l2CacheSize"])
+
+
 def get_function(spec, device_id: int):
     """Loaded kernel of ``spec`` on ``device_id``: memoized per process and device."""
     key = (spec, device_id)

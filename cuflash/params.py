@@ -71,6 +71,7 @@ FWD_FIELDS = [
     ("softmax_scale", _F32),
     ("scale_log2", _F32),
     ("mod", MOD_DTYPE),
+    ("sched_group", _I32),
 ]
 
 FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)

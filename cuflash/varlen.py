@@ -110,6 +110,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
             o_batch_stride=0, o_row_stride=os_[1], o_head_stride=os_[2],
             batch=g.batch, nheads=g.nheads, nheads_kv=g.nheads_kv, head_ratio=g.nheads // g.nheads_kv,
             seqlen_q=g.total_q, seqlen_k=g.total_k, head_dim=g.head_dim, num_m_blocks=how.m_blocks,
+            sched_group=how.sched_group,
             softmax_scale=unit, scale_log2=unit * math.log2(math.e),
             mod=var.record(softmax_scale, *g.pointers, paged=g.paged_record),
         )  # fmt: skip
@@ -351,7 +352,8 @@ def _plan_and_load(batch, total_q, total_k, nheads, nheads_kv, head_dim, dtype, 
     how = plan.plan_forward(
         batch=batch, seqlen_q=total_q, seqlen_k=total_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
         dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
-        mods=mods | plan.MOD_VARLEN, sm_count=jit.device_sm_count(device_id), max_seqlen_k=max_seqlen_k,
+        mods=mods | plan.MOD_VARLEN, sm_count=jit.device_sm_count(device_id), l2_bytes=jit.device_l2_bytes(device_id),
+        max_seqlen_k=max_seqlen_k,
     )  # fmt: skip
     return how, jit.get_function(how.spec, device_id)
 

@@ -556,6 +556,52 @@ def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
     assert plain.grid == (8, 4, 2) and plain.m_blocks == 8
 
 
+def _persistent_walk(items: int, pairs: int, group: int, m_blocks: int):
+    """The persistent forward's item -> (query tile, pair) map (cuda_src/flash_fwd_sm90_ws.cuh, tile_of)."""
+    for item in range(items):
+        first = item // (group * m_blocks) * group
+        size = min(group, pairs - first)
+        within = item % (group * m_blocks)
+        yield within // size, first + within % size
+
+
+@pytest.mark.parametrize("pairs,group,m_blocks", [(1, 1, 5), (48, 5, 3), (48, 48, 7), (7, 3, 1), (30, 1, 4), (64, 4, 128)])
+def test_persistent_walk_visits_every_tile_once_group_by_group(pairs, group, m_blocks):
+    """Every (query tile, pair) once; items of one group name only that group's pairs, with the query
+    tile outermost (the last group may be smaller)."""
+    walk = list(_persistent_walk(pairs * m_blocks, pairs, group, m_blocks))
+    assert sorted(walk) == sorted((x, pr) for x in range(m_blocks) for pr in range(pairs))
+    for start in range(0, len(walk), group * m_blocks):
+        chunk = walk[start : start + group * m_blocks]
+        first = start // m_blocks
+        assert {pr for _, pr in chunk} == set(range(first, min(first + group, pairs)))
+        assert [x for x, _ in chunk] == sorted(x for x, _ in chunk)  # query tile outermost
+
+
+def test_persistent_group_keeps_a_groups_kv_within_the_l2_share():
+    """Pairs per group = as many as keep K/V (4 x seqlen_k x d bytes per kv head, shared by head_ratio
+    query heads) within PERSISTENT_L2_SHARE of the L2; at least 1, at most every pair; no L2 size: one group."""
+    l2 = 50 << 20
+    share = plan.PERSISTENT_L2_SHARE * l2
+    for seqlen_k, d, ratio in ((16384, 128, 1), (4096, 64, 1), (512, 128, 1), (16384, 128, 8), (100000, 256, 1)):
+        g = plan.persistent_group(1000, seqlen_k, d, ratio, l2)
+        per = 4 * seqlen_k * d / ratio
+        assert g >= 1 and (g == 1 or g * per <= share) and (g + 1) * per > share, (seqlen_k, d, ratio, g)
+    assert plan.persistent_group(16, 512, 128, 1, l2) == 16  # short keys: one group of every pair
+    assert plan.persistent_group(16, 16384, 128, 1, l2) == 3  # 8 MiB per head: 3 heads in 25 MiB
+    assert plan.persistent_group(16, 16384, 128, 4, l2) == 12  # GQA: 4 query heads share each kv head
+    assert plan.persistent_group(7, 10**6, 256, 1, l2) == 1
+    assert plan.persistent_group(9, 16384, 128, 1, None) == 9
+    with pytest.raises(ValueError, match="pairs"):
+        plan.persistent_group(0, 1, 64, 1, l2)
+    tile = plan.FWD_SM90_WS_SHORT_TILES[128]
+    kw = dict(batch=2, seqlen_q=512, nheads=8, nheads_kv=8, head_dim=128, dtype="bf16", causal=False, aligned=True,
+              arch="sm_90a", sm_count=132, tile=tile)  # fmt: skip
+    assert plan.plan_forward(seqlen_k=512, l2_bytes=l2, **kw).sched_group == 16
+    assert plan.plan_forward(seqlen_k=16384, l2_bytes=l2, **kw).sched_group == 3
+    assert plan.plan_forward(seqlen_k=16384, **{**kw, "tile": None}).sched_group == 0  # (not persistent)
+
+
 def test_short_keys_take_the_persistent_tma_forward():
     """Keys up to 512 (causal: up to 1024) take FWD_SM90_WS_SHORT_TILES' persistent tile, longer ones the
     default tile; packed batches by their longest sequence (max_seqlen_k; unknown: the default)."""

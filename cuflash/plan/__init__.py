@@ -33,7 +33,8 @@ from .decode_kernels import (
 from .forward import (
     FWD_SM90_TILES, FWD_SM90_WS_SHORT_TILES, FWD_SM90_WS_TILES, FWD_TILES, KernelSpec, Sm90KernelSpec, Sm90Tile, Sm90WsKernelSpec, Sm90WsTile,
     Tile, all_fwd_specs, fwd_sm90_smem_bytes, fwd_sm90_spec, fwd_sm90_ws_smem_bytes, fwd_sm90_ws_spec, fwd_smem_bytes,
-    SHORT_KEYS, SHORT_KEYS_CAUSAL, fwd_spec, short_keys_hint, fwd_tile, plan_forward, sm90_ws_tile, uses_sm90_forward, uses_sm90_ws_forward,
+    PERSISTENT_L2_SHARE, SHORT_KEYS, SHORT_KEYS_CAUSAL, fwd_spec, persistent_group, short_keys_hint, fwd_tile, plan_forward,
+    sm90_ws_tile, uses_sm90_forward, uses_sm90_ws_forward,
     varlen_tiles, with_tile,
 )
 
@@ -85,6 +86,8 @@ __all__ = [
     "FWD_SM90_TILES",
     "FWD_SM90_WS_TILES",
     "FWD_SM90_WS_SHORT_TILES",
+    "PERSISTENT_L2_SHARE",
+    "persistent_group",
     "sm90_ws_tile",
     "SHORT_KEYS",
     "SHORT_KEYS_CAUSAL",

@@ -110,6 +110,9 @@ class Launch:
     # Forward: query tiles (varlen: scheduler slots) per head, FwdParams.num_m_blocks; grid[0] unless
     # the launch is persistent.
     m_blocks: int = 0
+    # Persistent forward: (head, batch) pairs per group of its walk, FwdParams.sched_group (forward.py's
+    # persistent_group); 0 for the other launches.
+    sched_group: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
