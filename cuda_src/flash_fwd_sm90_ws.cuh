@@ -4,7 +4,8 @@
 // Computes exactly what flash_fwd.cuh computes (same math, masks, variants, lse and output; read its
 // header first): O = softmax(scale * Q K^T + mask) V and lse per query row for each (query tile, head,
 // batch) or varlen scheduler slot, K/V tiles visited from the last to the first. One CTA per tile, or
-// (kPersistent) one CTA per SM walking the tiles in the same order (grid-stride over them).
+// (kPersistent) one CTA per SM walking the tiles grid-stride, in groups of (head, batch) pairs whose
+// K/V fit in L2 (FwdParams.sched_group; see tile_of below).
 //
 // Roles (kConsumers = kBlockM / 64 consumer warpgroups, plus one producer warpgroup: warpgroup 0)
 //   producer   one thread issues every load: per tile Q, then for each K/V tile K and V into a ring
