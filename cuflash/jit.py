@@ -388,6 +388,7 @@ def device_sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
+@functools.lru_cache(maxsize=None)
 def device_l2_bytes(device_id: int) -> int:
     """L2 cache bytes of the device (the persistent forward sizes its walk's groups by it)."""
     import cupy

@@ -76,8 +76,8 @@ def test_persistent_walks_every_tile(head_dim, causal):
 @pytest.mark.parametrize("group", [1, 5])  # one pair per group; groups of 5 with a last one of 3 (48 pairs)
 def test_persistent_walk_in_l2_groups(head_dim, causal, group, monkeypatch):
     """The persistent walk in groups of (head, batch) pairs (FwdParams.sched_group, sized by the L2; here
-    a pretended L2 forces small groups): dense (GQA: a
-    group's query heads share kv heads) and packed, the same outputs and lse as one CTA per tile."""
+    a pretended L2 forces small groups, the last one partial): dense (GQA: a group's query heads share kv
+    heads) and packed, the same outputs and lse as one CTA per tile."""
     _hopper()
     import dataclasses
 
@@ -91,12 +91,13 @@ def test_persistent_walk_in_l2_groups(head_dim, causal, group, monkeypatch):
     q, k, v = random_qkv(rng, 3, 600, 700, 16, 4, head_dim, "bf16")  # 5 x 16 x 3 = 240 tiles > 132 SMs
     per_pair = 4 * 700 * head_dim / 4  # K/V bytes per query head (4 share a kv head)
     l2 = int((group + 0.5) * per_pair / plan.PERSISTENT_L2_SHARE)
-    monkeypatch.setattr(jit, "device_l2_bytes", lambda device_id: l2)
+    monkeypatch.setattr(jit, "device_l2_bytes", lambda device_id: l2)  # (reads l2 when called: set again below)
     forward._plan_and_load.cache_clear()  # (plans are memoized per call signature, not per L2 size)
     varlen._plan_and_load.cache_clear()
     try:
         got, lse = forward.run(q, k, v, causal=causal, return_lse=True, tile=tile)
-        assert forward._plan_and_load(3, 600, 700, 16, 4, head_dim, "bf16", causal, True, 0, tile)[0].sched_group == group
+        launched = forward._plan_and_load(3, 600, 700, 16, 4, head_dim, "bf16", causal, True, 0, tile, 0)[0]
+        assert launched.sched_group == group
         per_tile = dataclasses.replace(tile, persistent=False)
         want, want_lse = forward.run(q, k, v, causal=causal, return_lse=True, tile=per_tile)
         np.testing.assert_allclose(to_f64(got), to_f64(want), atol=1e-2)
@@ -105,6 +106,12 @@ def test_persistent_walk_in_l2_groups(head_dim, causal, group, monkeypatch):
         total = sum(lengths)
         q, k, v = (cupy.asarray(rng.standard_normal((total, 8, head_dim), dtype=np.float32).astype(BF16)) for _ in range(3))
         cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        # Packed: a pair is a head and the K/V bytes per head count every packed key: groups of 3 of the
+        # 8 heads (the last of 2) with group 5's setting, of 1 with group 1's.
+        heads_per_group = 3 if group > 1 else 1
+        l2 = int((heads_per_group + 0.5) * 4 * total * head_dim / plan.PERSISTENT_L2_SHARE)
+        assert plan.persistent_group(8, total, head_dim, 1, l2) == heads_per_group
+        varlen._plan_and_load.cache_clear()
         got, lse = varlen.run(q, k, v, cu, cu, 700, 700, causal=causal, return_lse=True, tile=tile)
         want, want_lse = varlen.run(q, k, v, cu, cu, 700, 700, causal=causal, return_lse=True, tile=per_tile)
         np.testing.assert_allclose(to_f64(got), to_f64(want), atol=1e-2)

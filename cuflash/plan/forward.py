@@ -137,7 +137,7 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
 #: (tools/tune_fwd.py --ws --match, bf16, persistent / default TFLOP/s): hd128 512 tokens 1.07
 #: non-causal, 1.12 causal, 1024 causal 1.06, but 1024 non-causal 0.97, 2048 0.91-1.00, 16k 0.90-0.97;
 #: hd64 (128 rows, persistent, against the 192-row default) 512 tokens 1.13 / 1.33, 1024 causal 1.23.
-#: Since then the walk goes in L2-sized groups (persistent_group): hd128 at 512-1024 keys 1.05-1.16x the
+#: Since then the walk goes in L2-sized groups (persistent_group): hd128 at 512-1024 keys 1.03-1.16x the
 #: ungrouped walk; up to 2048 keys it still lost at hd128 non-causal (0.90-0.96), so the limits stayed.
 FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
     64: Sm90WsTile(128, 128, pingpong=False, persistent=True),
