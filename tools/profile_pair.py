@@ -1,9 +1,12 @@
-"""One cuflash forward and one torch FlashAttention-2 forward on the same inputs (with --bwd, one
+"""One cuflash forward and one forward of a torch SDPA backend on the same inputs (with --bwd, one
 backward of each after them), for ncu:
 
     ncu --clock-control none -k regex:flash_fwd --section WarpStateStats ... \\
         python tools/profile_pair.py --hd 256 --seqlen 1024
     ncu --clock-control none -k regex:flash_bwd ... python tools/profile_pair.py --bwd
+    ncu --clock-control none ... python tools/profile_pair.py --peer cudnn   # against cuDNN (the bar)
+
+--peer: flash (SDPA's FLASH_ATTENTION backend, FlashAttention-2; the default) or cudnn (CUDNN_ATTENTION).
 """
 import argparse
 
@@ -14,6 +17,7 @@ def main():
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--bwd", action="store_true", help="also run one backward of each")
+    ap.add_argument("--peer", choices=("flash", "cudnn"), default="flash", help="the SDPA backend to run beside cuflash")
     a = ap.parse_args()
     import cupy
     import torch
@@ -30,7 +34,8 @@ def main():
     tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
     if a.bwd:
         tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    backend = SDPBackend.FLASH_ATTENTION if a.peer == "flash" else SDPBackend.CUDNN_ATTENTION
+    with sdpa_kernel(backend):
         tout = sdpa(tq, tk, tv, is_causal=a.causal)
     if a.bwd:
         dout = rng.standard_normal(q.shape, dtype=cupy.float32).astype(_BF16)
