@@ -180,6 +180,23 @@ CUFLASH_DEVICE void bwd_ws_clear_tail(unsigned char* smem_raw, u32 s_tile0, u32 
     }
 }
 
+// Consumers, before the first query block: wait for the CTA's K and V (zeroing rows past the keys).
+template <class Cfg>
+CUFLASH_DEVICE void bwd_ws_wait_kv(const BwdParams& p, const BwdKeyBlock<Cfg>& blk, const BwdWsSmem<Cfg>& sm,
+                                   unsigned char* smem_raw, int n0, int tid) {
+    mbar_wait(sm.full_kv(), 0);
+    bwd_ws_clear_tail<Cfg>(smem_raw, sm.k, sm.v, Cfg::kBlockN, blk.seq.len_k(p) - n0, tid);
+}
+
+// Consumers, query block it (ring slot st, first row m0): wait for its Q, dO and rows (zeroing rows past
+// the queries).
+template <class Cfg>
+CUFLASH_DEVICE void bwd_ws_wait_block(const BwdParams& p, const BwdKeyBlock<Cfg>& blk, const BwdWsSmem<Cfg>& sm,
+                                      unsigned char* smem_raw, int it, int st, int m0, int tid) {
+    mbar_wait(sm.full(st), (it / Cfg::kStages) & 1);
+    bwd_ws_clear_tail<Cfg>(smem_raw, sm.q(st), sm.dout(st), Cfg::kBlockM, blk.seq.len_q(p) - m0, tid);
+}
+
 // dq_accum += this warp's dQ part of block it (query head h, rows from m0). Deterministic mode: the key
 // blocks that visit this query block add their dQ parts in key-block order (the turn counter, as
 // flash_bwd_kernel): one consumer thread waits for this CTA's turn, named barrier 3 holds the other
@@ -238,17 +255,13 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
     for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     const int key_local = cwg * 64 + (cwarp % 4) * 16 + g;  // this thread's key rows: key_local, key_local + 8
 
-    if (n_iters > 0) {
-        mbar_wait(sm.full_kv(), 0);
-        bwd_ws_clear_tail<Cfg>(smem_raw, sm.k, sm.v, kBlockN, seq.len_k(p) - n0, tid);
-    }
+    if (n_iters > 0) bwd_ws_wait_kv<Cfg>(p, blk, sm, smem_raw, n0, tid);
     for (int it = 0; it < n_iters; ++it) {
         const int st = it % kStages, buf = it & 1;
         const int h = walk.head(it);
         const int m0 = walk.m_block(it) * kBlockM;
         const u32 s_ds = sm.ds0 + buf * Cfg::kTileBytesDS;
-        mbar_wait(sm.full(st), (it / kStages) & 1);
-        bwd_ws_clear_tail<Cfg>(smem_raw, sm.q(st), sm.dout(st), kBlockM, seq.len_q(p) - m0, tid);
+        bwd_ws_wait_block<Cfg>(p, blk, sm, smem_raw, it, st, m0, tid);
 
         // ---- issue S^T = K_c Q^T and dP^T = V_c dO^T as two groups
         float S[kNB][4], dP[kNB][4];
@@ -422,17 +435,13 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_split_consumer(const BwdParams& p, const B
     const int st_row = kKeys * cwg + 8 * (lane / 16) + lane % 8;
     const u32 st_off = st_row * 128 + (((2 * wq + (lane / 8) % 2) ^ (lane % 8)) << 4);
 
-    if (n_iters > 0) {
-        mbar_wait(sm.full_kv(), 0);
-        bwd_ws_clear_tail<Cfg>(smem_raw, sm.k, sm.v, kBlockN, seq.len_k(p) - n0, tid);
-    }
+    if (n_iters > 0) bwd_ws_wait_kv<Cfg>(p, blk, sm, smem_raw, n0, tid);
     for (int it = 0; it < n_iters; ++it) {
         const int st = it % kStages, buf = it & 1;
         const int h = walk.head(it);
         const int m0 = walk.m_block(it) * kBlockM;
         const u32 s_pt = sm.ds0 + buf * 2 * Cfg::kTileBytesDS, s_dst = s_pt + Cfg::kTileBytesDS;
-        mbar_wait(sm.full(st), (it / kStages) & 1);
-        bwd_ws_clear_tail<Cfg>(smem_raw, sm.q(st), sm.dout(st), kBlockM, seq.len_q(p) - m0, tid);
+        bwd_ws_wait_block<Cfg>(p, blk, sm, smem_raw, it, st, m0, tid);
 
         // ---- issue S_c = Q K_c^T and dP_c = dO V_c^T as two groups
         float S[kNB][4], dP[kNB][4];
