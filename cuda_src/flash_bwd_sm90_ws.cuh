@@ -254,6 +254,8 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
     const int key_local = cwg * 64 + (cwarp % 4) * 16 + g;  // this thread's key rows: key_local, key_local + 8
+    const int st_row = key_local - g + 8 * ((lane / 8) % 2) + lane % 8;  // dS^T row and chunk this lane addresses
+    const int st_chunk = (lane / 16) ^ (lane % 8);
 
     if (n_iters > 0) bwd_ws_wait_kv<Cfg>(p, blk, sm, smem_raw, n0, tid);
     for (int it = 0; it < n_iters; ++it) {
@@ -315,9 +317,14 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
                 const u32 ds = pack2<kBF16>(bwd_sm90_ds<Cfg>(mods, S[nb][2 * r], dP[nb][2 * r], dd.x, mods.kept(nb, r, 0)),
                                             bwd_sm90_ds<Cfg>(mods, S[nb][2 * r + 1], dP[nb][2 * r + 1], dd.y, mods.kept(nb, r, 1)));
                 a_ds[nb / 2][2 * (nb % 2) + r] = ds;
-                const int row = key_local + 8 * r;  // 16-byte chunk nb of the row, swizzled by the row
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(s_ds + row * 128 + ((nb ^ (row % 8)) * 16) + 4 * t), "r"(ds));
             }
+        }
+        // dS^T to smem, one stmatrix per 16 queries: matrix m of call kk holds 8-query block 2 kk + m / 2,
+        // key rows 8 (m % 2) ..+ 8 (a_ds[kk][m]); lane 8 m + i addresses key row warp_key0 + 8 (m % 2) + i,
+        // chunk 2 kk + m / 2 swizzled by the row (i).
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk) {
+            stmatrix_x4(s_ds + st_row * 128 + ((st_chunk ^ (2 * kk)) << 4), a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
         }
 
         // ---- dK += dS^T Q, then dQ part = dS K over the CTA's keys once both halves of dS^T are in smem

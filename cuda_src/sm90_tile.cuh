@@ -70,6 +70,14 @@ CUFLASH_DEVICE void stmatrix_x4_trans(u32 s_addr, u32 r0, u32 r1, u32 r2, u32 r3
                  : "memory");
 }
 
+// The same, not transposed: row i of stored matrix m, at the address lane 8 m + i gives, holds row i
+// of fragment m (the packed pairs of lanes 4 i .. 4 i + 3).
+CUFLASH_DEVICE void stmatrix_x4(u32 s_addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(s_addr), "r"(r0), "r"(r1), "r"(r2),
+                 "r"(r3)
+                 : "memory");
+}
+
 // Fence this thread's generic-proxy shared-memory writes (cp.async) before async-proxy reads (wgmma).
 CUFLASH_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
