@@ -90,7 +90,7 @@ def test_persistent_walk_in_l2_groups(head_dim, causal, group, monkeypatch):
     rng = np.random.default_rng(group + head_dim)
     q, k, v = random_qkv(rng, 3, 600, 700, 16, 4, head_dim, "bf16")  # 5 x 16 x 3 = 240 tiles > 132 SMs
     per_pair = 4 * 700 * head_dim / 4  # K/V bytes per query head (4 share a kv head)
-    l2 = int((group + 0.5) * per_pair / plan.PERSISTENT_L2_SHARE)
+    l2 = int((group + 0.5) * per_pair / plan.PERSISTENT_L2_SHARE[causal])
     monkeypatch.setattr(jit, "device_l2_bytes", lambda device_id: l2)  # (reads l2 when called: set again below)
     forward._plan_and_load.cache_clear()  # (plans are memoized per call signature, not per L2 size)
     varlen._plan_and_load.cache_clear()
@@ -109,8 +109,8 @@ def test_persistent_walk_in_l2_groups(head_dim, causal, group, monkeypatch):
         # Packed: a pair is a head and the K/V bytes per head count every packed key: groups of 3 of the
         # 8 heads (the last of 2) with group 5's setting, of 1 with group 1's.
         heads_per_group = 3 if group > 1 else 1
-        l2 = int((heads_per_group + 0.5) * 4 * total * head_dim / plan.PERSISTENT_L2_SHARE)
-        assert plan.persistent_group(8, total, head_dim, 1, l2) == heads_per_group
+        l2 = int((heads_per_group + 0.5) * 4 * total * head_dim / plan.PERSISTENT_L2_SHARE[causal])
+        assert plan.persistent_group(8, total, head_dim, 1, l2, causal) == heads_per_group
         varlen._plan_and_load.cache_clear()
         got, lse = varlen.run(q, k, v, cu, cu, 700, 700, causal=causal, return_lse=True, tile=tile)
         want, want_lse = varlen.run(q, k, v, cu, cu, 700, 700, causal=causal, return_lse=True, tile=per_tile)

@@ -439,11 +439,11 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
     bucket = plan.head_dim_bucket(head_dim)
     if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_WS_TILES:  # the warp-specialized Hopper kernel
         t = plan.sm90_ws_tile(bucket, seqlen_k, causal)
-        short = seqlen_k <= 512 or (causal and seqlen_k <= 1024)
+        short = seqlen_k <= {64: (1024, 1024), 128: (4096, 4096)}.get(bucket, (0, 0))[causal]
         assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, plan.FWD_SM90_WS_TILES[bucket]) if short
                      else plan.FWD_SM90_WS_TILES[bucket])  # fmt: skip
         assert plan.sm90_ws_tile(bucket, plan.short_keys_hint(seqlen_k), causal) == t  # the hint varlen caches by
-        assert plan.short_keys_hint(seqlen_k) <= min(seqlen_k, plan.SHORT_KEYS_CAUSAL + 1)
+        assert plan.short_keys_hint(seqlen_k) <= min(seqlen_k, 4097)
         assert spec == plan.Sm90WsKernelSpec(bucket, dtype, causal, t)
         assert launch.smem_bytes == plan.fwd_sm90_ws_smem_bytes(bucket, t) == spec.smem_bytes <= 227 * 1024
         tiles = math.ceil(seqlen_q / t.block_m) * nheads * batch
@@ -580,16 +580,21 @@ def test_persistent_walk_visits_every_tile_once_group_by_group(pairs, group, m_b
 
 def test_persistent_group_keeps_a_groups_kv_within_the_l2_share():
     """Pairs per group = as many as keep K/V (4 x seqlen_k x d bytes per kv head, shared by head_ratio
-    query heads) within PERSISTENT_L2_SHARE of the L2; at least 1, at most every pair; no L2 size: one group."""
+    query heads) within PERSISTENT_L2_SHARE[causal] of the L2; at least 1, at most every pair; no L2
+    size: one group. Causal groups are the larger (a round of the walk should carry equal loads)."""
     l2 = 50 << 20
-    share = plan.PERSISTENT_L2_SHARE * l2
-    for seqlen_k, d, ratio in ((16384, 128, 1), (4096, 64, 1), (512, 128, 1), (16384, 128, 8), (100000, 256, 1)):
-        g = plan.persistent_group(1000, seqlen_k, d, ratio, l2)
-        per = 4 * seqlen_k * d / ratio
-        assert g >= 1 and (g == 1 or g * per <= share) and (g + 1) * per > share, (seqlen_k, d, ratio, g)
-    assert plan.persistent_group(16, 512, 128, 1, l2) == 16  # short keys: one group of every pair
-    assert plan.persistent_group(16, 16384, 128, 1, l2) == 3  # 8 MiB per head: 3 heads in 25 MiB
-    assert plan.persistent_group(16, 16384, 128, 4, l2) == 12  # GQA: 4 query heads share each kv head
+    assert plan.PERSISTENT_L2_SHARE[False] < plan.PERSISTENT_L2_SHARE[True]
+    for causal in (False, True):
+        share = plan.PERSISTENT_L2_SHARE[causal] * l2
+        for seqlen_k, d, ratio in ((16384, 128, 1), (4096, 64, 1), (512, 128, 1), (16384, 128, 8), (100000, 256, 1)):
+            g = plan.persistent_group(1000, seqlen_k, d, ratio, l2, causal)
+            per = 4 * seqlen_k * d / ratio
+            assert g >= 1 and (g == 1 or g * per <= share) and (g + 1) * per > share, (seqlen_k, d, ratio, g)
+    assert plan.persistent_group(16, 512, 128, 1, l2, causal=True) == 16  # short keys: one group of every pair
+    assert plan.persistent_group(16, 512, 128, 1, l2) == 16  # (0.08 of 50 MiB holds 16 of 256 KiB)
+    assert plan.persistent_group(64, 1024, 128, 1, l2) == 8  # 512 KiB per head: 8 heads in 4 MiB
+    assert plan.persistent_group(16, 16384, 128, 1, l2, causal=True) == 3  # 8 MiB per head: 3 heads in 25 MiB
+    assert plan.persistent_group(16, 16384, 128, 4, l2, causal=True) == 12  # GQA: 4 query heads share each kv head
     assert plan.persistent_group(7, 10**6, 256, 1, l2) == 1
     assert plan.persistent_group(9, 16384, 128, 1, None) == 9
     with pytest.raises(ValueError, match="pairs"):
@@ -598,25 +603,29 @@ def test_persistent_group_keeps_a_groups_kv_within_the_l2_share():
     kw = dict(batch=2, seqlen_q=512, nheads=8, nheads_kv=8, head_dim=128, dtype="bf16", causal=False, aligned=True,
               arch="sm_90a", sm_count=132, tile=tile)  # fmt: skip
     assert plan.plan_forward(seqlen_k=512, l2_bytes=l2, **kw).sched_group == 16
-    assert plan.plan_forward(seqlen_k=16384, l2_bytes=l2, **kw).sched_group == 3
+    assert plan.plan_forward(seqlen_k=16384, l2_bytes=l2, **kw).sched_group == 1
+    assert plan.plan_forward(seqlen_k=16384, l2_bytes=l2, **{**kw, "causal": True}).sched_group == 3
     assert plan.plan_forward(seqlen_k=16384, **{**kw, "tile": None}).sched_group == 0  # (not persistent)
 
 
 def test_short_keys_take_the_persistent_tma_forward():
-    """Keys up to 512 (causal: up to 1024) take FWD_SM90_WS_SHORT_TILES' persistent tile, longer ones the
-    default tile; packed batches by their longest sequence (max_seqlen_k; unknown: the default)."""
+    """Keys up to SHORT_KEYS[bucket] (hd64: 1024, hd128: 4096, causal or not) take FWD_SM90_WS_SHORT_TILES'
+    persistent tile, longer ones the default tile; packed batches by their longest sequence (max_seqlen_k;
+    unknown: the default)."""
     kw = dict(batch=2, seqlen_q=700, nheads=4, nheads_kv=4, dtype="fp16", aligned=True, arch="sm_90a", sm_count=132)
+    assert plan.SHORT_KEYS == {64: (1024, 1024), 128: (4096, 4096)}
     for d, short in plan.FWD_SM90_WS_SHORT_TILES.items():
         assert short.persistent
-        for seqlen_k, causal, want in ((512, False, short), (513, False, plan.FWD_SM90_WS_TILES[d]),
-                                       (1024, True, short), (1025, True, plan.FWD_SM90_WS_TILES[d])):  # fmt: skip
+        lim, lim_c = plan.SHORT_KEYS[d]
+        for seqlen_k, causal, want in ((lim, False, short), (lim + 1, False, plan.FWD_SM90_WS_TILES[d]),
+                                       (lim_c, True, short), (lim_c + 1, True, plan.FWD_SM90_WS_TILES[d])):  # fmt: skip
             launch = plan.plan_forward(seqlen_k=seqlen_k, causal=causal, head_dim=d, **kw)
             assert launch.spec.tile == want, (d, seqlen_k, causal)
             assert launch.grid == ((min(6 * 4 * 2, 132), 1, 1) if want.persistent else (-(-700 // want.block_m), 4, 2))
         packed = plan.plan_forward(seqlen_k=300, causal=True, head_dim=d, mods=plan.MOD_VARLEN, **kw)
         assert packed.spec.tile == plan.FWD_SM90_WS_TILES[d]
-        for max_k, causal, want in ((512, False, short), (513, False, plan.FWD_SM90_WS_TILES[d]),
-                                    (1024, True, short), (1025, True, plan.FWD_SM90_WS_TILES[d])):  # fmt: skip
+        for max_k, causal, want in ((lim, False, short), (lim + 1, False, plan.FWD_SM90_WS_TILES[d]),
+                                    (lim_c, True, short), (lim_c + 1, True, plan.FWD_SM90_WS_TILES[d])):  # fmt: skip
             packed = plan.plan_forward(seqlen_k=20000, causal=causal, head_dim=d, mods=plan.MOD_VARLEN, max_seqlen_k=max_k,
                                        **kw)  # fmt: skip
             assert packed.spec.tile == want and packed.m_blocks == 700 // want.block_m + 2, (d, max_k, causal)

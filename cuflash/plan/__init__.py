@@ -33,7 +33,7 @@ from .decode_kernels import (
 from .forward import (
     FWD_SM90_TILES, FWD_SM90_WS_SHORT_TILES, FWD_SM90_WS_TILES, FWD_TILES, KernelSpec, Sm90KernelSpec, Sm90Tile, Sm90WsKernelSpec, Sm90WsTile,
     Tile, all_fwd_specs, fwd_sm90_smem_bytes, fwd_sm90_spec, fwd_sm90_ws_smem_bytes, fwd_sm90_ws_spec, fwd_smem_bytes,
-    PERSISTENT_L2_SHARE, SHORT_KEYS, SHORT_KEYS_CAUSAL, fwd_spec, persistent_group, short_keys_hint, fwd_tile, plan_forward,
+    PERSISTENT_L2_SHARE, SHORT_KEYS, fwd_spec, persistent_group, short_keys_hint, fwd_tile, plan_forward,
     sm90_ws_tile, uses_sm90_forward, uses_sm90_ws_forward,
     varlen_tiles, with_tile,
 )
@@ -90,7 +90,6 @@ __all__ = [
     "persistent_group",
     "sm90_ws_tile",
     "SHORT_KEYS",
-    "SHORT_KEYS_CAUSAL",
     "short_keys_hint",
     "FWD_TILES",
     "HEAD_DIM_BUCKETS",

@@ -137,53 +137,59 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
 #: (tools/tune_fwd.py --ws --match, bf16, persistent / default TFLOP/s): hd128 512 tokens 1.07
 #: non-causal, 1.12 causal, 1024 causal 1.06, but 1024 non-causal 0.97, 2048 0.91-1.00, 16k 0.90-0.97;
 #: hd64 (128 rows, persistent, against the 192-row default) 512 tokens 1.13 / 1.33, 1024 causal 1.23.
-#: Since then the walk goes in L2-sized groups (persistent_group): hd128 at 512-1024 keys 1.03-1.16x the
-#: ungrouped walk; up to 2048 keys it still lost at hd128 non-causal (0.90-0.96), so the limits stayed.
+#: Since then the walk goes in L2-sized groups (persistent_group), and with the non-causal groups small
+#: (PERSISTENT_L2_SHARE) the persistent tile also wins at hd128 up to 4096 keys (tools/ab_sources.py,
+#: session 11: non-causal 1024 1.09, 2048 1.00, 4096 1.02; causal 2048 1.05, 4096 1.03) and at hd64
+#: non-causal 1024 (1.04; its 128 rows lose to the default's 192 at 2048-4096: 0.88-0.90). SHORT_KEYS.
 FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
     64: Sm90WsTile(128, 128, pingpong=False, persistent=True),
     128: Sm90WsTile(128, 128, pingpong=False, persistent=True),
 }
 
 
-#: Keys per sequence up to which FWD_SM90_WS_SHORT_TILES run (causal: SHORT_KEYS_CAUSAL).
-SHORT_KEYS, SHORT_KEYS_CAUSAL = 512, 1024
+#: Keys per sequence up to which FWD_SM90_WS_SHORT_TILES run, per head-dim bucket: (non-causal, causal).
+SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (4096, 4096)}
 
 
-#: Share of the GPU's L2 cache that the K/V of one group of a persistent walk may fill (persistent_group).
-PERSISTENT_L2_SHARE = 0.5
+#: Share of the GPU's L2 cache that the K/V of one group of a persistent walk may fill (persistent_group),
+#: by the causal flag. Non-causal tiles all cost the same: small groups keep the K/V that the running
+#: CTAs read few (hd128 1024 keys: 1.09x the 0.5 share, A/B of session 11). Causal: a round of the walk
+#: should be one query tile of many pairs, so that the CTAs running together carry equal loads (0.08
+#: there cost hd128 causal 512-1024 keys 5-11%).
+PERSISTENT_L2_SHARE: dict[bool, float] = {False: 0.08, True: 0.5}
 
 
-def persistent_group(pairs: int, seqlen_k: int, head_dim_bucket: int, head_ratio: int, l2_bytes: int | None) -> int:
+def persistent_group(pairs: int, seqlen_k: int, head_dim_bucket: int, head_ratio: int, l2_bytes: int | None,
+                     causal: bool = False) -> int:  # fmt: skip
     """(head, batch) pairs per group of the persistent forward's walk (FwdParams.sched_group).
 
     A persistent CTA walks work items in groups of ``pairs`` (head, batch) pairs: inside a group the
     query-tile index is outermost (causal: the heaviest tiles first), so the CTAs that run together
     read the K/V of the group's heads only. A group is as many pairs as keep that K/V (2 x seqlen_k x d
-    x 2 bytes per kv head, shared by ``head_ratio`` query heads) within PERSISTENT_L2_SHARE of the L2:
-    with one group of every pair, long sequences read K/V from HBM once per query tile (the persistent
-    grid then ran 0.79-0.97x the per-tile launch at 2k-16k tokens). ``l2_bytes`` None: one group."""
+    x 2 bytes per kv head, shared by ``head_ratio`` query heads) within PERSISTENT_L2_SHARE[causal] of
+    the L2: with one group of every pair, long sequences read K/V from HBM once per query tile (the
+    persistent grid then ran 0.79-0.97x the per-tile launch at 2k-16k tokens). ``l2_bytes`` None: one group."""
     if pairs < 1 or seqlen_k < 0 or head_ratio < 1:
         raise ValueError(f"persistent_group needs pairs >= 1, seqlen_k >= 0 and head_ratio >= 1 "
                          f"(got {pairs}, {seqlen_k}, {head_ratio})")  # fmt: skip
     if l2_bytes is None:
         return pairs
     per_pair = 4 * max(seqlen_k, 1) * head_dim_bucket / head_ratio
-    return max(1, min(pairs, int(PERSISTENT_L2_SHARE * l2_bytes // per_pair)))
+    return max(1, min(pairs, int(PERSISTENT_L2_SHARE[bool(causal)] * l2_bytes // per_pair)))
 
 
 def short_keys_hint(seqlen_k: int) -> int:
     """``seqlen_k`` clamped to just past the longest keys sm90_ws_tile tells apart: the tile is the same
     for every longer one, so callers that cache plans by it (varlen.run) share one entry for them."""
-    return min(int(seqlen_k), SHORT_KEYS_CAUSAL + 1)
+    return min(int(seqlen_k), max(max(v) for v in SHORT_KEYS.values()) + 1)
 
 
 def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = False) -> Sm90WsTile:
     """The warp-specialized forward's tile for a call: FWD_SM90_WS_SHORT_TILES where the keys are
-    short (at most SHORT_KEYS, or causal at most SHORT_KEYS_CAUSAL; packed batches: the longest
-    sequence's), else FWD_SM90_WS_TILES. ``default_only``: always the default (packed batches
-    whose longest sequence is not known; plans without the GPU's SM count)."""
-    short = seqlen_k <= SHORT_KEYS or (causal and seqlen_k <= SHORT_KEYS_CAUSAL)
-    if short and not default_only and bucket in FWD_SM90_WS_SHORT_TILES:
+    short (at most SHORT_KEYS[bucket][causal]; packed batches: the longest sequence's), else
+    FWD_SM90_WS_TILES. ``default_only``: always the default (packed batches whose longest sequence is
+    not known; plans without the GPU's SM count)."""
+    if not default_only and bucket in FWD_SM90_WS_SHORT_TILES and seqlen_k <= SHORT_KEYS[bucket][bool(causal)]:
         return FWD_SM90_WS_SHORT_TILES[bucket]
     return FWD_SM90_WS_TILES[bucket]
 
@@ -417,7 +423,7 @@ def plan_forward(
     if getattr(spec.tile, "persistent", False):  # one CTA per SM (at most one per tile) walks grid's tiles
         if sm_count is None or sm_count < 1:
             raise ValueError("a persistent tile needs sm_count (the GPU's multiprocessors)")
-        group = persistent_group(grid[1] * grid[2], seqlen_k, spec.head_dim, nheads // nheads_kv, l2_bytes)
+        group = persistent_group(grid[1] * grid[2], seqlen_k, spec.head_dim, nheads // nheads_kv, l2_bytes, causal)
         return Launch(spec, (min(grid[0] * grid[1] * grid[2], sm_count), 1, 1), (spec.threads, 1, 1),
                       spec.smem_bytes, m_blocks=grid[0], sched_group=group)  # fmt: skip
     return Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, m_blocks=grid[0])
