@@ -191,8 +191,9 @@ def variant_cases(rng, arch):
 
 def hopper_cases(rng, arch):
     """The warp-specialized TMA forward: each schedule on ragged causal / windowed cases at 1, 3 and
-    ragged key-tile counts; the 3-warpgroup hd64 tile; partial last boxes; varlen NaN tails and paged K/V;
-    the TMA backward's ring depths, a window, variants and its varlen NaN tails."""
+    ragged key-tile counts; the 3-warpgroup hd64 tile; the persistent tiles, several tiles per CTA;
+    partial last boxes; varlen NaN tails and paged K/V; the TMA backward's ring depths, a window,
+    variants and its varlen NaN tails."""
     if arch != "sm_90a":
         sys.exit("--only hopper needs an sm_90a GPU")
     from test_hopper_ws_gpu import test_varlen_nan_after_the_keys_stays_out
@@ -203,6 +204,11 @@ def hopper_cases(rng, arch):
             q, k, v = random_qkv(rng, 2, 200, sk, 4, 2, 128, "bf16")
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, **kw)
             print(f"ok {tile} sk={sk} causal={causal} {kw}: err {err:.2e} <= {bound:.2e}")
+    for d, tile in ((128, plan.FWD_SM90_WS_SHORT_TILES[128]), (64, plan.FWD_SM90_WS_SHORT_TILES[64])):
+        for causal in (False, True):  # persistent: 4 x 5 x 16 = 320 tiles, so every CTA walks 2 or 3 of them
+            q, k, v = random_qkv(rng, 4, 600, 700, 16, 4, d, "bf16")
+            err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile)
+            print(f"ok persistent {tile} d={d} causal={causal}: err {err:.2e} <= {bound:.2e}")
     for d, dt in ((64, "fp16"), (56, "bf16"), (256, "bf16"), (248, "fp16")):  # planner's tiles, partial boxes
         q, k, v = random_qkv(rng, 1, 333, 257, 2, 1, d, dt)
         err, bound = check_forward(q, k, v, causal=True, dtype=dt)
