@@ -94,7 +94,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         dtype = checks.DTYPE_NAMES[q.dtype]
         keys_hint = plan.short_keys_hint(max_seqlen_k)  # (longer keys share a plan-cache entry)
         how, fn, maps = forward.load_with_maps(
-            lambda t: _plan_and_load(g.batch, g.total_q, g.keys_bound, g.nheads, g.nheads_kv, g.head_dim, dtype,
+            lambda t: _plan_and_load(g.batch, g.total_q, g.walk_keys, g.nheads, g.nheads_kv, g.head_dim, dtype,
                                      var.causal, aligned, g.device_id, var.mods, t, keys_hint),
             q4, k4, v4, dtype, tile)  # fmt: skip
         if g.paged and k.shape[1] % how.spec.tile.block_n:
@@ -214,7 +214,7 @@ class _Geometry:
     """What the checks found: sizes, q's device and the varlen pointers (cu_seqlens_q, cu_seqlens_k, seqused_k)."""
 
     __slots__ = ("batch", "total_q", "total_k", "nheads", "nheads_kv", "head_dim", "device_id", "pointers", "paged",
-                 "keys_bound", "paged_record", "block_table_dev")  # fmt: skip
+                 "keys_bound", "walk_keys", "paged_record", "block_table_dev")  # fmt: skip
 
 
 def _geometry3(name: str, x, cupy) -> tuple:
@@ -274,12 +274,14 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     g = _Geometry()
     g.paged, g.paged_record, g.block_table_dev = paged, (0, 0, 0, 0, 0), None
     keys_bound = total_k  # the most keys a sequence can have
+    walk_keys = total_k  # the most keys one head's walk reads, all sequences together (sizes the L2 groups)
     if paged:
         bt_host, bt_dev = checks.block_table_arrays(block_table, batch, device_id, cupy)
         capacity = bt_dev.shape[1] * page_size
         if capacity > checks.INT32_MAX:
             raise ValueError(f"block_table covers {capacity} tokens per sequence; at most {checks.INT32_MAX}")
         keys_bound = capacity
+        walk_keys = min(batch * capacity, num_pages * page_size)  # (per head: every sequence's pages, within the cache)
         # cu_seqlens_k then count each sequence's keys; the kernels clamp them to the capacity, never to a total.
         total_k = checks.INT32_MAX
         if bt_host is not None or check:  # a table the host can see is validated against the lengths
@@ -297,7 +299,7 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         _validate(cu_seqlens_q, cu_seqlens_k, seqused_k, total_q, total_k, int(max_seqlen_q), int(max_seqlen_k))
     g.batch, g.total_q, g.total_k, g.nheads, g.nheads_kv, g.head_dim, g.device_id = (
         batch, total_q, total_k, nheads, nheads_kv, head_dim, device_id)  # fmt: skip
-    g.keys_bound = keys_bound
+    g.keys_bound, g.walk_keys = keys_bound, walk_keys
     g.pointers = (cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, 0 if seqused_k is None else seqused_k.data.ptr)
     return g
 

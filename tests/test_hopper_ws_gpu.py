@@ -121,6 +121,60 @@ def test_persistent_walk_in_l2_groups(head_dim, causal, group, monkeypatch):
         varlen._plan_and_load.cache_clear()
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_walk_groups_paged_kv(head_dim, causal, monkeypatch):
+    """Paged K/V: a head's walk reads every sequence's pages, so the L2 groups are sized from
+    min(batch x block_table capacity, the cache's pages x page size) keys (not one sequence's capacity);
+    here a pretended L2 makes groups of 3 of 8 heads, with the same outputs and lse as one CTA per tile."""
+    _hopper()
+    import dataclasses
+
+    import cupy
+
+    from cuflash import jit, plan, varlen
+    from cuflash.checks import BF16
+
+    tile = plan.FWD_SM90_WS_SHORT_TILES[head_dim]
+    per_tile = dataclasses.replace(tile, persistent=False)
+    rng = np.random.default_rng(head_dim + causal)
+    lengths, page, h = [0, 500, 3, 129, 0, 700, 64, 300], 128, 8
+    pages_of = [-(-n // page) for n in lengths]
+    q = cupy.asarray(rng.standard_normal((sum(lengths), h, head_dim), dtype=np.float32).astype(BF16))
+    k_pages, v_pages = (cupy.asarray(rng.standard_normal((sum(pages_of), page, h, head_dim), dtype=np.float32).astype(BF16))
+                        for _ in range(2))  # fmt: skip
+    table = np.full((len(lengths), max(pages_of)), -1, np.int32)
+    nxt = 0
+    for b, n in enumerate(pages_of):
+        table[b, :n] = np.arange(nxt, nxt + n)
+        nxt += n
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    walk_keys = min(len(lengths) * max(pages_of) * page, sum(pages_of) * page)  # 17 pages: 2176 < 8 x 768
+    l2 = int(3.5 * 4 * walk_keys * head_dim / plan.PERSISTENT_L2_SHARE[causal])
+    assert plan.persistent_group(h, walk_keys, head_dim, 1, l2, causal) == 3
+    monkeypatch.setattr(jit, "device_l2_bytes", lambda device_id: l2)
+    launched = []
+    plan_and_load = varlen._plan_and_load
+
+    def spy(*args):
+        how, fn = plan_and_load(*args)
+        launched.append(how)
+        return how, fn
+
+    monkeypatch.setattr(varlen, "_plan_and_load", spy)
+    plan_and_load.cache_clear()
+    try:
+        got, lse = varlen.run(q, k_pages, v_pages, cu, cu, 700, 700, block_table=table, causal=causal,
+                              return_lse=True, tile=tile)  # fmt: skip
+        assert launched[-1].spec.tile == tile and launched[-1].sched_group == 3
+        want, want_lse = varlen.run(q, k_pages, v_pages, cu, cu, 700, 700, block_table=table, causal=causal,
+                                    return_lse=True, tile=per_tile)  # fmt: skip
+        np.testing.assert_allclose(to_f64(got), to_f64(want), atol=1e-2)
+        np.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-3)
+    finally:
+        plan_and_load.cache_clear()
+
+
 @pytest.mark.parametrize("head_dim", [40, 56, 104, 120, 232, 248])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_partial_last_box(head_dim, dtype):

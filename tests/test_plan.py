@@ -608,6 +608,22 @@ def test_persistent_group_keeps_a_groups_kv_within_the_l2_share():
     assert plan.plan_forward(seqlen_k=16384, **{**kw, "tile": None}).sched_group == 0  # (not persistent)
 
 
+def test_persistent_launch_needs_its_group():
+    """The persistent walk divides by FwdParams.sched_group: a Launch of a persistent tile without one
+    (0) is refused; plan_forward sizes it from the real head dim (112 in bucket 128: K/V of 112 columns)."""
+    tile = plan.FWD_SM90_WS_SHORT_TILES[128]
+    spec = plan.fwd_sm90_ws_spec(128, "bf16", False, tile)
+    with pytest.raises(ValueError, match="sched_group"):
+        plan.Launch(spec, (132, 1, 1), (spec.threads, 1, 1), spec.smem_bytes, m_blocks=4)
+    assert plan.Launch(spec, (132, 1, 1), (spec.threads, 1, 1), spec.smem_bytes, m_blocks=4, sched_group=1).sched_group == 1
+    l2 = 50 << 20
+    kw = dict(batch=64, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_kv=16, dtype="bf16", causal=False, aligned=True,
+              arch="sm_90a", sm_count=132, l2_bytes=l2)  # fmt: skip
+    g128, g112 = (plan.plan_forward(head_dim=d, **kw).sched_group for d in (128, 112))
+    assert g128 == plan.persistent_group(64 * 16, 1024, 128, 1, l2) == 8
+    assert g112 == plan.persistent_group(64 * 16, 1024, 112, 1, l2) == 9  # 448 KiB per head in 0.08 x 50 MiB
+
+
 def test_short_keys_take_the_persistent_tma_forward():
     """Keys up to SHORT_KEYS[bucket] (hd64: 1024, hd128: 4096, causal or not) take FWD_SM90_WS_SHORT_TILES'
     persistent tile, longer ones the default tile; packed batches by their longest sequence (max_seqlen_k;

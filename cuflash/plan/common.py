@@ -114,6 +114,11 @@ class Launch:
     # persistent_group); 0 for the other launches.
     sched_group: int = 0
 
+    def __post_init__(self):
+        # The persistent walk divides by its group size (flash_fwd_sm90_ws.cuh, tile_of): never launch one without.
+        if getattr(getattr(self.spec, "tile", None), "persistent", False) and self.sched_group < 1:
+            raise ValueError(f"a persistent launch needs sched_group >= 1 (got {self.sched_group}): plan it with plan_forward")
+
 
 # ---------------------------------------------------------------------------------------------
 # Kernel registry: every kernel family, the header that defines it, its entry kernel and its

@@ -159,7 +159,7 @@ SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (4096, 4096)}
 PERSISTENT_L2_SHARE: dict[bool, float] = {False: 0.08, True: 0.5}
 
 
-def persistent_group(pairs: int, seqlen_k: int, head_dim_bucket: int, head_ratio: int, l2_bytes: int | None,
+def persistent_group(pairs: int, seqlen_k: int, head_dim: int, head_ratio: int, l2_bytes: int | None,
                      causal: bool = False) -> int:  # fmt: skip
     """(head, batch) pairs per group of the persistent forward's walk (FwdParams.sched_group).
 
@@ -174,7 +174,7 @@ def persistent_group(pairs: int, seqlen_k: int, head_dim_bucket: int, head_ratio
                          f"(got {pairs}, {seqlen_k}, {head_ratio})")  # fmt: skip
     if l2_bytes is None:
         return pairs
-    per_pair = 4 * max(seqlen_k, 1) * head_dim_bucket / head_ratio
+    per_pair = 4 * max(seqlen_k, 1) * head_dim / head_ratio
     return max(1, min(pairs, int(PERSISTENT_L2_SHARE[bool(causal)] * l2_bytes // per_pair)))
 
 
@@ -423,7 +423,7 @@ def plan_forward(
     if getattr(spec.tile, "persistent", False):  # one CTA per SM (at most one per tile) walks grid's tiles
         if sm_count is None or sm_count < 1:
             raise ValueError("a persistent tile needs sm_count (the GPU's multiprocessors)")
-        group = persistent_group(grid[1] * grid[2], seqlen_k, spec.head_dim, nheads // nheads_kv, l2_bytes, causal)
+        group = persistent_group(grid[1] * grid[2], seqlen_k, head_dim, nheads // nheads_kv, l2_bytes, causal)
         return Launch(spec, (min(grid[0] * grid[1] * grid[2], sm_count), 1, 1), (spec.threads, 1, 1),
                       spec.smem_bytes, m_blocks=grid[0], sched_group=group)  # fmt: skip
     return Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, m_blocks=grid[0])
