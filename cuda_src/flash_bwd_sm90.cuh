@@ -158,19 +158,40 @@ CUFLASH_DEVICE bool bwd_sm90_needs_mask(const BwdParams& p, const Seq& seq, int 
     }
 }
 
-// The variants on a warp's 16 keys x kNB * 8 queries of S^T (masks.cuh): the ALiBi slope and dropout
-// stream of query head h, the dropout keep bits of the warp's 16x16 blocks (keys from key16), and per
-// pair of queries P (0 where hidden), the P that dV takes (dropped, scaled by 1 / the keep
-// probability), P (1 - tanh^2) that dS takes, and whether each element was kept.
-template <class Mask, int kNB>
-struct BwdModTile {
+// What every backward orientation of the variants shares (masks.cuh): the mask, the ALiBi slope of query
+// head h and dropout's 1 / keep probability; per element P (0 where hidden), the P that dV takes
+// (dropped, scaled by 1 / the keep probability) and P (1 - tanh^2) that dS takes; dP as dS takes it.
+// BwdModTile (S^T, keys in rows) and BwdModRows (S, queries in rows; flash_bwd_sm90_ws.cuh) add the
+// dropout keep bits in their layout.
+template <class Mask>
+struct BwdModBase {
     Mask mask;
     float slope, rp;
+
+    template <class Seq>
+    CUFLASH_DEVICE BwdModBase(const BwdParams& p, const Seq& seq, int h)
+        : mask(p.mod, seq.len_q(p), seq.len_k(p)), slope(Mask::alibi_slope(p.mod, seq.b, h)), rp(p.mod.dropout_rp) {}
+    // P of query i, key j (raw score s, dist the ALiBi distance d - j as a float); *dt: what dS multiplies
+    // P by (softcap: 1 - tanh^2).
+    CUFLASH_DEVICE float prob(float s, int i, int j, float dist, float lse_log2, float scale_log2, bool need_mask,
+                              float* dt) const {
+        return mask.prob(s, i, j, dist, lse_log2, scale_log2, need_mask, slope, dt);
+    }
+    // P as dV takes it: dropped, scaled by 1 / the keep probability, with dropout.
+    CUFLASH_DEVICE float dropped_p(float pr, bool kept) const { return Mask::kDropout ? (kept ? pr * rp : 0.f) : pr; }
+    // dP as dS takes it: Z dP / the keep probability with dropout.
+    CUFLASH_DEVICE float dropped_dp(float dp, bool kept) const { return Mask::kDropout ? (kept ? dp * rp : 0.f) : dp; }
+};
+
+// The variants on a warp's 16 keys x kNB * 8 queries of S^T: BwdModBase and the dropout keep bits of
+// the warp's 16x16 blocks (keys from key16).
+template <class Mask, int kNB>
+struct BwdModTile : BwdModBase<Mask> {
     u32 keep[Mask::kDropout ? kNB / 2 : 1];
 
     template <class Seq>
     CUFLASH_DEVICE BwdModTile(const BwdParams& p, const Seq& seq, int h, int m0, int key16, int lane)
-        : mask(p.mod, seq.len_q(p), seq.len_k(p)), slope(Mask::alibi_slope(p.mod, seq.b, h)), rp(p.mod.dropout_rp) {
+        : BwdModBase<Mask>(p, seq, h) {
         if constexpr (Mask::kDropout) {
             const DropoutStream rng(p.mod.seed, p.mod.offset, seq.b, p.nheads, h, p.mod.keep_threshold);
 #pragma unroll
@@ -180,14 +201,13 @@ struct BwdModTile {
     // Key j, queries i and i + 1: elements S^T[nb][2r], S^T[nb][2r + 1] of raw scores s0, s1; dist: i's
     // ALiBi distance d - j as a float (dist_base(j, i0) + 8 nb, for i = i0 + 8 nb).
     CUFLASH_DEVICE void probs(float s0, float s1, float2 lse2, float scale_log2, bool need_mask, int nb, int r, int j, int i,
-                              float dist, float (&pd)[2], float (&pdt)[2], bool (&kept)[2]) const {
+                              float dist, float (&pd)[2], float (&pdt)[2], bool (&kept_e)[2]) const {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float dt;
-            const float pr = mask.prob(e ? s1 : s0, i + e, j, dist + e, e ? lse2.y : lse2.x, scale_log2, need_mask, slope, &dt);
-            kept[e] = true;
-            if constexpr (Mask::kDropout) kept[e] = (keep[nb / 2] >> (4 * (nb % 2) + 2 * r + e)) & 1u;
-            pd[e] = Mask::kDropout ? (kept[e] ? pr * rp : 0.f) : pr;
+            const float pr = this->prob(e ? s1 : s0, i + e, j, dist + e, e ? lse2.y : lse2.x, scale_log2, need_mask, &dt);
+            kept_e[e] = kept(nb, r, e);
+            pd[e] = this->dropped_p(pr, kept_e[e]);
             pdt[e] = pr * dt;
         }
     }
@@ -200,10 +220,8 @@ struct BwdModTile {
         }
     }
     // d - j of key j and query i as a float (the ALiBi distance; i + 8 nb adds 8 nb).
-    CUFLASH_DEVICE float dist_base(int j, int i) const { return static_cast<float>(i + mask.seqlen_k - mask.seqlen_q - j); }
-    // dP^T as dS takes it: Z dP^T / the keep probability with dropout.
-    CUFLASH_DEVICE float dropped_dp(float dp, bool kept) const {
-        return Mask::kDropout ? (kept ? dp * rp : 0.f) : dp;
+    CUFLASH_DEVICE float dist_base(int j, int i) const {
+        return static_cast<float>(i + this->mask.seqlen_k - this->mask.seqlen_q - j);
     }
 };
 

@@ -359,17 +359,15 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
 }
 
 // The variants on a warp's 16 queries x 32 keys of S (the split consumer's orientation, the forward's):
-// the ALiBi slope and dropout stream of query head h, and the dropout keep bits of the 16x32 block
-// (one Philox call, DropoutStream::keep_bits: bit 4 nb + 2 a + e is element S[nb][2 a + e]).
+// BwdModBase (flash_bwd_sm90.cuh) and the dropout keep bits of the 16x32 block (one Philox call,
+// DropoutStream::keep_bits: bit 4 nb + 2 a + e is element S[nb][2 a + e]).
 template <class Mask>
-struct BwdModRows {
-    Mask mask;
-    float slope, rp;
+struct BwdModRows : BwdModBase<Mask> {
     u32 keep;
 
     template <class Seq>
     CUFLASH_DEVICE BwdModRows(const BwdParams& p, const Seq& seq, int h, int row16, int key32, int lane)
-        : mask(p.mod, seq.len_q(p), seq.len_k(p)), slope(Mask::alibi_slope(p.mod, seq.b, h)), rp(p.mod.dropout_rp), keep(0) {
+        : BwdModBase<Mask>(p, seq, h), keep(0) {
         if constexpr (Mask::kDropout) {
             keep = DropoutStream(p.mod.seed, p.mod.offset, seq.b, p.nheads, h, p.mod.keep_threshold).keep_bits(row16, key32, lane);
         }
@@ -384,13 +382,12 @@ struct BwdModRows {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float dt;
-            const float pr = mask.prob(e ? s1 : s0, i, j + e, dist - e, lse_log2, scale_log2, need_mask, slope, &dt);
+            const float pr = this->prob(e ? s1 : s0, i, j + e, dist - e, lse_log2, scale_log2, need_mask, &dt);
             kept_e[e] = kept(nb, a, e);
-            pv[e] = Mask::kDropout ? (kept_e[e] ? pr * rp : 0.f) : pr;
+            pv[e] = this->dropped_p(pr, kept_e[e]);
             pd[e] = pr * dt;
         }
     }
-    CUFLASH_DEVICE float dropped_dp(float dp, bool k) const { return Mask::kDropout ? (k ? dp * rp : 0.f) : dp; }
 };
 template <class Mask>
 using BwdModRowsOf = Choose<(Mask::kBits & kModScores) != 0, BwdModRows<Mask>, BwdNoMods>;  // (no state)
