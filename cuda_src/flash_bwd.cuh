@@ -142,6 +142,19 @@ struct BwdQueryWalk {
     }
     CUFLASH_DEVICE int head(int it) const { return head0 + it / n_m; }
     CUFLASH_DEVICE int m_block(int it) const { return m_begin + it % n_m; }
+
+    // Position of a walk that goes through its blocks in order (head(it), m_block(it) for it = 0, 1, ...)
+    // without a division per block: first(), then next() once per block.
+    struct Cursor {
+        int head, m_block;
+    };
+    CUFLASH_DEVICE Cursor first() const { return Cursor{head0, m_begin}; }
+    CUFLASH_DEVICE void next(Cursor& c) const {
+        if (++c.m_block == m_begin + n_m) {
+            c.m_block = m_begin;
+            ++c.head;
+        }
+    }
 };
 
 // What a backward main-kernel CTA works on: key block n_block of batch b (blockIdx), or with varlen

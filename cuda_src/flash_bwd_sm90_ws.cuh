@@ -140,9 +140,10 @@ CUFLASH_DEVICE void bwd_ws_produce(const BwdTmaParams& P, const Seq& seq, const 
         tma_load_4d(sm.k + a * kBlockN * 128, &P.tma_k, sm.full_kv(), 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
         tma_load_4d(sm.v + a * kBlockN * 128, &P.tma_v, sm.full_kv(), 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
     }
-    for (int it = 0; it < walk.n_iters; ++it) {
+    BwdQueryWalk::Cursor at = walk.first();
+    for (int it = 0; it < walk.n_iters; ++it, walk.next(at)) {
         const int st = it % kStages;
-        const int h = walk.head(it), m0 = walk.m_block(it) * kBlockM, row = seq.tma_q_row(m0);
+        const int h = at.head, m0 = at.m_block * kBlockM, row = seq.tma_q_row(m0);
         mbar_wait(sm.empty(st), ((it / kStages) & 1) ^ 1);
         mbar_arrive_expect_tx(sm.full(st), 2 * Cfg::kTileBytesQ + Cfg::kRowsBytes);
 #pragma unroll
@@ -204,9 +205,10 @@ CUFLASH_DEVICE void bwd_ws_wait_block(const BwdParams& p, const BwdKeyBlock<Cfg>
 // lower key blocks, which launch earlier: no deadlock.
 template <class Cfg>
 CUFLASH_DEVICE void bwd_ws_add_dq(const BwdParams& p, const float (&acc_dq)[Cfg::kDQCols / 2], const BwdKeyBlock<Cfg>& blk,
-                                  const BwdQueryWalk& walk, int it, int h, int m0, int cwarp, int lane, int tid) {
-    int* turn = p.dq_turn + blk.seq.turn_row(p, h) + walk.m_block(it);
+                                  int h, int m0, int cwarp, int lane, int tid) {
+    int* turn = nullptr;  // (deterministic mode only: the turn counter of query block m0 / kBlockM of head h)
     if (p.deterministic) {
+        turn = p.dq_turn + blk.seq.turn_row(p, h) + m0 / Cfg::kBlockM;
         if (tid == 128) {
             while (ld_acquire_gpu(turn) != blk.dq_turn(p, m0)) {
             }
@@ -258,10 +260,11 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
     const int st_chunk = (lane / 16) ^ (lane % 8);
 
     if (n_iters > 0) bwd_ws_wait_kv<Cfg>(p, blk, sm, smem_raw, n0, tid);
-    for (int it = 0; it < n_iters; ++it) {
+    BwdQueryWalk::Cursor at = walk.first();
+    for (int it = 0; it < n_iters; ++it, walk.next(at)) {
         const int st = it % kStages, buf = it & 1;
-        const int h = walk.head(it);
-        const int m0 = walk.m_block(it) * kBlockM;
+        const int h = at.head;
+        const int m0 = at.m_block * kBlockM;
         const u32 s_ds = sm.ds0 + buf * Cfg::kTileBytesDS;
         bwd_ws_wait_block<Cfg>(p, blk, sm, smem_raw, it, st, m0, tid);
 
@@ -352,7 +355,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
         // ordered after each of them. (One arrive per warp after __syncwarp orders them too, but
         // compute-sanitizer racecheck follows an arrive only for the arriving thread's own accesses.)
         mbar_arrive(sm.empty(st));
-        bwd_ws_add_dq<Cfg>(p, acc_dq, blk, walk, it, h, m0, cwarp, lane, tid);
+        bwd_ws_add_dq<Cfg>(p, acc_dq, blk, h, m0, cwarp, lane, tid);
     }
 
     bwd_sm90_store_dkdv<kBF16, kHeadDim>(p, acc_dk, acc_dv, seq, hk, n0 + key_local, 0, t);
@@ -440,10 +443,11 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_split_consumer(const BwdParams& p, const B
     const u32 st_off = st_row * 128 + (((2 * wq + (lane / 8) % 2) ^ (lane % 8)) << 4);
 
     if (n_iters > 0) bwd_ws_wait_kv<Cfg>(p, blk, sm, smem_raw, n0, tid);
-    for (int it = 0; it < n_iters; ++it) {
+    BwdQueryWalk::Cursor at = walk.first();
+    for (int it = 0; it < n_iters; ++it, walk.next(at)) {
         const int st = it % kStages, buf = it & 1;
-        const int h = walk.head(it);
-        const int m0 = walk.m_block(it) * kBlockM;
+        const int h = at.head;
+        const int m0 = at.m_block * kBlockM;
         const u32 s_pt = sm.ds0 + buf * 2 * Cfg::kTileBytesDS, s_dst = s_pt + Cfg::kTileBytesDS;
         bwd_ws_wait_block<Cfg>(p, blk, sm, smem_raw, it, st, m0, tid);
 
@@ -537,7 +541,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_split_consumer(const BwdParams& p, const B
         wgmma_commit();
         wgmma_wait<1>();  // dQ landed: add it while dV and dK run
         wgmma_fence_operands(acc_dq);
-        bwd_ws_add_dq<Cfg>(p, acc_dq, blk, walk, it, h, m0, cwarp, lane, tid);
+        bwd_ws_add_dq<Cfg>(p, acc_dq, blk, h, m0, cwarp, lane, tid);
         wgmma_wait<0>();
         wgmma_fence_operands(acc_dv);
         wgmma_fence_operands(acc_dk);
