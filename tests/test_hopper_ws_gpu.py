@@ -102,7 +102,7 @@ def test_persistent_walk_in_l2_groups(head_dim, causal, group, monkeypatch):
         got, lse = forward.run(q, k, v, causal=causal, return_lse=True, tile=tile)
         launched = forward._plan_and_load(3, 600, 700, 16, 4, head_dim, "bf16", causal, True, 0, tile, 0)[0]
         assert launched.sched_group == group
-        per_tile = dataclasses.replace(tile, persistent=False)
+        per_tile = dataclasses.replace(tile, persistent=False, q_stages=1)
         want, want_lse = forward.run(q, k, v, causal=causal, return_lse=True, tile=per_tile)
         np.testing.assert_allclose(to_f64(got), to_f64(want), atol=1e-2)
         np.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-3)
@@ -140,7 +140,7 @@ def test_persistent_walk_groups_paged_kv(head_dim, causal, monkeypatch):
     from cuflash.checks import BF16
 
     tile = plan.FWD_SM90_WS_SHORT_TILES[head_dim]
-    per_tile = dataclasses.replace(tile, persistent=False)
+    per_tile = dataclasses.replace(tile, persistent=False, q_stages=1)
     rng = np.random.default_rng(head_dim + causal)
     lengths, page, h = [0, 500, 3, 129, 0, 700, 64, 300], 128, 8
     pages_of = [-(-n // page) for n in lengths]
