@@ -143,12 +143,13 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
 #: (PERSISTENT_L2_SHARE) the persistent tile also wins at hd128 up to 4096 keys (tools/ab_sources.py,
 #: session 11: non-causal 1024 1.09, 2048 1.00, 4096 1.02; causal 2048 1.05, 4096 1.03) and at hd64
 #: non-causal 1024 (1.04; its 128 rows lose to the default's 192 at 2048-4096: 0.88-0.90). SHORT_KEYS.
-#: hd128 with two Q slots (q_stages=2; 225 KB): 1.015 median over 512-4096 x causal (0.98-1.06; tune_fwd, session
-#: 12); hd64 with two Q slots 0.98, so its tile keeps one. (Chained tiles and a persistent hd256 tile measured
-#: slower: docs/history/hopper.md, session 12.)
+#: Two Q slots (q_stages=2) measured 1.00-1.02x at hd128 (1.05x causal 512 keys) and 0.98x at hd64, and at
+#: hd128 they cost the varlen builds 56 bytes of local memory (192 with every variant: over the budget of
+#: tests/test_compile_variants.py), so both tiles keep one. (Chained tiles and a persistent hd256 tile
+#: measured slower: docs/history/hopper.md, session 12.)
 FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
     64: Sm90WsTile(128, 128, pingpong=False, persistent=True),
-    128: Sm90WsTile(128, 128, pingpong=False, persistent=True, q_stages=2),
+    128: Sm90WsTile(128, 128, pingpong=False, persistent=True),
 }
 
 
