@@ -17,8 +17,7 @@
 //   consumers  warpgroup c owns query rows [64c, 64c + 64) of the tile; warp i of it rows 64c + 16i ..
 //              +15 of the softmax (the wgmma accumulator layout, wgmma.cuh).
 //
-//   shared memory:  Q[kQStages][kBlockM x d] | K[kStages][kBlockN x d] | V[kStages][kBlockN x d] |
-//                   (persistent) O staging | mbarriers
+//   shared memory:  Q[kBlockM x d] | K[kStages][kBlockN x d] | V[kStages][kBlockN x d] | mbarriers
 //                   (every tile in 64-column atoms of the 128-byte swizzle, 1024-byte aligned)
 //
 // Schedule of a consumer warpgroup (kOverlap, FlashAttention-3's intra-warpgroup pipelining):
@@ -39,8 +38,7 @@
 //
 // Epilogue: each consumer warp stages its normalized O rows in its own rows of the Q tile (Q's swizzled
 // layout) and writes 16-byte chunks (WarpTile::store), and lse; then hands Q back ("Q empty") to the
-// producer. Persistent: Q goes back right after the last S = Q K^T (kSchedQ2: Q has two slots, so the
-// next tile's Q loads while this tile runs, not after its last S), O is staged in a tile of its own,
+// producer. Persistent: Q goes back right after the last S = Q K^T, O is staged in a tile of its own,
 // and the next tile's Q and K/V loads overlap the last P V and the epilogue.
 //
 // Preconditions (cuflash/plan/forward.py picks this kernel only then): sm_90a; head_dim % 8 == 0, rows
@@ -69,7 +67,6 @@ static_assert(sizeof(FwdTmaParams) == 384 + (sizeof(FwdParams) + 63) / 64 * 64,
 constexpr int kSchedOverlap = 1;   // softmax of tile t overlaps P_{t-1} V_{t-1} inside a warpgroup
 constexpr int kSchedPingPong = 2;  // two consumer warpgroups take turns issuing their GEMMs
 constexpr int kSchedPersistent = 4;  // one CTA per SM walks the tiles; the next tile's loads overlap this one's epilogue
-constexpr int kSchedQ2 = 8;          // (persistent) two Q tiles: the next tile's Q loads while this one runs
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0,
           int kSched_ = kSchedOverlap | kSchedPingPong>
@@ -87,7 +84,6 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr bool kOverlap = (kSched_ & kSchedOverlap) != 0;
     static constexpr bool kPingPong = (kSched_ & kSchedPingPong) != 0 && kConsumers == 2;
     static constexpr bool kPersistent = (kSched_ & kSchedPersistent) != 0;
-    static constexpr int kQStages = (kSched_ & kSchedQ2) != 0 ? 2 : 1;  // Q tiles (a ring, as K/V)
     // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
     // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40), the
     // consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384; 32 x 128 + 160 x 384 = 128 x 512).
@@ -95,18 +91,17 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
-    static constexpr int kBarriers = 2 * kQStages + 4 * kStages;  // Q full, Q empty per Q slot; K full, V full, K empty, V empty per slot
+    static constexpr int kBarriers = 2 + 4 * kStages;  // Q full, Q empty; K full, V full, K empty, V empty per slot
     // 1024 bytes of slack to align the base to the swizzle pattern; the mbarriers after the tiles.
     // Persistent: O is staged in a tile of its own, so the next item's Q can load during the epilogue.
     static constexpr int kTileBytesO = kPersistent ? kTileBytesQ : 0;
     static constexpr int kSmemBytes =
-        1024 + kQStages * kTileBytesQ + 2 * kStages * kTileBytesKV + kTileBytesO + 8 * ((kBarriers + 1) / 2 * 2);
+        1024 + kTileBytesQ + 2 * kStages * kTileBytesKV + kTileBytesO + 8 * ((kBarriers + 1) / 2 * 2);
 
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-element swizzle atoms, N <= 256");
     static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (the register split above)");
     static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tiles are wgmma N (multiple of 64 here)");
     static_assert(kStages >= 2 && kStages <= 4, "a ring of 2 to 4 K/V slots");
-    static_assert(kQStages == 1 || kPersistent, "a second Q tile only serves a CTA that walks several tiles");
 };
 
 template <class Cfg>
@@ -143,26 +138,21 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const u32 s_base = (smem_u32(smem_raw) + 1023u) & ~1023u;  // swizzle pattern starts on 1024 bytes
-    const u32 s_q0 = s_base;  // Q slot qs at s_q0 + qs kTileBytesQ
-    const u32 s_k0 = s_q0 + Cfg::kQStages * Cfg::kTileBytesQ;
+    const u32 s_q = s_base;
+    const u32 s_k0 = s_q + Cfg::kTileBytesQ;
     const u32 s_v0 = s_k0 + kStages * Cfg::kTileBytesKV;
     const u32 s_o = s_v0 + kStages * Cfg::kTileBytesKV;  // (persistent: O staging)
     const u32 s_bar = s_o + Cfg::kTileBytesO;
-    constexpr int kQS = Cfg::kQStages, kQBars = 2 * kQS;
-    auto full_q = [&](int qs) { return s_bar + 8u * qs; };
-    auto empty_q = [&](int qs) { return s_bar + 8u * (kQS + qs); };
-    auto full_k = [&](int s) { return s_bar + 8u * (kQBars + s); };
-    auto full_v = [&](int s) { return s_bar + 8u * (kQBars + kStages + s); };
-    auto empty_k = [&](int s) { return s_bar + 8u * (kQBars + 2 * kStages + s); };
-    auto empty_v = [&](int s) { return s_bar + 8u * (kQBars + 3 * kStages + s); };
+    const u32 full_q = s_bar, empty_q = s_bar + 8u;
+    auto full_k = [&](int s) { return s_bar + 8u * (2 + s); };
+    auto full_v = [&](int s) { return s_bar + 8u * (2 + kStages + s); };
+    auto empty_k = [&](int s) { return s_bar + 8u * (2 + 2 * kStages + s); };
+    auto empty_v = [&](int s) { return s_bar + 8u * (2 + 3 * kStages + s); };
     auto generic = [&](u32 s_addr) { return smem_raw + (s_addr - smem_u32(smem_raw)); };
 
     if (tid == 0) {
-#pragma unroll
-        for (int qs = 0; qs < kQS; ++qs) {
-            mbar_init(full_q(qs), 1);
-            mbar_init(empty_q(qs), 4 * Cfg::kConsumers);  // lane 0 of every consumer warp arrives
-        }
+        mbar_init(full_q, 1);
+        mbar_init(empty_q, 4 * Cfg::kConsumers);  // lane 0 of every consumer warp arrives
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), 1);
@@ -175,8 +165,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     __syncthreads();
 
     // Both roles walk the same items and count the same loads: `ring` K/V tiles so far (slot ring %
-    // kStages, phase (ring / kStages) & 1) and `uses` Q tiles so far (slot uses % kQStages, phase
-    // (uses / kQStages) & 1).
+    // kStages, phase (ring / kStages) & 1) and `uses` Q tiles so far (phase uses & 1).
     int ring = 0, uses = 0;
 
     if (wg == 0) {
@@ -194,13 +183,11 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             if (tile.skip() || tile.empty()) continue;
             const int n_last = tile.n_block_end - 1, n_tiles = tile.n_block_end - tile.first_block();
             if (lane == 0) {
-                const int qs = uses % kQS;
-                mbar_wait(empty_q(qs), ((uses / kQS) & 1) ^ 1);  // the consumers are done with this slot's last Q (and its O staging)
-                mbar_arrive_expect_tx(full_q(qs), Cfg::kTileBytesQ);
+                mbar_wait(empty_q, (uses & 1) ^ 1);  // the consumers are done with the last Q (and its O staging)
+                mbar_arrive_expect_tx(full_q, Cfg::kTileBytesQ);
 #pragma unroll
                 for (int a = 0; a < kAtoms; ++a) {
-                    tma_load_4d(s_q0 + qs * Cfg::kTileBytesQ + a * kBlockM * 128, &P.tma_q, full_q(qs), 64 * a, tile.q_row0,
-                                tile.tma_h, tile.tma_b);  // fmt: skip
+                    tma_load_4d(s_q + a * kBlockM * 128, &P.tma_q, full_q, 64 * a, tile.q_row0, tile.tma_h, tile.tma_b);
                 }
                 for (int t = 0; t < n_tiles; ++t) {
                     const int st = (ring + t) % kStages;
@@ -240,7 +227,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
 
     // Descriptors (as flash_fwd_sm90.cuh): A = this warpgroup's 64 rows of Q (K-major); B of S = K
     // (K-major); B of O = V read N-major (64-column atoms kBlockN * 128 bytes apart).
-    const u64 desc_q0 = sw128_desc(s_q0 + cwg * 64 * 128, 16);  // (Q slot qs: + qs kTileBytesQ / 16)
+    const u64 desc_q = sw128_desc(s_q + cwg * 64 * 128, 16);
     const u64 desc_k0 = sw128_desc(s_k0, 16);
     const u64 desc_v0 = sw128_desc(s_v0, kBlockN * 128);
     constexpr u64 kSlotStep = Cfg::kTileBytesKV >> 4;
@@ -288,8 +275,6 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 else named_arrive(2, 256);
             }
         };
-        const int qs = uses % kQS;  // this item's Q slot
-        const u64 desc_q = desc_q0 + (u64)(qs * (Cfg::kTileBytesQ >> 4));
         auto issue_s = [&](int st) {  // S = Q K_st^T
             wgmma_fence_operands(s_acc);
             wgmma_fence();
@@ -323,7 +308,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             if (signals) mbar_arrive(bar);
         };
         auto q_done = [&] {  // (persistent) this warpgroup's last S = Q K^T has completed: Q may be reloaded
-            if constexpr (Cfg::kPersistent) release(empty_q(qs));
+            if constexpr (Cfg::kPersistent) release(empty_q);
         };
         // Varlen: the first tile visited (key block n_last) may end past the sequence's keys, and TMA then
         // brought the rows that follow them in the packed tensor or page (the next sequence, unused cache
@@ -346,7 +331,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             }
         };
 
-        mbar_wait(full_q(qs), (uses / kQS) & 1);
+        mbar_wait(full_q, uses & 1);
 
         if constexpr (Cfg::kOverlap) {
             // Tile 0: S, softmax, P (O is still zero: nothing to rescale).
@@ -425,13 +410,13 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         // layout, and writes 16-byte chunks; then the Q tile goes back to the producer. Persistent: the
         // Q tile went back after the last S (q_done), the next item's Q and K/V stream in meanwhile, and
         // O is staged in its own tile (same layout).
-        u16* s_stage = reinterpret_cast<u16*>(generic(Cfg::kPersistent ? s_o : s_q0)) + warp_row0 * 64;  // (1 Q slot)
+        u16* s_stage = reinterpret_cast<u16*>(generic(Cfg::kPersistent ? s_o : s_q)) + warp_row0 * 64;
         wt.template store<(Cfg::kMods & kModDropout) != 0, kBlockM>(tile.o, p.o_row_stride, tile.lse, p.softmax_scale,
                                                                     warp_row0, tile.rows_valid, p.head_dim, s_stage,
                                                                     lane, p.mod.dropout_rp);  // fmt: skip
         if constexpr (!Cfg::kPersistent) {
             fence_proxy_async_smem();  // this thread's generic accesses to Q's bytes, before TMA writes them again
-            release(empty_q(0));
+            release(empty_q);
         }
     }
     if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);

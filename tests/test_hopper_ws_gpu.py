@@ -43,11 +43,9 @@ def test_schedules(tile, sk, causal, window):
     check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"{tile} sk={sk}", **kw)
 
 
-# (256: the O staging tile does not fit next to Q and the ring; q_stages 2: the Q ring's two slots, each CTA
-# walking 2-3 tiles)
-@pytest.mark.parametrize("head_dim,q_stages", [(64, 1), (128, 1), (64, 2), (128, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])  # (256: the O staging tile does not fit next to Q and the ring)
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_walks_every_tile(head_dim, q_stages, causal):
+def test_persistent_walks_every_tile(head_dim, causal):
     """A persistent grid (one CTA per SM) over more tiles than SMs, dense and varlen (empty sequences,
     spare scheduler slots, one long sequence): the same results as one CTA per tile."""
     _hopper()
@@ -58,9 +56,7 @@ def test_persistent_walks_every_tile(head_dim, q_stages, causal):
     from cuflash import plan, varlen
     from cuflash.checks import BF16
 
-    tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[head_dim], persistent=True, q_stages=q_stages)
-    if head_dim == 64 and q_stages == 2:  # (the 192-row default's 3 consumer warpgroups; the short-key tile's 128 rows)
-        tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[64], q_stages=2)
+    tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[head_dim], persistent=True)
     rng = np.random.default_rng(head_dim)
     q, k, v = random_qkv(rng, 3, 1000, 1100, 16, 4, head_dim, "bf16")  # 8 x 16 x 3 = 384 tiles > 132 SMs
     check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"persistent {tile}")
@@ -70,7 +66,7 @@ def test_persistent_walks_every_tile(head_dim, q_stages, causal):
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     got, lse = varlen.run(q, k, v, cu, cu, 1500, 1500, causal=causal, return_lse=True, tile=tile)
     want, want_lse = varlen.run(q, k, v, cu, cu, 1500, 1500, causal=causal, return_lse=True,
-                                tile=dataclasses.replace(tile, persistent=False, q_stages=1))  # fmt: skip
+                                tile=dataclasses.replace(tile, persistent=False))  # fmt: skip
     np.testing.assert_allclose(to_f64(got), to_f64(want), atol=1e-2)
     np.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-3)
 
@@ -102,7 +98,7 @@ def test_persistent_walk_in_l2_groups(head_dim, causal, group, monkeypatch):
         got, lse = forward.run(q, k, v, causal=causal, return_lse=True, tile=tile)
         launched = forward._plan_and_load(3, 600, 700, 16, 4, head_dim, "bf16", causal, True, 0, tile, 0)[0]
         assert launched.sched_group == group
-        per_tile = dataclasses.replace(tile, persistent=False, q_stages=1)
+        per_tile = dataclasses.replace(tile, persistent=False)
         want, want_lse = forward.run(q, k, v, causal=causal, return_lse=True, tile=per_tile)
         np.testing.assert_allclose(to_f64(got), to_f64(want), atol=1e-2)
         np.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-3)
@@ -140,7 +136,7 @@ def test_persistent_walk_groups_paged_kv(head_dim, causal, monkeypatch):
     from cuflash.checks import BF16
 
     tile = plan.FWD_SM90_WS_SHORT_TILES[head_dim]
-    per_tile = dataclasses.replace(tile, persistent=False, q_stages=1)
+    per_tile = dataclasses.replace(tile, persistent=False)
     rng = np.random.default_rng(head_dim + causal)
     lengths, page, h = [0, 500, 3, 129, 0, 700, 64, 300], 128, 8
     pages_of = [-(-n // page) for n in lengths]

@@ -37,10 +37,8 @@ W = Sm90WsTile
 SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persistent): tiles and schedule ablations
     64: [W(192, 128, pingpong=False), W(192, 128, pingpong=False, persistent=True), W(128, 128, pingpong=False),
          W(128, 128, pingpong=False, persistent=True), W(128, 128), W(128, 128, persistent=True),
-         W(128, 128, pingpong=False, persistent=True, q_stages=2), W(128, 128, 4, pingpong=False, persistent=True, q_stages=2),
          W(192, 128, overlap=False, pingpong=False)],
     128: [W(128, 128, pingpong=False), W(128, 128, pingpong=False, persistent=True), W(128, 192, pingpong=False), W(128, 128),
-          W(128, 128, pingpong=False, persistent=True, q_stages=2),
           W(128, 128, persistent=True), W(128, 128, overlap=False, pingpong=False), W(128, 128, overlap=False)],
     256: [W(128, 64, pingpong=False), W(128, 64), W(128, 64, overlap=False, pingpong=False), W(128, 64, overlap=False)],
 }
@@ -49,7 +47,7 @@ SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persiste
 def describe(tile) -> str:
     if isinstance(tile, Sm90WsTile):
         return (f"ws bm{tile.block_m} bn{tile.block_n} st{tile.stages} overlap={int(tile.overlap)} "
-                f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)} q{tile.q_stages}")
+                f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)}")
     if isinstance(tile, Sm90Tile):
         return f"sm90 bm{tile.block_m} bn{tile.block_n} st{tile.stages} mb{tile.min_blocks}"
     return f"bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} st={tile.stages}"

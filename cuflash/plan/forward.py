@@ -107,7 +107,6 @@ class Sm90WsTile:
     pingpong: bool = True  # two consumer warpgroups take turns at the tensor cores (block_m 128 only)
     min_blocks: int = 1
     persistent: bool = False  # one CTA per SM walks the tiles (the next tile's loads overlap an epilogue)
-    q_stages: int = 1  # Q tiles in shared memory; 2 (persistent only): the next tile's Q loads during this one
 
     @property
     def warps(self) -> int:
@@ -115,9 +114,8 @@ class Sm90WsTile:
 
     @property
     def sched(self) -> int:
-        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent, 8 two Q slots."""
-        return (int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0) | (4 if self.persistent else 0)
-                | (8 if self.q_stages == 2 else 0))  # fmt: skip
+        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent."""
+        return int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0) | (4 if self.persistent else 0)
 
 
 #: Warp-specialized Hopper forward tiles per head-dim bucket: the default forward on sm_90a for
@@ -143,10 +141,8 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
 #: (PERSISTENT_L2_SHARE) the persistent tile also wins at hd128 up to 4096 keys (tools/ab_sources.py,
 #: session 11: non-causal 1024 1.09, 2048 1.00, 4096 1.02; causal 2048 1.05, 4096 1.03) and at hd64
 #: non-causal 1024 (1.04; its 128 rows lose to the default's 192 at 2048-4096: 0.88-0.90). SHORT_KEYS.
-#: Two Q slots (q_stages=2) measured 1.00-1.02x at hd128 (1.05x causal 512 keys) and 0.98x at hd64, and at
-#: hd128 they cost the varlen builds 56 bytes of local memory (192 with every variant: over the budget of
-#: tests/test_compile_variants.py), so both tiles keep one. (Chained tiles and a persistent hd256 tile
-#: measured slower: docs/history/hopper.md, session 12.)
+#: Two Q slots, chained tiles and a persistent hd256 tile were measured in session 12 and not kept
+#: (docs/history/hopper.md).
 FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
     64: Sm90WsTile(128, 128, pingpong=False, persistent=True),
     128: Sm90WsTile(128, 128, pingpong=False, persistent=True),
@@ -202,12 +198,11 @@ def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = 
 
 def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile) -> int:
     """Dynamic shared memory of the warp-specialized forward: must match Sm90WsFwdConfig::kSmemBytes
-    (alignment slack, q_stages Q tiles, the K/V ring, persistent: an O staging tile, 2 * q_stages + 4 *
-    stages mbarriers of 8 bytes rounded to 16)."""
-    q_stages = getattr(tile, "q_stages", 1)
-    barriers = 2 * q_stages + 4 * tile.stages
+    (alignment slack, Q, the K/V ring, persistent: an O staging tile, 2 + 4 * stages mbarriers of 8
+    bytes rounded to 16)."""
+    barriers = 2 + 4 * tile.stages
     o_rows = tile.block_m if getattr(tile, "persistent", False) else 0  # persistent: O staged in a tile of its own
-    return (1024 + 2 * (q_stages * tile.block_m + o_rows + 2 * tile.stages * tile.block_n) * head_dim_bucket
+    return (1024 + 2 * (tile.block_m + o_rows + 2 * tile.stages * tile.block_n) * head_dim_bucket
             + 8 * ((barriers + 1) // 2 * 2))  # fmt: skip
 
 
@@ -289,7 +284,7 @@ class Sm90WsKernelSpec(HopperSpec):
     def name(self) -> str:
         t = self.tile
         return self._variant_name(f"{'_ov' if t.overlap else ''}{'_pp' if t.sched & 2 else ''}"
-                                  f"{'_persistent' if t.persistent else ''}{'_q2' if t.q_stages == 2 else ''}")
+                                  f"{'_persistent' if t.persistent else ''}")
 
     @property
     def smem_bytes(self) -> int:
@@ -319,9 +314,6 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
                          "multiple of 64 up to 256 and 2 to 4 stages")  # fmt: skip
     if tile.min_blocks != 1:  # the register hand-over (setmaxnreg) splits the 1-CTA/SM register file exactly
         raise ValueError(f"warp-specialized tile {tile}: min_blocks must be 1")
-    if tile.q_stages not in (1, 2) or (tile.q_stages == 2 and not tile.persistent):
-        raise ValueError(f"warp-specialized tile {tile}: q_stages is 1, or 2 with persistent=True "
-                         "(a second Q tile serves only a CTA that walks several tiles)")  # fmt: skip
     if tile.block_m == 192 and bucket // 2 + 3 * tile.block_n // 4 > 128:  # 160 registers per consumer thread
         raise ValueError(f"warp-specialized tile {tile}: O + S + P registers do not fit 3 consumer warpgroups "
                          f"at head dim {bucket} (take block_m 128 or a smaller block_n)")  # fmt: skip
