@@ -85,10 +85,11 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr bool kPingPong = (kSched_ & kSchedPingPong) != 0 && kConsumers == 2;
     static constexpr bool kPersistent = (kSched_ & kSchedPersistent) != 0;
     // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
-    // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40), the
-    // consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384; 32 x 128 + 160 x 384 = 128 x 512).
-    static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
-    static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
+    // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40, one
+    // tile's 24), the consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384, 24 x 128 + 240 x
+    // 256 = 64512; 32 x 128 + 160 x 384 = 128 x 512). (Head dim 256's 128 x 80 tile spills at 232.)
+    static constexpr int kProducerRegs = kConsumers == 3 ? 32 : kPersistent ? 40 : 24;
+    static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kPersistent ? 232 : 240;
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
     static constexpr int kBarriers = 2 + 4 * kStages;  // Q full, Q empty; K full, V full, K empty, V empty per slot
@@ -100,8 +101,10 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
 
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-element swizzle atoms, N <= 256");
     static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (the register split above)");
-    static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "key tiles are wgmma N (multiple of 64 here)");
+    static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tiles are wgmma N and whole P V k-steps of 16");
     static_assert(kStages >= 2 && kStages <= 4, "a ring of 2 to 4 K/V slots");
+    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536 / kNThreads / 8 * 8 * kNThreads,
+                  "the register split must fit what the launch gives (else setmaxnreg.inc waits forever)");
 };
 
 template <class Cfg>

@@ -26,7 +26,8 @@ def _schedules():
 
     return [W(128, 128), W(128, 128, overlap=False), W(128, 128, pingpong=False), W(128, 128, overlap=False, pingpong=False),
             W(128, 128, 3), W(128, 64, 4), W(192, 64, pingpong=False), W(128, 128, pingpong=False, persistent=True),
-            W(128, 128, persistent=True), W(192, 64, pingpong=False, persistent=True)]  # fmt: skip
+            W(128, 128, persistent=True), W(192, 64, pingpong=False, persistent=True),
+            W(128, 176, pingpong=False), W(128, 80)]  # key tiles not a multiple of 64 (FlashAttention-3's hd128 tile)  # fmt: skip
 
 
 @pytest.mark.parametrize("tile", _schedules(), ids=lambda t: f"bm{t.block_m}bn{t.block_n}st{t.stages}ov{int(t.overlap)}"
@@ -188,6 +189,21 @@ def test_partial_last_box(head_dim, dtype):
     q, k, v = random_qkv(rng, 2, 257, 300, 4, 2, head_dim, dtype)
     for causal in (False, True):
         check_forward(q, k, v, causal=causal, dtype=dtype, what=f"hd{head_dim} causal={causal}")
+
+
+@pytest.mark.parametrize("head_dim,block_n", [(256, 80), (232, 80), (128, 176), (64, 112)])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_key_tiles_of_16_multiples(head_dim, block_n, dtype):
+    """Key tiles that are a multiple of 16 but not of 64 (wgmma N 80 .. 176; the swizzle atoms of a
+    K/V slot then hold 80 or 176 rows): ragged keys, causal, a window and softcap against the reference."""
+    _hopper()
+    from cuflash.plan import Sm90WsTile
+
+    tile = Sm90WsTile(128, block_n, pingpong=False)
+    rng = np.random.default_rng(block_n)
+    q, k, v = random_qkv(rng, 2, 300, 411, 4, 2, head_dim, dtype)
+    for kw in ({"causal": False}, {"causal": True}, {"causal": False, "window_size": (150, 40)}, {"causal": True, "softcap": 20.0}):
+        check_forward(q, k, v, dtype=dtype, tile=tile, what=f"hd{head_dim} bn{block_n} {kw}", **kw)
 
 
 def test_varlen_nan_after_the_keys_stays_out():

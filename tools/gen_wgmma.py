@@ -13,8 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
-#: N of the m64nNk16 shapes the kernels use: key-tile widths (S = Q K^T) and head-dim buckets (O += P V).
-N_VALUES = (32, 64, 128, 192, 256)
+#: N of the m64nNk16 shapes the kernels use: key-tile widths (S = Q K^T; the forward's tiles may be any
+#: multiple of 16, as FlashAttention-3's 128 x 176 at head dim 128 and 128 x 80 at 256) and head-dim
+#: buckets (O += P V).
+N_VALUES = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 256)
 DTYPES = (("true", "bf16"), ("false", "f16"))
 
 HEADER = """\

@@ -37,10 +37,12 @@ W = Sm90WsTile
 SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persistent): tiles and schedule ablations
     64: [W(192, 128, pingpong=False), W(192, 128, pingpong=False, persistent=True), W(128, 128, pingpong=False),
          W(128, 128, pingpong=False, persistent=True), W(128, 128), W(128, 128, persistent=True),
-         W(192, 128, overlap=False, pingpong=False)],
-    128: [W(128, 128, pingpong=False), W(128, 128, pingpong=False, persistent=True), W(128, 192, pingpong=False), W(128, 128),
+         W(192, 128, overlap=False, pingpong=False), W(128, 192, pingpong=False), W(128, 176, pingpong=False),
+         W(128, 192, pingpong=False, persistent=True), W(128, 176, pingpong=False, persistent=True)],
+    128: [W(128, 128, pingpong=False), W(128, 128, pingpong=False, persistent=True), W(128, 192, pingpong=False),
+          W(128, 176, pingpong=False), W(128, 160, pingpong=False), W(128, 144, pingpong=False), W(128, 128),
           W(128, 128, persistent=True), W(128, 128, overlap=False, pingpong=False), W(128, 128, overlap=False)],
-    256: [W(128, 64, pingpong=False), W(128, 64), W(128, 64, overlap=False, pingpong=False), W(128, 64, overlap=False)],
+    256: [W(128, 64, pingpong=False), W(128, 80, pingpong=False), W(128, 64), W(128, 64, overlap=False, pingpong=False), W(128, 64, overlap=False)],
 }
 
 
