@@ -20,9 +20,9 @@ from .params import BWD_PACKER, FWD_PACKER
 
 #: Most sequences in one packed batch (the device-side search of varlen.cuh counts in int32 powers of 32).
 MAX_SEQUENCES = 2**24
-#: Paged K/V: page sizes are multiples of this, a multiple of every forward key tile (plan FWD_TILES,
-#: FWD_SM90_TILES), so a key tile never crosses a page.
-PAGE_MULTIPLE = 128
+#: Paged K/V: page sizes are multiples of this, a multiple of the key tile of every forward the planner
+#: picks for paged K/V (plan.fit_key_tile), so a key tile never crosses a page.
+PAGE_MULTIPLE = plan.PAGE_KEYS
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
@@ -95,7 +95,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         keys_hint = plan.short_keys_hint(max_seqlen_k)  # (longer keys share a plan-cache entry)
         how, fn, maps = forward.load_with_maps(
             lambda t: _plan_and_load(g.batch, g.total_q, g.walk_keys, g.nheads, g.nheads_kv, g.head_dim, dtype,
-                                     var.causal, aligned, g.device_id, var.mods, t, keys_hint),
+                                     var.causal, aligned, g.device_id, var.mods, t, keys_hint, g.paged),
             q4, k4, v4, dtype, tile)  # fmt: skip
         if g.paged and k.shape[1] % how.spec.tile.block_n:
             raise ValueError(f"page size {k.shape[1]} is not a multiple of the key tile ({how.spec.tile.block_n} keys) "
@@ -350,12 +350,12 @@ def _validate(cu_q, cu_k, seqused_k, total_q: int, total_k: int, max_q: int, max
 
 @functools.lru_cache(maxsize=1024)
 def _plan_and_load(batch, total_q, total_k, nheads, nheads_kv, head_dim, dtype, causal, aligned, device_id, mods,
-                   tile=None, max_seqlen_k=None):  # fmt: skip
+                   tile=None, max_seqlen_k=None, paged=False):  # fmt: skip
     how = plan.plan_forward(
         batch=batch, seqlen_q=total_q, seqlen_k=total_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
         dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
         mods=mods | plan.MOD_VARLEN, sm_count=jit.device_sm_count(device_id), l2_bytes=jit.device_l2_bytes(device_id),
-        max_seqlen_k=max_seqlen_k,
+        max_seqlen_k=max_seqlen_k, paged=paged,
     )  # fmt: skip
     return how, jit.get_function(how.spec, device_id)
 

@@ -702,3 +702,47 @@ def test_hopper_tiles_fit_and_names_are_unique():
     specs = [s for s in plan.all_fwd_specs("sm_90a")]
     assert len({s.name for s in specs}) == len(specs)
     assert all(s.name.isidentifier() for s in specs)
+
+
+def test_ws_forward_key_tiles_are_multiples_of_16():
+    """The warp-specialized forward takes key tiles of any multiple of 16 up to 256 (wgmma N; P V in
+    k-steps of 16) within the shared memory: FlashAttention-3's 128 x 176 at head dim 128 and
+    128 x 80 at 256 fit; 72 keys, 272 keys, 96 keys at 256 (262 KB) do not."""
+    W = plan.Sm90WsTile
+    for bucket, bn in ((128, 176), (128, 144), (256, 80), (64, 112)):
+        spec = plan.fwd_sm90_ws_spec(bucket, "bf16", True, W(128, bn, pingpong=False))
+        assert spec.smem_bytes <= plan.max_smem_bytes("sm_90a") and f"bn{bn}" in spec.name
+    for bucket, bn, match in ((128, 72, "multiple of 16"), (64, 272, "multiple of 16"), (256, 96, "shared memory")):
+        with pytest.raises(ValueError, match=match):
+            plan.fwd_sm90_ws_spec(bucket, "bf16", False, W(128, bn, pingpong=False))
+
+
+def test_paged_kv_and_dropout_plan_key_tiles_that_fit():
+    """Paged K/V: the planned forward's key tiles divide PAGE_KEYS (page sizes are its multiples); dropout:
+    they are multiples of DROPOUT_KEYS (its random bits come in 16 x 32 blocks). Head dim 256's 80-key
+    tile becomes 64 keys for either; the other tiles stay; precompile builds both; a forced 80-key
+    tile with dropout is refused."""
+    assert (plan.PAGE_KEYS, plan.DROPOUT_KEYS) == (128, 32)
+    W = plan.Sm90WsTile
+    fit = plan.fit_key_tile
+    assert fit(W(128, 80, pingpong=False), paged=True) == W(128, 64, pingpong=False)
+    assert fit(W(128, 80, pingpong=False), mods=plan.MOD_DROPOUT | plan.MOD_WINDOW) == W(128, 64, pingpong=False)
+    assert fit(W(128, 80, pingpong=False), mods=plan.MOD_WINDOW) == W(128, 80, pingpong=False)
+    assert fit(W(128, 176, pingpong=False), paged=True) == W(128, 128, pingpong=False)
+    assert fit(W(128, 176, pingpong=False), mods=plan.MOD_DROPOUT) == W(128, 128, pingpong=False)
+    assert fit(W(128, 160, pingpong=False), mods=plan.MOD_DROPOUT) == W(128, 160, pingpong=False)
+    assert fit(W(128, 128, persistent=True), paged=True, mods=plan.MOD_DROPOUT) == W(128, 128, persistent=True)
+    kw = dict(batch=3, seqlen_q=900, seqlen_k=3000, nheads=4, nheads_kv=2, dtype="bf16", causal=True, aligned=True,
+              arch="sm_90a", sm_count=132, max_seqlen_k=1000)  # fmt: skip
+    for d in (64, 128, 256):
+        for mods, paged in ((plan.MOD_VARLEN, True), (plan.MOD_VARLEN | plan.MOD_DROPOUT, False), (plan.MOD_DROPOUT, False)):
+            free = plan.plan_forward(head_dim=d, mods=mods & ~plan.MOD_DROPOUT, **kw).spec.tile
+            got = plan.plan_forward(head_dim=d, mods=mods, paged=paged, **kw).spec.tile
+            assert got == fit(free, paged=paged, mods=mods) and (got != free) == (d == 256), (d, mods, paged)
+            assert plan.PAGE_KEYS % got.block_n == 0 and got.block_n % plan.DROPOUT_KEYS == 0
+    specs = plan.all_fwd_specs("sm_90a", head_dims=(256,), dtypes=("bf16",), causals=(True,), aligned=(True,),
+                               mods=(plan.MOD_VARLEN, plan.MOD_DROPOUT))  # fmt: skip
+    ws = {(s.mods, s.tile.block_n) for s in specs if s.family == "flash_fwd_sm90_ws"}
+    assert ws == {(plan.MOD_VARLEN, 80), (plan.MOD_VARLEN, 64), (plan.MOD_DROPOUT, 64)}
+    with pytest.raises(ValueError, match="dropout needs key tiles of a multiple of 32"):
+        plan.fwd_sm90_ws_spec(256, "bf16", False, W(128, 80, pingpong=False), mods=plan.MOD_DROPOUT)

@@ -98,9 +98,10 @@ def test_backward_variants_property(case):
                    rng=rng, what=str(case), **_variants(rng, case))  # fmt: skip
 
 
-def _kernels(head_dim, op):
+def _kernels(head_dim, op, dropout=False):
     """The tiles to force for op "fwd" or "bwd": the mma.sync kernel's, and on Hopper the wgmma ones'
-    where they exist (the cp.async and the warp-specialized TMA kernels)."""
+    where they exist (the cp.async and the warp-specialized TMA kernels; with ``dropout`` the forward's
+    as the planner fits it: key tiles of a multiple of 32, plan.fit_key_tile)."""
     from cuflash import plan
 
     arch = _arch()
@@ -109,14 +110,14 @@ def _kernels(head_dim, op):
     if arch == "sm_90a" and head_dim in hopper:
         tiles.append(hopper[head_dim])
     if arch == "sm_90a" and op == "fwd" and head_dim in plan.FWD_SM90_WS_TILES:  # the warp-specialized one too
-        tiles.append(plan.FWD_SM90_WS_TILES[head_dim])
+        tiles.append(plan.fit_key_tile(plan.FWD_SM90_WS_TILES[head_dim], mods=plan.MOD_DROPOUT if dropout else 0))
     if arch == "sm_90a" and op == "bwd" and head_dim in plan.BWD_SM90_WS_TILES:
         tiles.append(plan.BWD_SM90_WS_TILES[head_dim])
     return tiles
 
 
-def _forward_kernels(head_dim):
-    return _kernels(head_dim, "fwd")
+def _forward_kernels(head_dim, dropout=False):
+    return _kernels(head_dim, "fwd", dropout)
 
 
 def _backward_kernels(head_dim):
@@ -153,7 +154,7 @@ def test_softcap_alibi_dropout_on_every_kernel(dtype, head_dim):
     for variants in (dict(softcap=20.0), dict(alibi_slopes=slopes, causal=True), dict(dropout_p=0.2),
                      dict(softcap=30.0, alibi_slopes=slopes, dropout_p=0.1, window_size=(100, 3))):  # fmt: skip
         causal = variants.pop("causal", False)
-        for tile in _forward_kernels(head_dim):
+        for tile in _forward_kernels(head_dim, dropout="dropout_p" in variants):
             check_forward(q, k, v, causal=causal, dtype=dtype, tile=tile, what=f"{tile} {variants}", **variants)
         for tile in _backward_kernels(head_dim):
             check_backward(q, k, v, causal=causal, dtype=dtype, tile=tile, what=f"{tile} {variants}", **variants)
@@ -188,7 +189,7 @@ def test_dropout_mask_is_the_reference_philox_stream(head_dim, seqlen, p):
     state = (0x1234_5678_9ABC_DEF0, 7 << 32 | 5)
     want = np.stack([np.stack([reference.dropout_keep_mask(state, b, h, nheads, p, 0, seqlen, seqlen)
                                for h in range(nheads)], axis=1) for b in range(batch)])  # (b, i, h, j)  # fmt: skip
-    for tile in _forward_kernels(head_dim):
+    for tile in _forward_kernels(head_dim, dropout=True):
         out, lse, got_state = forward.run(q, k, v, dropout_p=p, rng_state=state, return_lse=True, tile=tile)
         assert got_state == state
         mask = _recovered_mask(out[..., :seqlen], seqlen, p)

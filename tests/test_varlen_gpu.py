@@ -365,13 +365,15 @@ def test_torch_varlen_autograd():
 
 
 @pytest.mark.parametrize("kernel", ["plan", "mma.sync"])
-@pytest.mark.parametrize("page_size, head_dim", [(128, 128), (256, 64), (128, 96)])
+@pytest.mark.parametrize("page_size, head_dim", [(128, 128), (256, 64), (128, 96), (128, 256)])
 def test_varlen_paged_matches_contiguous(kernel, page_size, head_dim):
     """block_table: k, v in shuffled pages of a paged cache give exactly the packed call's out and lse
-    (the same key tiles, read from their pages); causal and windowed; a bad page index is an error."""
+    (the same key tiles, read from their pages); causal and windowed; a bad page index is an error.
+    Head dim 256 on Hopper: the planned tile's 80 keys would straddle pages, so the paged call plans
+    plan.fit_key_tile's 64 keys; the packed call it must equal is forced to that tile."""
     import cupy
 
-    from cuflash import varlen
+    from cuflash import jit, plan, varlen
 
     rng = np.random.default_rng(page_size + head_dim)
     lengths_q, lengths_k = [5, 0, 300, 1, 64], [700, 3, 1000, 0, 129]
@@ -394,8 +396,15 @@ def test_varlen_paged_matches_contiguous(kernel, page_size, head_dim):
             cnt = rows.stop - rows.start
             k_pages[page, :cnt], v_pages[page, :cnt] = k[rows], v[rows]
     fwd_tile, _ = _tiles(kernel, head_dim)
+    want_tile = fwd_tile
+    if fwd_tile is None and plan.uses_sm90_ws_forward(head_dim, True, jit.device_arch(0)):
+        planned = plan.FWD_SM90_WS_TILES[plan.head_dim_bucket(head_dim)]  # (hd256: no short-key tile)
+        assert (plan.fit_key_tile(planned, paged=True) != planned) == (head_dim == 256)
+        if head_dim == 256:
+            want_tile = plan.fit_key_tile(planned, paged=True)
+            assert want_tile.block_n == 64
     for kw in (dict(causal=True), dict(causal=False, window_size=(200, 50))):
-        want, want_lse = varlen.run(q, k, v, cu_q, cu_k, 300, 1000, return_lse=True, tile=fwd_tile, **kw)
+        want, want_lse = varlen.run(q, k, v, cu_q, cu_k, 300, 1000, return_lse=True, tile=want_tile, **kw)
         for bt in (table, cupy.asarray(table)):
             got, lse = varlen.run(q, k_pages, v_pages, cu_q, cu_k, 300, 1000, block_table=bt, return_lse=True,
                                   check=True, tile=fwd_tile, **kw)  # fmt: skip

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, MOD_VARLEN, HopperSpec, Launch, TiledSpec, check_dtype, check_mods, cpp_bool,
+    DTYPES, HEAD_DIM_BUCKETS, MOD_DROPOUT, MOD_VARLEN, HopperSpec, Launch, TiledSpec, check_dtype, check_mods, cpp_bool,
     head_dim_bucket, max_smem_bytes, mods_arg,
 )  # fmt: skip
 
@@ -128,9 +128,25 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
     64: Sm90WsTile(192, 128, pingpong=False),
     # 2 warpgroups x 128-key tiles, 161 KB: 0.960 (ping-pong 0.939; 192 x 64 0.958; no overlap 0.852; 64-key x 3 stages 0.795)
     128: Sm90WsTile(128, 128, pingpong=False),
-    # 2 warpgroups x 64-key tiles, 193 KB: 0.978 (ping-pong 0.960; no overlap 0.894)
-    256: Sm90WsTile(128, 64, pingpong=False),
+    # 2 warpgroups x 80-key tiles (FlashAttention-3's), 226 KB: 1.007 over 512-16k x causal (64-key tiles 0.940 in
+    # the same run; at 64 keys before: 0.978, ping-pong 0.960, no overlap 0.894, over 1k-16k)
+    256: Sm90WsTile(128, 80, pingpong=False),
 }
+
+#: Paged K/V (a packed batch with a block_table): a key tile must not straddle two pages, and page sizes
+#: are multiples of PAGE_KEYS (cuflash/varlen.py checks it). Dropout draws its random bits in blocks
+#: of 16 rows x DROPOUT_KEYS keys (masks.cuh), so its key tiles are multiples of DROPOUT_KEYS.
+PAGE_KEYS = 128
+DROPOUT_KEYS = 32
+
+
+def fit_key_tile(tile: Sm90WsTile, *, paged: bool = False, mods: int = 0) -> Sm90WsTile:
+    """``tile``, or where its key tiles break a rule above (paged: block_n divides PAGE_KEYS; dropout
+    in ``mods``: a multiple of DROPOUT_KEYS) the same tile with the largest power of two below its
+    block_n (head dim 256's 128 x 80 -> 128 x 64)."""
+    if (not paged or PAGE_KEYS % tile.block_n == 0) and (not mods & MOD_DROPOUT or tile.block_n % DROPOUT_KEYS == 0):
+        return tile
+    return dataclasses.replace(tile, block_n=min(PAGE_KEYS, 1 << (tile.block_n.bit_length() - 1)))
 
 #: Short keys: a CTA's fixed costs (its Q load, pipeline fill, epilogue) weigh more than its few K/V
 #: tiles, and the persistent schedule overlaps them with the next tile's loads. Measured on the H200
@@ -308,10 +324,13 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
     if tile is None:
         if bucket not in FWD_SM90_WS_TILES:
             raise ValueError(f"no warp-specialized forward tile for head-dim bucket {bucket} (have {sorted(FWD_SM90_WS_TILES)})")
-        tile = FWD_SM90_WS_TILES[bucket]
-    if bucket % 64 or tile.block_m not in (128, 192) or tile.block_n % 64 or tile.block_n > 256 or not 2 <= tile.stages <= 4:
+        tile = fit_key_tile(FWD_SM90_WS_TILES[bucket], mods=mods)
+    if bucket % 64 or tile.block_m not in (128, 192) or tile.block_n % 16 or tile.block_n > 256 or not 2 <= tile.stages <= 4:
         raise ValueError(f"warp-specialized tile {tile} for bucket {bucket}: needs block_m 128 or 192, block_n a "
-                         "multiple of 64 up to 256 and 2 to 4 stages")  # fmt: skip
+                         "multiple of 16 up to 256 and 2 to 4 stages")  # fmt: skip
+    if mods & MOD_DROPOUT and tile.block_n % DROPOUT_KEYS:
+        raise ValueError(f"warp-specialized tile {tile}: dropout needs key tiles of a multiple of {DROPOUT_KEYS} "
+                         f"(fit_key_tile gives one)")  # fmt: skip
     if tile.min_blocks != 1:  # the register hand-over (setmaxnreg) splits the 1-CTA/SM register file exactly
         raise ValueError(f"warp-specialized tile {tile}: min_blocks must be 1")
     if tile.block_m == 192 and bucket // 2 + 3 * tile.block_n // 4 > 128:  # 160 registers per consumer thread
@@ -385,6 +404,7 @@ def plan_forward(
     sm_count: int | None = None,
     max_seqlen_k: int | None = None,
     l2_bytes: int | None = None,
+    paged: bool = False,
 ) -> Launch:
     """Kernel variant, grid, block and shared memory for one forward call (all sizes >= 1).
 
@@ -399,7 +419,8 @@ def plan_forward(
     count of FwdParams.num_m_blocks either way. ``max_seqlen_k`` (packed batches): the longest
     sequence's keys, which choose the short-key tile as seqlen_k does for a plain batch (None: the
     default tile). ``l2_bytes``: the GPU's L2 cache, which sizes a persistent launch's groups
-    (persistent_group; None: one group)."""
+    (persistent_group; None: one group). ``paged``: K/V in pages of a multiple of PAGE_KEYS keys
+    (the planned tile's key tiles then divide PAGE_KEYS: fit_key_tile)."""
     if min(batch, seqlen_q, nheads, nheads_kv) < 1 or seqlen_k < (0 if mods & MOD_VARLEN else 1):
         raise ValueError("plan_forward needs non-empty dimensions; empty inputs never launch")
     if nheads % nheads_kv != 0:
@@ -411,6 +432,7 @@ def plan_forward(
             varlen = bool(mods & MOD_VARLEN)
             keys = (max_seqlen_k or 0) if varlen else seqlen_k
             tile = sm90_ws_tile(head_dim_bucket(head_dim), keys, causal, (varlen and max_seqlen_k is None) or not sm_count)
+            tile = fit_key_tile(tile, paged=paged, mods=mods)
         spec = fwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
     elif isinstance(tile, Sm90Tile) or (tile is None and uses_sm90_forward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned:
@@ -456,6 +478,9 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                             specs.append(fwd_sm90_ws_spec(bucket, dt, c, mods=m))
                             if bucket in FWD_SM90_WS_SHORT_TILES:
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, FWD_SM90_WS_SHORT_TILES[bucket], m))
+                            if m & MOD_VARLEN:  # (packed batches may be paged)
+                                paged = fit_key_tile(FWD_SM90_WS_TILES[bucket], paged=True, mods=m)
+                                specs.append(fwd_sm90_ws_spec(bucket, dt, c, paged, m))
     return list(dict.fromkeys(specs))  # unique, order kept
 
 
