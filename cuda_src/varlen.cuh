@@ -46,7 +46,7 @@ CUFLASH_DEVICE int varlen_find_seq(const int* cu, int batch, int total, int bloc
 }
 
 // Element offset of key row n0 of a sequence (the first row of a key tile, which never crosses a page:
-// page_size is a multiple of every key tile) from the kv head's key 0: packed rows (bt_row null), or
+// page_size is a multiple of the key tile of every kernel planned for paged K/V: plan.fit_key_tile) from the kv head's key 0: packed rows (bt_row null), or
 // page bt_row[n0 / page_size] clamped into the pages, slot n0 % page_size (paged K/V).
 CUFLASH_DEVICE i64 varlen_kv_tile_off(const ModParams& m, const int* bt_row, int n0, i64 batch_stride, i64 row_stride) {
     if (bt_row == nullptr) return n0 * row_stride;

@@ -99,7 +99,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
             q4, k4, v4, dtype, tile)  # fmt: skip
         if g.paged and k.shape[1] % how.spec.tile.block_n:
             raise ValueError(f"page size {k.shape[1]} is not a multiple of the key tile ({how.spec.tile.block_n} keys) "
-                             f"of the forced tile {how.spec.tile}")  # fmt: skip
+                             f"of tile {how.spec.tile} (the planner fits its own tiles to pages: pass tile=None)")  # fmt: skip
         unit = var.unit_scale(softmax_scale)
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q4, k4, v4, o4))
         record = maps + FWD_PACKER.pack(

@@ -705,14 +705,16 @@ def test_hopper_tiles_fit_and_names_are_unique():
 
 
 def test_ws_forward_key_tiles_are_multiples_of_16():
-    """The warp-specialized forward takes key tiles of any multiple of 16 up to 256 (wgmma N; P V in
-    k-steps of 16) within the shared memory: FlashAttention-3's 128 x 176 at head dim 128 and
-    128 x 80 at 256 fit; 72 keys, 272 keys, 96 keys at 256 (262 KB) do not."""
+    """The warp-specialized forward takes the key tiles of WS_KEY_TILES (multiples of 16 whose wgmma
+    shape tools/gen_wgmma.py generates) within the shared memory: FlashAttention-3's 128 x 176 at head
+    dim 128 and 128 x 80 at 256 fit; 72, 272, 48, 16, 224 keys (no wgmma generated) and 96 keys at
+    256 (262 KB) do not."""
     W = plan.Sm90WsTile
     for bucket, bn in ((128, 176), (128, 144), (256, 80), (64, 112)):
         spec = plan.fwd_sm90_ws_spec(bucket, "bf16", True, W(128, bn, pingpong=False))
         assert spec.smem_bytes <= plan.max_smem_bytes("sm_90a") and f"bn{bn}" in spec.name
-    for bucket, bn, match in ((128, 72, "multiple of 16"), (64, 272, "multiple of 16"), (256, 96, "shared memory")):
+    for bucket, bn, match in ((128, 72, "block_n one of"), (64, 272, "block_n one of"), (64, 48, "block_n one of"),
+                              (64, 16, "block_n one of"), (64, 224, "block_n one of"), (256, 96, "shared memory")):
         with pytest.raises(ValueError, match=match):
             plan.fwd_sm90_ws_spec(bucket, "bf16", False, W(128, bn, pingpong=False))
 
@@ -732,6 +734,7 @@ def test_paged_kv_and_dropout_plan_key_tiles_that_fit():
     assert fit(W(128, 176, pingpong=False), mods=plan.MOD_DROPOUT) == W(128, 128, pingpong=False)
     assert fit(W(128, 160, pingpong=False), mods=plan.MOD_DROPOUT) == W(128, 160, pingpong=False)
     assert fit(W(128, 128, persistent=True), paged=True, mods=plan.MOD_DROPOUT) == W(128, 128, persistent=True)
+    assert fit(W(128, 16), mods=plan.MOD_DROPOUT) == W(128, 32)  # (never below DROPOUT_KEYS)
     kw = dict(batch=3, seqlen_q=900, seqlen_k=3000, nheads=4, nheads_kv=2, dtype="bf16", causal=True, aligned=True,
               arch="sm_90a", sm_count=132, max_seqlen_k=1000)  # fmt: skip
     for d in (64, 128, 256):

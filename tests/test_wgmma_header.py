@@ -22,6 +22,9 @@ def test_every_wrapper_the_kernels_need_is_there():
 
     needed = {t.block_n for t in plan.FWD_SM90_TILES.values()} | set(plan.FWD_SM90_TILES)
     assert needed <= set(gen_wgmma.N_VALUES)
+    # every key tile the warp-specialized forward's planner accepts has its S = Q K^T shape
+    assert set(plan.WS_KEY_TILES) <= set(gen_wgmma.N_VALUES)
+    assert {t.block_n for t in (*plan.FWD_SM90_WS_TILES.values(), *plan.FWD_SM90_WS_SHORT_TILES.values())} <= set(plan.WS_KEY_TILES)
     for n in gen_wgmma.N_VALUES:
         for bf16 in ("true", "false"):
             assert f"wgmma_rs<{n}, {bf16}>(float (&d)[{n // 2}]" in text

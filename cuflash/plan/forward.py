@@ -139,14 +139,18 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
 PAGE_KEYS = 128
 DROPOUT_KEYS = 32
 
+#: Key-tile widths the warp-specialized forward builds: the N of S = Q K^T's wgmma, one of the shapes
+#: tools/gen_wgmma.py generates (N_VALUES; tests/test_wgmma_header.py checks that they agree).
+WS_KEY_TILES = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 256)
+
 
 def fit_key_tile(tile: Sm90WsTile, *, paged: bool = False, mods: int = 0) -> Sm90WsTile:
     """``tile``, or where its key tiles break a rule above (paged: block_n divides PAGE_KEYS; dropout
     in ``mods``: a multiple of DROPOUT_KEYS) the same tile with the largest power of two below its
-    block_n (head dim 256's 128 x 80 -> 128 x 64)."""
+    block_n, within DROPOUT_KEYS .. PAGE_KEYS (head dim 256's 128 x 80 -> 128 x 64)."""
     if (not paged or PAGE_KEYS % tile.block_n == 0) and (not mods & MOD_DROPOUT or tile.block_n % DROPOUT_KEYS == 0):
         return tile
-    return dataclasses.replace(tile, block_n=min(PAGE_KEYS, 1 << (tile.block_n.bit_length() - 1)))
+    return dataclasses.replace(tile, block_n=min(PAGE_KEYS, max(DROPOUT_KEYS, 1 << (tile.block_n.bit_length() - 1))))
 
 #: Short keys: a CTA's fixed costs (its Q load, pipeline fill, epilogue) weigh more than its few K/V
 #: tiles, and the persistent schedule overlaps them with the next tile's loads. Measured on the H200
@@ -325,9 +329,9 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
         if bucket not in FWD_SM90_WS_TILES:
             raise ValueError(f"no warp-specialized forward tile for head-dim bucket {bucket} (have {sorted(FWD_SM90_WS_TILES)})")
         tile = fit_key_tile(FWD_SM90_WS_TILES[bucket], mods=mods)
-    if bucket % 64 or tile.block_m not in (128, 192) or tile.block_n % 16 or tile.block_n > 256 or not 2 <= tile.stages <= 4:
-        raise ValueError(f"warp-specialized tile {tile} for bucket {bucket}: needs block_m 128 or 192, block_n a "
-                         "multiple of 16 up to 256 and 2 to 4 stages")  # fmt: skip
+    if bucket % 64 or tile.block_m not in (128, 192) or tile.block_n not in WS_KEY_TILES or not 2 <= tile.stages <= 4:
+        raise ValueError(f"warp-specialized tile {tile} for bucket {bucket}: needs block_m 128 or 192, block_n one "
+                         f"of {WS_KEY_TILES} and 2 to 4 stages")  # fmt: skip
     if mods & MOD_DROPOUT and tile.block_n % DROPOUT_KEYS:
         raise ValueError(f"warp-specialized tile {tile}: dropout needs key tiles of a multiple of {DROPOUT_KEYS} "
                          f"(fit_key_tile gives one)")  # fmt: skip
