@@ -20,9 +20,6 @@ from .params import BWD_PACKER, FWD_PACKER
 
 #: Most sequences in one packed batch (the device-side search of varlen.cuh counts in int32 powers of 32).
 MAX_SEQUENCES = 2**24
-#: Paged K/V: page sizes are multiples of this, a multiple of the key tile of every forward the planner
-#: picks for paged K/V (plan.fit_key_tile), so a key tile never crosses a page.
-PAGE_MULTIPLE = plan.PAGE_KEYS
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
@@ -241,8 +238,8 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if paged:
         num_pages, page_size, nheads_kv, head_dim_k = k.shape
         total_k = num_pages * page_size
-        if page_size < 1 or page_size % PAGE_MULTIPLE:
-            raise ValueError(f"page size (k.shape[1] with block_table) must be a positive multiple of {PAGE_MULTIPLE} "
+        if page_size < 1 or page_size % plan.PAGE_KEYS:  # (plan.fit_key_tile keeps paged key tiles within a page)
+            raise ValueError(f"page size (k.shape[1] with block_table) must be a positive multiple of {plan.PAGE_KEYS} "
                              f"(every key tile stays in one page), got {page_size}")  # fmt: skip
     else:
         total_k, nheads_kv, head_dim_k = k.shape
