@@ -9,10 +9,11 @@ cuflash side by side, so a kernel change is judged against its base on the same 
                                                                   # tool's carry
     python3 tools/ab_sources.py run ab --op bwd                   # on the GPU machine: every tree, 2 rounds
 
-`run` times each tree in its own Python process (run in ab/<name>, PYTHONPATH too; its own kernel cache
-.kcache_ab_<name>), cuflash only (no peers), with cuflash.bench.run_point, in rounds that alternate the
-trees, and prints one line per point: TFLOP/s of every tree in every round, then each tree's median
-ratio to the first tree. The points: --op fwd or bwd, --head-dim, --seqlen, both causal flags, 16k
+`run` first compiles each tree's kernels for the points (16 NVRTC processes), then times each tree in
+its own Python process (run in ab/<name>, PYTHONPATH too; its own kernel cache .kcache_ab_<name>),
+cuflash only (no peers), with cuflash.bench.run_point, in rounds that alternate the trees, and prints
+one line per point: TFLOP/s of every tree in every round, then each tree's median ratio to the first
+tree. The points: --op fwd or bwd, --head-dim, --seqlen, both causal flags, 16k
 tokens per batch, 2048 / head_dim heads (the paper grid's shapes).
 """
 from __future__ import annotations
@@ -39,6 +40,26 @@ for op, dtype, hd, causal, s in points:
     out[f"{op} {dtype} hd{hd} {'causal' if causal else 'full'} {s}"] = row.tflops["cuflash"]
     bench.release_memory()
 print("RESULT" + json.dumps(out))
+"""
+
+# Before the rounds, each tree compiles the kernels its points run (its plans, both ops' launches) into
+# its own cache, 16 NVRTC processes at once, so no timed process waits on a lazy compile one at a time.
+WARM = r"""
+import json, sys
+from cuflash import jit, plan
+points = json.loads(sys.argv[1])
+arch, specs = jit.device_arch(0), set()
+for op, dtype, hd, causal, s in points:
+    b, h = max(1, 16384 // s), 2048 // hd
+    kw = dict(batch=b, seqlen_q=s, seqlen_k=s, nheads=h, nheads_kv=h, head_dim=hd, dtype=dtype, causal=causal,
+              aligned=True, arch=arch)
+    if op == "fwd":
+        specs.add(plan.plan_forward(**kw, sm_count=jit.device_sm_count(0), l2_bytes=jit.device_l2_bytes(0)).spec)
+    else:
+        bp = plan.plan_backward(**kw)
+        specs.update(x.spec for x in (bp.pre, bp.main, bp.convert))
+jit.precompile(sorted(specs, key=lambda x: x.name), jobs=16)
+print(f"warm: {len(specs)} kernels", file=sys.stderr)
 """
 
 
@@ -70,11 +91,20 @@ def run(folder: str, trees: list[str], points: list, rounds: int) -> int:
                       sorted(p.name for p in Path(folder).iterdir() if (p / "cuflash").is_dir()))  # fmt: skip
     if not trees:
         sys.exit(f"no source trees under {folder} (tools/ab_sources.py export first)")
+    def env_of(name: str, tree: Path) -> dict:
+        return dict(os.environ, PYTHONPATH=str(tree), CUFLASH_CACHE_DIR=str(Path(f".kcache_ab_{name}").resolve()))
+
+    for name in trees:  # (a tree whose planner differs still runs: its timed processes then compile lazily)
+        tree = Path(folder, name).resolve()
+        warm = subprocess.run([sys.executable, "-c", WARM, json.dumps(points)], env=env_of(name, tree),
+                              capture_output=True, text=True, cwd=tree)  # fmt: skip
+        print(f"{name}: {warm.stderr.strip().splitlines()[-1] if warm.stderr.strip() else 'warm: no output'}",
+              file=sys.stderr, flush=True)  # fmt: skip
     results: dict[str, dict[str, list[float]]] = {}
     for rnd in range(rounds):
         for name in trees if rnd % 2 == 0 else trees[::-1]:
             tree = Path(folder, name).resolve()
-            env = dict(os.environ, PYTHONPATH=str(tree), CUFLASH_CACHE_DIR=str(Path(f".kcache_ab_{name}").resolve()))
+            env = env_of(name, tree)
             # cwd = the tree: `python -c` puts the current directory first on sys.path, ahead of PYTHONPATH,
             # so from the repository root every child would import the checkout's cuflash
             proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(points)], env=env, capture_output=True,
