@@ -37,14 +37,17 @@
 // kernel's zero-filled loads do. Plain batches get zeros from TMA (rows outside the tensor map).
 //
 // Epilogue: each consumer warp stages its normalized O rows in its own rows of the Q tile (Q's swizzled
-// layout) and writes 16-byte chunks (WarpTile::store), and lse; then hands Q back ("Q empty") to the
-// producer. Persistent: Q goes back right after the last S = Q K^T, O is staged in a tile of its own,
-// and the next tile's Q and K/V loads overlap the last P V and the epilogue.
+// layout, WarpTile::store) and writes lse; its lane 0 stores the rows with TMA (kSchedTmaStore: tma_o, a
+// box of 16 rows per 64-column atom; else, and for packed batches, every lane writes 16-byte chunks of
+// the valid rows), then Q goes back ("Q empty") to the producer. Persistent: Q goes back right after
+// the last S = Q K^T, O is staged in a tile of its own, and the next tile's Q and K/V loads overlap the
+// last P V and the epilogue, whose TMA stores run on while the next tile computes.
 //
 // Preconditions (cuflash/plan/forward.py picks this kernel only then): sm_90a; head_dim % 8 == 0, rows
 // and strides 16-byte aligned (TMA's rules); head-dim bucket a multiple of 64; the host encodes the
-// tensor maps (cuflash/tma.py): q, k, v seen as (batch, rows, heads, head_dim) with boxes of
-// 64 columns x kBlockM (q) or kBlockN (k, v) rows. Rows or columns past the tensor arrive as zeros.
+// tensor maps (cuflash/tma.py): q, k, v, o seen as (batch, rows, heads, head_dim) with boxes of
+// 64 columns x kBlockM (q), kBlockN (k, v) or kOBoxRows (o) rows. Rows or columns past the tensor
+// arrive as zeros (loads) or are not written (stores).
 #pragma once
 
 #include "flash_fwd.cuh"  // FwdTileRef (masks and variants), WarpTile (softmax, epilogue)
@@ -54,19 +57,22 @@
 namespace cuflash {
 
 // The kernel's only argument (declared `const __grid_constant__` by the entry point: TMA reads the
-// maps from parameter space): the three tensor maps, then the forward's parameter block.
+// maps from parameter space): the four tensor maps, then the forward's parameter block.
+// tma_o's box is one warp's rows (kOBoxRows) x 64 columns: each consumer warp stores its own rows.
 struct FwdTmaParams {
-    TmaDesc tma_q, tma_k, tma_v;
+    TmaDesc tma_q, tma_k, tma_v, tma_o;
     FwdParams p;
 };
+constexpr int kOBoxRows = 16;  // cuflash/tma.py O_BOX_ROWS
 static_assert(sizeof(TmaDesc) == 128 && alignof(TmaDesc) == 64, "a CUtensorMap is 128 bytes, 64-byte aligned");
-static_assert(sizeof(FwdTmaParams) == 384 + (sizeof(FwdParams) + 63) / 64 * 64,
-              "p starts at byte 384, right after the maps: cuflash/forward.py writes the FwdParams record there");
+static_assert(sizeof(FwdTmaParams) == 512 + (sizeof(FwdParams) + 63) / 64 * 64,
+              "p starts at byte 512, right after the maps: cuflash/forward.py writes the FwdParams record there");
 
 // Schedule bits of the warp-specialized forward (kSched): the ablations of the pipelining.
 constexpr int kSchedOverlap = 1;   // softmax of tile t overlaps P_{t-1} V_{t-1} inside a warpgroup
 constexpr int kSchedPingPong = 2;  // two consumer warpgroups take turns issuing their GEMMs
 constexpr int kSchedPersistent = 4;  // one CTA per SM walks the tiles; the next tile's loads overlap this one's epilogue
+constexpr int kSchedTmaStore = 8;    // O leaves by TMA stores (else 16-byte stores from every lane; packed batches always)
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0,
           int kSched_ = kSchedOverlap | kSchedPingPong>
@@ -84,6 +90,7 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr bool kOverlap = (kSched_ & kSchedOverlap) != 0;
     static constexpr bool kPingPong = (kSched_ & kSchedPingPong) != 0 && kConsumers == 2;
     static constexpr bool kPersistent = (kSched_ & kSchedPersistent) != 0;
+    static constexpr bool kTmaStore = (kSched_ & kSchedTmaStore) != 0 && (kMods_ & kModVarlen) == 0;
     // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
     // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40, one
     // tile's 24), the consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384, 24 x 128 + 240 x
@@ -410,18 +417,47 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
 
         // Epilogue. Each warp stages its normalized O rows in its own rows of the Q tile (its warpgroup's
         // last S = Q K^T has completed; the other warpgroup reads only its own rows), in Q's swizzled
-        // layout, and writes 16-byte chunks; then the Q tile goes back to the producer. Persistent: the
-        // Q tile went back after the last S (q_done), the next item's Q and K/V stream in meanwhile, and
-        // O is staged in its own tile (same layout).
+        // layout, which is the O tensor map's box layout; kTmaStore: its lane 0 writes them with one TMA
+        // store per 64-column atom (rows and columns past the tensor are not written); else, and for
+        // packed batches (whose last tile of a sequence reaches into the next sequence's rows), its lanes
+        // write the valid rows in 16-byte chunks. Then the Q tile goes back to the producer once the
+        // stores have read it.
+        // Persistent: the Q tile went back after the last S (q_done), the next item's Q and K/V stream in
+        // meanwhile, and O is staged in its own tile (same layout); a warp's store must have read its
+        // rows before the warp stages the next item's (the wait at the top).
         u16* s_stage = reinterpret_cast<u16*>(generic(Cfg::kPersistent ? s_o : s_q)) + warp_row0 * 64;
-        wt.template store<(Cfg::kMods & kModDropout) != 0, kBlockM>(tile.o, p.o_row_stride, tile.lse, p.softmax_scale,
-                                                                    warp_row0, tile.rows_valid, p.head_dim, s_stage,
-                                                                    lane, p.mod.dropout_rp);  // fmt: skip
+        const u32 s_stage_addr = (Cfg::kPersistent ? s_o : s_q) + warp_row0 * 128;  // (the same, for TMA)
+        constexpr bool kDropout = (Cfg::kMods & kModDropout) != 0;
+        if constexpr (Cfg::kTmaStore) {
+            if (Cfg::kPersistent && lane == 0) tma_store_wait_read<0>();  // (store() starts with __syncwarp)
+            wt.template store<kDropout, kBlockM, false>(tile.o, p.o_row_stride, tile.lse, p.softmax_scale, warp_row0,
+                                                        tile.rows_valid, p.head_dim, s_stage, lane,
+                                                        p.mod.dropout_rp);  // fmt: skip
+            if (warp_row0 < tile.rows_valid) {  // (a warp past the last row has nothing to store)
+                fence_proxy_async_smem();  // each lane's staged rows -> the async proxy (the TMA store reads them)
+                __syncwarp();
+                if (lane == 0) {
+#pragma unroll
+                    for (int a = 0; a < kAtoms; ++a) {
+                        tma_store_4d(&P.tma_o, s_stage_addr + a * kBlockM * 128, 64 * a, tile.q_row0 + warp_row0,
+                                     tile.tma_h, tile.tma_b);  // fmt: skip
+                    }
+                    tma_store_commit();
+                }
+            }
+        } else {  // (packed batches: TMA for the warps whose rows are all inside the sequence cost the
+                  // persistent builds 96-120 bytes of local memory, the coordinates living through the main loop)
+            wt.template store<kDropout, kBlockM>(tile.o, p.o_row_stride, tile.lse, p.softmax_scale, warp_row0,
+                                                 tile.rows_valid, p.head_dim, s_stage, lane,
+                                                 p.mod.dropout_rp);  // fmt: skip
+        }
         if constexpr (!Cfg::kPersistent) {
+            if (Cfg::kTmaStore && lane == 0) tma_store_wait_read<0>();  // the store has read Q's bytes
             fence_proxy_async_smem();  // this thread's generic accesses to Q's bytes, before TMA writes them again
             release(empty_q);
         }
     }
+    if (Cfg::kTmaStore && Cfg::kPersistent && lane == 0) tma_store_wait_read<0>();  // smem stays until the last store read it
     if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);
 }
 

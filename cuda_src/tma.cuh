@@ -1,5 +1,5 @@
 // Hopper's asynchronous machinery (sm_90a), for the warp-specialized kernels: tensor-memory-accelerator
-// (TMA) tile loads, mbarriers that track them, register reallocation between warpgroups, and named
+// (TMA) tile loads and stores, mbarriers that track them, register reallocation between warpgroups, and named
 // barriers among a subset of the CTA's warps. Inline PTX only (PTX ISA 8.0+), no CUDA header.
 //
 //   TmaDesc        a CUtensorMap (128 bytes, 64-byte aligned), built on the host by the driver's
@@ -61,6 +61,23 @@ CUFLASH_DEVICE void tma_load_4d(u32 s_dst, const TmaDesc* desc, u32 bar, int c0,
         " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(s_dst),
         "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
         : "memory");
+}
+
+// One box of shared memory at s_src (the tensor map's box, in its swizzled layout) to a rank-4 tensor
+// map at coordinates (c0 column, c1 row, c2 head, c3 batch); elements outside the tensor are not written.
+// The issuing thread's bulk async-group: tma_store_commit closes it, tma_store_wait_read<N> waits until
+// at most N of its groups still read shared memory (the source may then be written again). Generic
+// writes of the source must be fenced to the async proxy (fence_proxy_async_smem) before the store.
+CUFLASH_DEVICE void tma_store_4d(const TmaDesc* desc, u32 s_src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+        ::"l"(reinterpret_cast<unsigned long long>(desc)), "r"(s_src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+CUFLASH_DEVICE void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+CUFLASH_DEVICE void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
 
 // ---- registers: move them from the producer warpgroup to the consumers (every warp of a warpgroup) ----

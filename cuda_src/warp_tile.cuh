@@ -256,7 +256,9 @@ struct WarpTile {
     // kAtomRows > 0: s_stage is not padded rows but the warp's first row of a 128-byte swizzled tile of
     // kAtomRows rows (64-column atoms kAtomRows * 64 elements apart; chunk c of row r at c ^ (r % 8)),
     // as the Hopper TMA kernel stages O in its Q tile (same bytes, no padding, no bank conflicts).
-    template <bool kScaleOut = false, int kAtomRows = 0>
+    // kWriteOut false (aligned variants): stage only, lse included; the caller writes the staged rows
+    // (the Hopper TMA kernel, with a TMA store). g_o and head_dim are then unused.
+    template <bool kScaleOut = false, int kAtomRows = 0, bool kWriteOut = true>
     CUFLASH_DEVICE void store(u16* g_o, i64 o_row_stride, float* g_lse, float softmax_scale, int warp_row0,
                               int rows_valid, int head_dim, u16* s_stage, int lane, float out_scale = 1.f) const {
         auto stage_off = [](int row, int col) {  // element offset of (row, col) of the warp's rows
@@ -294,6 +296,7 @@ struct WarpTile {
                         *reinterpret_cast<u32*>(s_stage + stage_off(16 * s + 8 * r + g, d * 8 + 2 * t)) = packed;
                     }
             __syncwarp();  // staged rows visible to the whole warp
+            if constexpr (!kWriteOut) return;
             constexpr int kChunks = Cfg::kRowsPerWarp * Cfg::kChunksPerRow;
 #pragma unroll
             for (int i = 0; i < (kChunks + 31) / 32; ++i) {
@@ -305,6 +308,7 @@ struct WarpTile {
                 }
             }
         } else {
+            static_assert(kWriteOut, "only aligned variants stage O for the caller");
 #pragma unroll
             for (int s = 0; s < kMSlabs; ++s) {
 #pragma unroll

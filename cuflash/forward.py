@@ -82,7 +82,7 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
         dtype = checks.DTYPE_NAMES[q.dtype]
         how, fn, maps = load_with_maps(
             lambda t: _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
-                                     device_id, t, var.mods), q, k, v, dtype, tile)  # fmt: skip
+                                     device_id, t, var.mods), q, k, v, out, dtype, tile)  # fmt: skip
         unit = var.unit_scale(softmax_scale)  # the softmax's scale: softcap with softcap
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q, k, v, out))
         record = maps + FWD_PACKER.pack(
@@ -100,27 +100,27 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
     return result(out, lse)
 
 
-def tma_maps(how, q4, k4, v4, dtype: str, forced: bool = False) -> bytes | None:
+def tma_maps(how, q4, k4, v4, o4, dtype: str, forced: bool = False) -> bytes | None:
     """The tensor maps that start the parameter block of the warp-specialized kernel (FwdTmaParams),
-    b"" for the other kernels, None where the driver cannot describe an input with a tensor map
-    (the caller then plans the cp.async Hopper kernel; with ``forced``, a tile the caller gave, the
-    TensorMapError is raised). q4, k4, v4: 4-D (batch, rows, heads, d) views."""
+    b"" for the other kernels, None where the driver cannot describe an input or the output with a
+    tensor map (the caller then plans the cp.async Hopper kernel; with ``forced``, a tile the caller
+    gave, the TensorMapError is raised). q4, k4, v4, o4: 4-D (batch, rows, heads, d) views."""
     if how.spec.family != "flash_fwd_sm90_ws":
         return b""
     try:
-        return tma.fwd_maps(q4, k4, v4, dtype, how.spec.tile.block_m, how.spec.tile.block_n)
+        return tma.fwd_maps(q4, k4, v4, o4, dtype, how.spec.tile.block_m, how.spec.tile.block_n)
     except tma.TensorMapError:
         if forced:  # a tool asked for this kernel: say so rather than time or check another one
             raise
         return None
 
 
-def load_with_maps(load, q4, k4, v4, dtype: str, tile):
+def load_with_maps(load, q4, k4, v4, o4, dtype: str, tile):
     """Plan and kernel from ``load(tile)`` (a memoized plan-and-load of one call signature) and the
-    tensor maps of its parameter block (tma_maps): where no tensor map describes an input, plan again
-    with the cp.async Hopper tile (maps b""). Returns (plan, kernel, maps)."""
+    tensor maps of its parameter block (tma_maps): where no tensor map describes an input or the
+    output, plan again with the cp.async Hopper tile (maps b""). Returns (plan, kernel, maps)."""
     how, fn = load(tile)
-    maps = tma_maps(how, q4, k4, v4, dtype, forced=tile is not None)
+    maps = tma_maps(how, q4, k4, v4, o4, dtype, forced=tile is not None)
     if maps is None:
         how, fn = load(plan.FWD_SM90_TILES[how.spec.head_dim])
         maps = b""

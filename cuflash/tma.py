@@ -5,7 +5,7 @@ on the host by the CUDA driver's cuTensorMapEncodeTiled through ctypes (CuPy doe
 A map describes a (batch, rows, heads, head_dim) tensor of 2-byte elements, any strides that are
 multiples of 16 bytes (the last dimension contiguous), and the box one TMA load copies: 64 columns
 (one 128-byte swizzle atom, SWIZZLE_128B) x ``box_rows`` rows of one head. Boxes that stick out of the
-tensor are filled with zeros. Encoding is host-only work (~1 us in the driver); the maps of repeated
+tensor are filled with zeros (loads) or clipped (stores). Encoding is host-only work (~1 us in the driver); the maps of repeated
 calls with the same tensors are cached.
 """
 from __future__ import annotations
@@ -95,13 +95,18 @@ def encode(ptr: int, shape: tuple, strides: tuple, dtype: str, box_rows: int) ->
     return ctypes.string_at(addr, MAP_BYTES)
 
 
-def fwd_maps(q4, k4, v4, dtype: str, block_m: int, block_n: int) -> bytes:
-    """The three maps of the warp-specialized forward's parameter block (FwdTmaParams: q, k, v), for
+#: Rows of the output map's box: the warp-specialized forward stores O with TMA one consumer warp's
+#: rows at a time (flash_fwd_sm90_ws.cuh kOBoxRows).
+O_BOX_ROWS = 16
+
+
+def fwd_maps(q4, k4, v4, o4, dtype: str, block_m: int, block_n: int) -> bytes:
+    """The four maps of the warp-specialized forward's parameter block (FwdTmaParams: q, k, v, o), for
     4-D (batch, rows, heads, head_dim) CuPy views (varlen: a batch of 1; paged K/V: (pages,
     page_size, heads, head_dim))."""
     return b"".join(
         encode(x.data.ptr, tuple(x.shape), tuple(s // ELEMENT_BYTES for s in x.strides), dtype, rows)
-        for x, rows in ((q4, block_m), (k4, block_n), (v4, block_n))
+        for x, rows in ((q4, block_m), (k4, block_n), (v4, block_n), (o4, O_BOX_ROWS))
     )  # fmt: skip
 
 

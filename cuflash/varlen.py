@@ -93,7 +93,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         how, fn, maps = forward.load_with_maps(
             lambda t: _plan_and_load(g.batch, g.total_q, g.walk_keys, g.nheads, g.nheads_kv, g.head_dim, dtype,
                                      var.causal, aligned, g.device_id, var.mods, t, keys_hint, g.paged),
-            q4, k4, v4, dtype, tile)  # fmt: skip
+            q4, k4, v4, o4, dtype, tile)  # fmt: skip
         if g.paged and k.shape[1] % how.spec.tile.block_n:
             raise ValueError(f"page size {k.shape[1]} is not a multiple of the key tile ({how.spec.tile.block_n} keys) "
                              f"of tile {how.spec.tile} (the planner fits its own tiles to pages: pass tile=None)")  # fmt: skip

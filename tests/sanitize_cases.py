@@ -191,7 +191,8 @@ def variant_cases(rng, arch):
 
 def hopper_cases(rng, arch):
     """The warp-specialized TMA forward: each schedule on ragged causal / windowed cases at 1, 3 and
-    ragged key-tile counts; the 3-warpgroup hd64 tile; the persistent tiles, several tiles per CTA;
+    ragged key-tile counts; the 3-warpgroup hd64 tile; the persistent tiles, several tiles per CTA (O
+    out by 16-byte stores and by TMA stores, whose shared-memory reads the next tile's staging waits for);
     partial last boxes; varlen NaN tails and paged K/V; the TMA backward's ring depths, a window,
     variants and its varlen NaN tails."""
     if arch != "sm_90a":
@@ -204,7 +205,8 @@ def hopper_cases(rng, arch):
             q, k, v = random_qkv(rng, 2, 200, sk, 4, 2, 128, "bf16")
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, **kw)
             print(f"ok {tile} sk={sk} causal={causal} {kw}: err {err:.2e} <= {bound:.2e}")
-    for d, tile in ((128, plan.FWD_SM90_WS_SHORT_TILES[128]), (64, plan.FWD_SM90_WS_SHORT_TILES[64])):
+    short = plan.FWD_SM90_WS_SHORT_TILES
+    for d, tile in ((128, short[128]), (64, short[64]), (128, dataclasses.replace(short[128], tma_store=True))):
         for causal in (False, True):  # persistent: 4 x 5 x 16 = 320 tiles, so every CTA walks 2 or 3 of them
             q, k, v = random_qkv(rng, 4, 600, 700, 16, 4, d, "bf16")
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile)
@@ -213,8 +215,9 @@ def hopper_cases(rng, arch):
         q, k, v = random_qkv(rng, 1, 333, 257, 2, 1, d, dt)
         err, bound = check_forward(q, k, v, causal=True, dtype=dt)
         print(f"ok d={d} {dt}: err {err:.2e} <= {bound:.2e}")
-    test_varlen_nan_after_the_keys_stays_out()
-    print("ok varlen NaN tails, paged")
+    for d in (128, 256):
+        test_varlen_nan_after_the_keys_stays_out(d)
+        print(f"ok varlen NaN tails, paged, d={d}")
     # the warp-specialized TMA backward: ring depths 2 and 3 over 1 and several query blocks, GQA,
     # a window, partial boxes, fp16, a variant with dropout; head dim 256's split consumers
     B = plan.BwdSm90WsTile

@@ -206,7 +206,61 @@ def test_key_tiles_of_16_multiples(head_dim, block_n, dtype):
         check_forward(q, k, v, dtype=dtype, tile=tile, what=f"hd{head_dim} bn{block_n} {kw}", **kw)
 
 
-def test_varlen_nan_after_the_keys_stays_out():
+@pytest.mark.parametrize("head_dim,persistent,tma_store", [(64, False, True), (120, False, True), (256, False, True),
+                                                            (128, False, False), (64, True, True), (128, True, True),
+                                                            (128, True, False)])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True])
+def test_output_store_stays_in_its_view(head_dim, persistent, tma_store, causal):
+    """O leaves the TMA kernel by one TMA store per consumer warp (16 rows x 64 columns per box) or by
+    16-byte stores: into a strided view of a larger NaN buffer (padding rows, heads and columns; head
+    dim 120: the last box reaches past the columns) the result is the reference's and every element
+    outside the view stays NaN, also for the warps of the last query tile that hold no row or a part of
+    one (300 rows)."""
+    _hopper()
+    import dataclasses
+
+    import cupy
+
+    from cuflash import forward, plan, reference
+    from cuflash.checks import DTYPE_NAMES
+
+    bucket = plan.head_dim_bucket(head_dim)
+    tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[bucket], persistent=persistent, tma_store=tma_store)
+    rng = np.random.default_rng(head_dim + persistent)
+    q, k, v = random_qkv(rng, 2, 300, 333, 4, 2, head_dim, "bf16")
+    buf = cupy.empty((2, 307, 5, bucket + 8), dtype=q.dtype)
+    buf.view(cupy.uint16).fill(NAN_BITS)
+    view = buf[:, :300, :4, :head_dim]
+    forward.run(q, k, v, causal=causal, out=view, tile=tile)
+    ref, _ = reference.attention_forward(q, k, v, causal=causal)
+    plain = reference.plain_attention_bar(q, k, v, ref, causal=causal, dtype=q.dtype)
+    assert reference.within_tolerance(to_f64(view), ref, plain), f"{tile} ({DTYPE_NAMES[q.dtype]})"
+    outside = np.ones(buf.shape, dtype=bool)
+    outside[:, :300, :4, :head_dim] = False
+    assert (buf.view(cupy.uint16).get()[outside] == NAN_BITS).all(), f"{tile} wrote outside its output view"
+
+
+def test_output_without_a_tensor_map_falls_back():
+    """An output whose rows run backwards (a negative stride: 16-byte aligned rows, but no tensor map
+    describes it) takes the cp.async Hopper kernel, with the same result; forcing the TMA tile raises."""
+    _hopper()
+    import cupy
+
+    from cuflash import forward, plan, reference, tma
+
+    rng = np.random.default_rng(7)
+    q, k, v = random_qkv(rng, 2, 200, 256, 4, 4, 128, "bf16")
+    out = cupy.empty_like(q)[:, ::-1]
+    forward.run(q, k, v, causal=True, out=out)
+    ref, _ = reference.attention_forward(q, k, v, causal=True)
+    plain = reference.plain_attention_bar(q, k, v, ref, causal=True, dtype=q.dtype)
+    assert reference.within_tolerance(to_f64(out), ref, plain)
+    with pytest.raises(tma.TensorMapError):
+        forward.run(q, k, v, causal=True, out=out, tile=plan.FWD_SM90_WS_TILES[128])
+
+
+@pytest.mark.parametrize("d", [128, 256])  # (256: 80-key tiles, 64 on pages)
+def test_varlen_nan_after_the_keys_stays_out(d):
     """Rows past each sequence's used keys (seqused_k tails, the rows after the last sequence, the unused
     slots of a last page) hold NaN: the TMA kernel reads them with the sequence's last key tile and
     must give exactly what the cp.async kernel (which zero-fills them) gives, with no NaN."""
@@ -217,7 +271,7 @@ def test_varlen_nan_after_the_keys_stays_out():
     from cuflash.checks import BF16
 
     rng = np.random.default_rng(7)
-    h, d = 2, 128
+    h = 2
     lengths = [300, 200, 77]
     total = sum(lengths) + 40  # 40 rows after the last sequence
     q, k0, v0 = (cupy.asarray(rng.standard_normal((total, h, d), dtype=np.float32).astype(BF16)) for _ in range(3))

@@ -173,6 +173,7 @@ def test_static_asserts_in_the_source_are_the_ones_checked_here():
     assert "warp_tile.cuh" in jit.included_headers(jit.entry_source(plan.fwd_spec(64, "bf16", False, True, "sm_80")))
     assert conditions("warp_tile.cuh") == [
         "!kSwizzled || (kKVStride % 64 == 0)",  # FwdConfig keeps padded K/V rows (kKVSwizzled false)
+        "kWriteOut",  # WarpTile::store: only 16-byte-aligned variants stage O for the caller to write
     ]
 
 
@@ -536,6 +537,19 @@ def test_hopper_kernel_runs_where_it_can(head_dim):
     assert _fwd_plan(head_dim, aligned=False).spec.family == "flash_fwd"
 
 
+def test_tma_store_is_a_schedule_bit():
+    """Sm90WsTile.tma_store is the kernel's kSchedTmaStore bit (8) and part of the variant's name; the
+    persistent short-key tiles write O with 16-byte stores (their measured choice, plan/forward.py)."""
+    W = plan.Sm90WsTile
+    assert W(128, 128).sched & 8 and not W(128, 128, tma_store=False).sched & 8
+    header = (jit.source_dir() / "flash_fwd_sm90_ws.cuh").read_text()
+    assert "constexpr int kSchedTmaStore = 8;" in header
+    names = {t: plan.fwd_sm90_ws_spec(128, "bf16", False, tile=t).name for t in (W(128, 128), W(128, 128, tma_store=False))}
+    assert "_tmao" in names[W(128, 128)] and "_tmao" not in names[W(128, 128, tma_store=False)]
+    assert all(not t.tma_store for t in plan.FWD_SM90_WS_SHORT_TILES.values())
+    assert all(t.tma_store for t in plan.FWD_SM90_WS_TILES.values())
+
+
 def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
     """A persistent Sm90WsTile launches min(tiles, SMs) CTAs; m_blocks keeps the query-tile (varlen: slot)
     count the kernel decomposes its work items with."""
@@ -549,7 +563,7 @@ def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
     assert small.grid == (4, 1, 1) and small.m_blocks == 1  # never more CTAs than tiles
     packed = plan.plan_forward(batch=5, seqlen_q=3000, seqlen_k=3000, sm_count=132, mods=plan.MOD_VARLEN, **kw)
     assert packed.m_blocks == plan.varlen_tiles(3000, 5, 128) and packed.grid == (min(packed.m_blocks * 4, 132), 1, 1)
-    assert "_persistent" in big.spec.name and big.spec.template_args().endswith(f", {1 | 4}")
+    assert "_persistent" in big.spec.name and big.spec.template_args().endswith(f", {1 | 4 | 8}")  # (TMA store: 8)
     with pytest.raises(ValueError, match="sm_count"):
         plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=900, **kw)
     plain = plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=1500, **{**kw, "tile": None})

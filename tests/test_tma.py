@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from cuflash import launch, tma
+from cuflash import jit, launch, tma
 from cuflash.params import FWD_PACKER
 
 
@@ -72,7 +72,10 @@ def test_refusals_raise_tensor_map_error(monkeypatch):
 
 
 def test_the_record_fits_the_aligned_launch_buffer():
-    """FwdTmaParams = 3 maps of 128 bytes, then FwdParams at offset 384 (the kernel header asserts it);
-    the launch buffer holds it and is 64-byte aligned, as a CUtensorMap must be."""
-    assert 3 * tma.MAP_BYTES + FWD_PACKER.size <= len(launch.ARGS.buf)
+    """FwdTmaParams = 4 maps of 128 bytes (q, k, v, o), then FwdParams at offset 512 (the kernel header
+    asserts it); the launch buffer holds it and is 64-byte aligned, as a CUtensorMap must be."""
+    assert 4 * tma.MAP_BYTES + FWD_PACKER.size <= len(launch.ARGS.buf)
+    header = (jit.source_dir() / "flash_fwd_sm90_ws.cuh").read_text()
+    assert "TmaDesc tma_q, tma_k, tma_v, tma_o;" in header and "sizeof(FwdTmaParams) == 512 +" in header
+    assert f"constexpr int kOBoxRows = {tma.O_BOX_ROWS};" in header
     assert ctypes.addressof(launch.ARGS.buf) % 64 == 0

@@ -34,22 +34,31 @@ SM90_CANDIDATES = {  # (block_m, block_n, stages, min_blocks)
 
 
 W = Sm90WsTile
-SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persistent): tiles and schedule ablations
-    64: [W(192, 128, pingpong=False), W(192, 128, pingpong=False, persistent=True), W(128, 128, pingpong=False),
-         W(128, 128, pingpong=False, persistent=True), W(128, 128), W(128, 128, persistent=True),
+
+
+def P(*args, **kw):  # a persistent tile, O out by 16-byte stores (the planner's short-key tiles)
+    return W(*args, persistent=True, tma_store=kw.pop("tma_store", False), **kw)
+
+
+SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persistent, tma_store): tiles and schedule ablations
+    64: [W(192, 128, pingpong=False), P(192, 128, pingpong=False), W(128, 128, pingpong=False),
+         P(128, 128, pingpong=False), W(128, 128), P(128, 128),
          W(192, 128, overlap=False, pingpong=False), W(128, 192, pingpong=False), W(128, 176, pingpong=False),
-         W(128, 192, pingpong=False, persistent=True), W(128, 176, pingpong=False, persistent=True)],
-    128: [W(128, 128, pingpong=False), W(128, 128, pingpong=False, persistent=True), W(128, 192, pingpong=False),
+         P(128, 192, pingpong=False), P(128, 176, pingpong=False),
+         W(192, 128, pingpong=False, tma_store=False), P(128, 128, pingpong=False, tma_store=True)],
+    128: [W(128, 128, pingpong=False), P(128, 128, pingpong=False), W(128, 192, pingpong=False),
           W(128, 176, pingpong=False), W(128, 160, pingpong=False), W(128, 144, pingpong=False), W(128, 128),
-          W(128, 128, persistent=True), W(128, 128, overlap=False, pingpong=False), W(128, 128, overlap=False)],
-    256: [W(128, 64, pingpong=False), W(128, 80, pingpong=False), W(128, 64), W(128, 64, overlap=False, pingpong=False), W(128, 64, overlap=False)],
+          P(128, 128), W(128, 128, overlap=False, pingpong=False), W(128, 128, overlap=False),
+          W(128, 128, pingpong=False, tma_store=False), P(128, 128, pingpong=False, tma_store=True)],
+    256: [W(128, 64, pingpong=False), W(128, 80, pingpong=False), W(128, 64), W(128, 64, overlap=False, pingpong=False),
+          W(128, 64, overlap=False), W(128, 80, pingpong=False, tma_store=False)],
 }
 
 
 def describe(tile) -> str:
     if isinstance(tile, Sm90WsTile):
         return (f"ws bm{tile.block_m} bn{tile.block_n} st{tile.stages} overlap={int(tile.overlap)} "
-                f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)}")
+                f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)} tmastore={int(tile.tma_store)}")
     if isinstance(tile, Sm90Tile):
         return f"sm90 bm{tile.block_m} bn{tile.block_n} st{tile.stages} mb{tile.min_blocks}"
     return f"bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} st={tile.stages}"

@@ -107,6 +107,7 @@ class Sm90WsTile:
     pingpong: bool = True  # two consumer warpgroups take turns at the tensor cores (block_m 128 only)
     min_blocks: int = 1
     persistent: bool = False  # one CTA per SM walks the tiles (the next tile's loads overlap an epilogue)
+    tma_store: bool = True  # O leaves by TMA stores, one per warp's rows (packed batches: 16-byte stores always)
 
     @property
     def warps(self) -> int:
@@ -114,8 +115,9 @@ class Sm90WsTile:
 
     @property
     def sched(self) -> int:
-        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent."""
-        return int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0) | (4 if self.persistent else 0)
+        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent, 8 TMA store."""
+        return (int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0) | (4 if self.persistent else 0)
+                | (8 if self.tma_store else 0))  # fmt: skip
 
 
 #: Warp-specialized Hopper forward tiles per head-dim bucket: the default forward on sm_90a for
@@ -162,10 +164,13 @@ def fit_key_tile(tile: Sm90WsTile, *, paged: bool = False, mods: int = 0) -> Sm9
 #: session 11: non-causal 1024 1.09, 2048 1.00, 4096 1.02; causal 2048 1.05, 4096 1.03) and at hd64
 #: non-causal 1024 (1.04; its 128 rows lose to the default's 192 at 2048-4096: 0.88-0.90). SHORT_KEYS.
 #: Two Q slots, chained tiles and a persistent hd256 tile were measured in session 12 and not kept
-#: (docs/history/hopper.md).
+#: (docs/history/hopper.md). O leaves the persistent tiles by 16-byte stores: with TMA stores (which
+#: share the TMA unit with the next tile's loads, in flight during the epilogue) they ran 0.94-1.03x
+#: (median 0.98) at 512-2048 keys (tools/ab_sources.py, session 14), the per-tile launches 0.99-1.04x
+#: (median 1.01).
 FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
-    64: Sm90WsTile(128, 128, pingpong=False, persistent=True),
-    128: Sm90WsTile(128, 128, pingpong=False, persistent=True),
+    64: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
+    128: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
 }
 
 
@@ -304,7 +309,7 @@ class Sm90WsKernelSpec(HopperSpec):
     def name(self) -> str:
         t = self.tile
         return self._variant_name(f"{'_ov' if t.overlap else ''}{'_pp' if t.sched & 2 else ''}"
-                                  f"{'_persistent' if t.persistent else ''}")
+                                  f"{'_persistent' if t.persistent else ''}{'_tmao' if t.tma_store else ''}")
 
     @property
     def smem_bytes(self) -> int:
