@@ -56,6 +56,8 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
     the Hopper one); for tuning tools and tests. tile=None is exactly ``attention``. ``kernel``: a
     loaded kernel launched in place of the planned one, which must be a build of the same variant
     (tools/trace_fwd.py: a diagnostic build of the forced tile's spec)."""
+    if kernel is not None and tile is None:  # (a forced tile never falls back to another kernel)
+        raise ValueError("kernel= needs tile=, the tile the kernel was built for")
     cupy = checks.cupy_module()
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = checks.check_qkv(q, k, v, cupy)
     softmax_scale = checks.resolve_scale(softmax_scale, head_dim)

@@ -61,3 +61,12 @@ def test_the_traced_build_compiles_without_local_memory():
     spec = plan.fwd_sm90_ws_spec(128, "bf16", True, tile=plan.FWD_SM90_WS_SHORT_TILES[128])
     _, header = jit.compile_cubin(spec, extra_options=("-DCUFLASH_TRACE",))
     assert header["ptxas"]["stack_frame"] == 0 and header["ptxas"].get("spill_stores", 0) == 0
+
+
+def test_a_kernel_override_needs_its_tile():
+    """forward.run(kernel=) launches a given build in place of the planned one only with the tile it was
+    built for: without tile= the planner could pick (or fall back to) another variant."""
+    from cuflash import forward
+
+    with pytest.raises(ValueError, match="kernel= needs tile="):
+        forward.run(None, None, None, kernel=object())
