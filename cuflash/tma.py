@@ -5,8 +5,8 @@ on the host by the CUDA driver's cuTensorMapEncodeTiled through ctypes (CuPy doe
 A map describes a (batch, rows, heads, head_dim) tensor of 2-byte elements, any strides that are
 multiples of 16 bytes (the last dimension contiguous), and the box one TMA load copies: 64 columns
 (one 128-byte swizzle atom, SWIZZLE_128B) x ``box_rows`` rows of one head. Boxes that stick out of the
-tensor are filled with zeros (loads) or clipped (stores). Encoding is host-only work (~1 us in the driver); the maps of repeated
-calls with the same tensors are cached.
+tensor are filled with zeros (loads) or clipped (stores). Encoding is host-only work (~1 us in the
+driver); the maps of repeated calls with the same tensors are cached.
 """
 from __future__ import annotations
 

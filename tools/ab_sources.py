@@ -13,8 +13,8 @@ cuflash side by side, so a kernel change is judged against its base on the same 
 its own Python process (run in ab/<name>, PYTHONPATH too; its own kernel cache .kcache_ab_<name>),
 cuflash only (no peers), with cuflash.bench.run_point, in rounds that alternate the trees, and prints
 one line per point: TFLOP/s of every tree in every round, then each tree's median ratio to the first
-tree. The points: --op fwd or bwd, --head-dim, --seqlen, both causal flags, 16k
-tokens per batch, 2048 / head_dim heads (the paper grid's shapes).
+tree. The points: --op fwd or bwd, --head-dim, --seqlen, both causal flags, 16k tokens per batch,
+2048 / head_dim heads (the paper grid's shapes).
 """
 from __future__ import annotations
 
@@ -91,6 +91,7 @@ def run(folder: str, trees: list[str], points: list, rounds: int) -> int:
                       sorted(p.name for p in Path(folder).iterdir() if (p / "cuflash").is_dir()))  # fmt: skip
     if not trees:
         sys.exit(f"no source trees under {folder} (tools/ab_sources.py export first)")
+
     def env_of(name: str, tree: Path) -> dict:
         return dict(os.environ, PYTHONPATH=str(tree), CUFLASH_CACHE_DIR=str(Path(f".kcache_ab_{name}").resolve()))
 

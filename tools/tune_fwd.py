@@ -36,8 +36,8 @@ SM90_CANDIDATES = {  # (block_m, block_n, stages, min_blocks)
 W = Sm90WsTile
 
 
-def P(*args, **kw):  # a persistent tile, O out by 16-byte stores (the planner's short-key tiles)
-    return W(*args, persistent=True, tma_store=kw.pop("tma_store", False), **kw)
+def P(*args, tma_store=False, **kw):  # a persistent tile, O out by 16-byte stores (the planner's short-key tiles)
+    return W(*args, persistent=True, tma_store=tma_store, **kw)
 
 
 SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persistent, tma_store): tiles and schedule ablations
