@@ -53,6 +53,7 @@
 #include "flash_fwd.cuh"  // FwdTileRef (masks and variants), WarpTile (softmax, epilogue)
 #include "sm90_tile.cuh"
 #include "tma.cuh"
+#include "trace.cuh"
 
 namespace cuflash {
 
@@ -73,6 +74,17 @@ constexpr int kSchedOverlap = 1;   // softmax of tile t overlaps P_{t-1} V_{t-1}
 constexpr int kSchedPingPong = 2;  // two consumer warpgroups take turns issuing their GEMMs
 constexpr int kSchedPersistent = 4;  // one CTA per SM walks the tiles; the next tile's loads overlap this one's epilogue
 constexpr int kSchedTmaStore = 8;    // O leaves by TMA stores (else 16-byte stores from every lane; packed batches always)
+
+// Timeline events of a diagnostic build (trace.cuh, tools/trace_fwd.py; other builds mark nothing). The
+// producer marks when it starts an item and when its waits for a free Q / K / V slot end (the load is
+// issued right after); a consumer warpgroup when it starts an item, when its waits for Q, a K tile, a V
+// tile end, when S = Q K^T has landed, when the softmax of S is done, when P V has landed, and when its
+// epilogue is done. (The overlapped schedule only.)
+enum FwdTraceEvent : int {
+    kTraceProducerItem = 1, kTraceProducerQ = 2, kTraceProducerK = 3, kTraceProducerV = 4,
+    kTraceItem = 10, kTraceQ = 11, kTraceK = 12, kTraceS = 13, kTraceSoftmax = 14, kTraceV = 15, kTracePV = 16,
+    kTraceEpilogue = 17,
+};
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0,
           int kSched_ = kSchedOverlap | kSchedPingPong>
@@ -183,6 +195,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         // whole warp), its lane 0 issues every load; the other producer warps leave ----------------
         regs_release<Cfg::kProducerRegs>();
         if (warp != 0) return;
+        CUFLASH_TRACE_INIT(0, lane == 0);
         if (lane == 0) {
             tma_prefetch(&P.tma_q);
             tma_prefetch(&P.tma_k);
@@ -193,7 +206,9 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             if (tile.skip() || tile.empty()) continue;
             const int n_last = tile.n_block_end - 1, n_tiles = tile.n_block_end - tile.first_block();
             if (lane == 0) {
+                CUFLASH_TRACE_MARK(kTraceProducerItem);
                 mbar_wait(empty_q, (uses & 1) ^ 1);  // the consumers are done with the last Q (and its O staging)
+                CUFLASH_TRACE_MARK(kTraceProducerQ);
                 mbar_arrive_expect_tx(full_q, Cfg::kTileBytesQ);
 #pragma unroll
                 for (int a = 0; a < kAtoms; ++a) {
@@ -205,6 +220,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                     int row, batch;
                     tile.kv_coords(p, (n_last - t) * kBlockN, row, batch);
                     mbar_wait(empty_k(st), free_parity);
+                    CUFLASH_TRACE_MARK(kTraceProducerK);
                     mbar_arrive_expect_tx(full_k(st), Cfg::kTileBytesKV);
 #pragma unroll
                     for (int a = 0; a < kAtoms; ++a) {
@@ -212,6 +228,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                                     row, tile.tma_hk, batch);  // fmt: skip
                     }
                     mbar_wait(empty_v(st), free_parity);  // (V after K: S needs K first)
+                    CUFLASH_TRACE_MARK(kTraceProducerV);
                     mbar_arrive_expect_tx(full_v(st), Cfg::kTileBytesKV);
 #pragma unroll
                     for (int a = 0; a < kAtoms; ++a) {
@@ -230,6 +247,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     regs_claim<Cfg::kConsumerRegs>();
     const int cwg = wg - 1;        // consumer warpgroup
     const int cwarp = warp - 4;    // consumer warp: rows 16 cwarp .. +15 of the tile
+    CUFLASH_TRACE_INIT(1 + cwg, cwarp % 4 == 0 && lane == 0);
     const int ctid = tid - 128;
     const bool signals = lane == 0;  // the thread of its warp that arrives on "empty" barriers
     const int t4 = lane % 4;
@@ -254,6 +272,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             tile.write_empty(p, ctid, 128 * Cfg::kConsumers);
             continue;
         }
+        CUFLASH_TRACE_MARK(kTraceItem);
         const int n_last = tile.n_block_end - 1;
         const int n_tiles = tile.n_block_end - tile.first_block();  // >= 1 (not empty)
         const int m0 = tile.m0;
@@ -342,25 +361,31 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         };
 
         mbar_wait(full_q, uses & 1);
+        CUFLASH_TRACE_MARK(kTraceQ);
 
         if constexpr (Cfg::kOverlap) {
             // Tile 0: S, softmax, P (O is still zero: nothing to rescale).
             mbar_wait(full_k(slot(0)), phase(0));
+            CUFLASH_TRACE_MARK(kTraceK);
             turn_wait();
             issue_s(slot(0));
             turn_pass();
             tile.draw_keep(keep, n_last, m0 + warp_row0, lane);
             wgmma_wait<0>();
             wgmma_fence_operands(s_acc);
+            CUFLASH_TRACE_MARK(kTraceS);
             release(empty_k(slot(0)));
             if (n_tiles == 1) q_done();
             scores(n_last);
+            CUFLASH_TRACE_MARK(kTraceSoftmax);
             pack_p();
             clear_v_tail();
             for (int t = 1; t < n_tiles; ++t) {
                 const int j = n_last - t;
                 mbar_wait(full_k(slot(t)), phase(t));
+                CUFLASH_TRACE_MARK(kTraceK);
                 mbar_wait(full_v(slot(t - 1)), phase(t - 1));
+                CUFLASH_TRACE_MARK(kTraceV);
                 turn_wait();
                 issue_s(slot(t));
                 issue_pv(slot(t - 1));
@@ -368,23 +393,28 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 tile.draw_keep(keep, j, m0 + warp_row0, lane);
                 wgmma_wait<1>();  // S_t landed; P_{t-1} V_{t-1} may still run
                 wgmma_fence_operands(s_acc);
+                CUFLASH_TRACE_MARK(kTraceS);
                 release(empty_k(slot(t)));
                 if (t == n_tiles - 1) q_done();
                 const bool grew = scores(j);
+                CUFLASH_TRACE_MARK(kTraceSoftmax);
                 wgmma_wait<0>();  // P_{t-1} V_{t-1} landed: O, pa and its V slot are free
                 wgmma_fence_operands(o_acc);
                 wgmma_fence_operands(pa);
+                CUFLASH_TRACE_MARK(kTracePV);
                 release(empty_v(slot(t - 1)));
                 wt.rescale_o(corr, grew);
                 pack_p();
             }
             mbar_wait(full_v(slot(n_tiles - 1)), phase(n_tiles - 1));
+            CUFLASH_TRACE_MARK(kTraceV);
             turn_wait();
             issue_pv(slot(n_tiles - 1));
             turn_pass();
             wgmma_wait<0>();
             wgmma_fence_operands(o_acc);
             wgmma_fence_operands(pa);
+            CUFLASH_TRACE_MARK(kTracePV);
             release(empty_v(slot(n_tiles - 1)));
         } else {
             for (int t = 0; t < n_tiles; ++t) {
@@ -456,6 +486,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             fence_proxy_async_smem();  // this thread's generic accesses to Q's bytes, before TMA writes them again
             release(empty_q);
         }
+        CUFLASH_TRACE_MARK(kTraceEpilogue);
     }
     if (Cfg::kTmaStore && Cfg::kPersistent && lane == 0) tma_store_wait_read<0>();  // smem stays until the last store read it
     if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);

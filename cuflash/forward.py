@@ -51,9 +51,13 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
 def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
         softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None, return_lse: bool = False,
-        out=None, tile: plan.Tile | plan.Sm90Tile | None = None):  # fmt: skip
+        out=None, tile: plan.Tile | plan.Sm90Tile | None = None, kernel=None):  # fmt: skip
     """``attention`` with a forced tile (a plan.Tile runs the mma.sync kernel with it, a plan.Sm90Tile
-    the Hopper one); for tuning tools and tests. tile=None is exactly ``attention``."""
+    the Hopper one); for tuning tools and tests. tile=None is exactly ``attention``. ``kernel``: a
+    loaded kernel launched in place of the planned one, which must be a build of the same variant
+    (tools/trace_fwd.py: a diagnostic build of the forced tile's spec)."""
+    if kernel is not None and tile is None:  # (a forced tile never falls back to another kernel)
+        raise ValueError("kernel= needs tile=, the tile the kernel was built for")
     cupy = checks.cupy_module()
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = checks.check_qkv(q, k, v, cupy)
     softmax_scale = checks.resolve_scale(softmax_scale, head_dim)
@@ -83,6 +87,8 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
         how, fn, maps = load_with_maps(
             lambda t: _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
                                      device_id, t, var.mods), q, k, v, out, dtype, tile)  # fmt: skip
+        if kernel is not None:
+            fn = kernel
         unit = var.unit_scale(softmax_scale)  # the softmax's scale: softcap with softcap
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q, k, v, out))
         record = maps + FWD_PACKER.pack(

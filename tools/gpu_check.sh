@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, then the steps named (default: precompile tests).
-#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [varlen] [variants] [ab] [hopper] [host] [quick]
+#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [varlen] [variants] [ab] [trace] [hopper] [host] [quick]
 #   precompile  every variant for this GPU, 16 NVRTC processes at once (the tests then load kernels
 #               instead of compiling them)
 #   tests       the whole suite, CPU and GPU, with pytest-xdist (-n 8; conftest.py splits the BLAS threads); junit and the 40 slowest tests
@@ -19,11 +19,14 @@
 #   host        tools/torch_host_overhead.py: host us per call of the PyTorch layer, CuPy API and SDPA
 #   ab          tools/ab_sources.py run ab (AB_ARGS, e.g. "--op fwd --head-dim 128"): the source trees
 #               exported under ab/ (carry it), timed side by side -> ab.txt (the table goes into the summary)
+#   trace       tools/trace_fwd.py (TRACE_POINTS, default "128:512 128:512:causal 64:512 256:512"; head dim:tokens[:causal]):
+#               where the TMA forward's time goes per work item, from a diagnostic build's timeline marks
+#               -> trace-*.txt, trace-*.png (in logs.tgz)
 #   hopper      the TMA kernels' own checks (issue 30): tools/check_sm90.py --ws, their GPU tests, the forward and
 #               backward property tests at HOPPER_EXAMPLES Hypothesis examples (default 400), compute-sanitizer
 #               memcheck, racecheck and synccheck on tests/sanitize_cases.py --only hopper (HOPPER_TIMEOUT per part)
 # Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT,
-# E2E_TIMEOUT, VARLEN_TIMEOUT, VARIANTS_TIMEOUT, AB_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary
+# E2E_TIMEOUT, VARLEN_TIMEOUT, VARIANTS_TIMEOUT, AB_TIMEOUT, TRACE_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary
 # is printed last; the result files stay beside it (summary.txt, bench.json, bench.png, decode.json,
 # decode.png, e2e.json, e2e.png, varlen.json, variants.json, logs.tgz).
 set -u
@@ -94,6 +97,16 @@ fi
 if has ab; then
   timeout ${AB_TIMEOUT:-300} $PY tools/ab_sources.py run ab ${AB_ARGS:-} > "$OUT/ab.txt" 2> "$OUT/ab.err"
   note "tools/ab_sources.py run ab (rc=$?, $(took)):"; cat "$OUT/ab.txt" >> "$SUMMARY"
+fi
+
+if has trace; then
+  for point in ${TRACE_POINTS:-128:512 128:512:causal 64:512 256:512}; do
+    IFS=: read -r hd sl c <<< "$point"
+    name="trace-hd$hd-$sl${c:+-causal}"
+    timeout ${TRACE_TIMEOUT:-120} $PY tools/trace_fwd.py --hd "$hd" --seqlen "$sl" ${c:+--causal} --plot "$OUT/$name.png" \
+        > "$OUT/$name.txt" 2>&1
+    note "trace hd$hd $sl${c:+ causal} (rc=$?, $(took)):"; grep -E "ms|outside|^  " "$OUT/$name.txt" >> "$SUMMARY"
+  done
 fi
 
 if has hopper; then
