@@ -114,7 +114,8 @@ def tma_maps(how, q4, k4, v4, o4, dtype: str, forced: bool = False) -> bytes | N
     if how.spec.family != "flash_fwd_sm90_ws":
         return b""
     try:
-        return tma.fwd_maps(q4, k4, v4, o4, dtype, how.spec.tile.block_m, how.spec.tile.block_n)
+        t = how.spec.tile
+        return tma.fwd_maps(q4, k4, v4, o4, dtype, t.block_m, t.block_n, store_o=t.tma_store)
     except tma.TensorMapError:
         if forced:  # a tool asked for this kernel: say so rather than time or check another one
             raise

@@ -257,6 +257,39 @@ def test_output_without_a_tensor_map_falls_back():
     assert reference.within_tolerance(to_f64(out), ref, plain)
     with pytest.raises(tma.TensorMapError):
         forward.run(q, k, v, causal=True, out=out, tile=plan.FWD_SM90_WS_TILES[128])
+    # a tile that writes O with 16-byte stores needs no output map: the backwards rows are fine for it
+    out2 = cupy.empty_like(q)[:, ::-1]
+    forward.run(q, k, v, causal=True, out=out2, tile=plan.FWD_SM90_WS_SHORT_TILES[128])
+    assert reference.within_tolerance(to_f64(out2), ref, plain)
+
+
+@pytest.mark.parametrize("tma_store", [False, True])
+def test_persistent_output_over_more_tiles_than_sms(tma_store):
+    """A persistent CTA walks several work items: each item's O (16-byte stores, or TMA stores that must
+    have read the staged rows before the next item restages them) lands in a strided view of a NaN
+    buffer, and nothing outside the view is written, with more items than SMs (8 x 8 heads x 5 tiles)."""
+    _hopper()
+    import dataclasses
+
+    import cupy
+
+    from cuflash import forward, jit, plan, reference
+
+    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[128], tma_store=tma_store)
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, 8, 600, 600, 8, 2, 128, "bf16")
+    assert 8 * 8 * -(-600 // tile.block_m) > jit.device_sm_count(0)
+    buf = cupy.empty((8, 611, 9, 136), dtype=q.dtype)
+    buf.view(cupy.uint16).fill(NAN_BITS)
+    view = buf[:, 5:605, :8, :128]
+    for causal in (False, True):
+        forward.run(q, k, v, causal=causal, out=view, tile=tile)
+        ref, _ = reference.attention_forward(q, k, v, causal=causal)
+        plain = reference.plain_attention_bar(q, k, v, ref, causal=causal, dtype=q.dtype)
+        assert reference.within_tolerance(to_f64(view), ref, plain), (tile, causal)
+        outside = np.ones(buf.shape, dtype=bool)
+        outside[:, 5:605, :8, :128] = False
+        assert (buf.view(cupy.uint16).get()[outside] == NAN_BITS).all(), f"{tile} wrote outside its output view"
 
 
 @pytest.mark.parametrize("d", [128, 256])  # (256: 80-key tiles, 64 on pages)

@@ -548,6 +548,10 @@ def test_tma_store_is_a_schedule_bit():
     assert "_tmao" in names[W(128, 128)] and "_tmao" not in names[W(128, 128, tma_store=False)]
     assert all(not t.tma_store for t in plan.FWD_SM90_WS_SHORT_TILES.values())
     assert all(t.tma_store for t in plan.FWD_SM90_WS_TILES.values())
+    # packed batches store O with 16-byte stores whatever the tile says: one spec (no _tmao), bit 8 clear
+    packed = plan.fwd_sm90_ws_spec(128, "bf16", True, tile=W(128, 128), mods=plan.MOD_VARLEN)
+    assert not packed.tile.tma_store and not packed.tile.sched & 8 and "_tmao" not in packed.name
+    assert packed == plan.fwd_sm90_ws_spec(128, "bf16", True, tile=W(128, 128, tma_store=False), mods=plan.MOD_VARLEN)
 
 
 def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
@@ -654,12 +658,13 @@ def test_short_keys_take_the_persistent_tma_forward():
             m_tiles = -(-700 // want.block_m)
             assert launch.grid == ((min(m_tiles * 4 * 2, 132), 1, 1) if want.persistent else (m_tiles, 4, 2))
         packed = plan.plan_forward(seqlen_k=300, causal=True, head_dim=d, mods=plan.MOD_VARLEN, **kw)
-        assert packed.spec.tile == plan.FWD_SM90_WS_TILES[d]
+        unboxed = lambda t: dataclasses.replace(t, tma_store=False)  # (packed batches: 16-byte stores)  # noqa: E731
+        assert packed.spec.tile == unboxed(plan.FWD_SM90_WS_TILES[d])
         for max_k, causal, want in ((lim, False, short), (lim + 1, False, plan.FWD_SM90_WS_TILES[d]),
                                     (lim_c, True, short), (lim_c + 1, True, plan.FWD_SM90_WS_TILES[d])):  # fmt: skip
             packed = plan.plan_forward(seqlen_k=20000, causal=causal, head_dim=d, mods=plan.MOD_VARLEN, max_seqlen_k=max_k,
                                        **kw)  # fmt: skip
-            assert packed.spec.tile == want and packed.m_blocks == 700 // want.block_m + 2, (d, max_k, causal)
+            assert packed.spec.tile == unboxed(want) and packed.m_blocks == 700 // want.block_m + 2, (d, max_k, causal)
             if want.persistent:
                 assert packed.grid == (min(packed.m_blocks * 4, 132), 1, 1) and packed.spec.mods == plan.MOD_VARLEN
     assert 256 not in plan.FWD_SM90_WS_SHORT_TILES  # (not measured there)

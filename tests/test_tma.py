@@ -71,6 +71,40 @@ def test_refusals_raise_tensor_map_error(monkeypatch):
         tma.encode.cache_clear()
 
 
+def test_the_output_map_only_where_the_kernel_stores_by_tma(monkeypatch):
+    """fwd_maps encodes four maps (q, k, v, o) for a kernel that stores O with TMA; for one that does not
+    (store_o=False: persistent tiles, packed batches) the o map is 128 zero bytes and the output's
+    geometry is never given to the driver (an output no tensor map describes is then fine)."""
+
+    class View:
+        def __init__(self, ptr, strides):
+            self.data = type("Data", (), {"ptr": ptr})()
+            self.shape, self.strides = (2, 100, 4, 64), strides
+
+    seen = []
+
+    def fake(addr, dtype, rank, ptr, dims, strides, box, *rest):
+        seen.append(ptr)
+        ctypes.memmove(addr, bytes([ptr // 4096]) * 128, 128)
+        return 0
+
+    monkeypatch.setattr(tma, "_encode_tiled", lambda: fake)
+    packed = (100 * 4 * 64 * 2, 4 * 64 * 2, 64 * 2, 2)
+    q, k, v, o = (View(4096 * (i + 1), packed) for i in range(4))
+    backwards = View(4096 * 9, (100 * 4 * 64 * 2, -4 * 64 * 2, 64 * 2, 2))  # rows run backwards: no map
+    tma.encode.cache_clear()
+    try:
+        four = tma.fwd_maps(q, k, v, o, "bf16", 128, 128)
+        assert seen == [4096, 8192, 12288, 16384] and four[384:] == bytes([4]) * 128
+        seen.clear()
+        three = tma.fwd_maps(q, k, v, backwards, "bf16", 128, 128, store_o=False)
+        assert seen == [] and three == four[:384] + bytes(128)  # (q, k, v from the cache)
+        with pytest.raises(tma.TensorMapError):
+            tma.fwd_maps(q, k, v, backwards, "bf16", 128, 128)
+    finally:
+        tma.encode.cache_clear()
+
+
 def test_the_record_fits_the_aligned_launch_buffer():
     """FwdTmaParams = 4 maps of 128 bytes (q, k, v, o), then FwdParams at offset 512 (the kernel header
     asserts it); the launch buffer holds it and is 64-byte aligned, as a CUtensorMap must be."""

@@ -107,7 +107,7 @@ class Sm90WsTile:
     pingpong: bool = True  # two consumer warpgroups take turns at the tensor cores (block_m 128 only)
     min_blocks: int = 1
     persistent: bool = False  # one CTA per SM walks the tiles (the next tile's loads overlap an epilogue)
-    tma_store: bool = True  # O leaves by TMA stores, one per warp's rows (packed batches: 16-byte stores always)
+    tma_store: bool = True  # O leaves by TMA stores, one per warp's rows (packed batches: 16-byte stores, fwd_sm90_ws_spec)
 
     @property
     def warps(self) -> int:
@@ -347,6 +347,8 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
                          f"at head dim {bucket} (take block_m 128 or a smaller block_n)")  # fmt: skip
     if fwd_sm90_ws_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
         raise ValueError(f"warp-specialized tile {tile} needs {fwd_sm90_ws_smem_bytes(bucket, tile)} bytes of shared memory")
+    if mods & MOD_VARLEN and tile.tma_store:  # a box of a sequence's last rows would write into the next one's
+        tile = dataclasses.replace(tile, tma_store=False)  # (one spec, one name, and no output map to encode)
     return Sm90WsKernelSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
 
 
