@@ -369,14 +369,8 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         };
 
         const bool ahead = Cfg::kLookahead && s0_ahead;  // (uniform over the consumers)
-        // kLookahead: is there a next item with keys (the producer loads nothing for empty ones)? Found
-        // here, where few registers are live, rather than at the end of the main loop.
-        bool next_has_work = false;
-        if constexpr (Cfg::kLookahead) {
-            int next = item + item_step;
-            while (next < n_items && tile_of(next).empty()) next += item_step;
-            next_has_work = next < n_items;
-        }
+        // (kLookahead: found here, where few registers are live, rather than at the end of the main loop)
+        const bool next_has_work = Cfg::kLookahead && item + item_step < n_items && !tile_of(item + item_step).empty();
         if (!ahead) mbar_wait(full_q, uses & 1);
         CUFLASH_TRACE_MARK(kTraceQ);
 
@@ -433,17 +427,16 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             if constexpr (Cfg::kLookahead) {
                 // The next item's Q (its own load phase: uses + 1) and first K tile (ring + n_tiles: the
                 // producer loads it once its slot is free, which no wait of ours holds up), then its
-                // first S; this item's P V is the older group. After the CTA's last item the S is issued
-                // all the same, on this item's last K tile (no load comes any more: the bytes hold
-                // still), and its result is never read: a wgmma issued on one path only makes ptxas
-                // serialize every wgmma of the kernel (C7515).
+                // first S; this item's P V is the older group. (An empty next item: no look-ahead.)
                 s0_ahead = next_has_work;
-                if (next_has_work) {
+                if (s0_ahead) {
                     mbar_wait(full_q, (uses + 1) & 1);
                     mbar_wait(full_k(slot(n_tiles)), phase(n_tiles));
+                    issue_s(slot(n_tiles));
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
                 }
-                issue_s(slot(next_has_work ? n_tiles : n_tiles - 1));
-                wgmma_wait<1>();
             } else {
                 wgmma_wait<0>();
             }

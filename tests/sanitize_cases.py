@@ -192,8 +192,7 @@ def variant_cases(rng, arch):
 def hopper_cases(rng, arch):
     """The warp-specialized TMA forward: each schedule on ragged causal / windowed cases at 1, 3 and
     ragged key-tile counts; the 3-warpgroup hd64 tile; the persistent tiles, several tiles per CTA (O
-    out by 16-byte stores and by TMA stores, whose shared-memory reads the next tile's staging waits for;
-    with the look-ahead, the next item's first S issued before this one's epilogue);
+    out by 16-byte stores and by TMA stores, whose shared-memory reads the next tile's staging waits for);
     partial last boxes; varlen NaN tails and paged K/V; the TMA backward's ring depths, a window,
     variants and its varlen NaN tails."""
     if arch != "sm_90a":
@@ -207,9 +206,7 @@ def hopper_cases(rng, arch):
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, **kw)
             print(f"ok {tile} sk={sk} causal={causal} {kw}: err {err:.2e} <= {bound:.2e}")
     short = plan.FWD_SM90_WS_SHORT_TILES
-    la = dict(lookahead=True)  # (the next item's first S under this one's epilogue)
-    for d, tile in ((128, short[128]), (64, short[64]), (128, dataclasses.replace(short[128], tma_store=True)),
-                    (128, dataclasses.replace(short[128], tma_store=True, **la)), (64, dataclasses.replace(short[64], **la))):
+    for d, tile in ((128, short[128]), (64, short[64]), (128, dataclasses.replace(short[128], tma_store=True))):
         for causal in (False, True):  # persistent: 4 x 5 x 16 = 320 tiles, so every CTA walks 2 or 3 of them
             q, k, v = random_qkv(rng, 4, 600, 700, 16, 4, d, "bf16")
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile)
