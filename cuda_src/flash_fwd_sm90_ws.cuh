@@ -74,8 +74,6 @@ constexpr int kSchedOverlap = 1;   // softmax of tile t overlaps P_{t-1} V_{t-1}
 constexpr int kSchedPingPong = 2;  // two consumer warpgroups take turns issuing their GEMMs
 constexpr int kSchedPersistent = 4;  // one CTA per SM walks the tiles; the next tile's loads overlap this one's epilogue
 constexpr int kSchedTmaStore = 8;    // O leaves by TMA stores (else 16-byte stores from every lane; packed batches always)
-constexpr int kSchedLookahead = 16;  // (persistent, overlapped, no ping-pong) the next item's first S = Q K^T runs under
-                                     // this item's epilogue (plain batches; packed ones ignore the bit)
 
 // Timeline events of a diagnostic build (trace.cuh, tools/trace_fwd.py; other builds mark nothing). The
 // producer marks when it starts an item and when its waits for a free Q / K / V slot end (the load is
@@ -105,8 +103,6 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr bool kPingPong = (kSched_ & kSchedPingPong) != 0 && kConsumers == 2;
     static constexpr bool kPersistent = (kSched_ & kSchedPersistent) != 0;
     static constexpr bool kTmaStore = (kSched_ & kSchedTmaStore) != 0 && (kMods_ & kModVarlen) == 0;
-    static constexpr bool kLookahead = (kSched_ & kSchedLookahead) != 0 && kPersistent && kOverlap && !kPingPong &&
-                                       (kMods_ & kModVarlen) == 0;
     // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
     // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40, one
     // tile's 24), the consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384, 24 x 128 + 240 x
@@ -268,10 +264,6 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     // after the last item, so each barrier sees as many arrivals as waits, one warpgroup's at a time (a
     // warpgroup never arrives twice on a barrier before the other has waited on it).
     if (Cfg::kPingPong && cwg == 1) named_arrive(2, 256);
-    // kLookahead: this item's Q and first K tile were waited for, and its first S issued, by the item
-    // before it (right after issuing its last P V; the S accumulators are free from then on), so that
-    // S runs on the tensor cores during that item's epilogue.
-    bool s0_ahead = false;
 
     for (int item = item0; item < n_items; item += item_step) {
         const FwdTileRef<Cfg> tile = tile_of(item);
@@ -368,21 +360,16 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             }
         };
 
-        const bool ahead = Cfg::kLookahead && s0_ahead;  // (uniform over the consumers)
-        // (kLookahead: found here, where few registers are live, rather than at the end of the main loop)
-        const bool next_has_work = Cfg::kLookahead && item + item_step < n_items && !tile_of(item + item_step).empty();
-        if (!ahead) mbar_wait(full_q, uses & 1);
+        mbar_wait(full_q, uses & 1);
         CUFLASH_TRACE_MARK(kTraceQ);
 
         if constexpr (Cfg::kOverlap) {
             // Tile 0: S, softmax, P (O is still zero: nothing to rescale).
-            if (!ahead) mbar_wait(full_k(slot(0)), phase(0));
+            mbar_wait(full_k(slot(0)), phase(0));
             CUFLASH_TRACE_MARK(kTraceK);
-            if (!ahead) {
-                turn_wait();
-                issue_s(slot(0));
-                turn_pass();
-            }
+            turn_wait();
+            issue_s(slot(0));
+            turn_pass();
             tile.draw_keep(keep, n_last, m0 + warp_row0, lane);
             wgmma_wait<0>();
             wgmma_fence_operands(s_acc);
@@ -424,22 +411,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             turn_wait();
             issue_pv(slot(n_tiles - 1));
             turn_pass();
-            if constexpr (Cfg::kLookahead) {
-                // The next item's Q (its own load phase: uses + 1) and first K tile (ring + n_tiles: the
-                // producer loads it once its slot is free, which no wait of ours holds up), then its
-                // first S; this item's P V is the older group. (An empty next item: no look-ahead.)
-                s0_ahead = next_has_work;
-                if (s0_ahead) {
-                    mbar_wait(full_q, (uses + 1) & 1);
-                    mbar_wait(full_k(slot(n_tiles)), phase(n_tiles));
-                    issue_s(slot(n_tiles));
-                    wgmma_wait<1>();
-                } else {
-                    wgmma_wait<0>();
-                }
-            } else {
-                wgmma_wait<0>();
-            }
+            wgmma_wait<0>();
             wgmma_fence_operands(o_acc);
             wgmma_fence_operands(pa);
             CUFLASH_TRACE_MARK(kTracePV);

@@ -46,11 +46,9 @@ def test_schedules(tile, sk, causal, window):
 
 @pytest.mark.parametrize("head_dim", [64, 128])  # (256: the O staging tile does not fit next to Q and the ring)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lookahead", [False, True])
-def test_persistent_walks_every_tile(head_dim, causal, lookahead):
+def test_persistent_walks_every_tile(head_dim, causal):
     """A persistent grid (one CTA per SM) over more tiles than SMs, dense and varlen (empty sequences,
-    spare scheduler slots, one long sequence): the same results as one CTA per tile. lookahead: each
-    item's first S issued by the item before it (packed batches ignore it)."""
+    spare scheduler slots, one long sequence): the same results as one CTA per tile."""
     _hopper()
     import dataclasses
 
@@ -60,8 +58,6 @@ def test_persistent_walks_every_tile(head_dim, causal, lookahead):
     from cuflash.checks import BF16
 
     tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[head_dim], persistent=True)
-    if lookahead:
-        tile = dataclasses.replace(tile, pingpong=False, lookahead=True)
     rng = np.random.default_rng(head_dim)
     q, k, v = random_qkv(rng, 3, 1000, 1100, 16, 4, head_dim, "bf16")  # 8 x 16 x 3 = 384 tiles > 132 SMs
     check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"persistent {tile}")
@@ -71,27 +67,9 @@ def test_persistent_walks_every_tile(head_dim, causal, lookahead):
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     got, lse = varlen.run(q, k, v, cu, cu, 1500, 1500, causal=causal, return_lse=True, tile=tile)
     want, want_lse = varlen.run(q, k, v, cu, cu, 1500, 1500, causal=causal, return_lse=True,
-                                tile=dataclasses.replace(tile, persistent=False, lookahead=False))  # fmt: skip
+                                tile=dataclasses.replace(tile, persistent=False))  # fmt: skip
     np.testing.assert_allclose(to_f64(got), to_f64(want), atol=1e-2)
     np.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-3)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("tma_store", [False, True])
-def test_lookahead_around_empty_items(head_dim, tma_store):
-    """The look-ahead issues the next item's first S only when that item has keys: bottom-right causal
-    with more queries than keys leaves the first query tiles of every head empty (O = 0, lse = -inf),
-    so a persistent CTA meets empty items between full ones (also through a window's emptiness test)."""
-    _hopper()
-    import dataclasses
-
-    from cuflash import plan
-
-    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[head_dim], lookahead=True, tma_store=tma_store)
-    rng = np.random.default_rng(head_dim + 3)
-    q, k, v = random_qkv(rng, 4, 1000, 300, 8, 2, head_dim, "bf16")  # 8 tiles x 8 heads x 4 > 132; tiles 0-4 empty
-    check_forward(q, k, v, causal=True, dtype="bf16", tile=tile, what=f"causal {tile}")
-    check_forward(q, k, v, causal=False, window_size=(100, 0), dtype="bf16", tile=tile, what=f"window {tile}")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -286,8 +264,7 @@ def test_output_without_a_tensor_map_falls_back():
 
 
 @pytest.mark.parametrize("tma_store", [False, True])
-@pytest.mark.parametrize("lookahead", [False, True])
-def test_persistent_output_over_more_tiles_than_sms(tma_store, lookahead):
+def test_persistent_output_over_more_tiles_than_sms(tma_store):
     """A persistent CTA walks several work items: each item's O (16-byte stores, or TMA stores that must
     have read the staged rows before the next item restages them) lands in a strided view of a NaN
     buffer, and nothing outside the view is written, with more items than SMs (8 x 8 heads x 5 tiles)."""
@@ -298,7 +275,7 @@ def test_persistent_output_over_more_tiles_than_sms(tma_store, lookahead):
 
     from cuflash import forward, jit, plan, reference
 
-    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[128], tma_store=tma_store, lookahead=lookahead)
+    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[128], tma_store=tma_store)
     rng = np.random.default_rng(11)
     q, k, v = random_qkv(rng, 8, 600, 600, 8, 2, 128, "bf16")
     assert 8 * 8 * -(-600 // tile.block_m) > jit.device_sm_count(0)

@@ -537,24 +537,6 @@ def test_hopper_kernel_runs_where_it_can(head_dim):
     assert _fwd_plan(head_dim, aligned=False).spec.family == "flash_fwd"
 
 
-def test_lookahead_is_a_schedule_bit_of_persistent_tiles():
-    """Sm90WsTile.lookahead is kSchedLookahead (16), named _la; only a persistent, overlapped tile
-    without ping-pong can look ahead; packed batches carry it off (one spec, as for the TMA store)."""
-    W = plan.Sm90WsTile
-    header = (jit.source_dir() / "flash_fwd_sm90_ws.cuh").read_text()
-    assert "constexpr int kSchedLookahead = 16;" in header
-    ahead = W(128, 128, pingpong=False, persistent=True, lookahead=True)
-    assert ahead.sched & 16 and not W(128, 128, pingpong=False, persistent=True).sched & 16
-    assert plan.fwd_sm90_ws_spec(128, "bf16", True, tile=ahead).name.endswith("_persistent_tmao_la_vec16_sm90a")
-    for bad in (W(128, 128, pingpong=False, lookahead=True), W(128, 128, persistent=True, lookahead=True),
-                W(128, 128, overlap=False, pingpong=False, persistent=True, lookahead=True)):  # fmt: skip
-        with pytest.raises(ValueError, match="lookahead needs"):
-            plan.fwd_sm90_ws_spec(128, "bf16", False, tile=bad)
-    assert W(192, 128, persistent=True, lookahead=True).sched & 16  # (block_m 192: no ping-pong to exclude)
-    packed = plan.fwd_sm90_ws_spec(128, "bf16", False, tile=ahead, mods=plan.MOD_VARLEN)
-    assert not packed.tile.lookahead and "_la" not in packed.name
-
-
 def test_tma_store_is_a_schedule_bit():
     """Sm90WsTile.tma_store is the kernel's kSchedTmaStore bit (8) and part of the variant's name; the
     persistent short-key tiles write O with 16-byte stores (their measured choice, plan/forward.py)."""

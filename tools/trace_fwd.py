@@ -5,7 +5,7 @@ FwdTraceEvent), launched on the paper grid's shapes in place of the planned kern
 parameter block). Needs an sm_90a GPU.
 
     python3 tools/trace_fwd.py --hd 128 --seqlen 512 [--causal] [--tile 128,128,persistent]
-        [--json trace.json] [--plot trace.png]   (--tile flags: persistent, pingpong, notma, lookahead)
+        [--json trace.json] [--plot trace.png]
 
 Prints, per role, the median time per work item of each phase (consumer: waiting for Q, for the first
 K tile, the first S = Q K^T, its softmax while the tensor cores idle, the main loop per key tile split
@@ -47,19 +47,18 @@ def trace_layout() -> tuple[int, int, int]:
 
 
 def parse_tile(text: str | None, default):
-    """--tile "block_m,block_n[,persistent][,pingpong][,notma][,lookahead]" -> an Sm90WsTile (the planner's
-    when None)."""
+    """--tile "block_m,block_n[,persistent][,pingpong][,notma]" -> an Sm90WsTile (the planner's when None)."""
     from cuflash.plan import Sm90WsTile
 
     if not text:
         return default
     parts = text.split(",")
     flags = set(parts[2:])
-    unknown = flags - {"persistent", "pingpong", "notma", "lookahead"}
+    unknown = flags - {"persistent", "pingpong", "notma"}
     if unknown:
-        sys.exit(f"--tile: unknown flags {sorted(unknown)} (persistent, pingpong, notma, lookahead)")
+        sys.exit(f"--tile: unknown flags {sorted(unknown)} (persistent, pingpong, notma)")
     return Sm90WsTile(int(parts[0]), int(parts[1]), pingpong="pingpong" in flags, persistent="persistent" in flags,
-                      tma_store="notma" not in flags, lookahead="lookahead" in flags)  # fmt: skip
+                      tma_store="notma" not in flags)  # fmt: skip
 
 
 def decode(words, layout):
@@ -160,7 +159,7 @@ def main() -> int:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--tile", help="block_m,block_n[,persistent][,pingpong][,notma][,lookahead] (default: the planner's)")
+    ap.add_argument("--tile", help="block_m,block_n[,persistent][,pingpong][,notma] (default: the planner's)")
     ap.add_argument("--json", help="write the decoded marks here")
     ap.add_argument("--plot", help="PNG of the first CTAs' timelines")
     ap.add_argument("--ctas", type=int, default=6, help="CTAs in the plot")

@@ -40,18 +40,16 @@ def P(*args, tma_store=False, **kw):  # a persistent tile, O out by 16-byte stor
     return W(*args, persistent=True, tma_store=tma_store, **kw)
 
 
-SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persistent, tma_store, lookahead): tiles, ablations
+SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persistent, tma_store): tiles and schedule ablations
     64: [W(192, 128, pingpong=False), P(192, 128, pingpong=False), W(128, 128, pingpong=False),
          P(128, 128, pingpong=False), W(128, 128), P(128, 128),
          W(192, 128, overlap=False, pingpong=False), W(128, 192, pingpong=False), W(128, 176, pingpong=False),
          P(128, 192, pingpong=False), P(128, 176, pingpong=False),
-         W(192, 128, pingpong=False, tma_store=False), P(128, 128, pingpong=False, tma_store=True),
-         P(128, 128, pingpong=False, lookahead=True)],
+         W(192, 128, pingpong=False, tma_store=False), P(128, 128, pingpong=False, tma_store=True)],
     128: [W(128, 128, pingpong=False), P(128, 128, pingpong=False), W(128, 192, pingpong=False),
           W(128, 176, pingpong=False), W(128, 160, pingpong=False), W(128, 144, pingpong=False), W(128, 128),
           P(128, 128), W(128, 128, overlap=False, pingpong=False), W(128, 128, overlap=False),
-          W(128, 128, pingpong=False, tma_store=False), P(128, 128, pingpong=False, tma_store=True),
-          P(128, 128, pingpong=False, lookahead=True), P(128, 128, pingpong=False, tma_store=True, lookahead=True)],
+          W(128, 128, pingpong=False, tma_store=False), P(128, 128, pingpong=False, tma_store=True)],
     256: [W(128, 64, pingpong=False), W(128, 80, pingpong=False), W(128, 64), W(128, 64, overlap=False, pingpong=False),
           W(128, 64, overlap=False), W(128, 80, pingpong=False, tma_store=False)],
 }
@@ -60,8 +58,7 @@ SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persiste
 def describe(tile) -> str:
     if isinstance(tile, Sm90WsTile):
         return (f"ws bm{tile.block_m} bn{tile.block_n} st{tile.stages} overlap={int(tile.overlap)} "
-                f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)} tmastore={int(tile.tma_store)} "
-                f"lookahead={int(tile.lookahead)}")
+                f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)} tmastore={int(tile.tma_store)}")
     if isinstance(tile, Sm90Tile):
         return f"sm90 bm{tile.block_m} bn{tile.block_n} st{tile.stages} mb{tile.min_blocks}"
     return f"bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} st={tile.stages}"

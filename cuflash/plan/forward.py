@@ -108,7 +108,6 @@ class Sm90WsTile:
     min_blocks: int = 1
     persistent: bool = False  # one CTA per SM walks the tiles (the next tile's loads overlap an epilogue)
     tma_store: bool = True  # O leaves by TMA stores, one per warp's rows (packed batches: 16-byte stores, fwd_sm90_ws_spec)
-    lookahead: bool = False  # (persistent, no ping-pong) the next item's first S runs under this item's epilogue
 
     @property
     def warps(self) -> int:
@@ -116,10 +115,9 @@ class Sm90WsTile:
 
     @property
     def sched(self) -> int:
-        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent, 8 TMA store,
-        16 look-ahead."""
+        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent, 8 TMA store."""
         return (int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0) | (4 if self.persistent else 0)
-                | (8 if self.tma_store else 0) | (16 if self.lookahead else 0))  # fmt: skip
+                | (8 if self.tma_store else 0))  # fmt: skip
 
 
 #: Warp-specialized Hopper forward tiles per head-dim bucket: the default forward on sm_90a for
@@ -311,8 +309,7 @@ class Sm90WsKernelSpec(HopperSpec):
     def name(self) -> str:
         t = self.tile
         return self._variant_name(f"{'_ov' if t.overlap else ''}{'_pp' if t.sched & 2 else ''}"
-                                  f"{'_persistent' if t.persistent else ''}{'_tmao' if t.tma_store else ''}"
-                                  f"{'_la' if t.lookahead else ''}")
+                                  f"{'_persistent' if t.persistent else ''}{'_tmao' if t.tma_store else ''}")
 
     @property
     def smem_bytes(self) -> int:
@@ -350,13 +347,8 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
                          f"at head dim {bucket} (take block_m 128 or a smaller block_n)")  # fmt: skip
     if fwd_sm90_ws_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
         raise ValueError(f"warp-specialized tile {tile} needs {fwd_sm90_ws_smem_bytes(bucket, tile)} bytes of shared memory")
-    if tile.lookahead and not (tile.persistent and tile.overlap and not tile.sched & 2):
-        raise ValueError(f"warp-specialized tile {tile}: lookahead needs a persistent, overlapped tile without "
-                         f"ping-pong")  # fmt: skip
-    if mods & MOD_VARLEN and (tile.tma_store or tile.lookahead):  # (one spec and name per kernel, no output map)
-        # a box of a sequence's last rows would write into the next one's; the look-ahead would run the
-        # varlen scheduler's search for the next item in the middle of this one
-        tile = dataclasses.replace(tile, tma_store=False, lookahead=False)
+    if mods & MOD_VARLEN and tile.tma_store:  # a box of a sequence's last rows would write into the next one's
+        tile = dataclasses.replace(tile, tma_store=False)  # (one spec, one name, and no output map to encode)
     return Sm90WsKernelSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
 
 
