@@ -159,13 +159,23 @@ _PTXAS_RE = {
 }
 
 
+#: ptxas's notes that it took the asynchrony out of a kernel's wgmma (sm_90a): C7515, every wgmma
+#: serialized (a non-wgmma write to an accumulator inside a pipeline stage); C7517, a wait injected
+#: before registers a wgmma still defines are used. Either cost the TMA forward 20% and more.
+_WGMMA_NOTES = {"wgmma_serialized": "(C7515)", "wgmma_waits_injected": "(C7517)"}
+
+
 def parse_ptxas_report(log: str) -> dict[str, int]:
-    """Registers, stack frame and spill bytes from ptxas -v output (first kernel in the log)."""
+    """Registers, stack frame and spill bytes from ptxas -v output (first kernel in the log), and the
+    number of each wgmma performance note (_WGMMA_NOTES) where there is one."""
     out = {}
     for key, rx in _PTXAS_RE.items():
         m = rx.search(log)
         if m:
             out[key] = int(m.group(1))
+    for key, code in _WGMMA_NOTES.items():
+        if code in log:
+            out[key] = log.count(code)
     return out
 
 
@@ -315,6 +325,9 @@ def get_cubin(spec, *, require_cache_write: bool = False) -> tuple[bytes, dict, 
     p = header["ptxas"]
     logger.info("compiled %s in %.1fs (%s registers, %s bytes spilled)", spec.name, header["compile_seconds"],
                 p.get("registers", "?"), p.get("spill_stores", "?"))  # fmt: skip
+    for key in _WGMMA_NOTES:
+        if p.get(key):
+            logger.warning("%s: ptxas reports %s (%s): its wgmma run in sequence", spec.name, key, _WGMMA_NOTES[key])
     try:
         cache.write_atomic(path, cache.encode_entry(cubin, header))
     except OSError as exc:

@@ -96,6 +96,9 @@ def test_registers_and_local_memory_within_budget(compiled):
             problems.append(f"{s.name}: {p['registers']} registers")
         if p["stack_frame"] > _budget(s):
             problems.append(f"{s.name}: {p['stack_frame']} bytes of local memory > {_budget(s)}")
+        notes = {k: v for k, v in p.items() if k.startswith("wgmma_")}  # (jit._WGMMA_NOTES: C7515, C7517)
+        if notes:
+            problems.append(f"{s.name}: ptxas took the asynchrony out of its wgmma: {notes}")
     assert not problems, "\n".join(problems)
 
 
@@ -220,4 +223,7 @@ def test_variant_kernels_compile_within_budget(compiled_variants):
             problems.append(f"{s.name}: {p['registers']} registers")
         if p["stack_frame"] > plain + VARIANT_EXTRA_STACK_BYTES:
             problems.append(f"{s.name}: {p['stack_frame']} bytes of local memory > {plain + VARIANT_EXTRA_STACK_BYTES}")
+        notes = {k: v for k, v in p.items() if k.startswith("wgmma_")}
+        if notes:
+            problems.append(f"{s.name}: ptxas took the asynchrony out of its wgmma: {notes}")
     assert not problems, "\n".join(problems)

@@ -745,6 +745,45 @@ def test_parse_ptxas_report():
     }
     assert jit.parse_ptxas_report("") == {}
     assert jit.parse_ptxas_report("ptxas info    : Used 96 registers, 384 bytes cmem[0]") == {"registers": 96}
+    serialized = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                  "due to non wgmma instructions defining accumulator registers of a wgmma between start and end of "
+                  "the pipeline stage in the function 'k'\nptxas info    : Used 168 registers, used 1 barriers")  # fmt: skip
+    assert jit.parse_ptxas_report(serialized) == {"registers": 168, "wgmma_serialized": 1}
+
+
+_WAIT_INJECTED_KERNEL = r"""
+#include "wgmma.cuh"
+// {nonce}: a wgmma's accumulators rewritten (on one branch) while the wgmma may still run
+extern "C" __global__ void __launch_bounds__(128) probe(float* out, unsigned long long da, unsigned long long db, int flag) {{
+    float d[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) d[i] = 0.f;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    cuflash::wgmma_ss_n32_bf16<0, 0>(d, da, db, true);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    if (flag) {{
+#pragma unroll
+        for (int i = 0; i < 16; ++i) d[i] = 0.f;
+    }}
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    cuflash::wgmma_ss_n32_bf16<0, 0>(d, da, db, true);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s += d[i];
+    out[threadIdx.x] = s;
+}}
+"""
+
+
+def test_a_wgmma_wait_ptxas_injects_is_reported():
+    """ptxas's note that it made a wgmma wait (C7517) reaches the report from a real NVRTC log, so the
+    budget tests (test_compile_variants.py) catch a kernel whose wgmma no longer run asynchronously."""
+    cubin, log = _nvrtc_compile(_WAIT_INJECTED_KERNEL.format(nonce=random.randrange(1 << 30)), "sm_90a")
+    report = jit.parse_ptxas_report(log)
+    assert "registers" in report, f"ptxas did not report (NVRTC cache?):\n{log}"
+    assert report.get("wgmma_waits_injected", 0) >= 1, log
 
 
 def test_compiled_header_carries_the_ptxas_report(compiled_with_log):
@@ -752,7 +791,7 @@ def test_compiled_header_carries_the_ptxas_report(compiled_with_log):
     p = header["ptxas"]
     # registers and stack frame come from the cubin itself: always there. Spill bytes come only from
     # ptxas's -v report, which is missing when NVRTC (12.9+) serves the program from its own cache.
-    assert {"registers", "stack_frame"} <= set(p) <= {"registers", "stack_frame", "spill_stores", "spill_loads"}
+    assert {"registers", "stack_frame"} <= set(p) <= {"registers", "stack_frame", "spill_stores", "spill_loads"}  # (no wgmma notes)
     assert 0 < p["registers"] <= 255 and p["stack_frame"] >= 0
     assert {k: p[k] for k in ("registers", "stack_frame")} == jit.cubin_resources(cubin)
     report = jit.parse_ptxas_report(log)
