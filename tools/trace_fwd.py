@@ -1,6 +1,6 @@
 """Where the warp-specialized TMA forward's time goes, from the kernel itself: a diagnostic build
 (-DCUFLASH_TRACE, cuda_src/trace.cuh) in which the producer and one thread of each consumer warpgroup
-write globaltimer marks at their waits, GEMM completions and epilogue (flash_fwd_sm90_ws.cuh,
+write marks (%globaltimer and %clock) at their waits, GEMM completions and epilogue (flash_fwd_sm90_ws.cuh,
 FwdTraceEvent), launched on the paper grid's shapes in place of the planned kernel (same spec, same
 parameter block). Needs an sm_90a GPU.
 
@@ -61,6 +61,26 @@ def parse_tile(text: str | None, default):
                       tma_store="notma" not in flags)  # fmt: skip
 
 
+def _role_marks(row):
+    """[(event, globaltimer ns, cycles), ...] of one role's row of the buffer (its SM word skipped),
+    with the 32-bit %clock unwrapped (it wraps every ~2 s)."""
+    mask = (1 << 56) - 1
+    marks, wraps, last = [], 0, None
+    for i in range(1, len(row) - 1, 2):
+        if row[i]:
+            c = int(row[i + 1])
+            wraps += last is not None and c < last
+            last = c
+            marks.append((int(row[i]) >> 56, int(row[i]) & mask, c + (wraps << 32)))
+    return marks
+
+
+def _rate(marks):
+    """ns per cycle over a role's marks (first to last), or None with one mark or a timer that did not move."""
+    (_, g0, c0), (_, g1, c1) = marks[0], marks[-1]
+    return (g1 - g0) / (c1 - c0) if c1 > c0 and g1 > g0 else None
+
+
 def decode(words, layout):
     """{(cta, role): (sm, [(event, t_ns), ...])} from the raw trace buffer (numpy uint64). A mark's time
     is its cycle count converted to ns at the rate globaltimer advanced against %clock over the role's
@@ -69,38 +89,28 @@ def decode(words, layout):
     ctas, roles, per_role = layout
     out = {}
     per = words.reshape(ctas, roles, per_role)
-    mask = (1 << 56) - 1
     for cta in range(ctas):
         for role in range(roles):
             row = per[cta, role]
-            if row[0] == 0:
+            marks = _role_marks(row) if row[0] else []
+            if not marks:
                 continue
-            pairs = [(int(row[i]) >> 56, int(row[i]) & mask, int(row[i + 1])) for i in range(1, per_role - 1, 2) if row[i]]
-            if not pairs:
-                continue
-            wraps, last = 0, pairs[0][2]  # (%clock is 32 bits: it wraps every ~2 s)
-            for i, (ev, g, c) in enumerate(pairs):
-                wraps += c < last
-                last = c
-                pairs[i] = (ev, g, c + (wraps << 32))
-            (_, g0, c0), (_, g1, c1) = pairs[0], pairs[-1]
-            rate = (g1 - g0) / (c1 - c0) if c1 > c0 and g1 > g0 else None
-            marks = [(ev, g0 + round((c - c0) * rate) if rate else g) for ev, g, c in pairs]
-            out[(cta, role)] = (int(row[0]) & 0xFFFFFFFF, marks)
+            rate, g0, c0 = _rate(marks), marks[0][1], marks[0][2]
+            out[(cta, role)] = (int(row[0]) & 0xFFFFFFFF,
+                                [(ev, g0 + round((c - c0) * rate) if rate else g) for ev, g, c in marks])  # fmt: skip
     return out
 
 
 def timer_report(words, layout) -> str:
     """The globaltimer's smallest step and the SM clock (GHz) the marks imply: how far to trust them."""
     ctas, roles, per_role = layout
-    per = words.reshape(ctas, roles, per_role)
     steps, ghz = [], []
-    for row in per.reshape(ctas * roles, per_role):
-        gts = [int(w) & ((1 << 56) - 1) for w in row[1:-1:2] if w]
-        clk = [int(w) for w, g in zip(row[2::2], row[1:-1:2]) if g]
-        if len(gts) > 1 and gts[-1] > gts[0]:
-            steps += [b - a for a, b in zip(gts, gts[1:]) if b > a]
-            ghz.append((clk[-1] - clk[0]) / (gts[-1] - gts[0]))
+    for row in words.reshape(ctas * roles, per_role):
+        marks = _role_marks(row) if row[0] else []
+        rate = _rate(marks) if marks else None
+        if rate:
+            steps += [b[1] - a[1] for a, b in zip(marks, marks[1:]) if b[1] > a[1]]
+            ghz.append(1 / rate)
     if not steps:
         return "no timer steps recorded"
     return f"globaltimer's smallest step {min(steps)} ns; SM clock {statistics.median(ghz):.3f} GHz (median over roles)"
