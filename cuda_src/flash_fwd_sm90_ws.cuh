@@ -32,6 +32,13 @@
 // softmax runs while the other's GEMMs own the tensor cores. Without kOverlap each tile is
 // S, softmax, P V in sequence (the ablation of the pipelining).
 //
+// Clusters (kCluster 2, plain batches): the two CTAs of a thread-block cluster take query tiles 2i and
+// 2i + 1 of one (head, batch) pair and walk the hull of their key blocks; each producer loads half the
+// rows of every K/V tile and multicasts them into both CTAs' slots (each "full" barrier expects the
+// whole tile; each "empty" barrier counts both CTAs' consumer warps, the other's arriving through mapa),
+// so the L2 serves each tile once per pair. A CTA only waits for and hands back the blocks outside its
+// own tile's range (pass_kv). docs/design/forward.md has the diagram.
+//
 // Varlen: the first key tile of a sequence (the last block, visited first) may stick out past its keys;
 // its V rows there are zeroed in shared memory before the first P V (clear_v_tail), as the cp.async
 // kernel's zero-filled loads do. Plain batches get zeros from TMA (rows outside the tensor map).
@@ -74,6 +81,7 @@ constexpr int kSchedOverlap = 1;   // softmax of tile t overlaps P_{t-1} V_{t-1}
 constexpr int kSchedPingPong = 2;  // two consumer warpgroups take turns issuing their GEMMs
 constexpr int kSchedPersistent = 4;  // one CTA per SM walks the tiles; the next tile's loads overlap this one's epilogue
 constexpr int kSchedTmaStore = 8;    // O leaves by TMA stores (else 16-byte stores from every lane; packed batches always)
+constexpr int kSchedCluster = 16;    // clusters of 2 CTAs share each K/V tile: each loads half and multicasts it (plain batches)
 
 // Timeline events of a diagnostic build (trace.cuh, tools/trace_fwd.py; other builds mark nothing). The
 // producer marks when it starts an item and when its waits for a free Q / K / V slot end (the load is
@@ -103,6 +111,9 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr bool kPingPong = (kSched_ & kSchedPingPong) != 0 && kConsumers == 2;
     static constexpr bool kPersistent = (kSched_ & kSchedPersistent) != 0;
     static constexpr bool kTmaStore = (kSched_ & kSchedTmaStore) != 0 && (kMods_ & kModVarlen) == 0;
+    // CTAs per cluster: 2 = two query tiles of one (head, batch) take their K/V tiles together, each CTA
+    // loading half of every tile's rows into both CTAs' shared memory (TMA multicast).
+    static constexpr int kCluster = (kSched_ & kSchedCluster) != 0 && (kMods_ & kModVarlen) == 0 ? 2 : 1;
     // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
     // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40, one
     // tile's 24), the consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384, 24 x 128 + 240 x
@@ -122,6 +133,7 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (the register split above)");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key tiles are wgmma N and whole P V k-steps of 16");
     static_assert(kStages >= 2 && kStages <= 4, "a ring of 2 to 4 K/V slots");
+    static_assert(kBlockN / kCluster % 8 == 0, "each CTA's share of a K/V tile is whole 8-row swizzle patterns");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536 / kNThreads / 8 * 8 * kNThreads,
                   "the register split must fit what the launch gives (else setmaxnreg.inc waits forever)");
 };
@@ -142,21 +154,56 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     // that run together read the K/V of one group's heads, which the host sized to stay in L2
     // (plan.persistent_group), and causal's heaviest tiles (FwdTileRef reverses the index) come first
     // in each group.
+    // Clusters (kCluster 2): an item is a pair of query tiles, 2 i and 2 i + 1 of one (head, batch) pair,
+    // and the CTA of rank r takes tile 2 i + r (the last pair of an odd count has one tile: its rank-1 CTA
+    // only helps load). Both visit the K/V tiles of the pair's hull (kv_span), each loading half the
+    // rows of every tile into both CTAs' shared memory; a CTA computes with its own tile's blocks and
+    // only waits for and hands back the others (causal: the diagonal block of the upper tile).
+    constexpr int kCluster = Cfg::kCluster;
+    const int rank = kCluster > 1 ? (int)cluster_ctarank() : 0;
     const int heads = p.nheads, batches = kVarlen ? 1 : p.batch;
-    const int n_items = Cfg::kPersistent ? p.num_m_blocks * heads * batches : 1;
-    const int item_step = Cfg::kPersistent ? (int)gridDim.x : 1;
-    auto tile_of = [&](int item) {
+    const int m_items = (p.num_m_blocks + kCluster - 1) / kCluster;  // items per (head, batch) pair
+    const int n_items = Cfg::kPersistent ? m_items * heads * batches : 1;
+    const int item_step = Cfg::kPersistent ? (int)gridDim.x / kCluster : 1;
+    auto m_index = [&](int item, int r) {  // the query-tile index (before causal's reversal) of rank r
         if constexpr (Cfg::kPersistent) {
-            const int group_items = p.sched_group * p.num_m_blocks;
+            const int size = min(p.sched_group, heads * batches - item / (p.sched_group * m_items) * p.sched_group);
+            return item % (p.sched_group * m_items) / size * kCluster + r;
+        } else {
+            return (int)blockIdx.x / kCluster * kCluster + r;
+        }
+    };
+    auto tile_of = [&](int item, int r) {
+        if constexpr (Cfg::kPersistent) {
+            const int group_items = p.sched_group * m_items;
             const int first = item / group_items * p.sched_group;  // the group's first pair
             const int size = min(p.sched_group, heads * batches - first), in = item % group_items;
             const int pair = first + in % size;
-            return FwdTileRef<Cfg>(p, in / size, pair % heads, pair / heads);
+            return FwdTileRef<Cfg>(p, in / size * kCluster + r, pair % heads, pair / heads);
         } else {
-            return FwdTileRef<Cfg>(p);
+            return FwdTileRef<Cfg>(p, m_index(item, r), blockIdx.y, blockIdx.z);
         }
     };
-    const int item0 = Cfg::kPersistent ? (int)blockIdx.x : 0;
+    // Key blocks [lo, hi) whose K/V an item's CTAs load: the tile's own, or (clusters) the hull of the
+    // cluster's tiles that have keys; hi == lo when none has.
+    auto kv_span = [&](int item, const FwdTileRef<Cfg>& own, int& lo, int& hi) {
+        if constexpr (kCluster == 1) {
+            lo = own.first_block();
+            hi = own.empty() ? lo : own.n_block_end;
+        } else {
+            lo = 0x7fffffff, hi = 0;
+#pragma unroll
+            for (int r = 0; r < kCluster; ++r) {
+                if (m_index(item, r) >= p.num_m_blocks) continue;
+                const FwdTileRef<Cfg> t = r == rank ? own : tile_of(item, r);
+                if (t.empty()) continue;
+                lo = min(lo, t.first_block());
+                hi = max(hi, t.n_block_end);
+            }
+            if (hi == 0) lo = 0;
+        }
+    };
+    const int item0 = Cfg::kPersistent ? (int)blockIdx.x / kCluster : 0;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const u32 s_base = (smem_u32(smem_raw) + 1023u) & ~1023u;  // swizzle pattern starts on 1024 bytes
@@ -179,12 +226,16 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), 1);
             mbar_init(full_v(s), 1);
-            mbar_init(empty_k(s), 4 * Cfg::kConsumers);
-            mbar_init(empty_v(s), 4 * Cfg::kConsumers);
+            mbar_init(empty_k(s), 4 * Cfg::kConsumers * kCluster);  // (clusters: every CTA's consumer warps)
+            mbar_init(empty_v(s), 4 * Cfg::kConsumers * kCluster);
         }
         mbar_fence_init();
     }
-    __syncthreads();
+    if constexpr (kCluster > 1) {
+        cluster_sync();  // both CTAs' barriers exist before either signals the other's
+    } else {
+        __syncthreads();
+    }
 
     // Both roles walk the same items and count the same loads: `ring` K/V tiles so far (slot ring %
     // kStages, phase (ring / kStages) & 1) and `uses` Q tiles so far (phase uses & 1).
@@ -201,44 +252,60 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             tma_prefetch(&P.tma_k);
             tma_prefetch(&P.tma_v);
         }
+        // Clusters: each CTA loads rows [r kBlockN / 2, (r + 1) kBlockN / 2) of every K/V tile into the
+        // same place in both CTAs (multicast); a slot is refilled once both CTAs' consumers handed it back
+        // (its "empty" barriers count both), and its "full" barrier expects the whole tile's bytes.
+        constexpr int kShareRows = kBlockN / kCluster;
+        constexpr u32 kShareBytes = kShareRows * 128;  // (per 64-column atom)
+        auto load_kv = [&](u32 s_slot, const TmaDesc* desc, u32 bar, int a, int row, int hk, int batch) {
+            if constexpr (kCluster == 1) {
+                tma_load_4d(s_slot + a * kBlockN * 128, desc, bar, 64 * a, row, hk, batch);
+            } else {
+                tma_load_4d_multicast(s_slot + a * kBlockN * 128 + rank * kShareBytes, desc, bar, 64 * a,
+                                      row + rank * kShareRows, hk, batch, (1u << kCluster) - 1);  // fmt: skip
+            }
+        };
         for (int item = item0; item < n_items; item += item_step) {
-            const FwdTileRef<Cfg> tile = tile_of(item);
-            if (tile.skip() || tile.empty()) continue;
-            const int n_last = tile.n_block_end - 1, n_tiles = tile.n_block_end - tile.first_block();
+            const FwdTileRef<Cfg> tile = tile_of(item, rank);
+            if (tile.skip()) continue;
+            const bool own = (kCluster == 1 || m_index(item, rank) < p.num_m_blocks) && !tile.empty();
+            int lo, hi;
+            kv_span(item, tile, lo, hi);
+            const int n_tiles = hi - lo;
             if (lane == 0) {
                 CUFLASH_TRACE_MARK(kTraceProducerItem);
-                mbar_wait(empty_q, (uses & 1) ^ 1);  // the consumers are done with the last Q (and its O staging)
-                CUFLASH_TRACE_MARK(kTraceProducerQ);
-                mbar_arrive_expect_tx(full_q, Cfg::kTileBytesQ);
+                if (own) {
+                    mbar_wait(empty_q, (uses & 1) ^ 1);  // the consumers are done with the last Q (and its O staging)
+                    CUFLASH_TRACE_MARK(kTraceProducerQ);
+                    mbar_arrive_expect_tx(full_q, Cfg::kTileBytesQ);
 #pragma unroll
-                for (int a = 0; a < kAtoms; ++a) {
-                    tma_load_4d(s_q + a * kBlockM * 128, &P.tma_q, full_q, 64 * a, tile.q_row0, tile.tma_h, tile.tma_b);
+                    for (int a = 0; a < kAtoms; ++a) {
+                        tma_load_4d(s_q + a * kBlockM * 128, &P.tma_q, full_q, 64 * a, tile.q_row0, tile.tma_h, tile.tma_b);
+                    }
                 }
                 for (int t = 0; t < n_tiles; ++t) {
                     const int st = (ring + t) % kStages;
                     const u32 free_parity = (((ring + t) / kStages) & 1) ^ 1;
                     int row, batch;
-                    tile.kv_coords(p, (n_last - t) * kBlockN, row, batch);
+                    tile.kv_coords(p, (hi - 1 - t) * kBlockN, row, batch);
                     mbar_wait(empty_k(st), free_parity);
                     CUFLASH_TRACE_MARK(kTraceProducerK);
                     mbar_arrive_expect_tx(full_k(st), Cfg::kTileBytesKV);
 #pragma unroll
                     for (int a = 0; a < kAtoms; ++a) {
-                        tma_load_4d(s_k0 + st * Cfg::kTileBytesKV + a * kBlockN * 128, &P.tma_k, full_k(st), 64 * a,
-                                    row, tile.tma_hk, batch);  // fmt: skip
+                        load_kv(s_k0 + st * Cfg::kTileBytesKV, &P.tma_k, full_k(st), a, row, tile.tma_hk, batch);
                     }
                     mbar_wait(empty_v(st), free_parity);  // (V after K: S needs K first)
                     CUFLASH_TRACE_MARK(kTraceProducerV);
                     mbar_arrive_expect_tx(full_v(st), Cfg::kTileBytesKV);
 #pragma unroll
                     for (int a = 0; a < kAtoms; ++a) {
-                        tma_load_4d(s_v0 + st * Cfg::kTileBytesKV + a * kBlockN * 128, &P.tma_v, full_v(st), 64 * a,
-                                    row, tile.tma_hk, batch);  // fmt: skip
+                        load_kv(s_v0 + st * Cfg::kTileBytesKV, &P.tma_v, full_v(st), a, row, tile.tma_hk, batch);
                     }
                 }
             }
             ring += n_tiles;
-            ++uses;
+            if (own) ++uses;
         }
         return;
     }
@@ -265,16 +332,43 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     // warpgroup never arrives twice on a barrier before the other has waited on it).
     if (Cfg::kPingPong && cwg == 1) named_arrive(2, 256);
 
+    // A K/V load of the ring (the k-th) that this CTA does not compute with (clusters: the other CTA's
+    // blocks): wait until it has landed here, then hand the slot back to both CTAs' producers.
+    auto release_kv = [&](u32 bar) {
+        __syncwarp();
+        if (signals) {
+            mbar_arrive(bar);
+            if constexpr (kCluster > 1) mbar_arrive_cluster(bar, rank ^ 1);
+        }
+    };
+    auto pass_kv = [&](int k) {
+        const int st = k % kStages;
+        const u32 ph = (u32)((k / kStages) & 1);
+        mbar_wait(full_k(st), ph);
+        mbar_wait(full_v(st), ph);
+        release_kv(empty_k(st));
+        release_kv(empty_v(st));
+    };
+
     for (int item = item0; item < n_items; item += item_step) {
-        const FwdTileRef<Cfg> tile = tile_of(item);
+        const FwdTileRef<Cfg> tile = tile_of(item, rank);
         if (tile.skip()) continue;  // a spare slot of the varlen scheduler
-        if (tile.empty()) {         // no row sees a key: O = 0, lse = -inf; nothing was loaded
-            tile.write_empty(p, ctid, 128 * Cfg::kConsumers);
+        int lo, hi;
+        kv_span(item, tile, lo, hi);
+        const bool valid = kCluster == 1 || m_index(item, rank) < p.num_m_blocks;
+        if (!valid || tile.empty()) {  // no row sees a key: O = 0, lse = -inf; nothing was loaded for it
+            if (valid) tile.write_empty(p, ctid, 128 * Cfg::kConsumers);
+            for (int k = ring; k < ring + hi - lo; ++k) pass_kv(k);
+            ring += hi - lo;
             continue;
         }
         CUFLASH_TRACE_MARK(kTraceItem);
         const int n_last = tile.n_block_end - 1;
         const int n_tiles = tile.n_block_end - tile.first_block();  // >= 1 (not empty)
+        // Clusters: the span's blocks above this tile's come first (visited from the last block), those
+        // below it last.
+        for (int k = ring; k < ring + hi - tile.n_block_end; ++k) pass_kv(k);
+        ring += hi - tile.n_block_end;
         const int m0 = tile.m0;
         const typename FwdTileRef<Cfg>::Mask mask = tile.mask;
         const int row_abs0 = m0 + warp_row0 + lane / 4;
@@ -332,7 +426,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 pa[kk][3] = pack2<kBF16>(S[0][2 * kk + 1][2], S[0][2 * kk + 1][3]);
             }
         };
-        auto release = [&](u32 bar) {
+        auto release = [&](u32 bar) {  // (Q: this CTA's own)
             __syncwarp();
             if (signals) mbar_arrive(bar);
         };
@@ -374,7 +468,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             wgmma_wait<0>();
             wgmma_fence_operands(s_acc);
             CUFLASH_TRACE_MARK(kTraceS);
-            release(empty_k(slot(0)));
+            release_kv(empty_k(slot(0)));
             if (n_tiles == 1) q_done();
             scores(n_last);
             CUFLASH_TRACE_MARK(kTraceSoftmax);
@@ -394,7 +488,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 wgmma_wait<1>();  // S_t landed; P_{t-1} V_{t-1} may still run
                 wgmma_fence_operands(s_acc);
                 CUFLASH_TRACE_MARK(kTraceS);
-                release(empty_k(slot(t)));
+                release_kv(empty_k(slot(t)));
                 if (t == n_tiles - 1) q_done();
                 const bool grew = scores(j);
                 CUFLASH_TRACE_MARK(kTraceSoftmax);
@@ -402,7 +496,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 wgmma_fence_operands(o_acc);
                 wgmma_fence_operands(pa);
                 CUFLASH_TRACE_MARK(kTracePV);
-                release(empty_v(slot(t - 1)));
+                release_kv(empty_v(slot(t - 1)));
                 wt.rescale_o(corr, grew);
                 pack_p();
             }
@@ -415,7 +509,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             wgmma_fence_operands(o_acc);
             wgmma_fence_operands(pa);
             CUFLASH_TRACE_MARK(kTracePV);
-            release(empty_v(slot(n_tiles - 1)));
+            release_kv(empty_v(slot(n_tiles - 1)));
         } else {
             for (int t = 0; t < n_tiles; ++t) {
                 const int j = n_last - t;
@@ -426,7 +520,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 tile.draw_keep(keep, j, m0 + warp_row0, lane);
                 wgmma_wait<0>();
                 wgmma_fence_operands(s_acc);
-                release(empty_k(slot(t)));
+                release_kv(empty_k(slot(t)));
                 if (t == n_tiles - 1) q_done();
                 const bool grew = scores(j);
                 wt.rescale_o(corr, grew);
@@ -439,11 +533,13 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 wgmma_wait<0>();
                 wgmma_fence_operands(o_acc);
                 wgmma_fence_operands(pa);
-                release(empty_v(slot(t)));
+                release_kv(empty_v(slot(t)));
             }
         }
         ring += n_tiles;
         ++uses;
+        for (int k = ring; k < ring + tile.first_block() - lo; ++k) pass_kv(k);
+        ring += tile.first_block() - lo;
 
         // Epilogue. Each warp stages its normalized O rows in its own rows of the Q tile (its warpgroup's
         // last S = Q K^T has completed; the other warpgroup reads only its own rows), in Q's swizzled
@@ -490,6 +586,9 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     }
     if (Cfg::kTmaStore && Cfg::kPersistent && lane == 0) tma_store_wait_read<0>();  // smem stays until the last store read it
     if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);
+    // Clusters: stay until the other CTA's consumers are done too: their last arrivals land on this
+    // CTA's "empty" barriers (its producer warps have exited: they count as arrived).
+    if constexpr (kCluster > 1) cluster_sync();
 }
 
 }  // namespace cuflash

@@ -80,6 +80,43 @@ CUFLASH_DEVICE void tma_store_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- thread block clusters (sm_90): CTAs launched together that reach each other's shared memory ----
+// This CTA's rank in its cluster.
+CUFLASH_DEVICE u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// Every thread of the cluster (exited ones count as arrived): writes before it are visible after it,
+// in every CTA of the cluster (e.g. mbarriers initialized before a peer signals them).
+CUFLASH_DEVICE void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// One arrival on the mbarrier at this CTA's offset `bar` in the shared memory of cluster CTA `rank`.
+// Default semantics (release at CTA scope), as for a local arrival: it orders this thread's reads of
+// a slot (wgmma operands, already complete) before the other CTA's TMA refills it. (.release.cluster
+// compiles to MEMBAR.ALL.GPU per arrival: 0.70x the whole forward.)
+CUFLASH_DEVICE void mbar_arrive_cluster(u32 bar, u32 rank) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+        "}\n" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+}
+// tma_load_4d delivered to every CTA of the cluster in `cta_mask` (bit r: rank r), at the same
+// shared-memory offset s_dst in each, each completing its bytes on its own mbarrier at offset `bar`.
+CUFLASH_DEVICE void tma_load_4d_multicast(u32 s_dst, const TmaDesc* desc, u32 bar, int c0, int c1, int c2, int c3,
+                                          unsigned short cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(s_dst),
+        "l"(reinterpret_cast<unsigned long long>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
+
 // ---- registers: move them from the producer warpgroup to the consumers (every warp of a warpgroup) ----
 template <int kRegs>
 CUFLASH_DEVICE void regs_release() {

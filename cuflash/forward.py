@@ -115,7 +115,7 @@ def tma_maps(how, q4, k4, v4, o4, dtype: str, forced: bool = False) -> bytes | N
         return b""
     try:
         t = how.spec.tile
-        return tma.fwd_maps(q4, k4, v4, o4, dtype, t.block_m, t.block_n, store_o=t.tma_store)
+        return tma.fwd_maps(q4, k4, v4, o4, dtype, t.block_m, t.block_n, store_o=t.tma_store, cluster=t.cluster)
     except tma.TensorMapError:
         if forced:  # a tool asked for this kernel: say so rather than time or check another one
             raise

@@ -43,7 +43,7 @@ BASE_OPTIONS = ("-std=c++17", "-Xptxas=-v")
 #: instantiates its family's templated kernel with the variant's template arguments.
 ENTRY_TEMPLATE = (
     '#include "{header}"\n'
-    'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks})\n'
+    'extern "C" __global__ void __launch_bounds__({threads}, {min_blocks}){cluster}\n'
     "{name}({grid_constant}const cuflash::{params} params) {{\n"
     "    cuflash::{kernel}(params);\n"
     "}}\n"
@@ -87,7 +87,9 @@ _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 def entry_source(spec) -> str:
     family = spec.kernel_family
+    cluster = getattr(spec, "cluster", 1)  # CTAs per thread-block cluster, fixed at compile time (cuLaunchKernel honours it)
     return ENTRY_TEMPLATE.format(header=family.header, threads=spec.threads, min_blocks=spec.min_blocks,
+                                 cluster=f" __cluster_dims__({cluster}, 1, 1)" if cluster > 1 else "",
                                  name=spec.name, grid_constant="__grid_constant__ " if family.grid_constant else "",
                                  params=family.params, kernel=spec.entry_kernel())  # fmt: skip
 

@@ -100,13 +100,17 @@ def encode(ptr: int, shape: tuple, strides: tuple, dtype: str, box_rows: int) ->
 O_BOX_ROWS = 16
 
 
-def fwd_maps(q4, k4, v4, o4, dtype: str, block_m: int, block_n: int, store_o: bool = True) -> bytes:
+def fwd_maps(q4, k4, v4, o4, dtype: str, block_m: int, block_n: int, store_o: bool = True, cluster: int = 1) -> bytes:
     """The four maps of the warp-specialized forward's parameter block (FwdTmaParams: q, k, v, o), for
     4-D (batch, rows, heads, head_dim) CuPy views (varlen: a batch of 1; paged K/V: (pages,
     page_size, heads, head_dim)). store_o=False (a kernel that writes O with 16-byte stores: the
     persistent tiles, packed batches): the output map is left zero, so it costs no driver call and
-    an output no tensor map describes does not matter."""
-    views = ((q4, block_m), (k4, block_n), (v4, block_n)) + (((o4, O_BOX_ROWS),) if store_o else ())
+    an output no tensor map describes does not matter. ``cluster``: CTAs that share each K/V tile, each
+    loading block_n / cluster of its rows (the K and V boxes)."""
+    if block_n % cluster:
+        raise ValueError(f"block_n ({block_n}) must split evenly over a cluster of {cluster}")
+    kv_rows = block_n // cluster
+    views = ((q4, block_m), (k4, kv_rows), (v4, kv_rows)) + (((o4, O_BOX_ROWS),) if store_o else ())
     maps = b"".join(encode(x.data.ptr, tuple(x.shape), tuple(s // ELEMENT_BYTES for s in x.strides), dtype, rows)
                     for x, rows in views)  # fmt: skip
     return maps if store_o else maps + bytes(MAP_BYTES)

@@ -191,7 +191,7 @@ def variant_cases(rng, arch):
 
 def hopper_cases(rng, arch):
     """The warp-specialized TMA forward: each schedule on ragged causal / windowed cases at 1, 3 and
-    ragged key-tile counts; the 3-warpgroup hd64 tile; the persistent tiles, several tiles per CTA (O
+    ragged key-tile counts, with and without clusters of 2 sharing K/V by multicast; the 3-warpgroup hd64 tile; the persistent tiles, several tiles per CTA (O
     out by 16-byte stores and by TMA stores, whose shared-memory reads the next tile's staging waits for);
     partial last boxes; varlen NaN tails and paged K/V; the TMA backward's ring depths, a window,
     variants and its varlen NaN tails."""
@@ -200,14 +200,18 @@ def hopper_cases(rng, arch):
     from test_hopper_ws_gpu import test_varlen_nan_after_the_keys_stays_out
 
     W = plan.Sm90WsTile
-    for tile in (W(128, 128, pingpong=False), W(128, 128), W(128, 128, overlap=False), W(128, 64, 3), W(192, 64)):
+    for tile in (W(128, 128, pingpong=False), W(128, 128), W(128, 128, overlap=False), W(128, 64, 3), W(192, 64),
+                 W(128, 128, pingpong=False, cluster=2), W(128, 64, 3, cluster=2), W(192, 64, pingpong=False, cluster=2)):
         for sk, causal, kw in ((128, False, {}), (300, True, {}), (700, False, dict(window_size=(100, 30)))):
             q, k, v = random_qkv(rng, 2, 200, sk, 4, 2, 128, "bf16")
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, **kw)
             print(f"ok {tile} sk={sk} causal={causal} {kw}: err {err:.2e} <= {bound:.2e}")
     short = plan.FWD_SM90_WS_SHORT_TILES
-    for d, tile in ((128, short[128]), (64, short[64]), (128, dataclasses.replace(short[128], tma_store=True))):
-        for causal in (False, True):  # persistent: 4 x 5 x 16 = 320 tiles, so every CTA walks 2 or 3 of them
+    for d, tile in ((128, short[128]), (64, short[64]), (128, dataclasses.replace(short[128], tma_store=True)),
+                    (128, dataclasses.replace(short[128], cluster=3 - short[128].cluster))):  # (with and without clusters)
+        # persistent: 4 x 5 x 16 = 320 tiles, so every CTA walks 2 or 3 of them (clusters: 5 tiles = 3 pairs,
+        # the last with a CTA that only loads)
+        for causal in (False, True):
             q, k, v = random_qkv(rng, 4, 600, 700, 16, 4, d, "bf16")
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile)
             print(f"ok persistent {tile} d={d} causal={causal}: err {err:.2e} <= {bound:.2e}")

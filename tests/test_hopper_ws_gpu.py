@@ -27,11 +27,18 @@ def _schedules():
     return [W(128, 128), W(128, 128, overlap=False), W(128, 128, pingpong=False), W(128, 128, overlap=False, pingpong=False),
             W(128, 128, 3), W(128, 64, 4), W(192, 64, pingpong=False), W(128, 128, pingpong=False, persistent=True),
             W(128, 128, persistent=True), W(192, 64, pingpong=False, persistent=True),
-            W(128, 176, pingpong=False), W(128, 80)]  # key tiles not a multiple of 64 (FlashAttention-3's hd128 tile)  # fmt: skip
+            W(128, 176, pingpong=False), W(128, 80),  # key tiles not a multiple of 64 (FlashAttention-3's hd128 tile)
+            # clusters of 2 sharing K/V by multicast: 300 query rows are 3 tiles of 128 (the last cluster's second
+            # CTA only loads), 2 of 192; causal and the window give the two CTAs different key blocks
+            W(128, 128, pingpong=False, cluster=2), W(128, 128, cluster=2), W(128, 128, 3, pingpong=False, cluster=2),
+            W(192, 64, pingpong=False, cluster=2), W(128, 80, pingpong=False, cluster=2),
+            W(128, 128, pingpong=False, persistent=True, cluster=2),
+            W(128, 128, pingpong=False, persistent=True, tma_store=False, cluster=2)]  # fmt: skip
 
 
 @pytest.mark.parametrize("tile", _schedules(), ids=lambda t: f"bm{t.block_m}bn{t.block_n}st{t.stages}ov{int(t.overlap)}"
-                         f"pp{int(t.pingpong)}{'persistent' if t.persistent else ''}")
+                         f"pp{int(t.pingpong)}{'persistent' if t.persistent else ''}{'tmao' if t.tma_store else ''}"
+                         f"c{t.cluster}")
 @pytest.mark.parametrize("sk", [1, 128, 256, 384, 700])  # 1 key tile, exactly the ring, one past it, ragged
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (100, 30))])
 def test_schedules(tile, sk, causal, window):
@@ -42,6 +49,31 @@ def test_schedules(tile, sk, causal, window):
     q, k, v = random_qkv(rng, 2, 300, sk, 4, 2, 128, "bf16")
     kw = {"window_size": window} if window else {}
     check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"{tile} sk={sk}", **kw)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_keys_run_in_clusters(head_dim, causal, monkeypatch):
+    """From plan.CLUSTER_KEYS keys the planner's tile runs in clusters of 2 (K/V shared by multicast), not
+    for 3 query tiles (cluster_pays); both against the float64 reference, GQA, a partial last key tile."""
+    _hopper()
+    from cuflash import forward, plan
+
+    launched = []
+    plan_and_load = forward._plan_and_load
+
+    def spy(*args):
+        how, fn = plan_and_load(*args)
+        launched.append(how)
+        return how, fn
+
+    monkeypatch.setattr(forward, "_plan_and_load", spy)
+    rng = np.random.default_rng(head_dim + causal)
+    sk = plan.CLUSTER_KEYS[head_dim] + 77
+    for sq, cluster in ((1000, 2), (300, 1)):
+        q, k, v = random_qkv(rng, 1, sq, sk, 4, 2, head_dim, "bf16")
+        check_forward(q, k, v, causal=causal, dtype="bf16", what=f"{sq} x {sk}")
+        assert launched[-1].spec.cluster == cluster, (sq, launched[-1].spec.name)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])  # (256: the O staging tile does not fit next to Q and the ring)
@@ -136,7 +168,7 @@ def test_persistent_walk_groups_paged_kv(head_dim, causal, monkeypatch):
     from cuflash import jit, plan, varlen
     from cuflash.checks import BF16
 
-    tile = plan.FWD_SM90_WS_SHORT_TILES[head_dim]
+    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[head_dim], cluster=1)  # (packed batches: no clusters)
     per_tile = dataclasses.replace(tile, persistent=False)
     rng = np.random.default_rng(head_dim + causal)
     lengths, page, h = [0, 500, 3, 129, 0, 700, 64, 300], 128, 8

@@ -254,11 +254,12 @@ def test_all_fwd_specs_covers_every_combination():
     assert {(s.head_dim, s.dtype, s.causal) for s in ws} == {
         (d, dt, c) for d in plan.FWD_SM90_WS_TILES for dt in plan.DTYPES for c in (False, True)
     }
-    # each with its default tile, and the short-key persistent tile where its bucket has one
-    assert {s.tile for s in ws if s.head_dim not in plan.FWD_SM90_WS_SHORT_TILES} <= set(plan.FWD_SM90_WS_TILES.values())
-    for d in plan.FWD_SM90_WS_TILES:
+    # each with its default tile, the short-key persistent tile where its bucket has one, and the default
+    # tile in clusters of 2 where the bucket takes them for long keys
+    for d, default in plan.FWD_SM90_WS_TILES.items():
         tiles = {s.tile for s in ws if s.head_dim == d}
-        assert tiles == {plan.FWD_SM90_WS_TILES[d], plan.FWD_SM90_WS_SHORT_TILES.get(d, plan.FWD_SM90_WS_TILES[d])}
+        clustered = {dataclasses.replace(default, cluster=2)} if d in plan.CLUSTER_KEYS else set()
+        assert tiles == {default, plan.FWD_SM90_WS_SHORT_TILES.get(d, default)} | clustered
     assert len(hopper) == len(plan.FWD_SM90_TILES) * 4 and len(specs) == len(mma) + len(hopper) + len(ws)
     assert all(s.family == "flash_fwd" for s in plan.all_fwd_specs("sm_80") + plan.all_fwd_specs("sm_86"))
     # head dims map to buckets, duplicates dropped, order kept
@@ -392,11 +393,13 @@ def test_entry_source_of_every_family(family):
     text = jit.entry_source(spec)
     qual = "__grid_constant__ " if fam.grid_constant else ""  # (TMA reads the maps from parameter space)
     assert fam.grid_constant == (family in ("flash_fwd_sm90_ws", "flash_bwd_sm90_ws"))
+    cluster = getattr(spec, "cluster", 1)
+    dims = f" __cluster_dims__({cluster}, 1, 1)" if cluster > 1 else ""
     assert text == jit.ENTRY_TEMPLATE.format(header=fam.header, threads=spec.threads, min_blocks=spec.min_blocks,
-                                             name=spec.name, grid_constant=qual, params=fam.params,
+                                             cluster=dims, name=spec.name, grid_constant=qual, params=fam.params,
                                              kernel=spec.entry_kernel())  # fmt: skip
     assert text.splitlines()[0] == f'#include "{fam.header}"'
-    assert f"__launch_bounds__({spec.threads}, {spec.min_blocks})" in text
+    assert f"__launch_bounds__({spec.threads}, {spec.min_blocks}){dims}\n" in text
     assert f"{spec.name}({qual}const cuflash::{fam.params} params)" in text
     assert f"cuflash::{spec.entry_kernel()}(params);" in text
 
@@ -445,10 +448,14 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
                      else plan.FWD_SM90_WS_TILES[bucket])  # fmt: skip
         assert plan.sm90_ws_tile(bucket, plan.short_keys_hint(seqlen_k), causal) == t  # the hint varlen caches by
         assert plan.short_keys_hint(seqlen_k) <= min(seqlen_k, 4097)
+        m_blocks = math.ceil(seqlen_q / t.block_m)
+        if not plan.cluster_pays(m_blocks, t.cluster):
+            t = dataclasses.replace(t, cluster=1)
         assert spec == plan.Sm90WsKernelSpec(bucket, dtype, causal, t)
         assert launch.smem_bytes == plan.fwd_sm90_ws_smem_bytes(bucket, t) == spec.smem_bytes <= 227 * 1024
-        tiles = math.ceil(seqlen_q / t.block_m) * nheads * batch
-        assert launch.grid == ((min(tiles, 132), 1, 1) if t.persistent else (math.ceil(seqlen_q / t.block_m), nheads, batch))
+        c = t.cluster  # (clusters: pairs of query tiles, whole clusters)
+        items = math.ceil(m_blocks / c) * nheads * batch
+        assert launch.grid == ((min(items, 132 // c) * c, 1, 1) if t.persistent else (math.ceil(m_blocks / c) * c, nheads, batch))
         assert launch.block == ((t.block_m // 64 + 1) * 128, 1, 1) == (spec.threads, 1, 1)
         return
     t = plan.fwd_tile(bucket, arch)
@@ -594,6 +601,69 @@ def test_persistent_walk_visits_every_tile_once_group_by_group(pairs, group, m_b
         first = start // m_blocks
         assert {pr for _, pr in chunk} == set(range(first, min(first + group, pairs)))
         assert [x for x, _ in chunk] == sorted(x for x, _ in chunk)  # query tile outermost
+
+
+def _cluster_walk(items: int, pairs: int, group: int, m_blocks: int, cluster: int):
+    """The persistent forward's walk with clusters (flash_fwd_sm90_ws.cuh, m_index / tile_of): an item is
+    a run of ``cluster`` query tiles of one pair, rank r taking the r-th; (query tile, pair, rank)."""
+    m_items = -(-m_blocks // cluster)
+    for x, pair in _persistent_walk(items, pairs, group, m_items):
+        for r in range(cluster):
+            yield x * cluster + r, pair, r
+
+
+@pytest.mark.parametrize("pairs,group,m_blocks", [(1, 1, 5), (48, 5, 3), (48, 48, 8), (7, 3, 1), (64, 4, 128)])
+def test_cluster_walk_gives_each_tile_to_one_rank(pairs, group, m_blocks):
+    """With clusters of 2 every (query tile, pair) is taken once, by the rank its index's parity names,
+    its partner (the other rank of the item) being the adjacent tile of the same pair; an odd count adds
+    one index past the last tile per pair (a CTA that only helps load)."""
+    m_items = -(-m_blocks // 2)
+    walk = list(_cluster_walk(pairs * m_items, pairs, group, m_blocks, 2))
+    real = [(x, pr) for x, pr, _ in walk if x < m_blocks]
+    assert sorted(real) == sorted((x, pr) for x in range(m_blocks) for pr in range(pairs))
+    assert all(x % 2 == r for x, _, r in walk)
+    assert len(walk) - len(real) == (m_blocks % 2) * pairs
+    for i in range(0, len(walk), 2):
+        (x0, p0, _), (x1, p1, _) = walk[i], walk[i + 1]
+        assert p0 == p1 and x1 == x0 + 1
+
+
+def test_clusters_launch_whole_clusters_and_only_where_they_pay():
+    """A cluster tile's grid is a multiple of its cluster: per tile, the query tiles rounded up (an odd
+    count's last CTA only helps load); persistent, min(items, SMs / 2) clusters of pairs of query tiles.
+    The planner takes them on the default tile from CLUSTER_KEYS keys, but not where spare CTAs would be
+    over 1/8 (1 or 3 query tiles); packed batches never take them."""
+    assert plan.CLUSTER_KEYS == {128: 8192, 256: 8192} and all(t.cluster == 1 for t in plan.FWD_SM90_WS_TILES.values())
+    assert [m for m in range(1, 12) if plan.cluster_pays(m, 2)] == [2, 4, 6, 7, 8, 9, 10, 11]
+    assert plan.cluster_pays(5, 1) and not plan.cluster_pays(1, 2)
+    kw = dict(nheads=4, nheads_kv=2, head_dim=128, dtype="bf16", causal=False, aligned=True, arch="sm_90a",
+              sm_count=132)  # fmt: skip
+    tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[128], cluster=2)
+    odd = plan.plan_forward(batch=2, seqlen_q=300, seqlen_k=8000, tile=tile, **kw)
+    assert odd.grid == (4, 4, 2) and odd.m_blocks == 3 and odd.spec.cluster == 2 and "_c2_" in odd.spec.name
+    assert odd.spec.template_args().endswith(f", {1 | 8 | 16}")
+    persistent = dataclasses.replace(tile, persistent=True)
+    big = plan.plan_forward(batch=8, seqlen_q=1000, seqlen_k=1000, tile=persistent, **kw)
+    assert big.grid == (132, 1, 1) and big.m_blocks == 8
+    small = plan.plan_forward(batch=1, seqlen_q=300, seqlen_k=1000, tile=persistent, **kw)
+    assert small.grid == (2 * 4 * 2, 1, 1)  # 2 items (pairs of query tiles) x 4 heads, 2 CTAs each
+    for seqlen_q, seqlen_k, cluster in ((100, 16384, 1), (300, 16384, 1), (256, 16384, 2), (900, 8192, 2),
+                                        (16384, 16384, 2), (16384, 8191, 1), (16384, 512, 1)):  # fmt: skip
+        auto = plan.plan_forward(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **kw)
+        assert auto.spec.cluster == cluster and auto.grid[0] % cluster == 0, (seqlen_q, seqlen_k)
+    for d in (64, 128, 256):  # (clusters from CLUSTER_KEYS keys, on the default tile)
+        t = plan.sm90_ws_tile(d, 10**6, False)
+        assert t == dataclasses.replace(plan.FWD_SM90_WS_TILES[d], cluster=2 if d in plan.CLUSTER_KEYS else 1)
+        assert plan.sm90_ws_tile(d, 10**6, True, default_only=True) == plan.FWD_SM90_WS_TILES[d]
+    packed = plan.plan_forward(batch=2, seqlen_q=4000, seqlen_k=4000, mods=plan.MOD_VARLEN, tile=tile, **kw)
+    assert packed.spec.cluster == 1 and "_c2" not in packed.spec.name
+    with pytest.raises(ValueError, match="cluster"):
+        plan.fwd_sm90_ws_spec(128, "bf16", False, dataclasses.replace(tile, cluster=4))
+    with pytest.raises(ValueError, match="cluster"):
+        plan.fwd_sm90_ws_spec(128, "bf16", False, dataclasses.replace(tile, block_n=16 * 3))
+    specs = [s for s in plan.all_fwd_specs("sm_90a", head_dims=(128,), dtypes=("bf16",), aligned=(True,))
+             if s.family == "flash_fwd_sm90_ws"]  # fmt: skip
+    assert {s.cluster for s in specs} == {1, 2}  # (precompile builds both)
 
 
 def test_persistent_group_keeps_a_groups_kv_within_the_l2_share():

@@ -105,6 +105,36 @@ def test_the_output_map_only_where_the_kernel_stores_by_tma(monkeypatch):
         tma.encode.cache_clear()
 
 
+def test_cluster_maps_box_each_ctas_share_of_a_key_tile(monkeypatch):
+    """With clusters (each CTA loads block_n / cluster rows of every K/V tile and multicasts them), the
+    K and V boxes are that share; Q's and O's boxes do not change; a share that is not whole is refused."""
+
+    class View:
+        def __init__(self, ptr):
+            self.data = type("Data", (), {"ptr": ptr})()
+            self.shape, self.strides = (2, 100, 4, 64), (100 * 4 * 64 * 2, 4 * 64 * 2, 64 * 2, 2)
+
+    boxes = []
+
+    def fake(addr, dtype, rank, ptr, dims, strides, box, *rest):
+        boxes.append(box[1])
+        return 0
+
+    monkeypatch.setattr(tma, "_encode_tiled", lambda: fake)
+    tma.encode.cache_clear()
+    try:
+        q, k, v, o = (View(4096 * (i + 1)) for i in range(4))
+        tma.fwd_maps(q, k, v, o, "bf16", 128, 80, cluster=2)
+        assert boxes == [128, 40, 40, tma.O_BOX_ROWS]
+        boxes.clear()
+        tma.fwd_maps(q, k, v, o, "bf16", 128, 80)
+        assert boxes == [80, 80]  # (q and o from the cache)
+        with pytest.raises(ValueError, match="cluster"):
+            tma.fwd_maps(q, k, v, o, "bf16", 128, 80, cluster=3)
+    finally:
+        tma.encode.cache_clear()
+
+
 def test_the_record_fits_the_aligned_launch_buffer():
     """FwdTmaParams = 4 maps of 128 bytes (q, k, v, o), then FwdParams at offset 512 (the kernel header
     asserts it); the launch buffer holds it and is 64-byte aligned, as a CUtensorMap must be."""

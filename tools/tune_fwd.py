@@ -7,6 +7,7 @@ warp-specialized TMA kernel's tiles and schedules (FWD_SM90_WS_TILES; its ablati
 Prints one line per (head dim, tile, causal, seqlen) and, last, the best tile per head dim.
 """
 import argparse
+import dataclasses
 import statistics
 
 from cuflash import bench
@@ -53,12 +54,18 @@ SM90_WS_CANDIDATES = {  # (block_m, block_n, stages, overlap, pingpong, persiste
     256: [W(128, 64, pingpong=False), W(128, 80, pingpong=False), W(128, 64), W(128, 64, overlap=False, pingpong=False),
           W(128, 64, overlap=False), W(128, 80, pingpong=False, tma_store=False)],
 }
+# Each tile again with clusters of 2 sharing K/V by TMA multicast (and, where shared memory allows, 3 stages).
+for _d, _tiles in SM90_WS_CANDIDATES.items():
+    _tiles += [dataclasses.replace(t, cluster=2) for t in _tiles[:2]]
+SM90_WS_CANDIDATES[64] += [W(192, 128, 3, pingpong=False, cluster=2), P(128, 128, pingpong=False, cluster=2)]
+SM90_WS_CANDIDATES[128] += [W(128, 128, 3, pingpong=False, cluster=2)]
 
 
 def describe(tile) -> str:
     if isinstance(tile, Sm90WsTile):
         return (f"ws bm{tile.block_m} bn{tile.block_n} st{tile.stages} overlap={int(tile.overlap)} "
-                f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)} tmastore={int(tile.tma_store)}")
+                f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)} tmastore={int(tile.tma_store)} "
+                f"cluster={tile.cluster}")
     if isinstance(tile, Sm90Tile):
         return f"sm90 bm{tile.block_m} bn{tile.block_n} st{tile.stages} mb{tile.min_blocks}"
     return f"bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} st={tile.stages}"

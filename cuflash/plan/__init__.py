@@ -33,9 +33,9 @@ from .decode_kernels import (
 from .forward import (
     FWD_SM90_TILES, FWD_SM90_WS_SHORT_TILES, FWD_SM90_WS_TILES, FWD_TILES, KernelSpec, Sm90KernelSpec, Sm90Tile, Sm90WsKernelSpec, Sm90WsTile,
     Tile, all_fwd_specs, fwd_sm90_smem_bytes, fwd_sm90_spec, fwd_sm90_ws_smem_bytes, fwd_sm90_ws_spec, fwd_smem_bytes,
-    PERSISTENT_L2_SHARE, SHORT_KEYS, fwd_spec, persistent_group, short_keys_hint, fwd_tile, plan_forward,
+    CLUSTER_KEYS, PERSISTENT_L2_SHARE, SHORT_KEYS, fwd_spec, persistent_group, short_keys_hint, fwd_tile, plan_forward,
     DROPOUT_KEYS, PAGE_KEYS, WS_KEY_TILES, fit_key_tile, sm90_ws_tile, uses_sm90_forward, uses_sm90_ws_forward,
-    varlen_tiles, with_tile,
+    cluster_pays, varlen_tiles, with_tile,
 )
 
 #: Each kernel family's variant list, as `cuflash precompile --kernels` selects them.
@@ -51,6 +51,8 @@ __all__ = [
     "MOD_SOFTCAP",
     "MOD_WINDOW",
     "ALL_SPECS",
+    "CLUSTER_KEYS",
+    "cluster_pays",
     "BWD_AUX_THREADS",
     "BWD_FALLBACK_TILES",
     "BWD_SM90_TILES",

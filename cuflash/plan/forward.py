@@ -108,6 +108,10 @@ class Sm90WsTile:
     min_blocks: int = 1
     persistent: bool = False  # one CTA per SM walks the tiles (the next tile's loads overlap an epilogue)
     tma_store: bool = True  # O leaves by TMA stores, one per warp's rows (packed batches: 16-byte stores, fwd_sm90_ws_spec)
+    # CTAs per thread-block cluster: 2 = two query tiles of one (head, batch) share every K/V tile, each CTA
+    # loading half its rows into both (TMA multicast), which halves the K/V the L2 serves (plain batches only:
+    # packed ones get 1, fwd_sm90_ws_spec)
+    cluster: int = 1
 
     @property
     def warps(self) -> int:
@@ -115,9 +119,10 @@ class Sm90WsTile:
 
     @property
     def sched(self) -> int:
-        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent, 8 TMA store."""
+        """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent, 8 TMA store,
+        16 clusters of 2."""
         return (int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0) | (4 if self.persistent else 0)
-                | (8 if self.tma_store else 0))  # fmt: skip
+                | (8 if self.tma_store else 0) | (16 if self.cluster == 2 else 0))  # fmt: skip
 
 
 #: Warp-specialized Hopper forward tiles per head-dim bucket: the default forward on sm_90a for
@@ -178,6 +183,17 @@ FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
 SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (4096, 4096)}
 
 
+#: Keys per sequence from which the default tile runs in clusters of 2 CTAs that share each K/V tile by
+#: TMA multicast (Sm90WsTile.cluster), per head-dim bucket. A/B on the H200 (tools/ab_sources.py, bf16,
+#: clusters everywhere against none, one run, TFLOP/s): at 8192 keys hd128 587 -> 594, causal 541 -> 562,
+#: hd256 663 -> 692, causal 607 -> 627-642; hd64 at 8192 0.95-0.97x; and 0.83-0.97x at 512-2048 keys
+#: causal (a pair moves in lockstep, and a causal pair's lower CTA idles through the upper one's
+#: diagonal block), hd64 0.87-0.98x non-causal there, hd128 0.97-1.03x. Halving the K/V bytes outright
+#: (an experiment with wrong results) gave hd128 8192 +19%: what limits the steady state is what each SM
+#: takes in, not what the L2 serves, and multicast only halves the L2's side.
+CLUSTER_KEYS: dict[int, int] = {128: 8192, 256: 8192}
+
+
 #: Share of the GPU's L2 cache that the K/V of one group of a persistent walk may fill (persistent_group),
 #: by the causal flag. Non-causal tiles all cost the same: small groups keep the K/V that the running
 #: CTAs read few (hd128 1024 keys: 1.09x the 0.5 share, A/B of session 11). Causal: a round of the walk
@@ -214,10 +230,14 @@ def short_keys_hint(seqlen_k: int) -> int:
 def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = False) -> Sm90WsTile:
     """The warp-specialized forward's tile for a call: FWD_SM90_WS_SHORT_TILES where the keys are
     short (at most SHORT_KEYS[bucket][causal]; packed batches: the longest sequence's), else
-    FWD_SM90_WS_TILES. ``default_only``: always the default (packed batches whose longest sequence is
-    not known; plans without the GPU's SM count)."""
+    FWD_SM90_WS_TILES, in clusters of 2 from CLUSTER_KEYS[bucket] keys (plan_forward drops them for few
+    query tiles: cluster_pays; packed batches never take them: fwd_sm90_ws_spec). ``default_only``:
+    always the default (packed batches whose longest sequence is not known; plans without the GPU's
+    SM count)."""
     if not default_only and bucket in FWD_SM90_WS_SHORT_TILES and seqlen_k <= SHORT_KEYS[bucket][bool(causal)]:
         return FWD_SM90_WS_SHORT_TILES[bucket]
+    if not default_only and seqlen_k >= CLUSTER_KEYS.get(bucket, 1 << 62):
+        return dataclasses.replace(FWD_SM90_WS_TILES[bucket], cluster=2)
     return FWD_SM90_WS_TILES[bucket]
 
 
@@ -309,7 +329,13 @@ class Sm90WsKernelSpec(HopperSpec):
     def name(self) -> str:
         t = self.tile
         return self._variant_name(f"{'_ov' if t.overlap else ''}{'_pp' if t.sched & 2 else ''}"
-                                  f"{'_persistent' if t.persistent else ''}{'_tmao' if t.tma_store else ''}")
+                                  f"{'_persistent' if t.persistent else ''}{'_tmao' if t.tma_store else ''}"
+                                  f"{f'_c{t.cluster}' if t.cluster > 1 else ''}")
+
+    @property
+    def cluster(self) -> int:
+        """CTAs per thread-block cluster (the entry point's __cluster_dims__; grids are multiples of it)."""
+        return self.tile.cluster
 
     @property
     def smem_bytes(self) -> int:
@@ -347,8 +373,13 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
                          f"at head dim {bucket} (take block_m 128 or a smaller block_n)")  # fmt: skip
     if fwd_sm90_ws_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
         raise ValueError(f"warp-specialized tile {tile} needs {fwd_sm90_ws_smem_bytes(bucket, tile)} bytes of shared memory")
+    if tile.cluster not in (1, 2) or tile.block_n // tile.cluster % 8:
+        raise ValueError(f"warp-specialized tile {tile}: cluster must be 1 or 2, and each CTA's share of a key tile "
+                         f"(block_n / cluster) a multiple of 8 rows")  # fmt: skip
     if mods & MOD_VARLEN and tile.tma_store:  # a box of a sequence's last rows would write into the next one's
         tile = dataclasses.replace(tile, tma_store=False)  # (one spec, one name, and no output map to encode)
+    if mods & MOD_VARLEN and tile.cluster > 1:  # the query tiles of a cluster belong to one (head, batch) pair
+        tile = dataclasses.replace(tile, cluster=1)
     return Sm90WsKernelSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
 
 
@@ -444,6 +475,8 @@ def plan_forward(
             keys = (max_seqlen_k or 0) if varlen else seqlen_k
             tile = sm90_ws_tile(head_dim_bucket(head_dim), keys, causal, (varlen and max_seqlen_k is None) or not sm_count)
             tile = fit_key_tile(tile, paged=paged, mods=mods)
+            if tile.cluster > 1 and not cluster_pays(-(-seqlen_q // tile.block_m), tile.cluster):
+                tile = dataclasses.replace(tile, cluster=1)
         spec = fwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
     elif isinstance(tile, Sm90Tile) or (tile is None and uses_sm90_forward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned:
@@ -455,13 +488,24 @@ def plan_forward(
         grid = (varlen_tiles(seqlen_q, batch, spec.tile.block_m), nheads, 1)
     else:
         grid = (-(-seqlen_q // spec.tile.block_m), nheads, batch)
+    m_blocks, cluster = grid[0], getattr(spec.tile, "cluster", 1)
     if getattr(spec.tile, "persistent", False):  # one CTA per SM (at most one per tile) walks grid's tiles
-        if sm_count is None or sm_count < 1:
+        if sm_count is None or sm_count < cluster:
             raise ValueError("a persistent tile needs sm_count (the GPU's multiprocessors)")
         group = persistent_group(grid[1] * grid[2], seqlen_k, head_dim, nheads // nheads_kv, l2_bytes, causal)
-        return Launch(spec, (min(grid[0] * grid[1] * grid[2], sm_count), 1, 1), (spec.threads, 1, 1),
-                      spec.smem_bytes, m_blocks=grid[0], sched_group=group)  # fmt: skip
-    return Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, m_blocks=grid[0])
+        items = -(-m_blocks // cluster) * grid[1] * grid[2]  # (clusters: pairs of query tiles)
+        return Launch(spec, (min(items, sm_count // cluster) * cluster, 1, 1), (spec.threads, 1, 1),
+                      spec.smem_bytes, m_blocks=m_blocks, sched_group=group)  # fmt: skip
+    grid = (-(-m_blocks // cluster) * cluster,) + grid[1:]  # (clusters: an odd count's last CTA only helps load)
+    return Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, m_blocks=m_blocks)
+
+
+def cluster_pays(m_blocks: int, cluster: int) -> bool:
+    """Whether clusters of ``cluster`` CTAs suit ``m_blocks`` query tiles per (head, batch) pair: a count
+    that is not a multiple leaves CTAs that only help load, and those may be at most 1/8 of the CTAs
+    (one query tile alone, or 3 of them, run without clusters)."""
+    spare = -m_blocks % cluster
+    return m_blocks >= cluster and 8 * spare <= m_blocks + spare
 
 
 def varlen_tiles(total: int, batch: int, block: int) -> int:
@@ -486,9 +530,12 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                         if al and uses_sm90_forward(bucket, True, arch):
                             specs.append(fwd_sm90_spec(bucket, dt, c, mods=m))
                         if al and uses_sm90_ws_forward(bucket, True, arch):
-                            specs.append(fwd_sm90_ws_spec(bucket, dt, c, mods=m))
+                            default = fit_key_tile(FWD_SM90_WS_TILES[bucket], mods=m)
+                            specs.append(fwd_sm90_ws_spec(bucket, dt, c, default, m))
                             if bucket in FWD_SM90_WS_SHORT_TILES:
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, FWD_SM90_WS_SHORT_TILES[bucket], m))
+                            if bucket in CLUSTER_KEYS:  # (packed batches: the same spec, without clusters)
+                                specs.append(fwd_sm90_ws_spec(bucket, dt, c, dataclasses.replace(default, cluster=2), m))
                             if m & MOD_VARLEN:  # (packed batches may be paged)
                                 paged = fit_key_tile(FWD_SM90_WS_TILES[bucket], paged=True, mods=m)
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, paged, m))
