@@ -53,7 +53,7 @@
 // Preconditions (cuflash/plan/forward.py picks this kernel only then): sm_90a; head_dim % 8 == 0, rows
 // and strides 16-byte aligned (TMA's rules); head-dim bucket a multiple of 64; the host encodes the
 // tensor maps (cuflash/tma.py): q, k, v, o seen as (batch, rows, heads, head_dim) with boxes of
-// 64 columns x kBlockM (q), kBlockN (k, v) or kOBoxRows (o) rows. Rows or columns past the tensor
+// 64 columns x kBlockM (q), kBlockN / kCluster (k, v) or kOBoxRows (o) rows. Rows or columns past the tensor
 // arrive as zeros (loads) or are not written (stores).
 #pragma once
 

@@ -92,10 +92,11 @@ CUFLASH_DEVICE u32 cluster_ctarank() {
 CUFLASH_DEVICE void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-// One arrival on the mbarrier at this CTA's offset `bar` in the shared memory of cluster CTA `rank`.
-// Default semantics (release at CTA scope), as for a local arrival: it orders this thread's reads of
-// a slot (wgmma operands, already complete) before the other CTA's TMA refills it. (.release.cluster
-// compiles to MEMBAR.ALL.GPU per arrival: 0.70x the whole forward.)
+// One arrival on the mbarrier at this CTA's offset `bar` in the shared memory of cluster CTA `rank`,
+// with the default semantics (release at CTA scope, as CUTLASS's cluster barriers arrive). Enough for
+// the one hazard it guards, write after read: the caller's reads of the slot (wgmma operands) have
+// completed (wgmma.wait_group) before it arrives, and nothing it wrote is read by the other CTA.
+// (.release.cluster compiles to MEMBAR.ALL.GPU per arrival: the forward ran at 0.70x.)
 CUFLASH_DEVICE void mbar_arrive_cluster(u32 bar, u32 rank) {
     asm volatile(
         "{\n"

@@ -72,7 +72,8 @@ def test_every_variant_compiles(compiled):
     hopper = [s for s in specs if s.family == "flash_fwd_sm90"]
     assert len(hopper) == len(plan.FWD_SM90_TILES) * 2 * 2 and {s.arch for s in hopper} == {"sm_90a"}
     ws = [s for s in specs if s.family == "flash_fwd_sm90_ws"]  # the warp-specialized TMA forward, likewise
-    assert len(ws) == (len(plan.FWD_SM90_WS_TILES) + len(plan.FWD_SM90_WS_SHORT_TILES)) * 2 * 2
+    tiles = len(plan.FWD_SM90_WS_TILES) + len(plan.FWD_SM90_WS_SHORT_TILES) + len(plan.CLUSTER_KEYS)  # (+ clustered)
+    assert len(ws) == tiles * 2 * 2 and sum(s.cluster == 2 for s in ws) == len(plan.CLUSTER_KEYS) * 2 * 2
     assert {s.arch for s in ws} == {"sm_90a"}
     hopper_bwd = [s for s in specs if s.family == "flash_bwd_sm90"]
     assert len(hopper_bwd) == len(plan.BWD_SM90_TILES) * 2 * 2 and {s.arch for s in hopper_bwd} == {"sm_90a"}

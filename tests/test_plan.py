@@ -11,7 +11,7 @@ import math
 import re
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from cuflash import jit, plan
 
@@ -433,6 +433,11 @@ def test_launch_smem_limit():
     aligned=st.booleans(),
     arch=st.sampled_from(["sm_80", "sm_86", "sm_90a"]),
 )
+# (always the long-key tiles: clusters of 2, and none for 3 query tiles)
+@example(batch=2, seqlen_q=1000, seqlen_k=10000, nheads_kv=2, group=1, head_dim=128, dtype="bf16", causal=False,
+         aligned=True, arch="sm_90a")  # fmt: skip
+@example(batch=1, seqlen_q=300, seqlen_k=8192, nheads_kv=1, group=4, head_dim=256, dtype="fp16", causal=True,
+         aligned=True, arch="sm_90a")  # fmt: skip
 def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dtype, causal, aligned, arch):
     aligned = aligned and head_dim % 8 == 0
     nheads = nheads_kv * group
@@ -444,9 +449,12 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
     if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_WS_TILES:  # the warp-specialized Hopper kernel
         t = plan.sm90_ws_tile(bucket, seqlen_k, causal)
         short = seqlen_k <= {64: (1024, 1024), 128: (4096, 4096)}.get(bucket, (0, 0))[causal]
-        assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, plan.FWD_SM90_WS_TILES[bucket]) if short
-                     else plan.FWD_SM90_WS_TILES[bucket])  # fmt: skip
-        assert plan.sm90_ws_tile(bucket, plan.short_keys_hint(seqlen_k), causal) == t  # the hint varlen caches by
+        long = seqlen_k >= {128: 8192, 256: 8192}.get(bucket, 1 << 62)  # (clusters of 2 from there)
+        default = plan.FWD_SM90_WS_TILES[bucket]
+        assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, default) if short
+                     else dataclasses.replace(default, cluster=2) if long else default)  # fmt: skip
+        # the hint varlen caches by: the same tile but for clusters, which packed batches never take
+        assert plan.sm90_ws_tile(bucket, plan.short_keys_hint(seqlen_k), causal) == dataclasses.replace(t, cluster=1)
         assert plan.short_keys_hint(seqlen_k) <= min(seqlen_k, 4097)
         m_blocks = math.ceil(seqlen_q / t.block_m)
         if not plan.cluster_pays(m_blocks, t.cluster):
@@ -603,29 +611,39 @@ def test_persistent_walk_visits_every_tile_once_group_by_group(pairs, group, m_b
         assert [x for x, _ in chunk] == sorted(x for x, _ in chunk)  # query tile outermost
 
 
-def _cluster_walk(items: int, pairs: int, group: int, m_blocks: int, cluster: int):
-    """The persistent forward's walk with clusters (flash_fwd_sm90_ws.cuh, m_index / tile_of): an item is
-    a run of ``cluster`` query tiles of one pair, rank r taking the r-th; (query tile, pair, rank)."""
-    m_items = -(-m_blocks // cluster)
-    for x, pair in _persistent_walk(items, pairs, group, m_items):
-        for r in range(cluster):
-            yield x * cluster + r, pair, r
+def _kernel_m_index(item: int, r: int, pairs: int, group: int, m_items: int, cluster: int) -> int:
+    """flash_fwd_sm90_ws.cuh's m_index (persistent), transcribed: the query-tile index of rank r's tile."""
+    size = min(group, pairs - item // (group * m_items) * group)
+    return item % (group * m_items) // size * cluster + r
+
+
+def _kernel_tile_of(item: int, r: int, pairs: int, group: int, m_items: int, cluster: int) -> tuple[int, int]:
+    """flash_fwd_sm90_ws.cuh's tile_of (persistent), transcribed: (query-tile index, pair) of rank r."""
+    group_items = group * m_items
+    first = item // group_items * group
+    size, within = min(group, pairs - first), item % group_items
+    return within // size * cluster + r, first + within % size
 
 
 @pytest.mark.parametrize("pairs,group,m_blocks", [(1, 1, 5), (48, 5, 3), (48, 48, 8), (7, 3, 1), (64, 4, 128)])
-def test_cluster_walk_gives_each_tile_to_one_rank(pairs, group, m_blocks):
-    """With clusters of 2 every (query tile, pair) is taken once, by the rank its index's parity names,
-    its partner (the other rank of the item) being the adjacent tile of the same pair; an odd count adds
-    one index past the last tile per pair (a CTA that only helps load)."""
-    m_items = -(-m_blocks // 2)
-    walk = list(_cluster_walk(pairs * m_items, pairs, group, m_blocks, 2))
-    real = [(x, pr) for x, pr, _ in walk if x < m_blocks]
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_cluster_walk_gives_each_tile_to_one_rank(pairs, group, m_blocks, cluster):
+    """The persistent walk with clusters: the kernel's two formulas for a rank's query tile (m_index, which
+    decides whether the tile exists, and tile_of, which builds it) agree; every (query tile, pair) is
+    taken exactly once over the items and ranks, the ranks of one item holding adjacent tiles of one
+    pair; an odd count adds one index past the last tile per pair (a CTA that only helps load)."""
+    m_items = -(-m_blocks // cluster)
+    walk = []
+    for item in range(pairs * m_items):
+        here = [_kernel_tile_of(item, r, pairs, group, m_items, cluster) for r in range(cluster)]
+        assert [x for x, _ in here] == [_kernel_m_index(item, r, pairs, group, m_items, cluster) for r in range(cluster)]
+        assert len({pr for _, pr in here}) == 1 and [x for x, _ in here] == list(range(here[0][0], here[0][0] + cluster))
+        walk += here
+    real = [(x, pr) for x, pr in walk if x < m_blocks]
     assert sorted(real) == sorted((x, pr) for x in range(m_blocks) for pr in range(pairs))
-    assert all(x % 2 == r for x, _, r in walk)
-    assert len(walk) - len(real) == (m_blocks % 2) * pairs
-    for i in range(0, len(walk), 2):
-        (x0, p0, _), (x1, p1, _) = walk[i], walk[i + 1]
-        assert p0 == p1 and x1 == x0 + 1
+    assert len(walk) - len(real) == (-m_blocks % cluster) * pairs
+    if cluster == 1:  # (the walk the cluster-less kernel always had)
+        assert walk == list(_persistent_walk(pairs * m_blocks, pairs, group, m_blocks))
 
 
 def test_clusters_launch_whole_clusters_and_only_where_they_pay():

@@ -222,8 +222,9 @@ def persistent_group(pairs: int, seqlen_k: int, head_dim: int, head_ratio: int, 
 
 
 def short_keys_hint(seqlen_k: int) -> int:
-    """``seqlen_k`` clamped to just past the longest keys sm90_ws_tile tells apart: the tile is the same
-    for every longer one, so callers that cache plans by it (varlen.run) share one entry for them."""
+    """``seqlen_k`` clamped to just past the longest short keys (SHORT_KEYS): for packed batches, which
+    never run in clusters (CLUSTER_KEYS), sm90_ws_tile gives every longer one the same tile, so callers
+    that cache their plans by it (varlen.run) share one entry for them."""
     return min(int(seqlen_k), max(max(v) for v in SHORT_KEYS.values()) + 1)
 
 
@@ -503,7 +504,7 @@ def plan_forward(
 def cluster_pays(m_blocks: int, cluster: int) -> bool:
     """Whether clusters of ``cluster`` CTAs suit ``m_blocks`` query tiles per (head, batch) pair: a count
     that is not a multiple leaves CTAs that only help load, and those may be at most 1/8 of the CTAs
-    (one query tile alone, or 3 of them, run without clusters)."""
+    (with clusters of 2: 1, 3 or 5 query tiles run without clusters)."""
     spare = -m_blocks % cluster
     return m_blocks >= cluster and 8 * spare <= m_blocks + spare
 
