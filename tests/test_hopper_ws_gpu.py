@@ -21,6 +21,19 @@ def _hopper():
         pytest.skip("the TMA kernel runs on sm_90a only")
 
 
+def _spy_on_plans(monkeypatch, module) -> list:
+    """The plans (Launch) that ``module``'s memoized plan-and-load hands out from now on, in order."""
+    launched, plan_and_load = [], module._plan_and_load
+
+    def spy(*args):
+        how, fn = plan_and_load(*args)
+        launched.append(how)
+        return how, fn
+
+    monkeypatch.setattr(module, "_plan_and_load", spy)
+    return launched
+
+
 def _schedules():
     from cuflash.plan import Sm90WsTile as W
 
@@ -59,15 +72,7 @@ def test_long_keys_run_in_clusters(head_dim, causal, monkeypatch):
     _hopper()
     from cuflash import forward, plan
 
-    launched = []
-    plan_and_load = forward._plan_and_load
-
-    def spy(*args):
-        how, fn = plan_and_load(*args)
-        launched.append(how)
-        return how, fn
-
-    monkeypatch.setattr(forward, "_plan_and_load", spy)
+    launched = _spy_on_plans(monkeypatch, forward)
     rng = np.random.default_rng(head_dim + causal)
     sk = plan.CLUSTER_KEYS[head_dim] + 77
     for sq, cluster in ((1000, 2), (300, 1)):
@@ -186,15 +191,8 @@ def test_persistent_walk_groups_paged_kv(head_dim, causal, monkeypatch):
     l2 = int(3.5 * 4 * walk_keys * head_dim / plan.PERSISTENT_L2_SHARE[causal])
     assert plan.persistent_group(h, walk_keys, head_dim, 1, l2, causal) == 3
     monkeypatch.setattr(jit, "device_l2_bytes", lambda device_id: l2)
-    launched = []
     plan_and_load = varlen._plan_and_load
-
-    def spy(*args):
-        how, fn = plan_and_load(*args)
-        launched.append(how)
-        return how, fn
-
-    monkeypatch.setattr(varlen, "_plan_and_load", spy)
+    launched = _spy_on_plans(monkeypatch, varlen)
     plan_and_load.cache_clear()
     try:
         got, lse = varlen.run(q, k_pages, v_pages, cu, cu, 700, 700, block_table=table, causal=causal,
