@@ -59,6 +59,11 @@ for _d, _tiles in SM90_WS_CANDIDATES.items():
     _tiles += [dataclasses.replace(t, cluster=2) for t in _tiles[:2]]
 SM90_WS_CANDIDATES[64] += [W(192, 128, 3, pingpong=False, cluster=2), P(128, 128, pingpong=False, cluster=2)]
 SM90_WS_CANDIDATES[128] += [W(128, 128, 3, pingpong=False, cluster=2)]
+# hd128 with 3 consumer warpgroups: 1.5x the query rows per K/V byte, which the forward's steady state is
+# short of (docs/history/hopper.md, session 16); O + S + P fit 160 registers at 80 or 64 keys (no spills,
+# no wgmma notes: checked with NVRTC, not yet timed)
+SM90_WS_CANDIDATES[128] += [W(192, 80, pingpong=False), W(192, 80, 3, pingpong=False), W(192, 64, 4, pingpong=False),
+                            W(192, 80, 3, pingpong=False, cluster=2)]
 
 
 def describe(tile) -> str:
