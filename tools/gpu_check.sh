@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, then the steps named (default: precompile tests).
-#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [varlen] [variants] [ab] [trace] [hopper] [host] [quick]
+#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [varlen] [variants] [ab] [trace] [hopper] [host] [ring] [quick]
 #   precompile  every variant for this GPU, 16 NVRTC processes at once (the tests then load kernels
 #               instead of compiling them)
 #   tests       the whole suite, CPU and GPU, with pytest-xdist (-n 8; conftest.py splits the BLAS threads); junit and the 40 slowest tests
@@ -17,6 +17,8 @@
 #   variants    cuflash bench --variant all with docs/results' arguments (~220 s; VARIANTS_OP=bwd halves it)
 #               -> variants.json
 #   host        tools/torch_host_overhead.py: host us per call of the PyTorch layer, CuPy API and SDPA
+#   ring        tools/bench_ring.py (RING_ARGS, e.g. "--seqlen 131072"; a machine with 2 or more GPUs): ring
+#               attention over every GPU against one GPU, forward + backward -> ring.json
 #   ab          tools/ab_sources.py run ab (AB_ARGS, e.g. "--op fwd --head-dim 128"): the source trees
 #               exported under ab/ (carry it), timed side by side -> ab.txt (the table goes into the summary)
 #   trace       tools/trace_fwd.py (TRACE_POINTS, default "128:512 128:512:causal 64:512 256:512"; head dim:tokens[:causal]):
@@ -26,9 +28,9 @@
 #               backward property tests at HOPPER_EXAMPLES Hypothesis examples (default 400), compute-sanitizer
 #               memcheck, racecheck and synccheck on tests/sanitize_cases.py --only hopper (HOPPER_TIMEOUT per part)
 # Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT,
-# E2E_TIMEOUT, VARLEN_TIMEOUT, VARIANTS_TIMEOUT, AB_TIMEOUT, TRACE_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary
+# E2E_TIMEOUT, VARLEN_TIMEOUT, VARIANTS_TIMEOUT, AB_TIMEOUT, TRACE_TIMEOUT, RING_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary
 # is printed last; the result files stay beside it (summary.txt, bench.json, bench.png, decode.json,
-# decode.png, e2e.json, e2e.png, varlen.json, variants.json, logs.tgz).
+# decode.png, e2e.json, e2e.png, varlen.json, variants.json, ring.json, logs.tgz).
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
 shift
@@ -127,6 +129,10 @@ if has host; then
   timeout 120 $PY tools/torch_host_overhead.py ${HOST_ARGS:-} > "$OUT/host.txt" 2>&1
   note "host time per call (rc=$?, $(took)):"; grep -v "compiled" "$OUT/host.txt" | sed '/^profile of/,$d' >> "$SUMMARY"  # (the profile stays in the logs)
 fi
-(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|e2e.json|e2e.png|varlen.json|variants.json|logs.tgz)$'))
+if has ring; then
+  timeout ${RING_TIMEOUT:-400} $PY tools/bench_ring.py ${RING_ARGS:-} --json "$OUT/ring.json" > "$OUT/ring.txt" 2>&1
+  note "tools/bench_ring.py (rc=$?, $(took)):"; grep -E "ring|single|speedup|Error" "$OUT/ring.txt" >> "$SUMMARY"
+fi
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|e2e.json|e2e.png|varlen.json|variants.json|ring.json|logs.tgz)$'))
 echo "================ summary ================"
 cat "$SUMMARY"

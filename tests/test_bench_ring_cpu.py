@@ -1,0 +1,35 @@
+"""tools/bench_ring.py, the multi-GPU benchmark of ring attention, run end to end on the CPU: 2 processes
+over gloo with the ops' float64 CPU kernels (tests/torch_cpu_kernels.py) at a tiny size. A check that
+the tool spawns its ranks, times the ring and the one-device call and reports them, not a measurement
+(the tool is for machines with several GPUs)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="PyTorch is not installed (optional extra cuflash[torch])")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+
+import bench_ring
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bench_ring_runs_on_cpu(tmp_path, causal):
+    out = tmp_path / "ring.json"
+    args = ["--device", "cpu", "--world", "2", "--seqlen", "64", "--heads", "2", "--head-dim", "16", "--repeats", "2",
+            "--json", str(out)] + ([] if causal else ["--no-causal"])  # fmt: skip
+    res = bench_ring.main(args)
+    assert json.loads(out.read_text()) == res
+    assert res["world"] == 2 and res["causal"] == causal and res["seqlen"] == 64
+    assert len(res["ring"]["times_ms"]) == 2 and res["ring"]["ms"] > 0 and len(res["ring"]["peak_bytes_per_rank"]) == 2
+    assert len(res["single"]["times_ms"]) == 2 and res["speedup"] == res["single"]["ms"] / res["ring"]["ms"]
+    flops = bench_ring.fwd_bwd_flops(64, 2, 16, causal)
+    assert res["ring"]["tflops"] == pytest.approx(flops / res["ring"]["ms"] / 1e9)
+
+
+def test_bench_ring_refuses_a_length_the_ranks_cannot_split():
+    with pytest.raises(SystemExit, match="multiple of 4"):
+        bench_ring.main(["--device", "cpu", "--world", "2", "--seqlen", "66"])

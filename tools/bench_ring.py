@@ -1,0 +1,191 @@
+"""Ring attention (cuflash.torch.ring) on several GPUs against one GPU: the context-parallel issue's bar
+(128k tokens, causal, forward + backward, at least 1.8x one GPU's speed on 2 H200s) and a length one GPU
+cannot hold.
+
+    python3 tools/bench_ring.py [--world N] [--seqlen 131072] [--heads 16] [--head-dim 128] [--no-causal]
+                                [--repeats 5] [--skip-single] [--json FILE]
+
+Spawns N processes (default: every GPU), one per GPU, joined over NCCL (NVLink multicast off, as the
+device docs ask). Each rank makes its own random bf16 slice of a (1, seqlen, heads, head_dim) sequence
+(seqlen / N tokens: with causal, the two zigzag halves' worth), runs 2 untimed forward + backward
+passes of ring_attention, then --repeats timed ones (CUDA events, the ranks aligned by a barrier before
+each), and writes its times and peak memory. A pass's time is the slowest rank's. Then this process
+times one cuflash call on the whole sequence on GPU 0 (flash_attn_func, forward + backward), or records
+that it does not fit. Prints one line per measurement, then the speedup; --json writes them all.
+
+--device cpu runs the same over gloo with the ops' float64 CPU kernels (tests/torch_cpu_kernels.py) at
+a tiny size: a check of the tool itself (tests/test_bench_ring_cpu.py), not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+
+
+def _setup_device(device: str):
+    """The torch module with cuflash's ops ready on ``device`` ("cuda", or "cpu": the tests' CPU kernels)."""
+    import torch
+
+    if device == "cpu":
+        sys.path.insert(0, str(TESTS))
+        import torch_cpu_kernels
+
+        torch_cpu_kernels.register()
+    else:  # (the device docs: keep NVLink multicast off on the multi-GPU machines)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    return torch
+
+
+def _dtype(torch, device: str):
+    return torch.bfloat16 if device == "cuda" else torch.float64  # (the CPU kernels compute in float64)
+
+
+def _elapsed(torch, device: str, fn) -> float:
+    """Milliseconds of ``fn()`` on ``device``'s stream (CUDA events), or of the host (CPU)."""
+    if device == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _rank_main(rank: int, world: int, init_file: str, a: argparse.Namespace, result: str) -> None:
+    torch = _setup_device(a.device)
+    import torch.distributed as dist
+
+    from cuflash.torch import ring
+
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        gen = torch.Generator(device=dev).manual_seed(1000 + rank)
+        local = a.seqlen // world
+        q, k, v, dout = (torch.randn((1, local, a.heads, a.head_dim), device=dev, generator=gen).to(_dtype(torch, a.device))
+                         for _ in range(4))  # fmt: skip
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+
+        def step():
+            out = ring.ring_attention(q, k, v, causal=a.causal)
+            out.backward(dout)
+
+        times = []
+        for i in range(2 + a.repeats):
+            dist.barrier()
+            ms = _elapsed(torch, a.device, step)
+            if i >= 2:
+                times.append(ms)
+        peak = torch.cuda.max_memory_allocated(dev) if cuda else 0
+        Path(f"{result}.{rank}").write_text(json.dumps({"times_ms": times, "peak_bytes": peak}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _single(a: argparse.Namespace) -> dict:
+    """One cuflash call on the whole sequence on one device, forward + backward: times and peak memory, or
+    why it did not run."""
+    torch = _setup_device(a.device)
+    import cuflash.torch as ct
+    from cuflash.torch import ring
+
+    cuda = a.device == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    try:
+        gen = torch.Generator(device=dev).manual_seed(7)
+        q, k, v, dout = (torch.randn((1, a.seqlen, a.heads, a.head_dim), device=dev, generator=gen).to(_dtype(torch, a.device))
+                         for _ in range(4))  # fmt: skip
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+
+        def step():
+            if cuda:
+                ct.flash_attn_func(q, k, v, causal=a.causal).backward(dout)
+            else:  # (flash_attn_func takes CUDA tensors only: the ring's schedule on one slice, one kernel call)
+                ring.simulate_ring([q], [k], [v], causal=a.causal)[0].backward(dout)
+
+        times = [_elapsed(torch, a.device, step) for _ in range(2 + a.repeats)][2:]
+        return {"times_ms": times, "peak_bytes": torch.cuda.max_memory_allocated(dev) if cuda else 0}
+    except torch.cuda.OutOfMemoryError as e:  # (a length one GPU cannot hold: the ring's other point)
+        return {"error": f"out of memory: {str(e).splitlines()[0]}"}
+
+
+def fwd_bwd_flops(seqlen: int, heads: int, head_dim: int, causal: bool) -> float:
+    """FLOPs of attention forward + backward over the whole sequence (the FlashAttention-2 paper's count:
+    3.5 x 4 s^2 h d, half with causal), as cuflash bench counts them."""
+    return 3.5 * 4 * seqlen * seqlen * heads * head_dim * (0.5 if causal else 1.0)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=0, help="processes, one per GPU (default: every GPU)")
+    ap.add_argument("--seqlen", type=int, default=131072, help="tokens of the whole sequence")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--no-causal", dest="causal", action="store_false")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-single", action="store_true", help="do not time the one-GPU call")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args(argv)
+    torch = _setup_device(a.device)
+    world = a.world or (torch.cuda.device_count() if a.device == "cuda" else 2)
+    if world < 1 or a.device == "cuda" and world > torch.cuda.device_count():
+        sys.exit(f"--world {world}: this machine has {torch.cuda.device_count()} GPUs")
+    unit = 2 * world if a.causal else world  # (zigzag: two halves per rank)
+    if a.seqlen % unit:
+        sys.exit(f"--seqlen must be a multiple of {unit} (world {world}{', causal' if a.causal else ''})")
+    import torch.multiprocessing as mp
+
+    import cuflash
+
+    flops = fwd_bwd_flops(a.seqlen, a.heads, a.head_dim, a.causal)
+    res = {"world": world, "seqlen": a.seqlen, "heads": a.heads, "head_dim": a.head_dim, "causal": a.causal,
+           "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "torch": torch.__version__,
+           "cuflash": cuflash.__version__}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/rank"
+        mp.spawn(_rank_main, args=(world, f"{tmp}/init", a, out), nprocs=world, join=True)
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    per_pass = [max(r["times_ms"][i] for r in ranks) for i in range(a.repeats)]
+    res["ring"] = {"ms": statistics.median(per_pass), "times_ms": per_pass,
+                   "peak_bytes_per_rank": [r["peak_bytes"] for r in ranks]}  # fmt: skip
+    res["ring"]["tflops"] = flops / res["ring"]["ms"] / 1e9
+    print(f"ring  x{world}: {res['ring']['ms']:9.2f} ms  {res['ring']['tflops']:7.1f} TFLOP/s  peak "
+          f"{max(res['ring']['peak_bytes_per_rank']) / 2**30:.1f} GiB per GPU", flush=True)  # fmt: skip
+    if not a.skip_single:
+        single = _single(a)
+        res["single"] = single
+        if "error" in single:
+            print(f"single GPU: {single['error']}")
+        else:
+            single["ms"] = statistics.median(single["times_ms"])
+            single["tflops"] = flops / single["ms"] / 1e9
+            res["speedup"] = single["ms"] / res["ring"]["ms"]
+            print(f"single GPU: {single['ms']:9.2f} ms  {single['tflops']:7.1f} TFLOP/s  peak "
+                  f"{single['peak_bytes'] / 2**30:.1f} GiB")  # fmt: skip
+            print(f"speedup of the ring over one GPU: {res['speedup']:.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
