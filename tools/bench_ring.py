@@ -127,12 +127,6 @@ def _single(a: argparse.Namespace) -> dict:
         return {"error": f"out of memory: {str(e).splitlines()[0]}"}
 
 
-def fwd_bwd_flops(seqlen: int, heads: int, head_dim: int, causal: bool) -> float:
-    """FLOPs of attention forward + backward over the whole sequence (the FlashAttention-2 paper's count:
-    3.5 x 4 s^2 h d, half with causal), as cuflash bench counts them."""
-    return 3.5 * 4 * seqlen * seqlen * heads * head_dim * (0.5 if causal else 1.0)
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=0, help="processes, one per GPU (default: every GPU)")
@@ -155,11 +149,12 @@ def main(argv=None) -> dict:
     import torch.multiprocessing as mp
 
     import cuflash
+    from cuflash import bench
 
-    flops = fwd_bwd_flops(a.seqlen, a.heads, a.head_dim, a.causal)
+    flops = bench.op_flops("fwd+bwd", 1, a.seqlen, a.seqlen, a.heads, a.head_dim, a.causal)  # (cuflash bench's count)
     res = {"world": world, "seqlen": a.seqlen, "heads": a.heads, "head_dim": a.head_dim, "causal": a.causal,
-           "device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "torch": torch.__version__,
-           "cuflash": cuflash.__version__}  # fmt: skip
+           "environment": bench.environment() if a.device == "cuda" else {"device": "cpu", "torch": torch.__version__,
+                                                                          "cuflash": cuflash.__version__}}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/rank"
         mp.spawn(_rank_main, args=(world, f"{tmp}/init", a, out), nprocs=world, join=True)
