@@ -71,15 +71,21 @@ def test_refusals_raise_tensor_map_error(monkeypatch):
         tma.encode.cache_clear()
 
 
+_PACKED = (100 * 4 * 64 * 2, 4 * 64 * 2, 64 * 2, 2)  # byte strides of a packed (2, 100, 4, 64) bf16 tensor
+
+
+class View:
+    """What fwd_maps reads of a CuPy array: the data pointer, a (2, 100, 4, 64) shape, byte strides."""
+
+    def __init__(self, ptr, strides=_PACKED):
+        self.data = type("Data", (), {"ptr": ptr})()
+        self.shape, self.strides = (2, 100, 4, 64), strides
+
+
 def test_the_output_map_only_where_the_kernel_stores_by_tma(monkeypatch):
     """fwd_maps encodes four maps (q, k, v, o) for a kernel that stores O with TMA; for one that does not
     (store_o=False: persistent tiles, packed batches) the o map is 128 zero bytes and the output's
     geometry is never given to the driver (an output no tensor map describes is then fine)."""
-
-    class View:
-        def __init__(self, ptr, strides):
-            self.data = type("Data", (), {"ptr": ptr})()
-            self.shape, self.strides = (2, 100, 4, 64), strides
 
     seen = []
 
@@ -89,8 +95,7 @@ def test_the_output_map_only_where_the_kernel_stores_by_tma(monkeypatch):
         return 0
 
     monkeypatch.setattr(tma, "_encode_tiled", lambda: fake)
-    packed = (100 * 4 * 64 * 2, 4 * 64 * 2, 64 * 2, 2)
-    q, k, v, o = (View(4096 * (i + 1), packed) for i in range(4))
+    q, k, v, o = (View(4096 * (i + 1)) for i in range(4))
     backwards = View(4096 * 9, (100 * 4 * 64 * 2, -4 * 64 * 2, 64 * 2, 2))  # rows run backwards: no map
     tma.encode.cache_clear()
     try:
@@ -108,11 +113,6 @@ def test_the_output_map_only_where_the_kernel_stores_by_tma(monkeypatch):
 def test_cluster_maps_box_each_ctas_share_of_a_key_tile(monkeypatch):
     """With clusters (each CTA loads block_n / cluster rows of every K/V tile and multicasts them), the
     K and V boxes are that share; Q's and O's boxes do not change; a share that is not whole is refused."""
-
-    class View:
-        def __init__(self, ptr):
-            self.data = type("Data", (), {"ptr": ptr})()
-            self.shape, self.strides = (2, 100, 4, 64), (100 * 4 * 64 * 2, 4 * 64 * 2, 64 * 2, 2)
 
     boxes = []
 
