@@ -411,6 +411,11 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             wgmma_rs_ksteps<kHeadDim, kBF16>(o_acc, pa, desc_v0 + st * kSlotStep);
             wgmma_commit();
         };
+        auto wait_pv = [&] {  // every wgmma of this warpgroup landed: O and pa may be read and written
+            wgmma_wait<0>();
+            wgmma_fence_operands(o_acc);
+            wgmma_fence_operands(pa);
+        };
         auto scores = [&](int j) {  // variants, mask, softmax of S (key block j) -> P; returns "a max grew"
             tile.modify_scores(S, row_abs0, j * kBlockN + 2 * t4);
             if (mask.block_needs_mask(m0, kBlockM, j * kBlockN, kBlockN)) mask.apply(S, row_abs0, j * kBlockN + 2 * t4);
@@ -492,12 +497,18 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 if (t == n_tiles - 1) q_done();
                 const bool grew = scores(j);
                 CUFLASH_TRACE_MARK(kTraceSoftmax);
-                wgmma_wait<0>();  // P_{t-1} V_{t-1} landed: O, pa and its V slot are free
-                wgmma_fence_operands(o_acc);
-                wgmma_fence_operands(pa);
+                // Wait for P_{t-1} V_{t-1} (then O, pa and its V slot are free) and rescale O, the wait
+                // in a branch of its own: in the softmax's basic block ptxas schedules the wait
+                // (WARPGROUP.DEPBAR) at the top of the block, ahead of the softmax, which then never
+                // overlapped the P V product (SASS of every build before session 17).
+                if (__any_sync(0xffffffffu, grew)) {
+                    wait_pv();
+                    wt.scale_o(corr);
+                } else {
+                    wait_pv();
+                }
                 CUFLASH_TRACE_MARK(kTracePV);
                 release_kv(empty_v(slot(t - 1)));
-                wt.rescale_o(corr, grew);
                 pack_p();
             }
             mbar_wait(full_v(slot(n_tiles - 1)), phase(n_tiles - 1));

@@ -206,17 +206,20 @@ struct WarpTile {
 
     // O *= correction (per row) when some row of the warp grew its max.
     CUFLASH_DEVICE void rescale_o(const float (&correction)[kMSlabs][2], bool grew) {
-        if (__any_sync(0xffffffffu, grew)) {  // warp-uniform: skip 2 * kDB * kMSlabs * 2 FMULs when no max moved
+        if (__any_sync(0xffffffffu, grew)) scale_o(correction);  // warp-uniform: skip the FMULs when no max moved
+    }
+
+    // O *= correction (per row), unconditionally: 2 * kDB * kMSlabs * 2 FMULs.
+    CUFLASH_DEVICE void scale_o(const float (&correction)[kMSlabs][2]) {
 #pragma unroll
-            for (int s = 0; s < kMSlabs; ++s)
+        for (int s = 0; s < kMSlabs; ++s)
 #pragma unroll
-                for (int d = 0; d < kDB; ++d) {
-                    acc_o[s][d][0] *= correction[s][0];
-                    acc_o[s][d][1] *= correction[s][0];
-                    acc_o[s][d][2] *= correction[s][1];
-                    acc_o[s][d][3] *= correction[s][1];
-                }
-        }
+            for (int d = 0; d < kDB; ++d) {
+                acc_o[s][d][0] *= correction[s][0];
+                acc_o[s][d][1] *= correction[s][0];
+                acc_o[s][d][2] *= correction[s][1];
+                acc_o[s][d][3] *= correction[s][1];
+            }
     }
 
     // O += P V                       O[r][d] += sum_c P[r][c] V[c][d]
