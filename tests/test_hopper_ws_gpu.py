@@ -67,11 +67,13 @@ def test_schedules(tile, sk, causal, window):
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_long_keys_run_in_clusters(head_dim, causal, monkeypatch):
-    """From plan.CLUSTER_KEYS keys the planner's tile runs in clusters of 2 (K/V shared by multicast), not
-    for 3 query tiles (cluster_pays); both against the float64 reference, GQA, a partial last key tile."""
+    """From plan.CLUSTER_KEYS keys (none planned since session 17: set to 8192 here) the planner's tile
+    runs in clusters of 2 (K/V shared by multicast), not for 3 query tiles (cluster_pays); both against
+    the float64 reference, GQA, a partial last key tile."""
     _hopper()
     from cuflash import forward, plan
 
+    monkeypatch.setitem(plan.CLUSTER_KEYS, head_dim, 8192)
     launched = _spy_on_plans(monkeypatch, forward)
     rng = np.random.default_rng(head_dim + causal)
     sk = plan.CLUSTER_KEYS[head_dim] + 77

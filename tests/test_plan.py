@@ -448,8 +448,8 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
     bucket = plan.head_dim_bucket(head_dim)
     if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_WS_TILES:  # the warp-specialized Hopper kernel
         t = plan.sm90_ws_tile(bucket, seqlen_k, causal)
-        short = seqlen_k <= {64: (1024, 1024), 128: (4096, 4096)}.get(bucket, (0, 0))[causal]
-        long = seqlen_k >= {128: 8192, 256: 8192}.get(bucket, 1 << 62)  # (clusters of 2 from there)
+        short = seqlen_k <= {64: (1024, 1024), 128: (2048, 4096)}.get(bucket, (0, 0))[causal]
+        long = seqlen_k >= {}.get(bucket, 1 << 62)  # (clusters of 2 from there: no head dim since session 17)
         default = plan.FWD_SM90_WS_TILES[bucket]
         assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, default) if short
                      else dataclasses.replace(default, cluster=2) if long else default)  # fmt: skip
@@ -574,7 +574,7 @@ def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
     count the kernel decomposes its work items with."""
     import dataclasses
 
-    tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[128], persistent=True)
+    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[128], tma_store=True)  # (128 query rows)
     kw = dict(nheads=4, nheads_kv=2, head_dim=128, dtype="bf16", causal=True, aligned=True, arch="sm_90a", tile=tile)
     big = plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=900, sm_count=132, **kw)
     assert big.grid == (min(8 * 4 * 2, 132), 1, 1) and big.m_blocks == 8
@@ -586,7 +586,7 @@ def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
     with pytest.raises(ValueError, match="sm_count"):
         plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=900, **kw)
     plain = plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=1500, **{**kw, "tile": None})
-    assert plain.grid == (8, 4, 2) and plain.m_blocks == 8
+    assert plain.grid == (6, 4, 2) and plain.m_blocks == 6  # (no SM count: the default tile, 192 query rows)
 
 
 def _persistent_walk(items: int, pairs: int, group: int, m_blocks: int):
@@ -646,17 +646,21 @@ def test_cluster_walk_gives_each_tile_to_one_rank(pairs, group, m_blocks, cluste
         assert walk == list(_persistent_walk(pairs * m_blocks, pairs, group, m_blocks))
 
 
-def test_clusters_launch_whole_clusters_and_only_where_they_pay():
+def test_clusters_launch_whole_clusters_and_only_where_they_pay(monkeypatch):
     """A cluster tile's grid is a multiple of its cluster: per tile, the query tiles rounded up (an odd
     count's last CTA only helps load); persistent, min(items, SMs / 2) clusters of pairs of query tiles.
-    The planner takes them on the default tile from CLUSTER_KEYS keys, but not where spare CTAs would be
-    over 1/8 (1 or 3 query tiles); packed batches never take them."""
-    assert plan.CLUSTER_KEYS == {128: 8192, 256: 8192} and all(t.cluster == 1 for t in plan.FWD_SM90_WS_TILES.values())
+    The planner takes them on the default tile from CLUSTER_KEYS keys (none since session 17: set here to
+    8192 at head dims 128 and 256), but not where spare CTAs would be over 1/8 (1 or 3 query tiles);
+    packed batches never take them."""
+    assert plan.CLUSTER_KEYS == {} and all(t.cluster == 1 for t in plan.FWD_SM90_WS_TILES.values())
+    assert not any(s.cluster == 2 for s in plan.all_fwd_specs("sm_90a") if s.family == "flash_fwd_sm90_ws")
+    monkeypatch.setitem(plan.CLUSTER_KEYS, 128, 8192)
+    monkeypatch.setitem(plan.CLUSTER_KEYS, 256, 8192)
     assert [m for m in range(1, 12) if plan.cluster_pays(m, 2)] == [2, 4, 6, 7, 8, 9, 10, 11]
     assert plan.cluster_pays(5, 1) and not plan.cluster_pays(1, 2)
     kw = dict(nheads=4, nheads_kv=2, head_dim=128, dtype="bf16", causal=False, aligned=True, arch="sm_90a",
               sm_count=132)  # fmt: skip
-    tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[128], cluster=2)
+    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[128], persistent=False, tma_store=True, cluster=2)
     odd = plan.plan_forward(batch=2, seqlen_q=300, seqlen_k=8000, tile=tile, **kw)
     assert odd.grid == (4, 4, 2) and odd.m_blocks == 3 and odd.spec.cluster == 2 and "_c2_" in odd.spec.name
     assert odd.spec.template_args().endswith(f", {1 | 8 | 16}")
@@ -665,7 +669,7 @@ def test_clusters_launch_whole_clusters_and_only_where_they_pay():
     assert big.grid == (132, 1, 1) and big.m_blocks == 8
     small = plan.plan_forward(batch=1, seqlen_q=300, seqlen_k=1000, tile=persistent, **kw)
     assert small.grid == (2 * 4 * 2, 1, 1)  # 2 items (pairs of query tiles) x 4 heads, 2 CTAs each
-    for seqlen_q, seqlen_k, cluster in ((100, 16384, 1), (300, 16384, 1), (256, 16384, 2), (900, 8192, 2),
+    for seqlen_q, seqlen_k, cluster in ((100, 16384, 1), (500, 16384, 1), (384, 16384, 2), (1300, 8192, 2),
                                         (16384, 16384, 2), (16384, 8191, 1), (16384, 512, 1)):  # fmt: skip
         auto = plan.plan_forward(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, **kw)
         assert auto.spec.cluster == cluster and auto.grid[0] % cluster == 0, (seqlen_q, seqlen_k)
@@ -731,11 +735,11 @@ def test_persistent_launch_needs_its_group():
 
 
 def test_short_keys_take_the_persistent_tma_forward():
-    """Keys up to SHORT_KEYS[bucket] (hd64: 1024, hd128: 4096, causal or not) take FWD_SM90_WS_SHORT_TILES'
+    """Keys up to SHORT_KEYS[bucket] (hd64: 1024; hd128: 2048, causal 4096) take FWD_SM90_WS_SHORT_TILES'
     persistent tile, longer ones the default tile; packed batches by their longest sequence (max_seqlen_k;
     unknown: the default)."""
     kw = dict(batch=2, seqlen_q=700, nheads=4, nheads_kv=4, dtype="fp16", aligned=True, arch="sm_90a", sm_count=132)
-    assert plan.SHORT_KEYS == {64: (1024, 1024), 128: (4096, 4096)}
+    assert plan.SHORT_KEYS == {64: (1024, 1024), 128: (2048, 4096)}
     for d, short in plan.FWD_SM90_WS_SHORT_TILES.items():
         assert short.persistent
         lim, lim_c = plan.SHORT_KEYS[d]

@@ -64,6 +64,9 @@ SM90_WS_CANDIDATES[128] += [W(128, 128, 3, pingpong=False, cluster=2)]
 # no wgmma notes: checked with NVRTC, not yet timed)
 SM90_WS_CANDIDATES[128] += [W(192, 80, pingpong=False), W(192, 80, 3, pingpong=False), W(192, 64, 4, pingpong=False),
                             W(192, 80, 3, pingpong=False, cluster=2)]
+# Ping-pong again once the softmax really overlaps P V inside a warpgroup (session 17): FlashAttention-3's
+# hd256 tile with it (head dims 64 and 128 have theirs above)
+SM90_WS_CANDIDATES[256] += [W(128, 80)]
 
 
 def describe(tile) -> str:

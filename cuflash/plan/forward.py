@@ -133,8 +133,11 @@ class Sm90WsTile:
 FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
     # 3 consumer warpgroups x 128-key tiles: 0.969 (2 warpgroups 0.879, with ping-pong 0.875; 64-key tiles 0.740)
     64: Sm90WsTile(192, 128, pingpong=False),
-    # 2 warpgroups x 128-key tiles, 161 KB: 0.960 (ping-pong 0.939; 192 x 64 0.958; no overlap 0.852; 64-key x 3 stages 0.795)
-    128: Sm90WsTile(128, 128, pingpong=False),
+    # 3 warpgroups x 80-key tiles (1.5x the query rows per K/V byte of 128 x 128): once the softmax overlapped
+    # P V (session 17), 1.02-1.04x 128 x 128 at 4k-16k keys non-causal, 1.00-1.02x causal (TFLOP/s at 16k:
+    # 692 / 667, causal 676 / 669); below 4k keys the persistent short-key tile runs. Before: 0.960 for
+    # 128 x 128 (ping-pong 0.939; no overlap 0.852; 64-key x 3 stages 0.795)
+    128: Sm90WsTile(192, 80, pingpong=False),
     # 2 warpgroups x 80-key tiles (FlashAttention-3's), 226 KB: 1.007 over 512-16k x causal (64-key tiles 0.940 in
     # the same run; at 64 keys before: 0.978, ping-pong 0.960, no overlap 0.894, over 1k-16k)
     256: Sm90WsTile(128, 80, pingpong=False),
@@ -180,7 +183,8 @@ FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
 
 
 #: Keys per sequence up to which FWD_SM90_WS_SHORT_TILES run, per head-dim bucket: (non-causal, causal).
-SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (4096, 4096)}
+#: hd128 non-causal from 4096 keys: the 192-row default tile (621 against 602-616 TFLOP/s at 4096, session 17).
+SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (2048, 4096)}
 
 
 #: Keys per sequence from which the default tile runs in clusters of 2 CTAs that share each K/V tile by
@@ -191,7 +195,10 @@ SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (4096, 4096)}
 #: diagonal block), hd64 0.87-0.98x non-causal there, hd128 0.97-1.03x. Halving the K/V bytes outright
 #: (an experiment with wrong results) gave hd128 8192 +19%: what limits the steady state is what each SM
 #: takes in, not what the L2 serves, and multicast only halves the L2's side.
-CLUSTER_KEYS: dict[int, int] = {128: 8192, 256: 8192}
+#: Session 17, once each warpgroup's softmax overlapped its P V product: clusters no longer pay (tools/
+#: tune_fwd.py, same run, clusters / none: hd128 8192 keys 0.98, causal 0.96, 16k 1.00 / 0.99; hd256 8192
+#: 0.99 / 1.00, 16k 1.01 / 1.01), so no head dim takes them; the tiles stay buildable and tested.
+CLUSTER_KEYS: dict[int, int] = {}
 
 
 #: Share of the GPU's L2 cache that the K/V of one group of a persistent walk may fill (persistent_group),
