@@ -411,6 +411,9 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             wgmma_rs_ksteps<kHeadDim, kBF16>(o_acc, pa, desc_v0 + st * kSlotStep);
             wgmma_commit();
         };
+        auto warpgroup_any = [&](bool pred) {  // bar.red.or over this consumer warpgroup (barriers 5, 6, 7)
+            return named_any(5 + cwg, 128, pred);
+        };
         auto wait_pv = [&] {  // every wgmma of this warpgroup landed: O and pa may be read and written
             wgmma_wait<0>();
             wgmma_fence_operands(o_acc);
@@ -500,8 +503,11 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 // Wait for P_{t-1} V_{t-1} (then O, pa and its V slot are free) and rescale O, the wait
                 // in a branch of its own: in the softmax's basic block ptxas schedules the wait
                 // (WARPGROUP.DEPBAR) at the top of the block, ahead of the softmax, which then never
-                // overlapped the P V product (SASS of every build before session 17).
-                if (__any_sync(0xffffffffu, grew)) {
+                // overlapped the P V product (SASS of every build before session 17). The branch is
+                // the same for the whole warpgroup (wgmma.wait_group is .aligned: one instruction for
+                // all its warps; a warp's own vote drew synccheck errors): O is rescaled where a row of
+                // the warpgroup grew its max (the factor is 1 in its other rows).
+                if (warpgroup_any(grew)) {
                     wait_pv();
                     wt.scale_o(corr);
                 } else {

@@ -77,7 +77,8 @@ def test_long_keys_run_in_clusters(head_dim, causal, monkeypatch):
     launched = _spy_on_plans(monkeypatch, forward)
     rng = np.random.default_rng(head_dim + causal)
     sk = plan.CLUSTER_KEYS[head_dim] + 77
-    for sq, cluster in ((1000, 2), (300, 1)):
+    rows = plan.FWD_SM90_WS_TILES[head_dim].block_m
+    for sq, cluster in ((1000, 2), (3 * rows - 10, 1)):
         q, k, v = random_qkv(rng, 1, sq, sk, 4, 2, head_dim, "bf16")
         check_forward(q, k, v, causal=causal, dtype="bf16", what=f"{sq} x {sk}")
         assert launched[-1].spec.cluster == cluster, (sq, launched[-1].spec.name)
