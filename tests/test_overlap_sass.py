@@ -1,0 +1,46 @@
+"""The TMA forward's softmax runs under the previous tile's P V product in the machine code, not only in
+the source: ptxas hoisted that product's wait above the softmax in every variant until session 17
+(docs/design/forward.md, "Intra-warpgroup overlap"). tools/check_overlap_sass.py compiles with the local
+nvcc and reads the SASS with nvdisasm (PyPI: nvidia-cuda-nvdisasm); without either the test skips."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuflash import plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import check_overlap_sass  # noqa: E402
+
+
+def _nvdisasm():
+    if not shutil.which("nvcc"):
+        pytest.skip("nvcc is not installed")
+    try:
+        exe = check_overlap_sass.nvdisasm()
+    except SystemExit:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    if subprocess.run([exe, "--version"], capture_output=True).returncode:
+        pytest.skip("nvdisasm does not run here")
+    return exe
+
+
+def test_exps_under_pv_reads_the_waits():
+    sass = "\n".join(["DEPBAR.LE gsb0, 0x1 ;", "MUFU.EX2 R1, R1 ;", "MUFU.EX2 R2, R2 ;", "DEPBAR.LE gsb0, 0x0 ;",
+                      "MUFU.EX2 R3, R3 ;", "DEPBAR.LE gsb0, 0x1 ;", "DEPBAR.LE gsb0, 0x0 ;", "MUFU.EX2 R4, R4 ;"])
+    assert check_overlap_sass.exps_under_pv(sass) == [2, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,causal,which", [(64, True, "default"), (128, False, "short"), (256, True, "default")])
+def test_the_softmax_sits_between_the_two_waits(head_dim, causal, which):
+    """A tile's worth of MUFU.EX2 (block_n / 2 per thread) between the S wait and the P V wait."""
+    exe = _nvdisasm()
+    tile = (plan.FWD_SM90_WS_TILES if which == "default" else plan.FWD_SM90_WS_SHORT_TILES)[head_dim]
+    spec = plan.fwd_sm90_ws_spec(head_dim, "bf16", causal, tile)
+    name, counts, per_tile = check_overlap_sass.check(spec, exe)
+    assert counts and max(counts) >= per_tile, (name, counts, per_tile)
