@@ -386,7 +386,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
 
         // Ping-pong: warpgroup c issues its GEMMs after `bar.sync 2 + c` and lets the other one go with
         // `bar.arrive 3 - c` (the turns run on across items: both warpgroups take the same number).
-        auto turn_wait = [&] {  // (constant barrier ids: ptxas then reserves only the barriers used)
+        auto turn_wait = [&] {  // (constant barrier ids; warpgroup_any's 5 + cwg is not, one CTA per SM)
             if constexpr (Cfg::kPingPong) {
                 if (cwg == 0) named_sync(2, 256);
                 else named_sync(3, 256);

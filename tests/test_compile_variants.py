@@ -3,6 +3,7 @@ sm_80 and sm_90a (no GPU needed), and its registers and local memory (read from 
 within budget."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -101,6 +102,19 @@ def test_registers_and_local_memory_within_budget(compiled):
         if notes:
             problems.append(f"{s.name}: ptxas took the asynchrony out of its wgmma: {notes}")
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_cluster_tiles_still_compile():
+    """No head dim plans clusters of 2 since session 17 (plan.CLUSTER_KEYS is empty, so precompile builds
+    none), but the tiles stay selectable: the default tiles of head dims 128 and 256 in clusters compile
+    for sm_90a without local memory or wgmma notes, causal or not."""
+    for hd in (128, 256):
+        for causal in (False, True):
+            tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[hd], cluster=2)
+            _, header = jit.compile_cubin(plan.fwd_sm90_ws_spec(hd, "bf16", causal, tile))
+            p = header["ptxas"]
+            assert p["stack_frame"] == 0 and not {k for k in p if k.startswith("wgmma_")}, (hd, causal, p)
 
 
 @pytest.mark.slow

@@ -433,7 +433,7 @@ def test_launch_smem_limit():
     aligned=st.booleans(),
     arch=st.sampled_from(["sm_80", "sm_86", "sm_90a"]),
 )
-# (always the long-key tiles: clusters of 2, and none for 3 query tiles)
+# (long keys: the default tile, without clusters since session 17)
 @example(batch=2, seqlen_q=1000, seqlen_k=10000, nheads_kv=2, group=1, head_dim=128, dtype="bf16", causal=False,
          aligned=True, arch="sm_90a")  # fmt: skip
 @example(batch=1, seqlen_q=300, seqlen_k=8192, nheads_kv=1, group=4, head_dim=256, dtype="fp16", causal=True,
@@ -449,10 +449,8 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
     if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_WS_TILES:  # the warp-specialized Hopper kernel
         t = plan.sm90_ws_tile(bucket, seqlen_k, causal)
         short = seqlen_k <= {64: (1024, 1024), 128: (2048, 4096)}.get(bucket, (0, 0))[causal]
-        long = seqlen_k >= {}.get(bucket, 1 << 62)  # (clusters of 2 from there: no head dim since session 17)
-        default = plan.FWD_SM90_WS_TILES[bucket]
-        assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, default) if short
-                     else dataclasses.replace(default, cluster=2) if long else default)  # fmt: skip
+        default = plan.FWD_SM90_WS_TILES[bucket]  # (no clusters since session 17: CLUSTER_KEYS is empty)
+        assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, default) if short else default)
         # the hint varlen caches by: the same tile but for clusters, which packed batches never take
         assert plan.sm90_ws_tile(bucket, plan.short_keys_hint(seqlen_k), causal) == dataclasses.replace(t, cluster=1)
         assert plan.short_keys_hint(seqlen_k) <= min(seqlen_k, 4097)
@@ -685,7 +683,7 @@ def test_clusters_launch_whole_clusters_and_only_where_they_pay(monkeypatch):
         plan.fwd_sm90_ws_spec(128, "bf16", False, dataclasses.replace(tile, block_n=16 * 3))
     specs = [s for s in plan.all_fwd_specs("sm_90a", head_dims=(128,), dtypes=("bf16",), aligned=(True,))
              if s.family == "flash_fwd_sm90_ws"]  # fmt: skip
-    assert {s.cluster for s in specs} == {1, 2}  # (precompile builds both)
+    assert {s.cluster for s in specs} == {1, 2}  # (precompile builds both where CLUSTER_KEYS names the head dim)
 
 
 def test_persistent_group_keeps_a_groups_kv_within_the_l2_share():

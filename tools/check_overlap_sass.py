@@ -9,6 +9,9 @@ warp-specialized forward variant with the local nvcc (no GPU) and counts the MUF
 
     python tools/check_overlap_sass.py [-j 2] [--match hd128]
 Exit status 1 if some overlapped variant's main loop has its exponentials after the wait.
+
+What it reads is the SASS of nvcc 13's ptxas (the GPU machine's NVRTC is 13.0 too); the cuda12 extra's
+NVRTC 12.9 has its own ptxas, whose cubins this nvdisasm cannot read, so that build is not checked.
 """
 from __future__ import annotations
 

@@ -134,9 +134,10 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
     # 3 consumer warpgroups x 128-key tiles: 0.969 (2 warpgroups 0.879, with ping-pong 0.875; 64-key tiles 0.740)
     64: Sm90WsTile(192, 128, pingpong=False),
     # 3 warpgroups x 80-key tiles (1.5x the query rows per K/V byte of 128 x 128): once the softmax overlapped
-    # P V (session 17), 1.02-1.04x 128 x 128 at 4k-16k keys non-causal, 1.00-1.02x causal (TFLOP/s at 16k:
-    # 692 / 667, causal 676 / 669); below 4k keys the persistent short-key tile runs. Before: 0.960 for
-    # 128 x 128 (ping-pong 0.939; no overlap 0.852; 64-key x 3 stages 0.795)
+    # P V (session 17; tuned on its first build, whose per-warp branch synccheck rejected), 1.02-1.04x 128 x 128
+    # at 4k-16k keys non-causal, 1.00-1.02x causal (TFLOP/s at 16k: 692 / 667, causal 676 / 669); below 4k keys
+    # the persistent short-key tile runs. Before: 0.960 for 128 x 128 (ping-pong 0.939; no overlap 0.852;
+    # 64-key x 3 stages 0.795)
     128: Sm90WsTile(192, 80, pingpong=False),
     # 2 warpgroups x 80-key tiles (FlashAttention-3's), 226 KB: 1.007 over 512-16k x causal (64-key tiles 0.940 in
     # the same run; at 64 keys before: 0.978, ping-pong 0.960, no overlap 0.894, over 1k-16k)
@@ -157,7 +158,7 @@ WS_KEY_TILES = (32, 64, 80, 96, 112, 128, 144, 160, 176, 192, 256)
 def fit_key_tile(tile: Sm90WsTile, *, paged: bool = False, mods: int = 0) -> Sm90WsTile:
     """``tile``, or where its key tiles break a rule above (paged: block_n divides PAGE_KEYS; dropout
     in ``mods``: a multiple of DROPOUT_KEYS) the same tile with the largest power of two below its
-    block_n, within DROPOUT_KEYS .. PAGE_KEYS (head dim 256's 128 x 80 -> 128 x 64)."""
+    block_n, within DROPOUT_KEYS .. PAGE_KEYS (head dim 256's 128 x 80 -> 128 x 64, 128's 192 x 80 -> 192 x 64)."""
     if (not paged or PAGE_KEYS % tile.block_n == 0) and (not mods & MOD_DROPOUT or tile.block_n % DROPOUT_KEYS == 0):
         return tile
     return dataclasses.replace(tile, block_n=min(PAGE_KEYS, max(DROPOUT_KEYS, 1 << (tile.block_n.bit_length() - 1))))
@@ -183,7 +184,8 @@ FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
 
 
 #: Keys per sequence up to which FWD_SM90_WS_SHORT_TILES run, per head-dim bucket: (non-causal, causal).
-#: hd128 non-causal from 4096 keys: the 192-row default tile (621 against 602-616 TFLOP/s at 4096, session 17).
+#: hd128 non-causal from 4096 keys: the 192-row default tile (621 against 602-616 TFLOP/s at 4096, session 17,
+#: the fix's first build).
 SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (2048, 4096)}
 
 
@@ -196,8 +198,10 @@ SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (2048, 4096)}
 #: (an experiment with wrong results) gave hd128 8192 +19%: what limits the steady state is what each SM
 #: takes in, not what the L2 serves, and multicast only halves the L2's side.
 #: Session 17, once each warpgroup's softmax overlapped its P V product: clusters no longer pay (tools/
-#: tune_fwd.py, same run, clusters / none: hd128 8192 keys 0.98, causal 0.96, 16k 1.00 / 0.99; hd256 8192
-#: 0.99 / 1.00, 16k 1.01 / 1.01), so no head dim takes them; the tiles stay buildable and tested.
+#: tune_fwd.py on the fix's first build, same run, clusters / none: hd128 8192 keys 0.98, causal 0.96, 16k
+#: 1.00 / 0.99; hd256 8192 0.99 / 1.00, 16k 1.01 / 1.01), so no head dim takes them; the tiles stay
+#: buildable (test_compile_variants) and tested on the GPU. Not re-measured on the landed build, whose A/B
+#: against clusters at hd256 8192 (the old kernel) was 0.96-0.99x.
 CLUSTER_KEYS: dict[int, int] = {}
 
 
