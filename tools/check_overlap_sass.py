@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import re
-import subprocess
 import sys
-import tempfile
 
-from sass_digest import nvcc_cubin, nvdisasm  # (tools/ is on sys.path: this script's own folder)
+from sass_digest import (  # (tools/ is on sys.path: this script's own folder)
+    nvdisasm,
+    sass_of,
+)
 
 from cuflash import plan
 
@@ -44,10 +45,7 @@ def exps_under_pv(sass: str) -> list[int]:
 
 def check(spec, exe: str) -> tuple[str, list[int], int]:
     """(name, exps_under_pv counts, the exponentials of one tile per thread)."""
-    with tempfile.TemporaryDirectory() as d:
-        nvcc_cubin(spec, d).check_returncode()
-        sass = subprocess.run([exe, "-c", f"{d}/k.cubin"], capture_output=True, text=True, check=True).stdout
-    return spec.name, exps_under_pv(sass), spec.tile.block_n // 2  # 64 rows x block_n per warpgroup
+    return spec.name, exps_under_pv(sass_of(spec, exe)), spec.tile.block_n // 2  # 64 rows x block_n per warpgroup
 
 
 def main() -> int:

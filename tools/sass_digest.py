@@ -71,12 +71,16 @@ def nvcc_cubin(spec, folder: str, *options: str) -> subprocess.CompletedProcess:
                            "-o", f"{folder}/k.cubin", f"{folder}/entry.cu"], capture_output=True, text=True)
 
 
-def _digest(args):
-    spec, exe = args
+def sass_of(spec, exe: str) -> str:
+    """The SASS text of ``spec`` compiled by the local nvcc, as the nvdisasm ``exe`` prints it."""
     with tempfile.TemporaryDirectory() as d:
         nvcc_cubin(spec, d).check_returncode()
-        sass = subprocess.run([exe, "-c", f"{d}/k.cubin"], capture_output=True, text=True, check=True).stdout
-    return spec.name, hashlib.sha256(sass.encode()).hexdigest()
+        return subprocess.run([exe, "-c", f"{d}/k.cubin"], capture_output=True, text=True, check=True).stdout
+
+
+def _digest(args):
+    spec, exe = args
+    return spec.name, hashlib.sha256(sass_of(spec, exe).encode()).hexdigest()
 
 
 def main() -> int:
