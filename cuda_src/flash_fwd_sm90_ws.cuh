@@ -386,7 +386,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
 
         // Ping-pong: warpgroup c issues its GEMMs after `bar.sync 2 + c` and lets the other one go with
         // `bar.arrive 3 - c` (the turns run on across items: both warpgroups take the same number).
-        auto turn_wait = [&] {  // (constant barrier ids; warpgroup_any's 5 + cwg is not, one CTA per SM)
+        auto turn_wait = [&] {
             if constexpr (Cfg::kPingPong) {
                 if (cwg == 0) named_sync(2, 256);
                 else named_sync(3, 256);
@@ -410,9 +410,6 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             wgmma_fence();
             wgmma_rs_ksteps<kHeadDim, kBF16>(o_acc, pa, desc_v0 + st * kSlotStep);
             wgmma_commit();
-        };
-        auto warpgroup_any = [&](bool pred) {  // bar.red.or over this consumer warpgroup (barriers 5, 6, 7)
-            return named_any(5 + cwg, 128, pred);
         };
         auto wait_pv = [&] {  // every wgmma of this warpgroup landed: O and pa may be read and written
             wgmma_wait<0>();
@@ -501,17 +498,21 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 const bool grew = scores(j);
                 CUFLASH_TRACE_MARK(kTraceSoftmax);
                 // Wait for P_{t-1} V_{t-1} (then O, pa and its V slot are free) and rescale O, the wait
-                // in a branch of its own: in the softmax's basic block ptxas schedules the wait
+                // at the head of a branch: in the softmax's basic block ptxas schedules the wait
                 // (WARPGROUP.DEPBAR) at the top of the block, ahead of the softmax, which then never
-                // overlapped the P V product (SASS of every build before session 17). The branch is
-                // the same for the whole warpgroup (wgmma.wait_group is .aligned: one instruction for
-                // all its warps; a warp's own vote drew synccheck errors): O is rescaled where a row of
-                // the warpgroup grew its max (the factor is 1 in its other rows).
-                if (warpgroup_any(grew)) {
+                // overlapped the P V product (SASS of every build before session 17). The branch must be
+                // the same for the whole warpgroup (wgmma.wait_group is .aligned; a per-warp vote drew
+                // synccheck errors), so it tests a kernel parameter: uniform over the grid, unknown to
+                // the compiler, always true (head_dim >= 8 here). Both arms are correct, and they differ
+                // so that ptxas keeps two blocks: the first skips a warp's FMULs where none of its rows
+                // grew its max (factor 1), the second always scales. tools/check_overlap_sass.py checks
+                // that the softmax stays between the two waits.
+                if (p.head_dim > 0) {
                     wait_pv();
-                    wt.scale_o(corr);
+                    wt.rescale_o(corr, grew);
                 } else {
                     wait_pv();
+                    wt.scale_o(corr);
                 }
                 CUFLASH_TRACE_MARK(kTracePV);
                 release_kv(empty_v(slot(t - 1)));

@@ -135,15 +135,5 @@ CUFLASH_DEVICE void named_sync(int id, int threads) {
 CUFLASH_DEVICE void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Waits like named_sync and tells every taking part whether any of them passed `pred` true (bar.red.or).
-CUFLASH_DEVICE bool named_any(int id, int threads, bool pred) {
-    u32 any;
-    asm volatile(
-        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
-        : "=r"(any)
-        : "r"((u32)pred), "r"(id), "r"(threads)
-        : "memory");
-    return any != 0;
-}
 
 }  // namespace cuflash
