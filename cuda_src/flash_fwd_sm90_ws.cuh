@@ -501,12 +501,12 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 // at the head of a branch: in the softmax's basic block ptxas schedules the wait
                 // (WARPGROUP.DEPBAR) at the top of the block, ahead of the softmax, which then never
                 // overlapped the P V product (SASS of every build before session 17). The branch must be
-                // the same for the whole warpgroup (wgmma.wait_group is .aligned; a per-warp vote drew
-                // synccheck errors), so it tests a kernel parameter: uniform over the grid, unknown to
-                // the compiler, always true (head_dim >= 8 here). Both arms are correct, and they differ
-                // so that ptxas keeps two blocks: the first skips a warp's FMULs where none of its rows
-                // grew its max (factor 1), the second always scales. tools/check_overlap_sass.py checks
-                // that the softmax stays between the two waits.
+                // the same for the whole warpgroup (wgmma.wait_group is .aligned; a branch on a per-warp
+                // vote around the wait drew synccheck errors), so it tests a kernel parameter: uniform
+                // over the grid, unknown to the compiler, always true (head_dim >= 8 here). Both arms are
+                // correct, and they differ so that ptxas keeps two blocks: the first skips a warp's FMULs
+                // where none of its rows grew its max (factor 1), the second always scales.
+                // tools/check_overlap_sass.py checks that the softmax stays between the two waits.
                 if (p.head_dim > 0) {
                     wait_pv();
                     wt.rescale_o(corr, grew);

@@ -86,9 +86,12 @@ def test_long_keys_run_in_clusters(head_dim, causal, monkeypatch):
 
 @pytest.mark.parametrize("head_dim", [64, 128])  # (256: the O staging tile does not fit next to Q and the ring)
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_walks_every_tile(head_dim, causal):
+@pytest.mark.parametrize("which", ["short", "default"])
+def test_persistent_walks_every_tile(head_dim, causal, which):
     """A persistent grid (one CTA per SM) over more tiles than SMs, dense and varlen (empty sequences,
-    spare scheduler slots, one long sequence): the same results as one CTA per tile."""
+    spare scheduler slots, one long sequence): the same results as one CTA per tile. The tile the planner
+    runs persistent (short keys: 2 consumer warpgroups, 16-byte stores), and the default tile made
+    persistent (3 consumer warpgroups; TMA stores in the dense half), which the planner does not pick."""
     _hopper()
     import dataclasses
 
@@ -97,9 +100,10 @@ def test_persistent_walks_every_tile(head_dim, causal):
     from cuflash import plan, varlen
     from cuflash.checks import BF16
 
-    tile = dataclasses.replace(plan.FWD_SM90_WS_TILES[head_dim], persistent=True)
+    tile = (plan.FWD_SM90_WS_SHORT_TILES[head_dim] if which == "short"
+            else dataclasses.replace(plan.FWD_SM90_WS_TILES[head_dim], persistent=True))  # fmt: skip
     rng = np.random.default_rng(head_dim)
-    q, k, v = random_qkv(rng, 3, 1000, 1100, 16, 4, head_dim, "bf16")  # 8 x 16 x 3 = 384 tiles > 132 SMs
+    q, k, v = random_qkv(rng, 3, 1000, 1100, 16, 4, head_dim, "bf16")  # 8 (192 rows: 6) x 16 x 3 tiles > 132 SMs
     check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"persistent {tile}")
     lengths = [0, 700, 3, 129, 0, 1500, 64]
     total = sum(lengths)
