@@ -523,9 +523,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             turn_wait();
             issue_pv(slot(n_tiles - 1));
             turn_pass();
-            wgmma_wait<0>();
-            wgmma_fence_operands(o_acc);
-            wgmma_fence_operands(pa);
+            wait_pv();
             CUFLASH_TRACE_MARK(kTracePV);
             release_kv(empty_v(slot(n_tiles - 1)));
         } else {
@@ -548,9 +546,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 turn_wait();
                 issue_pv(slot(t));
                 turn_pass();
-                wgmma_wait<0>();
-                wgmma_fence_operands(o_acc);
-                wgmma_fence_operands(pa);
+                wait_pv();
                 release_kv(empty_v(slot(t)));
             }
         }
