@@ -208,13 +208,14 @@ def hopper_cases(rng, arch):
             print(f"ok {tile} sk={sk} causal={causal} {kw}: err {err:.2e} <= {bound:.2e}")
     short = plan.FWD_SM90_WS_SHORT_TILES
     for d, tile in ((128, short[128]), (64, short[64]), (128, dataclasses.replace(short[128], tma_store=True)),
-                    (128, dataclasses.replace(short[128], cluster=3 - short[128].cluster))):  # (with and without clusters)
+                    (128, dataclasses.replace(short[128], cluster=3 - short[128].cluster)),  # (with and without clusters)
+                    (256, short[256])):  # (hd256's short-key tile: per-tile launches of 64-key tiles)
         # persistent: 4 x 5 x 16 = 320 tiles, so every CTA walks 2 or 3 of them (clusters: 5 tiles = 3 pairs,
         # the last with a CTA that only loads)
         for causal in (False, True):
             q, k, v = random_qkv(rng, 4, 600, 700, 16, 4, d, "bf16")
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile)
-            print(f"ok persistent {tile} d={d} causal={causal}: err {err:.2e} <= {bound:.2e}")
+            print(f"ok short-key {tile} d={d} causal={causal}: err {err:.2e} <= {bound:.2e}")
     for d, dt in ((64, "fp16"), (56, "bf16"), (256, "bf16"), (248, "fp16")):  # planner's tiles, partial boxes
         q, k, v = random_qkv(rng, 1, 333, 257, 2, 1, d, dt)
         err, bound = check_forward(q, k, v, causal=True, dtype=dt)

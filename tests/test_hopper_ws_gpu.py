@@ -84,6 +84,24 @@ def test_long_keys_run_in_clusters(head_dim, causal, monkeypatch):
         assert launched[-1].spec.cluster == cluster, (sq, launched[-1].spec.name)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_hd256_short_keys_take_64_key_tiles(causal, monkeypatch):
+    """hd256 up to SHORT_KEYS[256] keys runs the planner's short-key tile (per-tile launches, 64-key tiles):
+    exactly 8 key tiles, a ragged last one, fewer keys than queries (bottom-right causal), GQA, and one key
+    past the limit takes the default tile; all against the float64 reference."""
+    _hopper()
+    from cuflash import forward, plan
+
+    launched = _spy_on_plans(monkeypatch, forward)
+    rng = np.random.default_rng(256 + causal)
+    limit = plan.SHORT_KEYS[256][causal]
+    for sq, sk, want in ((limit, limit, plan.FWD_SM90_WS_SHORT_TILES[256]), (400, 300, plan.FWD_SM90_WS_SHORT_TILES[256]),
+                         (333, limit + 1, plan.FWD_SM90_WS_TILES[256])):  # fmt: skip
+        q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, 256, "bf16")
+        check_forward(q, k, v, causal=causal, dtype="bf16", what=f"{sq} x {sk}")
+        assert launched[-1].spec.tile == want, (sq, sk, launched[-1].spec.name)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])  # (256: the O staging tile does not fit next to Q and the ring)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("which", ["short", "default"])

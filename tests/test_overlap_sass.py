@@ -37,7 +37,8 @@ def test_exps_under_pv_reads_the_waits():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim,causal,which",
-                         [(64, True, "default"), (128, False, "default"), (128, True, "short"), (256, True, "default")])
+                         [(64, True, "default"), (128, False, "default"), (128, True, "short"), (256, True, "default"),
+                          (256, False, "short")])
 def test_the_softmax_sits_between_the_two_waits(head_dim, causal, which):
     """A tile's worth of MUFU.EX2 (block_n / 2 per thread) between the S wait and the P V wait."""
     exe = _nvdisasm()

@@ -448,7 +448,7 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
     bucket = plan.head_dim_bucket(head_dim)
     if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_WS_TILES:  # the warp-specialized Hopper kernel
         t = plan.sm90_ws_tile(bucket, seqlen_k, causal)
-        short = seqlen_k <= {64: (1024, 1024), 128: (2048, 4096)}.get(bucket, (0, 0))[causal]
+        short = seqlen_k <= {64: (1024, 1024), 128: (2048, 4096), 256: (512, 512)}.get(bucket, (0, 0))[causal]
         default = plan.FWD_SM90_WS_TILES[bucket]  # (no clusters since session 17: CLUSTER_KEYS is empty)
         assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, default) if short else default)
         # the hint varlen caches by: the same tile but for clusters, which packed batches never take
@@ -559,7 +559,8 @@ def test_tma_store_is_a_schedule_bit():
     assert "constexpr int kSchedTmaStore = 8;" in header
     names = {t: plan.fwd_sm90_ws_spec(128, "bf16", False, tile=t).name for t in (W(128, 128), W(128, 128, tma_store=False))}
     assert "_tmao" in names[W(128, 128)] and "_tmao" not in names[W(128, 128, tma_store=False)]
-    assert all(not t.tma_store for t in plan.FWD_SM90_WS_SHORT_TILES.values())
+    assert all(not t.tma_store for t in plan.FWD_SM90_WS_SHORT_TILES.values() if t.persistent)
+    assert all(t.tma_store for t in plan.FWD_SM90_WS_SHORT_TILES.values() if not t.persistent)
     assert all(t.tma_store for t in plan.FWD_SM90_WS_TILES.values())
     # packed batches store O with 16-byte stores whatever the tile says: one spec (no _tmao), bit 8 clear
     packed = plan.fwd_sm90_ws_spec(128, "bf16", True, tile=W(128, 128), mods=plan.MOD_VARLEN)
@@ -733,13 +734,16 @@ def test_persistent_launch_needs_its_group():
 
 
 def test_short_keys_take_the_persistent_tma_forward():
-    """Keys up to SHORT_KEYS[bucket] (hd64: 1024; hd128: 2048, causal 4096) take FWD_SM90_WS_SHORT_TILES'
-    persistent tile, longer ones the default tile; packed batches by their longest sequence (max_seqlen_k;
-    unknown: the default)."""
+    """Keys up to SHORT_KEYS[bucket] (hd64: 1024; hd128: 2048, causal 4096; hd256: 512) take
+    FWD_SM90_WS_SHORT_TILES' tile (hd64 and hd128 persistent, hd256 a per-tile launch of 64-key tiles),
+    longer ones the default tile; packed batches by their longest sequence (max_seqlen_k; unknown: the
+    default)."""
     kw = dict(batch=2, seqlen_q=700, nheads=4, nheads_kv=4, dtype="fp16", aligned=True, arch="sm_90a", sm_count=132)
-    assert plan.SHORT_KEYS == {64: (1024, 1024), 128: (2048, 4096)}
+    assert plan.SHORT_KEYS == {64: (1024, 1024), 128: (2048, 4096), 256: (512, 512)}
+    assert set(plan.FWD_SM90_WS_SHORT_TILES) == set(plan.SHORT_KEYS) == {64, 128, 256}
+    assert plan.FWD_SM90_WS_SHORT_TILES[256] == plan.Sm90WsTile(128, 64, pingpong=False)
     for d, short in plan.FWD_SM90_WS_SHORT_TILES.items():
-        assert short.persistent
+        assert short.persistent == (d != 256)
         lim, lim_c = plan.SHORT_KEYS[d]
         for seqlen_k, causal, want in ((lim, False, short), (lim + 1, False, plan.FWD_SM90_WS_TILES[d]),
                                        (lim_c, True, short), (lim_c + 1, True, plan.FWD_SM90_WS_TILES[d])):  # fmt: skip
@@ -757,8 +761,9 @@ def test_short_keys_take_the_persistent_tma_forward():
             assert packed.spec.tile == unboxed(want) and packed.m_blocks == 700 // want.block_m + 2, (d, max_k, causal)
             if want.persistent:
                 assert packed.grid == (min(packed.m_blocks * 4, 132), 1, 1) and packed.spec.mods == plan.MOD_VARLEN
-    assert 256 not in plan.FWD_SM90_WS_SHORT_TILES  # (not measured there)
-    assert plan.plan_forward(seqlen_k=300, causal=True, head_dim=256, **kw).spec.tile == plan.FWD_SM90_WS_TILES[256]
+    # the short tile's key width fits paged K/V and dropout as it is (fit_key_tile keeps it)
+    for short in plan.FWD_SM90_WS_SHORT_TILES.values():
+        assert plan.fit_key_tile(short, paged=True, mods=plan.MOD_DROPOUT) == short
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224])

@@ -177,16 +177,20 @@ def fit_key_tile(tile: Sm90WsTile, *, paged: bool = False, mods: int = 0) -> Sm9
 #: share the TMA unit with the next tile's loads, in flight during the epilogue) they ran 0.94-1.03x
 #: (median 0.98) at 512-2048 keys (tools/ab_sources.py, session 14), the per-tile launches 0.99-1.04x
 #: (median 1.01).
+#: hd256 takes a per-tile launch of 64-key tiles there: 512 keys are 8 of them, against 6.4 of the default's 80
+#: (its last tile 40% full), 1.07x the default non-causal, 1.02x causal (tools/tune_fwd.py, session 18); at
+#: 1024 keys (12.8 tiles of 80) 0.98-1.00x.
 FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
     64: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
     128: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
+    256: Sm90WsTile(128, 64, pingpong=False),
 }
 
 
 #: Keys per sequence up to which FWD_SM90_WS_SHORT_TILES run, per head-dim bucket: (non-causal, causal).
 #: hd128 non-causal from 4096 keys: the 192-row default tile (621 against 602-616 TFLOP/s at 4096, session 17,
 #: the fix's first build).
-SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (2048, 4096)}
+SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (2048, 4096), 256: (512, 512)}
 
 
 #: Keys per sequence from which the default tile runs in clusters of 2 CTAs that share each K/V tile by
