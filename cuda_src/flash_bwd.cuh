@@ -36,8 +36,8 @@
 // dropped P^T / q, dS^T = P^T (Z dP^T / q - D) (1 - tanh^2 with softcap).
 //
 // Fragment layouts: primitives.cuh. Preconditions (checked in cuflash/backward.py): as the forward;
-// lse is the forward's lse of these inputs; dq_accum, dq_turn zeroed; lse_log2 / dsum from the
-// preprocess kernel of the same call.
+// lse is the forward's lse of these inputs; dq_turn zeroed; lse_log2 / dsum from the preprocess kernel
+// of the same call, which also zeroes dq_accum.
 #pragma once
 
 #include "masks.cuh"  // AttnMask, DropoutStream: the variants
@@ -570,7 +570,7 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
 // sequence) get D = 0 and lse_log2 = +inf, as rows whose lse is -inf (no key): their P is exactly 0.
 // Varlen: padded row r belongs to query tile r / block_m of the scheduler (varlen.cuh), which names the
 // sequence and its row. A warp's rows lie in one tile (block_m is a multiple of 16, rpw divides 8), so
-// each warp searches once for its first row.
+// each warp searches once for its first row. Each padded row's dq_accum row is zeroed here too.
 template <bool kIsBF16, bool kAligned, bool kVarlen = false>
 CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y;
@@ -622,6 +622,11 @@ CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
         p.dsum[idx] = dsum;
         p.lse_log2[idx] = lse == -kInf ? kInf : lse * kLog2e;
     }
+    // Zero this row of dq_accum (dq_accum_cols floats, a multiple of 32; the buffer is 16-byte aligned),
+    // which the main kernel adds into: every padded row of the buffer is some warp's row, so this replaces
+    // a memset launch of the same bytes.
+    float4* acc = reinterpret_cast<float4*>(p.dq_accum + idx * p.dq_accum_cols);
+    for (int c = sub; c < p.dq_accum_cols / 4; c += lanes) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // dQ = dq_accum * softmax_scale in q's dtype. CTA (m, h, b) converts query block m's tile, which

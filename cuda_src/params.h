@@ -84,7 +84,7 @@ struct BwdParams {
     float* lse_log2;           // (batch, nheads, seqlen_q_pad): lse * log2(e); +inf for rows that see
                                // no key and for padding rows (their P is then exactly 0)
     float* dsum;               // (batch, nheads, seqlen_q_pad): D = rowsum(dO * O); 0 on padding rows
-    float* dq_accum;           // (batch, nheads, seqlen_q_pad * dq_accum_cols) fp32, zeroed before the main kernel;
+    float* dq_accum;           // (batch, nheads, seqlen_q_pad * dq_accum_cols) fp32, zeroed by the preprocess kernel;
                                // each query block's tile is stored in the main kernel's register order
                                // (see flash_bwd_convert_kernel), not row-major
     int* dq_turn;              // (batch, nheads, num_m_blocks) int32, zeroed: deterministic mode's turn counters

@@ -81,7 +81,7 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
         rows = (batch, nheads, bp.seqlen_q_pad)
         lse_log2 = cupy.empty(rows, dtype=cupy.float32)
         dsum = cupy.empty(rows, dtype=cupy.float32)
-        dq_accum = cupy.zeros(rows + (bp.dq_accum_cols,), dtype=cupy.float32)
+        dq_accum = cupy.empty(rows + (bp.dq_accum_cols,), dtype=cupy.float32)  # (zeroed by the preprocess kernel)
         dq_turn = cupy.zeros((batch, nheads, bp.num_m_blocks), dtype=cupy.int32) if deterministic else None
         strides = {}
         for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):

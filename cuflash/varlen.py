@@ -181,7 +181,7 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
         rows = (1, g.nheads, bp.seqlen_q_pad)
         lse_log2 = cupy.empty(rows, dtype=cupy.float32)
         dsum = cupy.empty(rows, dtype=cupy.float32)
-        dq_accum = cupy.zeros(rows + (bp.dq_accum_cols,), dtype=cupy.float32)
+        dq_accum = cupy.empty(rows + (bp.dq_accum_cols,), dtype=cupy.float32)  # (zeroed by the preprocess kernel)
         dq_turn = cupy.zeros((1, g.nheads, bp.num_m_blocks), dtype=cupy.int32) if deterministic else None
         strides = {}
         for name, x in four.items():

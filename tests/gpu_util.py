@@ -1,6 +1,7 @@
 """Helpers for the GPU tests: random inputs, poisoned outputs, comparison against the reference."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import ml_dtypes
@@ -35,6 +36,26 @@ def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtyp
 
 
 NAN_BITS = 0x7FFF  # NaN in both fp16 and bf16
+
+
+@contextlib.contextmanager
+def nan_recycled_memory(nbytes: int = 256 << 20):
+    """Inside: CuPy allocates from a fresh memory pool whose free memory held NaN (one freed block that
+    later allocations split), so a scratch buffer that a kernel should have zeroed or written but did not
+    reads as NaN. Checks that the poisoning took before handing over."""
+    import cupy
+
+    pool = cupy.cuda.MemoryPool()
+    try:
+        with cupy.cuda.using_allocator(pool.malloc):
+            junk = cupy.full(nbytes // 4, np.nan, dtype=np.float32)
+            del junk
+            probe = cupy.empty(1 << 16, dtype=np.float32)
+            assert bool(cupy.isnan(probe).all()), "the recycled memory does not hold NaN: the poisoning failed"
+            del probe
+            yield
+    finally:
+        pool.free_all_blocks()
 
 
 def poisoned(shape, dtype: str):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_util import DTYPES, check_backward, poisoned, random_qkv, randn
+from gpu_util import DTYPES, check_backward, nan_recycled_memory, poisoned, random_qkv, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -172,6 +172,17 @@ def test_deterministic_mode_is_bitwise_reproducible(causal, head_dim):
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} differs on run {run + 1}"
     check_backward(q, k, v, causal=causal, dtype="bf16", deterministic=True)
+
+
+@pytest.mark.parametrize("head_dim,deterministic", [(64, False), (128, False), (128, True), (256, False), (96, False)])
+def test_dq_accumulator_is_zeroed_by_the_preprocess(head_dim, deterministic):
+    """The fp32 dQ accumulator is allocated uninitialized and zeroed by the preprocess kernel: in memory that
+    held NaN the gradients still pass (TMA, cp.async-free planner kernels at 64 / 128 / 256, mma.sync at 96;
+    deterministic mode's ordered additions too), GQA and ragged blocks."""
+    rng = np.random.default_rng(head_dim)
+    with nan_recycled_memory():
+        q, k, v = random_qkv(rng, 2, 300, 333, 4, 2, head_dim, "bf16")
+        check_backward(q, k, v, causal=False, dtype="bf16", deterministic=deterministic, rng=rng)
 
 
 def test_empty_inputs():

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_util import DTYPES, check_lse, poisoned, to_f64
+from gpu_util import DTYPES, check_lse, nan_recycled_memory, poisoned, to_f64
 
 pytestmark = pytest.mark.gpu
 
@@ -221,7 +221,8 @@ def test_varlen_ragged_edges(kernel, head_dim):
     """Zero-length sequences (q, k or both), one very long sequence among short ones, sequences of one
     token, and a query sequence with no keys; forward and backward, causal or not, on the planner's
     kernel (on Hopper the TMA ones for 64 and 128), the Hopper cp.async one or the mma.sync one,
-    16-byte and element-wise loads."""
+    16-byte and element-wise loads; in memory that held NaN (scratch buffers the kernels must write
+    or zero first, the dQ accumulator among them)."""
     import cupy
 
     from cuflash import varlen
@@ -234,16 +235,17 @@ def test_varlen_ragged_edges(kernel, head_dim):
     rng = np.random.default_rng(7)
     q, k, v = (_packed(rng, n, h, head_dim, "fp16") for n, h in ((lengths_q, 2), (lengths_k, 1), (lengths_k, 1)))
     cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
-    for causal in (False, True):
-        out = poisoned(q.shape, "fp16")
-        _, lse = varlen.run(q, k, v, cu_q, cu_k, 2100, 2000, causal=causal, return_lse=True, out=out, tile=fwd_tile)
-        _check_seq_forward(out, lse, q, k, v, cu_q, cu_k, causal=causal, scale=None, dtype="fp16", what=f"causal={causal}")
-        dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES["fp16"]))
-        grads = [poisoned(x.shape, "fp16") for x in (q, k, v)]
-        varlen.run_backward(dout, q, k, v, out, lse, cu_q, cu_k, 2100, 2000, causal=causal, dq=grads[0], dk=grads[1],
-                            dv=grads[2], tile=bwd_tile)  # fmt: skip
-        _check_seq_backward(grads, dout, q, k, v, out, cu_q, cu_k, causal=causal, scale=None, dtype="fp16",
-                            what=f"causal={causal}")  # fmt: skip
+    with nan_recycled_memory():
+        for causal in (False, True):
+            out = poisoned(q.shape, "fp16")
+            _, lse = varlen.run(q, k, v, cu_q, cu_k, 2100, 2000, causal=causal, return_lse=True, out=out, tile=fwd_tile)
+            _check_seq_forward(out, lse, q, k, v, cu_q, cu_k, causal=causal, scale=None, dtype="fp16", what=f"causal={causal}")
+            dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(DTYPES["fp16"]))
+            grads = [poisoned(x.shape, "fp16") for x in (q, k, v)]
+            varlen.run_backward(dout, q, k, v, out, lse, cu_q, cu_k, 2100, 2000, causal=causal, dq=grads[0], dk=grads[1],
+                                dv=grads[2], tile=bwd_tile)  # fmt: skip
+            _check_seq_backward(grads, dout, q, k, v, out, cu_q, cu_k, causal=causal, scale=None, dtype="fp16",
+                                what=f"causal={causal}")  # fmt: skip
 
 
 def test_seqused_k():
