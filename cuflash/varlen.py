@@ -34,8 +34,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     sequence b owns q rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and k / v rows [cu_seqlens_k[b],
     cu_seqlens_k[b + 1]). Zero-length sequences are allowed (a query with no key gets 0, lse -inf).
     max_seqlen_q, max_seqlen_k: the longest sequence of each (flash-attn's arguments; any value >=
-    the real maximum is right, and check=True verifies them). A max_seqlen_k of at most 512 (causal:
-    1024) lets the Hopper forward take its persistent short-key tile (cuflash/plan/forward.py).
+    the real maximum is right, and check=True verifies them). A max_seqlen_k within
+    plan.SHORT_KEYS for the head dim lets the Hopper forward take its short-key tile (cuflash/plan/forward.py).
     seqused_k: optional int32 CuPy array (batch,): sequence b uses only its first seqused_k[b] keys.
     block_table: paged K/V (chunked prefill against a paged KV cache): k, v are then (num_pages,
     page_size, nheads_kv, headdim) with page_size a multiple of 128, block_table int32 (batch,

@@ -42,7 +42,8 @@ NAN_BITS = 0x7FFF  # NaN in both fp16 and bf16
 def nan_recycled_memory(nbytes: int = 256 << 20):
     """Inside: CuPy allocates from a fresh memory pool whose free memory held NaN (one freed block that
     later allocations split), so a scratch buffer that a kernel should have zeroed or written but did not
-    reads as NaN. Checks that the poisoning took before handing over."""
+    reads as NaN. Checks that the poisoning took before handing over. The pool's memory is freed on exit:
+    arrays made inside must not be used after the block."""
     import cupy
 
     pool = cupy.cuda.MemoryPool()

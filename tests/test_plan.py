@@ -733,7 +733,7 @@ def test_persistent_launch_needs_its_group():
     assert g112 == plan.persistent_group(64 * 16, 1024, 112, 1, l2) == 9  # 448 KiB per head in 0.08 x 50 MiB
 
 
-def test_short_keys_take_the_persistent_tma_forward():
+def test_short_keys_take_the_short_key_tma_forward():
     """Keys up to SHORT_KEYS[bucket] (hd64: 1024; hd128: 2048, causal 4096; hd256: 512) take
     FWD_SM90_WS_SHORT_TILES' tile (hd64 and hd128 persistent, hd256 a per-tile launch of 64-key tiles),
     longer ones the default tile; packed batches by their longest sequence (max_seqlen_k; unknown: the

@@ -401,7 +401,7 @@ def test_varlen_paged_matches_contiguous(kernel, page_size, head_dim):
     fwd_tile, _ = _tiles(kernel, head_dim)
     want_tile = fwd_tile
     if fwd_tile is None and plan.uses_sm90_ws_forward(head_dim, True, jit.device_arch(0)):
-        planned = plan.FWD_SM90_WS_TILES[plan.head_dim_bucket(head_dim)]  # (hd256: no short-key tile)
+        planned = plan.FWD_SM90_WS_TILES[plan.head_dim_bucket(head_dim)]  # (hd256: 1000 keys > SHORT_KEYS[256])
         # (hd128's default, 192 x 80, straddles pages too, but these 1000 keys take its short-key tile)
         assert (plan.fit_key_tile(planned, paged=True) != planned) == (head_dim in (128, 256))
         if head_dim == 256:

@@ -8,8 +8,8 @@ Columns (TFLOP/s of the useful scores, the bench's FLOP model):
   even      cuflash.attention on tokens / mean sequences of mean tokens (dense layout)
   packed=   the same sequences packed (attention_varlen): the varlen kernels' own overhead
   ragged    lengths uniform in [1, 2 mean] (bench_varlen.draw_lengths), the planner's kernel
-  then one column per forced tile on the ragged batch (forward: the default and the persistent
-  short-key TMA tiles; backward: the TMA kernel's ring depths and the cp.async kernel).
+  then one column per forced tile on the ragged batch (forward: the default and the short-key TMA
+  tiles; backward: the TMA kernel's ring depths and the cp.async kernel).
 """
 from __future__ import annotations
 

@@ -178,8 +178,9 @@ def fit_key_tile(tile: Sm90WsTile, *, paged: bool = False, mods: int = 0) -> Sm9
 #: (median 0.98) at 512-2048 keys (tools/ab_sources.py, session 14), the per-tile launches 0.99-1.04x
 #: (median 1.01).
 #: hd256 takes a per-tile launch of 64-key tiles there: 512 keys are 8 of them, against 6.4 of the default's 80
-#: (its last tile 40% full), 1.07x the default non-causal, 1.02x causal (tools/tune_fwd.py, session 18); at
-#: 1024 keys (12.8 tiles of 80) 0.98-1.00x.
+#: (its last tile 40% full): 1.07x the default non-causal, 1.02x causal (tools/tune_fwd.py, session 18), 1.04x
+#: and 1.07x in the A/B of the planner change (tools/ab_sources.py, session 19); at 1024 keys (12.8 tiles of
+#: 80) 0.98-1.00x (session 18).
 FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
     64: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
     128: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
@@ -486,7 +487,7 @@ def plan_forward(
     if isinstance(tile, Sm90WsTile) or (tile is None and uses_sm90_ws_forward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned:
             raise ValueError("the warp-specialized forward kernel needs arch sm_90a and 16-byte aligned inputs")
-        if tile is None:  # (the persistent short-key tile needs sm_count: without it, the default tile)
+        if tile is None:  # (the short-key tiles need sm_count: without it, the default tile)
             varlen = bool(mods & MOD_VARLEN)
             keys = (max_seqlen_k or 0) if varlen else seqlen_k
             tile = sm90_ws_tile(head_dim_bucket(head_dim), keys, causal, (varlen and max_seqlen_k is None) or not sm_count)
