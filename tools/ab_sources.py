@@ -45,7 +45,7 @@ print("RESULT" + json.dumps(out))
 # Before the rounds, each tree compiles the kernels its points run (its plans, both ops' launches) into
 # its own cache, 16 NVRTC processes at once, so no timed process waits on a lazy compile one at a time.
 WARM = r"""
-import json, sys
+import inspect, json, sys
 from cuflash import jit, plan
 points = json.loads(sys.argv[1])
 arch, specs = jit.device_arch(0), set()
@@ -56,7 +56,9 @@ for op, dtype, hd, causal, s in points:
     if op == "fwd":
         specs.add(plan.plan_forward(**kw, sm_count=jit.device_sm_count(0), l2_bytes=jit.device_l2_bytes(0)).spec)
     else:
-        bp = plan.plan_backward(**kw)
+        # (with the SM count where the tree's planner takes it: its persistent backward)
+        takes_sm = "sm_count" in inspect.signature(plan.plan_backward).parameters
+        bp = plan.plan_backward(**kw, **(dict(sm_count=jit.device_sm_count(0)) if takes_sm else {}))
         specs.update(x.spec for x in (bp.pre, bp.main, bp.convert))
 jit.precompile(sorted(specs, key=lambda x: x.name), jobs=16)
 print(f"warm: {len(specs)} kernels", file=sys.stderr)
