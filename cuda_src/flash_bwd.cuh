@@ -570,11 +570,15 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
 // sequence) get D = 0 and lse_log2 = +inf, as rows whose lse is -inf (no key): their P is exactly 0.
 // Varlen: padded row r belongs to query tile r / block_m of the scheduler (varlen.cuh), which names the
 // sequence and its row. A warp's rows lie in one tile (block_m is a multiple of 16, rpw divides 8), so
-// each warp searches once for its first row. Each padded row's dq_accum row is zeroed here too.
+// each warp searches once for its first row. Each padded row's dq_accum row is zeroed here too,
+// and the persistent Hopper backward's item counter.
 template <bool kIsBF16, bool kAligned, bool kVarlen = false>
 CUFLASH_DEVICE void flash_bwd_pre_kernel(const BwdParams& p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, h = blockIdx.y;
     const int rpw = p.pre_rows_per_warp, lanes = 32 / rpw, sub = lane % lanes;
+    if (p.item_counter != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+        *p.item_counter = 0;  // (the persistent main kernel's item counter: it runs after this kernel)
+    }
     const int r0 = (blockIdx.x * 8 + warp) * rpw;  // the warp's first padded row
     if (r0 >= p.seqlen_q_pad) return;              // uniform over the warp (seqlen_q_pad is a multiple of rpw)
     const int r = r0 + lane / lanes;               // this lane's padded row

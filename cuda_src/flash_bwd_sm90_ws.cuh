@@ -11,6 +11,11 @@
 // Grid  (ceil(seqlen_k / kBlockN), nheads_kv, batch): CTA (n, hk, b) owns keys [kBlockN n, ...) and
 //       walks every (query head of the group, query block of 64 rows) that sees them (BwdQueryWalk).
 //       Packed varlen batches: (scheduler slots over the packed keys, nheads_kv, 1), varlen.cuh.
+//       Persistent (kPersistent: plain batches, head dims 64 and 128, atomic dQ): min(items, SMs) CTAs; CTA c
+//       starts with item c of the per-key-block grid's (n, hk, b) in its order (bwd_ws_item), and each later
+//       item is the next of a counter in global memory (dynamic: whichever CTA frees up first takes it); the
+//       ring's slots and phases run on across items, and K / V of the next item load once the consumers
+//       released this item's (the "K/V empty" mbarrier), behind that item's first kStages query blocks.
 // Roles (384 threads: warpgroup 0 produces, warpgroups 1 and 2 consume)
 //   producer   warp 0, lane 0 issues every load: K and V once (cp.async.bulk.tensor, 128-byte swizzle),
 //              then per query block Q and dO (tensor maps) and its lse_log2 and D rows (plain bulk
@@ -35,7 +40,8 @@
 //
 // so the exponentials run while the tensor cores compute dP^T, and dS^T while they compute dV. dS^T
 // is double buffered: a warpgroup writes buffer (it + 2) % 2 only after the barrier of block it + 1,
-// which the other warpgroup reaches after its dQ of block it completed.
+// which the other warpgroup reaches after its dQ of block it completed (it counts the CTA's query
+// blocks over all its items).
 //
 // Preconditions (cuflash/plan/backward.py picks this kernel only then): sm_90a; head-dim bucket 64,
 // 128 or 256; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules). Deterministic mode
@@ -77,19 +83,28 @@ struct BwdTmaParams {
 };
 static_assert(sizeof(BwdTmaParams) == 512 + (sizeof(BwdParams) + 63) / 64 * 64, "p starts at byte 512, after the maps");
 
-template <int kHeadDim_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0, int kStages_ = 2>
+template <int kHeadDim_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0, int kStages_ = 2, bool kPersistent_ = false>
 struct Sm90WsBwdConfig : Sm90BwdConfig<kHeadDim_, kHeadDim_ == 256 ? 64 : 128, kIsBF16_, kIsCausal_, kMods_> {
     using Base = Sm90BwdConfig<kHeadDim_, kHeadDim_ == 256 ? 64 : 128, kIsBF16_, kIsCausal_, kMods_>;
     static constexpr int kStages = kStages_;
+    // One CTA per SM walks its items (key blocks, taken from a counter): the next item's K / V and
+    // first query blocks load while this one's last blocks and dK / dV stores run (pair consumers, plain
+    // batches, atomic dQ only: in deterministic mode a CTA's later item would wait for the turn of an item
+    // that another CTA of the grid holds, which needs the whole grid resident; the planner refuses it).
+    static constexpr bool kPersistent = kPersistent_;
+    static_assert(!kPersistent || (!Base::kSplit && (kMods_ & kModVarlen) == 0), "persistent: pair consumers, plain batches");
     static constexpr int kNThreads = 384;
     static constexpr int kProducerRegs = 24;   // 24 x 128 + 240 x 256 = 64512 <= 65536
     static constexpr int kConsumerRegs = 240;
     static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * 384, "setmaxnreg: within the launch's registers");
     static constexpr int kRowsBytes = 2 * Base::kBlockM * 4;  // lse_log2 and D of one query block
-    static constexpr int kBarriers = 1 + 2 * kStages;          // K/V full; full, empty per slot
+    // K/V full; full, empty per slot; K/V empty; persistent: full, empty per slot of the 2-slot item ring
+    static constexpr int kBarriers = 2 + 2 * kStages + (kPersistent ? 4 : 0);
+    static constexpr int kItemBytes = kPersistent ? 8 + 32 : 0;  // the item ring's two items (16-byte aligned)
     static constexpr int kDsTiles = Base::kSplit ? 2 : 1;      // dS^T (split: and P^T) per buffer
     static constexpr int kSmemBytes = 1024 + 2 * Base::kTileBytesKV + 2 * kStages * Base::kTileBytesQ +
-                                      2 * kDsTiles * Base::kTileBytesDS + kStages * kRowsBytes + 8 * kBarriers;
+                                      2 * kDsTiles * Base::kTileBytesDS + kStages * kRowsBytes + 8 * kBarriers +
+                                      kItemBytes;
     static_assert(kStages >= 2 && kStages <= 4, "a ring of 2 to 4 query-block slots");
     static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
@@ -123,28 +138,40 @@ struct BwdWsSmem {
     CUFLASH_DEVICE u32 full_kv() const { return bar; }
     CUFLASH_DEVICE u32 full(int st) const { return bar + 8u * (1 + st); }
     CUFLASH_DEVICE u32 empty(int st) const { return bar + 8u * (1 + Cfg::kStages + st); }
+    CUFLASH_DEVICE u32 empty_kv() const { return bar + 8u * (1 + 2 * Cfg::kStages); }  // (persistent) K, V read
+    // (persistent) the item ring: slot s holds a later item of the CTA (BwdWsItem, 16 bytes; bwd_ws_publish_next)
+    CUFLASH_DEVICE u32 item_full(int s) const { return bar + 8u * (2 + 2 * Cfg::kStages + s); }
+    CUFLASH_DEVICE u32 item_empty(int s) const { return bar + 8u * (4 + 2 * Cfg::kStages + s); }
+    CUFLASH_DEVICE u32 item(int s) const { return ((bar + 8u * Cfg::kBarriers + 15u) & ~15u) + 16u * s; }
 };
 
-// The producer (one thread): K and V once, then Q, dO, lse_log2 and D of every query block of the
-// walk into the ring's slots, each after its slot's consumers released it.
+// The producer (one thread), for one item (key block): K and V, then Q, dO, lse_log2 and D of every query
+// block of the walk into the ring's slots, each after its slot's consumers released it. g0: query blocks
+// that the CTA's earlier items passed through the ring; kv_use: its earlier items with query blocks. After
+// the first item (persistent grids) K and V may be overwritten only once the previous item's last query
+// block is done with them, while the ring's slots free up earlier: the item's first kStages query blocks
+// are loaded ahead of its K and V.
 template <class Cfg, class Seq>
 CUFLASH_DEVICE void bwd_ws_produce(const BwdTmaParams& P, const Seq& seq, const BwdQueryWalk& walk, int hk, int n0,
-                                   const BwdWsSmem<Cfg>& sm) {
+                                   const BwdWsSmem<Cfg>& sm, int g0, int kv_use) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages, kAtoms = Cfg::kHeadDim / 64;
     const BwdParams& p = P.p;
-    tma_prefetch(&P.tma_q);
-    tma_prefetch(&P.tma_do);
-    mbar_arrive_expect_tx(sm.full_kv(), 2 * Cfg::kTileBytesKV);
+    auto load_kv = [&] {
+        if (kv_use > 0) mbar_wait(sm.empty_kv(), (kv_use - 1) & 1);
+        mbar_arrive_expect_tx(sm.full_kv(), 2 * Cfg::kTileBytesKV);
 #pragma unroll
-    for (int a = 0; a < kAtoms; ++a) {
-        tma_load_4d(sm.k + a * kBlockN * 128, &P.tma_k, sm.full_kv(), 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
-        tma_load_4d(sm.v + a * kBlockN * 128, &P.tma_v, sm.full_kv(), 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
-    }
+        for (int a = 0; a < kAtoms; ++a) {
+            tma_load_4d(sm.k + a * kBlockN * 128, &P.tma_k, sm.full_kv(), 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
+            tma_load_4d(sm.v + a * kBlockN * 128, &P.tma_v, sm.full_kv(), 64 * a, seq.tma_k_row(n0), hk, seq.tma_batch());
+        }
+    };
+    const int kv_at = kv_use > 0 ? min(kStages, walk.n_iters) : 0;  // query blocks loaded ahead of K and V
     BwdQueryWalk::Cursor at = walk.first();
     for (int it = 0; it < walk.n_iters; ++it, walk.next(at)) {
-        const int st = it % kStages;
+        if (it == kv_at) load_kv();
+        const int gi = g0 + it, st = gi % kStages;
         const int h = at.head, m0 = at.m_block * kBlockM, row = seq.tma_q_row(m0);
-        mbar_wait(sm.empty(st), ((it / kStages) & 1) ^ 1);
+        mbar_wait(sm.empty(st), ((gi / kStages) & 1) ^ 1);
         mbar_arrive_expect_tx(sm.full(st), 2 * Cfg::kTileBytesQ + Cfg::kRowsBytes);
 #pragma unroll
         for (int a = 0; a < kAtoms; ++a) {
@@ -157,6 +184,7 @@ CUFLASH_DEVICE void bwd_ws_produce(const BwdTmaParams& P, const Seq& seq, const 
         bulk_load(s_rows, p.lse_log2 + row0, kBlockM * 4, sm.full(st));
         bulk_load(s_rows + kBlockM * 4, p.dsum + row0, kBlockM * 4, sm.full(st));
     }
+    if (kv_at == walk.n_iters) load_kv();  // (every query block went ahead)
 }
 
 // Varlen: rows of a tile past its sequence's keys or queries arrived from the rows that follow in the
@@ -184,17 +212,17 @@ CUFLASH_DEVICE void bwd_ws_clear_tail(unsigned char* smem_raw, u32 s_tile0, u32 
 // Consumers, before the first query block: wait for the CTA's K and V (zeroing rows past the keys).
 template <class Cfg>
 CUFLASH_DEVICE void bwd_ws_wait_kv(const BwdParams& p, const BwdKeyBlock<Cfg>& blk, const BwdWsSmem<Cfg>& sm,
-                                   unsigned char* smem_raw, int n0, int tid) {
-    mbar_wait(sm.full_kv(), 0);
+                                   unsigned char* smem_raw, int n0, int tid, int kv_use = 0) {
+    mbar_wait(sm.full_kv(), kv_use & 1);
     bwd_ws_clear_tail<Cfg>(smem_raw, sm.k, sm.v, Cfg::kBlockN, blk.seq.len_k(p) - n0, tid);
 }
 
-// Consumers, query block it (ring slot st, first row m0): wait for its Q, dO and rows (zeroing rows past
-// the queries).
+// Consumers, the CTA's query block gi (ring slot st, first row m0): wait for its Q, dO and rows (zeroing
+// rows past the queries).
 template <class Cfg>
 CUFLASH_DEVICE void bwd_ws_wait_block(const BwdParams& p, const BwdKeyBlock<Cfg>& blk, const BwdWsSmem<Cfg>& sm,
-                                      unsigned char* smem_raw, int it, int st, int m0, int tid) {
-    mbar_wait(sm.full(st), (it / Cfg::kStages) & 1);
+                                      unsigned char* smem_raw, int gi, int st, int m0, int tid) {
+    mbar_wait(sm.full(st), (gi / Cfg::kStages) & 1);
     bwd_ws_clear_tail<Cfg>(smem_raw, sm.q(st), sm.dout(st), Cfg::kBlockM, blk.seq.len_q(p) - m0, tid);
 }
 
@@ -224,18 +252,17 @@ CUFLASH_DEVICE void bwd_ws_add_dq(const BwdParams& p, const float (&acc_dq)[Cfg:
 }
 
 // Head dims 64 and 128: consumer warpgroup c owns keys [64 c, 64 c + 64) of the CTA (the header's
-// first schedule).
+// first schedule), for one item (kv head hk, keys from n0; g0 and kv_use as the producer's).
 template <class Cfg>
 CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const BwdKeyBlock<Cfg>& blk, const BwdQueryWalk& walk,
                                                     const BwdWsSmem<Cfg>& sm, unsigned char* smem_raw, int tid, int warp, int lane,
-                                                    int n0, int offset) {
+                                                    int n0, int offset, int hk, int g0, int kv_use) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim, kStages = Cfg::kStages;
     constexpr bool kBF16 = Cfg::kIsBF16;
     constexpr int kNB = kBlockM / 8, kQSteps = kBlockM / 16, kDSteps = kHeadDim / 16, kKeySteps = kBlockN / 16;
     const auto& seq = blk.seq;
     const int cwg = warp / 4 - 1, cwarp = warp - 4;
     const int g = lane / 4, t = lane % 4;
-    const int hk = blockIdx.y;
     const int n_iters = walk.n_iters;
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
     const float* rows_ptr = reinterpret_cast<const float*>(smem_raw + (sm.rows0 - smem_u32(smem_raw)));
@@ -259,14 +286,14 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
     const int st_row = key_local - g + 8 * ((lane / 8) % 2) + lane % 8;  // dS^T row and chunk this lane addresses
     const int st_chunk = (lane / 16) ^ (lane % 8);
 
-    if (n_iters > 0) bwd_ws_wait_kv<Cfg>(p, blk, sm, smem_raw, n0, tid);
+    if (n_iters > 0) bwd_ws_wait_kv<Cfg>(p, blk, sm, smem_raw, n0, tid, kv_use);
     BwdQueryWalk::Cursor at = walk.first();
     for (int it = 0; it < n_iters; ++it, walk.next(at)) {
-        const int st = it % kStages, buf = it & 1;
+        const int gi = g0 + it, st = gi % kStages, buf = gi & 1;
         const int h = at.head;
         const int m0 = at.m_block * kBlockM;
         const u32 s_ds = sm.ds0 + buf * Cfg::kTileBytesDS;
-        bwd_ws_wait_block<Cfg>(p, blk, sm, smem_raw, it, st, m0, tid);
+        bwd_ws_wait_block<Cfg>(p, blk, sm, smem_raw, gi, st, m0, tid);
 
         // ---- issue S^T = K_c Q^T and dP^T = V_c dO^T as two groups
         float S[kNB][4], dP[kNB][4];
@@ -355,6 +382,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
         // ordered after each of them. (One arrive per warp after __syncwarp orders them too, but
         // compute-sanitizer racecheck follows an arrive only for the arriving thread's own accesses.)
         mbar_arrive(sm.empty(st));
+        if (Cfg::kPersistent && it == n_iters - 1) mbar_arrive(sm.empty_kv());  // (no wgmma reads K or V any more)
         bwd_ws_add_dq<Cfg>(p, acc_dq, blk, h, m0, cwarp, lane, tid);
     }
 
@@ -399,7 +427,7 @@ using BwdModRowsOf = Choose<(Mask::kBits & kModScores) != 0, BwdModRows<Mask>, B
 // of the CTA and all 64 queries, then dV, dK and dQ for head-dim columns [128 c, 128 c + 128).
 template <class Cfg>
 CUFLASH_DEVICE void flash_bwd_sm90_ws_split_consumer(const BwdParams& p, const BwdKeyBlock<Cfg>& blk, const BwdQueryWalk& walk,
-                                                     const BwdWsSmem<Cfg>& sm, unsigned char* smem_raw) {
+                                                     const BwdWsSmem<Cfg>& sm, unsigned char* smem_raw, int hk) {
     constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHalf = Cfg::kDQCols, kStages = Cfg::kStages;
     constexpr bool kBF16 = Cfg::kIsBF16;
     constexpr int kDSteps = Cfg::kHeadDim / 16, kQSteps = kBlockM / 16, kKeySteps = kBlockN / 16;
@@ -409,7 +437,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_split_consumer(const BwdParams& p, const B
     const auto& seq = blk.seq;
     const int tid = threadIdx.x, lane = tid % 32, cwarp = tid / 32 - 4, cwg = cwarp / 4, wq = cwarp % 4;
     const int g = lane / 4, t = lane % 4;
-    const int n0 = blk.n_block * kBlockN, hk = blockIdx.y;
+    const int n0 = blk.n_block * kBlockN;
     const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
     const int n_iters = walk.n_iters;
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
@@ -551,21 +579,52 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_split_consumer(const BwdParams& p, const B
     bwd_sm90_store_dkdv<kBF16, kHalf>(p, acc_dk, acc_dv, seq, hk, n0 + 16 * wq + g, cwg * kHalf, t);  // this warpgroup's half
 }
 
+// An item of a persistent grid (plain batches): key block n_block of kv head hk of sequence b; n_block < 0
+// ends the CTA's walk.
+struct BwdWsItem {
+    int n_block, hk, b;
+};
+// Item number i: key block i % n_blocks of kv head (i / n_blocks) % nheads_kv of sequence
+// i / (n_blocks nheads_kv), the per-key-block launch's blockIdx order; numbers past the last item end the walk.
+template <class Cfg>
+CUFLASH_DEVICE BwdWsItem bwd_ws_item(const BwdParams& p, int i) {
+    const int n_blocks = (p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    if (i >= n_blocks * p.nheads_kv * p.batch) return BwdWsItem{-1, 0, 0};
+    return BwdWsItem{i % n_blocks, (i / n_blocks) % p.nheads_kv, i / (n_blocks * p.nheads_kv)};
+}
+
+// The item ring (persistent grids): the CTA's item j + 1 (j >= 0; item 0 is blockIdx.x) comes from the call's
+// item counter (zeroed by the preprocess). The first consumer thread takes the number when the CTA starts its
+// item j (the latency hides under that item) and publishes the decoded item in slot j % 2, use j / 2; the
+// producer (after item j's loads) and every consumer thread (after item j) read it and free the slot.
+template <class Cfg>
+CUFLASH_DEVICE void bwd_ws_publish_next(const BwdParams& p, const BwdWsSmem<Cfg>& sm, int j) {
+    const int s = j & 1;
+    const BwdWsItem it = bwd_ws_item<Cfg>(p, (int)gridDim.x + atomicAdd(p.item_counter, 1));
+    mbar_wait(sm.item_empty(s), ((j >> 1) & 1) ^ 1);
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %3};\n" ::"r"(sm.item(s)), "r"(it.n_block), "r"(it.hk), "r"(it.b)
+                 : "memory");
+    mbar_arrive(sm.item_full(s));
+}
+template <class Cfg>
+CUFLASH_DEVICE BwdWsItem bwd_ws_take(const BwdWsSmem<Cfg>& sm, int j) {
+    const int s = j & 1;
+    BwdWsItem it;
+    int pad;
+    mbar_wait(sm.item_full(s), (j >> 1) & 1);
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(it.n_block), "=r"(it.hk), "=r"(it.b), "=r"(pad)
+                 : "r"(sm.item(s))
+                 : "memory");
+    mbar_arrive(sm.item_empty(s));
+    return it;
+}
+
 template <class Cfg>
 CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
     const BwdParams& p = P.p;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wg = warp / 4;
-    const BwdKeyBlock<Cfg> blk = BwdKeyBlock<Cfg>::make(p);  // key block n_block of sequence seq (varlen.cuh)
-    if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
-        if (blk.skip) return;  // a spare slot of the scheduler (uniform over the CTA)
-    }
-    const auto& seq = blk.seq;
-    const int n_block = blk.n_block, hk = blockIdx.y;
-    const int n0 = n_block * Cfg::kBlockN;
-    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
-    const BwdQueryWalk walk = blk.walk(p, hk);
-    const int n_iters = walk.n_iters;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const BwdWsSmem<Cfg> sm(smem_raw);
@@ -576,23 +635,83 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
             mbar_init(sm.full(s), 1);
             mbar_init(sm.empty(s), 256);  // every consumer thread (see the arrive)
         }
+        mbar_init(sm.empty_kv(), 256);
+        if constexpr (Cfg::kPersistent) {
+            for (int s = 0; s < 2; ++s) {
+                mbar_init(sm.item_full(s), 1);
+                mbar_init(sm.item_empty(s), 257);  // every consumer thread and the producer's
+            }
+        }
         mbar_fence_init();
     }
-    __syncthreads();
 
-    if (wg == 0) {
-        // ---------------- producer ----------------
-        regs_release<Cfg::kProducerRegs>();
-        if (warp != 0 || lane != 0 || n_iters == 0) return;
-        bwd_ws_produce<Cfg>(P, seq, walk, hk, n0, sm);
-        return;
-    }
-    // ---------------- consumers ----------------
-    regs_claim<Cfg::kConsumerRegs>();
-    if constexpr (Cfg::kSplit) {
-        flash_bwd_sm90_ws_split_consumer<Cfg>(p, blk, walk, sm, smem_raw);
+    if constexpr (!Cfg::kPersistent) {
+        // One item: the CTA's key block (blockIdx; packed batches: the scheduler's slot).
+        const BwdKeyBlock<Cfg> blk = BwdKeyBlock<Cfg>::make(p);  // key block n_block of sequence seq (varlen.cuh)
+        __syncthreads();  // (the barriers' initialisation)
+        if constexpr (BwdKeyBlock<Cfg>::kVarlen) {
+            if (blk.skip) return;  // a spare slot of the scheduler (uniform over the CTA)
+        }
+        const int hk = blockIdx.y, n0 = blk.n_block * Cfg::kBlockN;
+        const BwdQueryWalk walk = blk.walk(p, hk);
+        if (wg == 0) {
+            // ---------------- producer ----------------
+            regs_release<Cfg::kProducerRegs>();
+            if (warp != 0 || lane != 0 || walk.n_iters == 0) return;
+            tma_prefetch(&P.tma_q);
+            tma_prefetch(&P.tma_do);
+            bwd_ws_produce<Cfg>(P, blk.seq, walk, hk, n0, sm, 0, 0);
+            return;
+        }
+        // ---------------- consumers ----------------
+        regs_claim<Cfg::kConsumerRegs>();
+        if constexpr (Cfg::kSplit) {
+            flash_bwd_sm90_ws_split_consumer<Cfg>(p, blk, walk, sm, smem_raw, hk);
+        } else {
+            const int offset = blk.seq.len_k(p) - blk.seq.len_q(p);  // causal: query i sees keys j <= i + offset
+            flash_bwd_sm90_ws_pair_consumer<Cfg>(p, blk, walk, sm, smem_raw, tid, warp, lane, n0, offset, hk, 0, 0);
+        }
     } else {
-        flash_bwd_sm90_ws_pair_consumer<Cfg>(p, blk, walk, sm, smem_raw, tid, warp, lane, n0, offset);
+        // Persistent: G = gridDim.x <= n_items CTAs; CTA c starts with item c, and each later item is the
+        // next number of the call's counter, plus G: the items go out in the per-key-block grid's order to
+        // whichever CTA frees up first (a causal call's long and short key blocks balance as the hardware's
+        // block scheduler balances the per-key-block grid). Numbers past the last item end the CTA.
+        BwdWsItem item = bwd_ws_item<Cfg>(p, blockIdx.x);
+        __syncthreads();  // (the barriers' initialisation)
+        if (wg == 0) {
+            // ---------------- producer ----------------
+            regs_release<Cfg::kProducerRegs>();
+            if (warp != 0 || lane != 0) return;
+            tma_prefetch(&P.tma_q);
+            tma_prefetch(&P.tma_do);
+            int g0 = 0, kv_use = 0;
+            for (int j = 0; item.n_block >= 0; ++j) {
+                const BwdKeyBlock<Cfg> blk{SeqInfo<false>(item.b), item.n_block, false};
+                const BwdQueryWalk walk = blk.walk(p, item.hk);
+                if (walk.n_iters > 0) {  // (else no query sees these keys: the consumers write dK = dV = 0)
+                    bwd_ws_produce<Cfg>(P, blk.seq, walk, item.hk, item.n_block * Cfg::kBlockN, sm, g0, kv_use);
+                    g0 += walk.n_iters;
+                    ++kv_use;
+                }
+                item = bwd_ws_take<Cfg>(sm, j);
+            }
+            return;
+        }
+        // ---------------- consumers ----------------
+        regs_claim<Cfg::kConsumerRegs>();
+        int g0 = 0, kv_use = 0;
+        for (int j = 0; item.n_block >= 0; ++j) {
+            if (tid == 128) bwd_ws_publish_next<Cfg>(p, sm, j);
+            __syncwarp();
+            const BwdKeyBlock<Cfg> blk{SeqInfo<false>(item.b), item.n_block, false};
+            const BwdQueryWalk walk = blk.walk(p, item.hk);
+            const int offset = blk.seq.len_k(p) - blk.seq.len_q(p);  // causal: query i sees keys j <= i + offset
+            flash_bwd_sm90_ws_pair_consumer<Cfg>(p, blk, walk, sm, smem_raw, tid, warp, lane, item.n_block * Cfg::kBlockN,
+                                                 offset, item.hk, g0, kv_use);
+            g0 += walk.n_iters;
+            kv_use += walk.n_iters > 0;
+            item = bwd_ws_take<Cfg>(sm, j);
+        }
     }
 }
 

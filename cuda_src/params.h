@@ -88,6 +88,8 @@ struct BwdParams {
                                // each query block's tile is stored in the main kernel's register order
                                // (see flash_bwd_convert_kernel), not row-major
     int* dq_turn;              // (batch, nheads, num_m_blocks) int32, zeroed: deterministic mode's turn counters
+    int* item_counter;         // one int32, zeroed by the preprocess kernel: the persistent Hopper backward's
+                               // next item (null for the other main kernels)
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
     long long v_batch_stride, v_row_stride, v_head_stride;

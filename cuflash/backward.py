@@ -83,6 +83,8 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
         dsum = cupy.empty(rows, dtype=cupy.float32)
         dq_accum = cupy.empty(rows + (bp.dq_accum_cols,), dtype=cupy.float32)  # (zeroed by the preprocess kernel)
         dq_turn = cupy.zeros((batch, nheads, bp.num_m_blocks), dtype=cupy.int32) if deterministic else None
+        # (the persistent main kernel's item counter, zeroed by the preprocess kernel)
+        item_counter = cupy.empty(1, dtype=cupy.int32) if getattr(main_tile, "persistent", False) else None
         strides = {}
         for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
             for kind, s in zip(("batch", "row", "head"), checks.elem_strides(x)):
@@ -91,6 +93,7 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, dout=dout.data.ptr, lse=lse.data.ptr,
             dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, lse_log2=lse_log2.data.ptr, dsum=dsum.data.ptr,
             dq_accum=dq_accum.data.ptr, dq_turn=dq_turn.data.ptr if deterministic else 0,
+            item_counter=item_counter.data.ptr if item_counter is not None else 0,
             **strides,
             batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_ratio=nheads // nheads_kv,
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, seqlen_q_pad=bp.seqlen_q_pad,
@@ -147,6 +150,6 @@ def _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype
     bp = plan.plan_backward(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_kv=nheads_kv, head_dim=head_dim,
         dtype=dtype, causal=causal, aligned=aligned, arch=jit.device_arch(device_id), tile=tile,
-        deterministic=deterministic, mods=mods,
+        deterministic=deterministic, mods=mods, sm_count=jit.device_sm_count(device_id),
     )  # fmt: skip
     return bp, tuple(jit.get_function(how.spec, device_id) for how in (bp.pre, bp.main, bp.convert))

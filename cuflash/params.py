@@ -78,7 +78,7 @@ FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
 
 #: Field order, names and types of struct BwdParams (shared by the three backward kernels).
 BWD_FIELDS = (
-    [(name, _PTR) for name in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "lse_log2", "dsum", "dq_accum", "dq_turn")]
+    [(name, _PTR) for name in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "lse_log2", "dsum", "dq_accum", "dq_turn", "item_counter")]
     + [
         (f"{t}_{s}_stride", _I64)
         for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")

@@ -190,7 +190,7 @@ def run_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen
         record = BWD_PACKER.pack(
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, dout=dout.data.ptr, lse=lse.data.ptr,
             dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, lse_log2=lse_log2.data.ptr, dsum=dsum.data.ptr,
-            dq_accum=dq_accum.data.ptr, dq_turn=dq_turn.data.ptr if deterministic else 0,
+            dq_accum=dq_accum.data.ptr, dq_turn=dq_turn.data.ptr if deterministic else 0, item_counter=0,
             **strides,
             batch=g.batch, nheads=g.nheads, nheads_kv=g.nheads_kv, head_ratio=g.nheads // g.nheads_kv,
             seqlen_q=g.total_q, seqlen_k=g.total_k, head_dim=g.head_dim, seqlen_q_pad=bp.seqlen_q_pad,

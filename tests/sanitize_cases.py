@@ -11,7 +11,7 @@ on the forward and backward of both kernel families, paged K/V in the varlen for
 extras (rotary, cache_batch_idx, cache_leftpad). --only hopper: the warp-specialized TMA forward
 (sm_90a): every schedule on ragged dense cases, packed varlen with NaN past the used keys, paged K/V;
 and the warp-specialized backward on ragged cases (a short run for memcheck, racecheck and synccheck:
-mbarrier phases and named barriers).
+mbarrier phases and named barriers). --only hopper-bwd: that backward part alone.
 """
 import dataclasses
 import sys
@@ -49,8 +49,10 @@ def main():
         return varlen_cases(rng, arch)
     if sys.argv[1:] == ["--only", "hopper"]:
         return hopper_cases(rng, arch)
+    if sys.argv[1:] == ["--only", "hopper-bwd"]:
+        return hopper_bwd_cases(rng, arch)
     if sys.argv[1:] and not filled_only:
-        sys.exit("usage: sanitize_cases.py [--only filled|variants|varlen|hopper]")
+        sys.exit("usage: sanitize_cases.py [--only filled|variants|varlen|hopper|hopper-bwd]")
     for b, sq, sk, h, hk, d, causal, dt, layout in [] if filled_only else CASES:
         q, k, v = random_qkv(rng, b, sq, sk, h, hk, d, dt, layout_q=layout, layout_kv=layout)
         err, bound = check_forward(q, k, v, causal=causal, dtype=dt)
@@ -223,8 +225,15 @@ def hopper_cases(rng, arch):
     for d in (128, 256):
         test_varlen_nan_after_the_keys_stays_out(d)
         print(f"ok varlen NaN tails, paged, d={d}")
+    hopper_bwd_cases(rng, arch)
+
+
+def hopper_bwd_cases(rng, arch):
+    """The warp-specialized TMA backward alone (--only hopper-bwd, a short run for racecheck and synccheck)."""
+    if arch != "sm_90a":
+        sys.exit("--only hopper-bwd needs an sm_90a GPU")
     # the warp-specialized TMA backward: ring depths 2 and 3 over 1 and several query blocks, GQA,
-    # a window, partial boxes, fp16, a variant with dropout; head dim 256's split consumers
+    # a window, partial boxes, fp16, a variant with dropout; head dim 256's split consumers; the persistent grid
     B = plan.BwdSm90WsTile
     for tile, (sq, sk, d, dt, causal, kw) in (
         (B(), (64, 130, 128, "bf16", True, {})), (B(), (200, 300, 64, "fp16", False, {})),
@@ -232,6 +241,11 @@ def hopper_cases(rng, arch):
         (B(), (150, 150, 128, "bf16", False, dict(softcap=5.0, dropout_p=0.2))),
         (B(block_n=64), (200, 150, 256, "bf16", True, {})), (B(block_n=64), (70, 130, 248, "fp16", False, {})),
         (B(block_n=64), (150, 200, 256, "bf16", False, dict(softcap=5.0, dropout_p=0.2, window_size=(60, 10)))),
+        # persistent: 35 key blocks x 2 kv heads x 2 = 140 items > 132 SMs (CTAs walk 2); with a window most
+        # items have no query block
+        (B(persistent=True), (64, 4400, 128, "bf16", False, {})),
+        (B(stages=3, persistent=True), (130, 4400, 64, "bf16", False, dict(window_size=(300, 0)))),
+        (B(persistent=True), (700, 4400, 64, "fp16", True, {})),  # causal: 140 items, 8 from the counter
     ):  # fmt: skip
         q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, d, dt)
         check_backward(q, k, v, causal=causal, dtype=dt, tile=tile, rng=rng, **kw)

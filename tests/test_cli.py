@@ -230,7 +230,10 @@ def test_precompile_all_selects_every_variant(cache, recorder):
     # and the Hopper kernels, sm_90a only
     assert len([s for s in expected if s.family == "flash_fwd_sm90"]) == len(plan.FWD_SM90_TILES) * 2 * 2
     assert len([s for s in expected if s.family == "flash_bwd_sm90"]) == len(plan.BWD_SM90_TILES) * 2 * 2
-    assert len([s for s in expected if s.family == "flash_bwd_sm90_ws"]) == len(plan.BWD_SM90_WS_TILES) * 2 * 2
+    # (the warp-specialized backward: per dtype and causal flag, plus the persistent one where the planner takes it)
+    ws_bwd = [s for s in expected if s.family == "flash_bwd_sm90_ws"]
+    assert len(ws_bwd) == len(plan.BWD_SM90_WS_TILES) * 2 * 2 + len(plan.BWD_SM90_WS_PERSISTENT) * 2
+    assert {(s.head_dim, s.causal) for s in ws_bwd if s.tile.persistent} == plan.BWD_SM90_WS_PERSISTENT
     assert recorder.specs == expected
     assert f"{len(expected)} variants: {len(expected)} compiled" in r.output
 

@@ -79,7 +79,8 @@ def test_every_variant_compiles(compiled):
     hopper_bwd = [s for s in specs if s.family == "flash_bwd_sm90"]
     assert len(hopper_bwd) == len(plan.BWD_SM90_TILES) * 2 * 2 and {s.arch for s in hopper_bwd} == {"sm_90a"}
     ws_bwd = [s for s in specs if s.family == "flash_bwd_sm90_ws"]
-    assert len(ws_bwd) == len(plan.BWD_SM90_WS_TILES) * 2 * 2 and {s.arch for s in ws_bwd} == {"sm_90a"}
+    persistent = len(plan.BWD_SM90_WS_PERSISTENT) * 2  # (the persistent launch where the planner takes it) x dtypes
+    assert len(ws_bwd) == len(plan.BWD_SM90_WS_TILES) * 2 * 2 + persistent and {s.arch for s in ws_bwd} == {"sm_90a"}
     assert len([s for s in specs if s.family == "flash_bwd"]) == n_main
     assert len([s for s in specs if s.family in ("flash_bwd_pre", "flash_bwd_convert")]) == len(ARCHS) * 2 * 2 * 2
     assert set(headers) == {s.name for s in specs}

@@ -61,6 +61,82 @@ def test_key_blocks_no_query_sees():
                    window_size=(50, 0), what="window leaves key blocks unseen")  # fmt: skip
 
 
+def _persistent(head_dim, stages=None):
+    import dataclasses
+
+    from cuflash import plan
+
+    tile = dataclasses.replace(plan.BWD_SM90_WS_TILES[head_dim], persistent=True)
+    return dataclasses.replace(tile, stages=stages) if stages else tile
+
+
+@pytest.mark.parametrize("head_dim,stages", [(64, None), (64, 2), (128, None), (128, 3)])
+@pytest.mark.parametrize("sq", [50, 300])  # a walk of 1 query block (shorter than the ring), and of 5
+@pytest.mark.parametrize("causal", [False, True])  # (causal: most key blocks see no query, their items are empty)
+def test_persistent_walks_many_items(head_dim, stages, sq, causal):
+    """The persistent backward with more items (key blocks x kv heads x sequences) than SMs, so CTAs walk
+    2 or more (the later ones from the counter): 16 key blocks (the last ragged) x 4 kv heads x 3 = 192, GQA;
+    the next item's first query blocks and K, V load while this one finishes. Deterministic mode refuses the persistent tile
+    (its turns would wait across CTAs) and the planner gives it the per-key-block launch."""
+    _hopper()
+    from cuflash import backward
+
+    tile = _persistent(head_dim, stages)
+    rng = np.random.default_rng(sq + head_dim)
+    q, k, v = random_qkv(rng, 3, sq, 2000, 8, 4, head_dim, "bf16")
+    check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, rng=rng, what=f"{tile} sq={sq} causal={causal}")
+    import cuflash
+
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="deterministic=True runs the per-key-block backward"):
+        backward.run(out, q, k, v, out, lse, deterministic=True, tile=tile)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_persistent_causal_counter(head_dim):
+    """Causal, 4 key blocks of 128 per sequence x 4 kv heads x 9 = 144 items on 132 CTAs: the last 12 items go
+    to whichever CTAs take them from the counter first; a second call on the same inputs gives the same dK
+    and dV bit for bit (each item is one CTA's; the preprocess zeroed the counter again, else the second
+    call's CTAs would skip the counter's items); and a grid of fewer CTAs than SMs (one sequence: 16 items,
+    none from the counter), fp16."""
+    _hopper()
+    import cupy
+
+    import cuflash
+    from cuflash import backward
+
+    rng = np.random.default_rng(head_dim)
+    q, k, v = random_qkv(rng, 9, 512, 512, 8, 4, head_dim, "bf16")
+    check_backward(q, k, v, causal=True, dtype="bf16", tile=_persistent(head_dim), rng=rng, what="causal, counter")
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = cupy.asarray(rng.standard_normal(out.shape), dtype=out.dtype)
+    first = backward.run(dout, q, k, v, out, lse, causal=True, tile=_persistent(head_dim))
+    again = backward.run(dout, q, k, v, out, lse, causal=True, tile=_persistent(head_dim))
+    for name, a, b in zip(("dk", "dv"), first[1:], again[1:]):
+        assert bool(cupy.all(a.view(cupy.uint16) == b.view(cupy.uint16))), f"{name} differs between two calls"
+    q, k, v = random_qkv(rng, 1, 500, 512, 8, 4, head_dim, "fp16")
+    check_backward(q, k, v, causal=True, dtype="fp16", tile=_persistent(head_dim), rng=rng, what="causal, 16 items")
+
+
+def test_persistent_items_no_query_sees_and_variants():
+    """Persistent CTAs whose items mix key blocks no query sees (a window: nothing loaded, dK = dV = 0) with
+    seen ones, so the K / V and ring phases skip items; and the score variants (softcap, ALiBi, dropout: its
+    keep bits by sequence and head) on items walked by one CTA after another."""
+    _hopper()
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, 2, 100, 3000, 4, 4, 64, "bf16")  # 24 key blocks x 4 x 2 = 192 items
+    check_backward(q, k, v, causal=False, dtype="bf16", tile=_persistent(64), rng=rng, window_size=(50, 0),
+                   what="window leaves key blocks unseen")  # fmt: skip
+    q, k, v = random_qkv(rng, 3, 200, 1500, 8, 4, 128, "bf16")  # 12 x 4 x 3 = 144 items
+    import cupy
+
+    slopes = cupy.asarray(rng.uniform(0.01, 0.1, size=(3, 8)).astype(np.float32))  # (per sequence and head)
+    check_backward(q, k, v, causal=False, dtype="bf16", tile=_persistent(128), rng=rng, softcap=20.0,
+                   alibi_slopes=slopes, what="softcap + ALiBi")  # fmt: skip
+    check_backward(q, k, v, causal=False, dtype="bf16", tile=_persistent(128), rng=rng, dropout_p=0.1,
+                   what="dropout")  # fmt: skip
+
+
 def test_strided_inputs():
     """q, k, v and dout as slices of wider tensors (row strides of several heads' width)."""
     _hopper()

@@ -82,6 +82,7 @@ def test_plan_backward_errors(kwargs, match):
 def test_all_bwd_specs_lists_every_variant_once():
     specs = plan.all_bwd_specs("sm_90a")
     hopper = (len(plan.BWD_SM90_TILES) + len(plan.BWD_SM90_WS_TILES)) * 2 * 2  # buckets x dtype x causal, aligned only
+    hopper += len(plan.BWD_SM90_WS_PERSISTENT) * 2  # the persistent warp-specialized backward: x dtype
     assert len(specs) == len(set(specs)) == 8 * 2 * 2 * 2 + 2 * 2 * 2 + hopper  # main + (pre, convert) x dtype x load path
     assert len({s.name for s in specs}) == len(specs)
     assert not [s for s in plan.all_bwd_specs("sm_80") if s.family.startswith("flash_bwd_sm90")]
@@ -90,6 +91,49 @@ def test_all_bwd_specs_lists_every_variant_once():
     ws = [s for s in packed if s.family == "flash_bwd_sm90_ws"]
     assert len(ws) == len(plan.BWD_SM90_WS_TILES) * 2 * 2 and all(s.mods == plan.MOD_VARLEN for s in ws)
     assert [s for s in packed if s.family == "flash_bwd_sm90"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_backward_for_plain_batches(head_dim, causal):
+    """With the SM count, plain batches take the persistent backward where BWD_SM90_WS_PERSISTENT lists the
+    head dim and causal flag (hd128 non-causal): one CTA per SM (at most one per key block of every
+    kv head and sequence), the tile's persistent flag in the name and template; packed batches,
+    deterministic mode, the other points and plans without the SM count keep one CTA per key block. A
+    persistent tile is refused where the kernel has none, and in deterministic mode; at hd64 (not planned)
+    it runs when given."""
+    assert plan.BWD_SM90_WS_PERSISTENT == {(128, False)}
+    kw = dict(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=head_dim, dtype="bf16", causal=causal,
+              aligned=True, arch="sm_90a")  # fmt: skip
+    bp = plan.plan_backward(**kw, sm_count=132)
+    t, n = bp.main.spec.tile, plan.BWD_SM90_WS_TILES[head_dim].block_n
+    persistent = dataclasses.replace(plan.BWD_SM90_WS_TILES[head_dim], persistent=True)
+    if (head_dim, causal) in plan.BWD_SM90_WS_PERSISTENT:
+        assert t == persistent
+        assert bp.main.grid == (min(-(-700 // n) * 2 * 2, 132), 1, 1) == (24, 1, 1)
+        assert plan.plan_backward(**dict(kw, batch=40), sm_count=132).main.grid == (132, 1, 1)
+        assert "_persistent_" in bp.main.spec.name and bp.main.spec.template_args().endswith(", true")
+        assert bp.main.spec in plan.all_bwd_specs("sm_90a")
+        assert bp.main.smem_bytes == plan.plan_backward(**kw).main.smem_bytes + 72  # (+ the item ring)
+    else:
+        assert t == plan.BWD_SM90_WS_TILES[head_dim] and bp.main.grid == (-(-700 // n), 2, 2)
+    if head_dim == 64:  # (not planned, but a given persistent tile runs)
+        given = plan.plan_backward(**kw, sm_count=132, tile=persistent)
+        assert given.main.spec.tile == persistent and given.main.grid == (24, 1, 1)
+        assert given.main.spec not in plan.all_bwd_specs("sm_90a")
+    assert not plan.plan_backward(**kw).main.spec.tile.persistent  # (no SM count)
+    assert not plan.plan_backward(**kw, sm_count=132, deterministic=True).main.spec.tile.persistent
+    assert not plan.plan_backward(**kw, sm_count=132, mods=plan.MOD_VARLEN).main.spec.tile.persistent
+    if head_dim == 256:
+        with pytest.raises(ValueError, match="head dims 64 and 128 on plain batches"):
+            plan.bwd_sm90_ws_spec(head_dim, "bf16", causal, persistent)
+    else:
+        with pytest.raises(ValueError, match="needs sm_count"):
+            plan.plan_backward(**kw, tile=persistent)
+        with pytest.raises(ValueError, match="deterministic=True runs the per-key-block backward"):
+            plan.plan_backward(**kw, tile=persistent, sm_count=132, deterministic=True)
+    with pytest.raises(ValueError, match="head dims 64 and 128 on plain batches"):
+        plan.bwd_sm90_ws_spec(head_dim, "bf16", causal, persistent, plan.MOD_VARLEN)
 
 
 def _bwd_plan(head_dim=128, arch="sm_90a", aligned=True, deterministic=False, tile=None):
@@ -108,15 +152,15 @@ def test_warp_specialized_backward_where_it_can(head_dim):
     assert spec.family == "flash_bwd_sm90_ws" and t == plan.BWD_SM90_WS_TILES[d] == plan.BwdSm90WsTile(block_n=n, stages=st)
     assert bp.main.grid == (-(-700 // n), 2, 2) and bp.main.block == (384, 1, 1)  # producer + 2 consumer warpgroups
     assert bp.num_m_blocks == -(-1000 // 64) and bp.seqlen_q_pad == bp.num_m_blocks * 64
-    # K, V, stages x (Q, dO), 2 dS^T buffers (split: and 2 P^T), stages x (lse_log2, D), 1 + 2 stages mbarriers,
+    # K, V, stages x (Q, dO), 2 dS^T buffers (split: and 2 P^T), stages x (lse_log2, D), 2 + 2 stages mbarriers,
     # 1 KB alignment
     ds_tiles = 2 if n == 64 else 1
-    smem = 1024 + 2 * n * d * 2 + 2 * st * 64 * d * 2 + 2 * ds_tiles * n * 64 * 2 + st * 512 + 8 * (1 + 2 * st)
+    smem = 1024 + 2 * n * d * 2 + 2 * st * 64 * d * 2 + 2 * ds_tiles * n * 64 * 2 + st * 512 + 8 * (2 + 2 * st)
     assert bp.main.smem_bytes == smem <= 227 * 1024
     assert t.warp_tiles(d)["dq"] == (16, d // 2) and t.dq_q_warps == 4 and t.warps == 12  # the pair kernel's dQ layout
     assert spec.template_args() == f"{d}, true, true, 0, {st}"
     with_mods = plan.plan_backward(batch=2, seqlen_q=100, seqlen_k=100, nheads=2, nheads_kv=2, head_dim=head_dim,
-                                   dtype="fp16", causal=False, aligned=True, arch="sm_90a", mods=plan.MOD_SOFTCAP)
+                                   dtype="fp16", causal=False, aligned=True, arch="sm_90a", mods=plan.MOD_SOFTCAP)  # (no SM count)
     assert with_mods.main.spec.template_args() == f"{d}, false, false, {plan.MOD_SOFTCAP}, {st}"
     # packed batches too (scheduler grid, varlen source); the cp.async Hopper kernel when forced; the mma.sync one elsewhere
     packed = plan.plan_backward(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=head_dim,

@@ -212,6 +212,9 @@ class BwdSm90WsTile(_Sm90DqLayout):
     block_m: int = 64
     stages: int = 2
     min_blocks: int = 1
+    # One CTA per SM walks the key blocks (plain batches, head dims 64 and 128, atomic dQ): the next key
+    # block's K, V and first query blocks load under this one's last blocks and dK / dV stores (plan_backward)
+    persistent: bool = False
 
     @property
     def warps(self) -> int:
@@ -228,12 +231,39 @@ BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
 }
 
 
+#: Where the planner runs the warp-specialized backward persistent (one CTA per SM taking items from a
+#: counter), by (head dim bucket, causal). Measured on the H200 against the per-key-block grid
+#: (tools/ab_sources.py, bf16, 512-16384 tokens, 16k tokens per batch, two rounds): hd128 non-causal
+#: 0.99-1.06 (median 1.02). Left out: causal calls, 0.93-1.01 at hd128 and 0.96-1.00 at hd64 (their short
+#: items pay the counter and the hand-over; a static order measured 1.04-1.10 at hd64 but left hd128 at 16k
+#: tokens 0.70x, docs/history/hopper.md, session 21); hd64 non-causal, 0.94-0.98 (static order).
+BWD_SM90_WS_PERSISTENT: frozenset[tuple[int, bool]] = frozenset({(128, False)})
+
+
+def bwd_sm90_ws_tile(bucket: int, causal: bool, varlen: bool, sm_count: int | None,
+                     deterministic: bool = False) -> BwdSm90WsTile:
+    """The warp-specialized backward's tile for a call: BWD_SM90_WS_TILES[bucket], persistent where
+    BWD_SM90_WS_PERSISTENT lists (bucket, causal), for non-deterministic plain batches when the GPU's SM
+    count is known. Its CTAs start with items 0 .. G - 1 of the per-key-block grid's order and then take
+    the next item from a counter (zeroed by the preprocess), so a causal call's long and short key blocks
+    balance over the SMs as the hardware's block scheduler balances the per-key-block grid. Deterministic
+    mode keeps one CTA per key block: a persistent CTA's later item waits for the turn of an item that
+    another CTA of the grid holds, which is safe only if the whole grid is resident at once, and a GPU
+    shared with other work (another stream, MPS, a sanitizer) does not promise that."""
+    tile = BWD_SM90_WS_TILES[bucket]
+    if not varlen and not deterministic and sm_count and (bucket, bool(causal)) in BWD_SM90_WS_PERSISTENT:
+        return dataclasses.replace(tile, persistent=True)
+    return tile
+
+
 def bwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: BwdSm90WsTile) -> int:
     """Must match Sm90WsBwdConfig::kSmemBytes: 1 KB alignment, K, V, stages x (Q, dO), 2 x dS^T (and,
-    64-key split tile, 2 x P^T), stages x (lse_log2, D), 1 + 2 x stages mbarriers."""
+    64-key split tile, 2 x P^T), stages x (lse_log2, D), 2 + 2 x stages mbarriers; persistent: the item
+    ring's 4 mbarriers and 2 items of 16 bytes (with 8 bytes for their alignment)."""
     d, n, m, st = head_dim_bucket, tile.block_n, tile.block_m, tile.stages
     ds_tiles = 2 if n == 64 else 1
-    return 1024 + 2 * n * d * 2 + 2 * st * m * d * 2 + 2 * ds_tiles * n * m * 2 + st * 2 * m * 4 + 8 * (1 + 2 * st)
+    ring = 8 * 4 + 8 + 32 if tile.persistent else 0
+    return 1024 + 2 * n * d * 2 + 2 * st * m * d * 2 + 2 * ds_tiles * n * m * 2 + st * 2 * m * 4 + 8 * (2 + 2 * st) + ring
 
 
 @dataclass(frozen=True)
@@ -244,12 +274,17 @@ class BwdSm90WsSpec(HopperSpec):
     family: str = "flash_bwd_sm90_ws"
 
     @property
+    def name(self) -> str:
+        return self._variant_name("_persistent" if self.tile.persistent else "")
+
+    @property
     def smem_bytes(self) -> int:
         return bwd_sm90_ws_smem_bytes(self.head_dim, self.tile)
 
     def template_args(self) -> str:
         b = cpp_bool
-        return f"{self.head_dim}, {b(self.dtype == 'bf16')}, {b(self.causal)}, {self.mods}, {self.tile.stages}"
+        persistent = f", {b(True)}" if self.tile.persistent else ""
+        return f"{self.head_dim}, {b(self.dtype == 'bf16')}, {b(self.causal)}, {self.mods}, {self.tile.stages}{persistent}"
 
 
 def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTile | None = None,
@@ -263,6 +298,9 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
             or tile.min_blocks != 1):  # fmt: skip
         raise ValueError("the warp-specialized backward runs 128 keys (64 for head dim 256) x 64 queries, 2 to 4 "
                          f"stages, min_blocks 1; got {tile}")  # fmt: skip
+    if tile.persistent and (bucket == 256 or mods & MOD_VARLEN):
+        raise ValueError("the persistent warp-specialized backward runs head dims 64 and 128 on plain batches "
+                         f"(not packed ones); got head dim {head_dim}, mods {mods}")  # fmt: skip
     if bwd_sm90_ws_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
         raise ValueError(f"tile {tile} needs {bwd_sm90_ws_smem_bytes(bucket, tile)} bytes of shared memory")
     return BwdSm90WsSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
@@ -361,12 +399,15 @@ def plan_backward(
     tile: BwdTile | BwdSm90Tile | BwdSm90WsTile | None = None,
     deterministic: bool = False,
     mods: int = 0,
+    sm_count: int | None = None,
 ) -> BwdPlan:
     """The three launches of one backward call (all sizes >= 1). The main kernel is the Hopper one
     where uses_sm90_backward says so (or a BwdSm90Tile is given), else the mma.sync one. With
     MOD_VARLEN, batch is the number of packed sequences and seqlen_q / seqlen_k the packed totals: the
     grids run over the tile scheduler's slots (cuda_src/varlen.cuh), the scratch rows per head are
-    the query slots times block_m, and batch is 1 in every grid."""
+    the query slots times block_m, and batch is 1 in every grid. ``sm_count`` (the GPU's SMs) lets the
+    planner pick the persistent warp-specialized backward (bwd_sm90_ws_tile), whose grid is one CTA per SM
+    (at most one per key block)."""
     varlen = bool(mods & MOD_VARLEN)
     if min(batch, seqlen_q, nheads, nheads_kv) < 1 or seqlen_k < (0 if varlen else 1):
         raise ValueError("plan_backward needs non-empty dimensions; empty inputs never launch")
@@ -375,6 +416,13 @@ def plan_backward(
     if isinstance(tile, BwdSm90WsTile) or (tile is None and uses_sm90_ws_backward(head_dim, aligned, arch)):
         if arch != "sm_90a" or not aligned or head_dim % 8:
             raise ValueError("the warp-specialized backward needs sm_90a and 16-byte aligned inputs")
+        if tile is None:
+            tile = bwd_sm90_ws_tile(head_dim_bucket(head_dim), causal, varlen, sm_count, deterministic)
+        if tile.persistent and not sm_count:
+            raise ValueError("a persistent backward tile needs sm_count (the GPU's multiprocessors)")
+        if tile.persistent and deterministic:
+            raise ValueError("deterministic=True runs the per-key-block backward (its ordered dQ additions wait "
+                             "across CTAs); pass a tile without persistent=True")
         spec = bwd_sm90_ws_spec(head_dim, dtype, causal, tile, mods)
     elif isinstance(tile, BwdSm90Tile) or (tile is None and uses_sm90_backward(head_dim, aligned, arch, deterministic)):
         if arch != "sm_90a" or not aligned or deterministic or head_dim % 8:
@@ -397,7 +445,10 @@ def plan_backward(
     aux_block = (BWD_AUX_THREADS, 1, 1)
     pre = Launch(BwdAuxSpec("flash_bwd_pre", dtype, aligned, arch, varlen), (-(-seqlen_q_pad // rows_per_cta), nheads, grid_batch),
                  aux_block, 0)  # fmt: skip
-    main = Launch(spec, (key_blocks, nheads_kv, grid_batch), (spec.threads, 1, 1), spec.smem_bytes)
+    if getattr(spec.tile, "persistent", False):  # one CTA per SM (at most one per item) walks the key blocks
+        main = Launch(spec, (min(key_blocks * nheads_kv * grid_batch, sm_count), 1, 1), (spec.threads, 1, 1), spec.smem_bytes)
+    else:
+        main = Launch(spec, (key_blocks, nheads_kv, grid_batch), (spec.threads, 1, 1), spec.smem_bytes)
     # One CTA per query block (its dQ tile is staged in CONVERT_SMEM_ELEMS of smem: BwdTile.valid_for).
     convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch, varlen), (num_m_blocks, nheads, grid_batch),
                      aux_block, 0)  # fmt: skip
@@ -435,4 +486,7 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                             specs.append(bwd_sm90_spec(bucket, dt, c, mods=m))
                         if al and uses_sm90_ws_backward(bucket, True, arch):
                             specs.append(bwd_sm90_ws_spec(bucket, dt, c, mods=m))
+                            planned = bwd_sm90_ws_tile(bucket, c, bool(m & MOD_VARLEN), sm_count=1)
+                            if planned.persistent:  # (with the GPU's SM count the planner takes it)
+                                specs.append(bwd_sm90_ws_spec(bucket, dt, c, planned, m))
     return list(dict.fromkeys(specs))

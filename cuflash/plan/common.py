@@ -115,8 +115,10 @@ class Launch:
     sched_group: int = 0
 
     def __post_init__(self):
-        # The persistent walk divides by its group size (flash_fwd_sm90_ws.cuh, tile_of): never launch one without.
-        if getattr(getattr(self.spec, "tile", None), "persistent", False) and self.sched_group < 1:
+        # The persistent forward's walk divides by its group size (flash_fwd_sm90_ws.cuh, tile_of): never launch
+        # one without. (The persistent backward walks its items without groups.)
+        if (self.spec.family == "flash_fwd_sm90_ws" and getattr(self.spec.tile, "persistent", False)
+                and self.sched_group < 1):  # fmt: skip
             raise ValueError(f"a persistent launch needs sched_group >= 1 (got {self.sched_group}): plan it with plan_forward")
 
 
