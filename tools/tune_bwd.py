@@ -3,6 +3,7 @@ FlashAttention-2 backward, to choose the rows of BWD_TILES.
 
     python tools/tune_bwd.py --hd 128 [--seqlen 1024 4096] [--tiles "64,128,8,2,4,4,2" ...]
     python tools/tune_bwd.py --hd 128 --sm90     (the Hopper kernels: TMA at 2 and 3 stages, cp.async)
+    python tools/tune_bwd.py --hd 128 --sm90 --persistent   (TMA at 2-4 stages, per key block and persistent)
 A tile is block_m,block_n,warps,stages,s_key_warps,kv_key_warps,dq_q_warps. Every tile is first
 checked against the float64 reference on a ragged GQA case; then one line per (tile, causal,
 seqlen) and, last, the median ratio per tile.
@@ -45,12 +46,19 @@ def main():
     ap.add_argument("--tiles", nargs="*", default=[])
     ap.add_argument("--sm90", action="store_true",
                     help="the Hopper kernels instead: warp-specialized TMA (2, 3 stages) and cp.async, side by side")
+    ap.add_argument("--persistent", action="store_true",
+                    help="with --sm90: the warp-specialized tiles at 2-4 stages, each per key block and persistent "
+                         "(head dims 64 and 128), without the cp.async kernel")
     a = ap.parse_args()
     if a.sm90:
         ws = plan.BWD_SM90_WS_TILES.get(a.hd)  # its block_n (64 at head dim 256); every ring depth that fits
-        tiles = [dataclasses.replace(ws, stages=st) for st in (2, 3)
-                 if ws and plan.bwd_sm90_ws_smem_bytes(a.hd, dataclasses.replace(ws, stages=st)) <= 227 * 1024]
-        tiles.append(plan.BWD_SM90_TILES[a.hd])
+        persistent = (False, True) if a.persistent and a.hd in (64, 128) else (False,)
+        tiles = [dataclasses.replace(ws, stages=st, persistent=pe) for st in ((2, 3, 4) if a.persistent else (2, 3))
+                 for pe in persistent
+                 if ws and plan.bwd_sm90_ws_smem_bytes(a.hd, dataclasses.replace(ws, stages=st, persistent=pe))
+                 <= plan.max_smem_bytes("sm_90a")]  # fmt: skip
+        if not a.persistent:
+            tiles.append(plan.BWD_SM90_TILES[a.hd])
     else:
         tiles = [plan.BwdTile(*map(int, t.split(","))) for t in a.tiles] or [plan.BWD_TILES[a.hd]]
     scores = {}
