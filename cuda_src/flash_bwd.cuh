@@ -661,14 +661,33 @@ CUFLASH_DEVICE void flash_bwd_convert_kernel(const BwdParams& p) {
     const int per_warp = (rows_w / 16) * blocks;  // float4 groups of 32 lanes per warp
     const float4* tile = reinterpret_cast<const float4*>(p.dq_accum + (((i64)b * p.nheads + h) * p.seqlen_q_pad + m0) * cols);
     const float sc = p.softmax_scale;
-    for (int f = threadIdx.x; f < p.block_m * cols / 4; f += blockDim.x) {
-        const float4 x = tile[f];
-        const int lane = f % 32, grp = f / 32;
-        const int w = grp / per_warp, s = (grp % per_warp) / blocks, db = grp % blocks;
-        const int r = (w % p.dq_q_warps) * rows_w + 16 * s + lane / 4;
-        const int c = (w / p.dq_q_warps) * cols_w + 8 * db + 2 * (lane % 4);
-        *reinterpret_cast<u32*>(s_tile + r * stride + c) = pack2<kIsBF16>(x.x * sc, x.y * sc);
-        *reinterpret_cast<u32*>(s_tile + (r + 8) * stride + c) = pack2<kIsBF16>(x.z * sc, x.w * sc);
+    // Warp i of the CTA takes the groups of 32 float4s numbered i, i + nwarps, ..., kLoads of them in flight
+    // before any is used (one load at a time left the kernel bound by the load latency, not by HBM); a
+    // group's (w, s, db) advance by nwarps as a mixed-radix count instead of divisions per float4.
+    constexpr int kLoads = 8;
+    const int lane = threadIdx.x % 32, nwarps = blockDim.x / 32, n_grp = p.block_m * cols / 128, slabs = rows_w / 16;
+    int grp = threadIdx.x / 32;
+    int w = grp / per_warp, s = (grp % per_warp) / blocks, db = grp % blocks;
+    int wq = w % p.dq_q_warps, wc = w / p.dq_q_warps;  // warp w's rows x cols tile: (wq, wc)
+    for (; grp < n_grp; grp += kLoads * nwarps) {
+        float4 x[kLoads];
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u)
+            if (grp + u * nwarps < n_grp) x[u] = tile[(grp + u * nwarps) * 32 + lane];
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+            if (grp + u * nwarps >= n_grp) break;
+            const int r = wq * rows_w + 16 * s + lane / 4, c = wc * cols_w + 8 * db + 2 * (lane % 4);
+            *reinterpret_cast<u32*>(s_tile + r * stride + c) = pack2<kIsBF16>(x[u].x * sc, x[u].y * sc);
+            *reinterpret_cast<u32*>(s_tile + (r + 8) * stride + c) = pack2<kIsBF16>(x[u].z * sc, x[u].w * sc);
+            for (db += nwarps; db >= blocks;) {  // the next group of this warp: nwarps further
+                db -= blocks;
+                if (++s == slabs) {
+                    s = 0;
+                    if (++wq == p.dq_q_warps) wq = 0, ++wc;
+                }
+            }
+        }
     }
     __syncthreads();  // the whole tile is in smem as rows
     int rows;  // dQ rows of this tile, from its first at dq
