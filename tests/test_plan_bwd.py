@@ -98,8 +98,9 @@ def test_all_bwd_specs_lists_every_variant_once():
 def test_persistent_backward_for_plain_batches(head_dim, causal):
     """With the SM count, plain batches take the persistent backward where BWD_SM90_WS_PERSISTENT lists the
     head dim and causal flag (hd128 non-causal): one CTA per SM (at most one per key block of every
-    kv head and sequence), the tile's persistent flag in the name and template; packed batches,
-    deterministic mode, the other points and plans without the SM count keep one CTA per key block. A
+    kv head and sequence), the tile's persistent flag in the name and template, with softcap, ALiBi and
+    dropout too; packed batches, windows, deterministic mode, the other points and plans without the SM
+    count keep one CTA per key block. A
     persistent tile is refused where the kernel has none, and in deterministic mode; at hd64 (not planned)
     it runs when given."""
     assert plan.BWD_SM90_WS_PERSISTENT == {(128, False)}
@@ -124,6 +125,11 @@ def test_persistent_backward_for_plain_batches(head_dim, causal):
     assert not plan.plan_backward(**kw).main.spec.tile.persistent  # (no SM count)
     assert not plan.plan_backward(**kw, sm_count=132, deterministic=True).main.spec.tile.persistent
     assert not plan.plan_backward(**kw, sm_count=132, mods=plan.MOD_VARLEN).main.spec.tile.persistent
+    # a window (causal windows arrive as kernel-causal False with it) keeps the per-key-block grid; the score
+    # variants keep the plain call's choice
+    assert not plan.plan_backward(**kw, sm_count=132, mods=plan.MOD_WINDOW | plan.MOD_SOFTCAP).main.spec.tile.persistent
+    softcap = plan.plan_backward(**kw, sm_count=132, mods=plan.MOD_SOFTCAP | plan.MOD_ALIBI | plan.MOD_DROPOUT)
+    assert softcap.main.spec.tile.persistent == ((head_dim, causal) in plan.BWD_SM90_WS_PERSISTENT)
     if head_dim == 256:
         with pytest.raises(ValueError, match="head dims 64 and 128 on plain batches"):
             plan.bwd_sm90_ws_spec(head_dim, "bf16", causal, persistent)
@@ -286,3 +292,40 @@ def test_preprocess_rows_per_warp(head_dim, aligned, rows, arch):
         assert bp.pre_rows_per_warp == rows
         assert bp.pre.grid[:2] == (-(-bp.seqlen_q_pad // (8 * rows)), 8)
         assert bp.seqlen_q_pad % 8 == 0 and bp.main.spec.tile.block_m % 8 == 0
+
+
+def test_ws_backward_template_and_smem_match_the_kernel_config():
+    """NVRTC checks, for every planned warp-specialized backward variant and every ring depth and
+    persistent flag that fits at head dims 64 and 128, that template_args() lands the stages and the
+    persistent flag on Sm90WsBwdConfig and that its kSmemBytes is the plan's bwd_sm90_ws_smem_bytes (the
+    launch's dynamic shared memory; no GPU needed)."""
+    from cupy.cuda import nvrtc
+
+    from cuflash import jit
+
+    specs = [s for s in plan.all_bwd_specs("sm_90a", mods=(0, plan.MOD_VARLEN)) if s.family == "flash_bwd_sm90_ws"]
+    for hd in (64, 128):
+        for stages in (2, 3, 4):
+            for persistent in (False, True):
+                t = dataclasses.replace(plan.BWD_SM90_WS_TILES[hd], stages=stages, persistent=persistent)
+                if plan.bwd_sm90_ws_smem_bytes(hd, t) <= plan.max_smem_bytes("sm_90a"):
+                    specs.append(plan.bwd_sm90_ws_spec(hd, "fp16", True, t, plan.ALL_MODS))
+    assert any(s.tile.persistent for s in specs) and any(s.tile.stages == 4 for s in specs)
+    lines = ['#include "flash_bwd_sm90_ws.cuh"']
+    for s in dict.fromkeys(specs):
+        c = f"cuflash::Sm90WsBwdConfig<{s.template_args()}>"
+        persistent = "true" if s.tile.persistent else "false"
+        lines.append(f"static_assert({c}::kHeadDim == {s.head_dim} && {c}::kStages == {s.tile.stages} && "
+                     f'{c}::kPersistent == {persistent}, "{s.name}: template argument order");')  # fmt: skip
+        lines.append(f'static_assert({c}::kSmemBytes == {s.smem_bytes}, "{s.name}: shared memory");')
+    text = "\n".join(lines) + "\n"
+    headers = jit.included_headers(text)
+    prog = nvrtc.createProgram(text, "bwd_ws_config_check.cu", [h.encode() for h in headers.values()],
+                               [n.encode() for n in headers])  # fmt: skip
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)

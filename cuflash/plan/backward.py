@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, MOD_VARLEN, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
+    DTYPES, HEAD_DIM_BUCKETS, MOD_VARLEN, MOD_WINDOW, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
     check_mods, head_dim_bucket, load_tag, max_smem_bytes, mods_arg,
 )  # fmt: skip
 
@@ -232,26 +232,33 @@ BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
 
 
 #: Where the planner runs the warp-specialized backward persistent (one CTA per SM taking items from a
-#: counter), by (head dim bucket, causal). Measured on the H200 against the per-key-block grid
-#: (tools/ab_sources.py, bf16, 512-16384 tokens, 16k tokens per batch, two rounds): hd128 non-causal
-#: 0.99-1.06 (median 1.02). Left out: causal calls, 0.93-1.01 at hd128 and 0.96-1.00 at hd64 (their short
-#: items pay the counter and the hand-over; a static order measured 1.04-1.10 at hd64 but left hd128 at 16k
-#: tokens 0.70x, docs/history/hopper.md, session 21); hd64 non-causal, 0.94-0.98 (static order).
+#: counter), by (head dim bucket, kernel causal flag). Measured on the H200 against the per-key-block grid
+#: (tools/ab_sources.py, bf16, 512 / 1024 / 2048 / 8192 / 16384 tokens, 16k tokens per batch, two rounds; the
+#: ratio of the rounds' means per length): hd128 non-causal 1.00-1.04 (median 1.01; the same kernel in two
+#: trees measured 0.985-1.015), and in one run against cuDNN (tools/tune_bwd.py --persistent) 0.92-0.93 of
+#: cuDNN at 512-4096 tokens against 0.89-0.90 per key block (softcap, ALiBi and dropout calls, the same items,
+#: take it too; they were not measured persistent). Left out: causal calls, 0.93-1.03 at hd128 and
+#: 0.96-0.99 at hd64 (their short items pay the counter and the hand-over; a static order measured 1.04-1.10
+#: at hd64 but left hd128 at 16k tokens 0.70x, docs/history/hopper.md, sessions 20-22); hd64 non-causal,
+#: 0.94-0.98 (static order). Windowed calls (kernel-causal False with MOD_WINDOW, causal windows included)
+#: keep the per-key-block grid too: their items are short and uneven, as causal ones, and were not measured.
 BWD_SM90_WS_PERSISTENT: frozenset[tuple[int, bool]] = frozenset({(128, False)})
 
 
-def bwd_sm90_ws_tile(bucket: int, causal: bool, varlen: bool, sm_count: int | None,
+def bwd_sm90_ws_tile(bucket: int, causal: bool, mods: int, sm_count: int | None,
                      deterministic: bool = False) -> BwdSm90WsTile:
     """The warp-specialized backward's tile for a call: BWD_SM90_WS_TILES[bucket], persistent where
-    BWD_SM90_WS_PERSISTENT lists (bucket, causal), for non-deterministic plain batches when the GPU's SM
-    count is known. Its CTAs start with items 0 .. G - 1 of the per-key-block grid's order and then take
-    the next item from a counter (zeroed by the preprocess), so a causal call's long and short key blocks
-    balance over the SMs as the hardware's block scheduler balances the per-key-block grid. Deterministic
-    mode keeps one CTA per key block: a persistent CTA's later item waits for the turn of an item that
-    another CTA of the grid holds, which is safe only if the whole grid is resident at once, and a GPU
-    shared with other work (another stream, MPS, a sanitizer) does not promise that."""
+    BWD_SM90_WS_PERSISTENT lists (bucket, causal) (``causal``: the kernel's flag, after the variants' resolve),
+    for non-deterministic plain batches without a window (``mods``) when the GPU's SM count is known. Its CTAs
+    start with items 0 .. G - 1 of the per-key-block grid's order and then take the next item from a counter
+    (zeroed by the preprocess), so items of unequal length go to whichever CTA frees up first, as the
+    hardware's block scheduler hands out the per-key-block grid. Deterministic mode keeps one CTA per key
+    block: a persistent CTA's later item waits for the turn of an item that another CTA of the grid holds,
+    which is safe only if the whole grid is resident at once, and a GPU shared with other work (another
+    stream, MPS, a sanitizer) does not promise that."""
     tile = BWD_SM90_WS_TILES[bucket]
-    if not varlen and not deterministic and sm_count and (bucket, bool(causal)) in BWD_SM90_WS_PERSISTENT:
+    if (not mods & (MOD_VARLEN | MOD_WINDOW) and not deterministic and sm_count
+            and (bucket, bool(causal)) in BWD_SM90_WS_PERSISTENT):  # fmt: skip
         return dataclasses.replace(tile, persistent=True)
     return tile
 
@@ -417,7 +424,7 @@ def plan_backward(
         if arch != "sm_90a" or not aligned or head_dim % 8:
             raise ValueError("the warp-specialized backward needs sm_90a and 16-byte aligned inputs")
         if tile is None:
-            tile = bwd_sm90_ws_tile(head_dim_bucket(head_dim), causal, varlen, sm_count, deterministic)
+            tile = bwd_sm90_ws_tile(head_dim_bucket(head_dim), causal, mods, sm_count, deterministic)
         if tile.persistent and not sm_count:
             raise ValueError("a persistent backward tile needs sm_count (the GPU's multiprocessors)")
         if tile.persistent and deterministic:
@@ -486,7 +493,7 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                             specs.append(bwd_sm90_spec(bucket, dt, c, mods=m))
                         if al and uses_sm90_ws_backward(bucket, True, arch):
                             specs.append(bwd_sm90_ws_spec(bucket, dt, c, mods=m))
-                            planned = bwd_sm90_ws_tile(bucket, c, bool(m & MOD_VARLEN), sm_count=1)
+                            planned = bwd_sm90_ws_tile(bucket, c, m, sm_count=1)
                             if planned.persistent:  # (with the GPU's SM count the planner takes it)
                                 specs.append(bwd_sm90_ws_spec(bucket, dt, c, planned, m))
     return list(dict.fromkeys(specs))
