@@ -72,7 +72,7 @@ def _persistent(head_dim, stages=None):
 
 @pytest.mark.parametrize("head_dim,stages", [(64, None), (64, 2), (128, None), (128, 3)])
 @pytest.mark.parametrize("sq", [50, 300])  # a walk of 1 query block (shorter than the ring), and of 5
-@pytest.mark.parametrize("causal", [False, True])  # (causal: most key blocks see no query, their items are empty)
+@pytest.mark.parametrize("causal", [False, True])  # (causal, bottom-right: every key block is seen, the walks shorten)
 def test_persistent_walks_many_items(head_dim, stages, sq, causal):
     """The persistent backward with more items (key blocks x kv heads x sequences) than SMs, so CTAs walk
     2 or more (the later ones from the counter): 16 key blocks (the last ragged) x 4 kv heads x 3 = 192, GQA;
