@@ -595,8 +595,9 @@ CUFLASH_DEVICE BwdWsItem bwd_ws_item(const BwdParams& p, int i) {
 
 // The item ring (persistent grids): the CTA's item j + 1 (j >= 0; item 0 is blockIdx.x) comes from the call's
 // item counter (zeroed by the preprocess). The first consumer thread takes the number when the CTA starts its
-// item j (its consumer warp waits for the atomic at the item's start; at best under the wait for K and V) and publishes the decoded item in slot j % 2, use j / 2; the
-// producer (after item j's loads) and every consumer thread (after item j) read it and free the slot.
+// item j (its warp waits for the atomic there, at best under the wait for K and V) and publishes the decoded
+// item in slot j % 2, use j / 2; the producer (after item j's loads) and every consumer thread (after item j)
+// read it and free the slot.
 template <class Cfg>
 CUFLASH_DEVICE void bwd_ws_publish_next(const BwdParams& p, const BwdWsSmem<Cfg>& sm, int j) {
     const int s = j & 1;
