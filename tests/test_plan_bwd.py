@@ -98,9 +98,9 @@ def test_all_bwd_specs_lists_every_variant_once():
 def test_persistent_backward_for_plain_batches(head_dim, causal):
     """With the SM count, plain batches take the persistent backward where BWD_SM90_WS_PERSISTENT lists the
     head dim and causal flag (hd128 non-causal): one CTA per SM (at most one per key block of every
-    kv head and sequence), the tile's persistent flag in the name and template, with softcap, ALiBi and
-    dropout too; packed batches, windows, deterministic mode, the other points and plans without the SM
-    count keep one CTA per key block. A
+    kv head and sequence), the tile's persistent flag in the name and template; packed batches, calls with
+    a variant, deterministic mode, the other points and plans without the SM count keep one CTA per key
+    block. A
     persistent tile is refused where the kernel has none, and in deterministic mode; at hd64 (not planned)
     it runs when given."""
     assert plan.BWD_SM90_WS_PERSISTENT == {(128, False)}
@@ -125,11 +125,9 @@ def test_persistent_backward_for_plain_batches(head_dim, causal):
     assert not plan.plan_backward(**kw).main.spec.tile.persistent  # (no SM count)
     assert not plan.plan_backward(**kw, sm_count=132, deterministic=True).main.spec.tile.persistent
     assert not plan.plan_backward(**kw, sm_count=132, mods=plan.MOD_VARLEN).main.spec.tile.persistent
-    # a window (causal windows arrive as kernel-causal False with it) keeps the per-key-block grid; the score
-    # variants keep the plain call's choice
-    assert not plan.plan_backward(**kw, sm_count=132, mods=plan.MOD_WINDOW | plan.MOD_SOFTCAP).main.spec.tile.persistent
-    softcap = plan.plan_backward(**kw, sm_count=132, mods=plan.MOD_SOFTCAP | plan.MOD_ALIBI | plan.MOD_DROPOUT)
-    assert softcap.main.spec.tile.persistent == ((head_dim, causal) in plan.BWD_SM90_WS_PERSISTENT)
+    # a variant (causal windows arrive as kernel-causal False with the window bit) keeps the per-key-block grid
+    for m in (plan.MOD_WINDOW, plan.MOD_SOFTCAP, plan.MOD_ALIBI, plan.MOD_DROPOUT):
+        assert not plan.plan_backward(**kw, sm_count=132, mods=m).main.spec.tile.persistent
     if head_dim == 256:
         with pytest.raises(ValueError, match="head dims 64 and 128 on plain batches"):
             plan.bwd_sm90_ws_spec(head_dim, "bf16", causal, persistent)

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, MOD_VARLEN, MOD_WINDOW, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
+    DTYPES, HEAD_DIM_BUCKETS, MOD_VARLEN, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
     check_mods, head_dim_bucket, load_tag, max_smem_bytes, mods_arg,
 )  # fmt: skip
 
@@ -236,12 +236,13 @@ BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
 #: (tools/ab_sources.py, bf16, 512 / 1024 / 2048 / 8192 / 16384 tokens, 16k tokens per batch, two rounds; the
 #: ratio of the rounds' means per length): hd128 non-causal 1.00-1.04 (median 1.01; the same kernel in two
 #: trees measured 0.985-1.015), and in one run against cuDNN (tools/tune_bwd.py --persistent) 0.92-0.93 of
-#: cuDNN at 512-4096 tokens against 0.89-0.90 per key block (softcap, ALiBi and dropout calls, the same items,
-#: take it too; they were not measured persistent). Left out: causal calls, 0.93-1.03 at hd128 and
+#: cuDNN at 512-4096 tokens against 0.89-0.90 per key block. Left out: causal calls, 0.93-1.03 at hd128 and
 #: 0.96-0.99 at hd64 (their short items pay the counter and the hand-over; a static order measured 1.04-1.10
 #: at hd64 but left hd128 at 16k tokens 0.70x, docs/history/hopper.md, sessions 20-22); hd64 non-causal,
-#: 0.94-0.98 (static order). Windowed calls (kernel-causal False with MOD_WINDOW, causal windows included)
-#: keep the per-key-block grid too: their items are short and uneven, as causal ones, and were not measured.
+#: 0.94-0.98 (static order). Calls with a variant (window, softcap, ALiBi, dropout) keep the per-key-block grid
+#: too: none was measured persistent, windowed items are short and uneven as causal ones (causal windows reach
+#: the planner as kernel-causal False with MOD_WINDOW), and the persistent softcap build spills 8 bytes where
+#: the per-key-block one spills none.
 BWD_SM90_WS_PERSISTENT: frozenset[tuple[int, bool]] = frozenset({(128, False)})
 
 
@@ -249,7 +250,7 @@ def bwd_sm90_ws_tile(bucket: int, causal: bool, mods: int, sm_count: int | None,
                      deterministic: bool = False) -> BwdSm90WsTile:
     """The warp-specialized backward's tile for a call: BWD_SM90_WS_TILES[bucket], persistent where
     BWD_SM90_WS_PERSISTENT lists (bucket, causal) (``causal``: the kernel's flag, after the variants' resolve),
-    for non-deterministic plain batches without a window (``mods``) when the GPU's SM count is known. Its CTAs
+    for non-deterministic plain batches without a variant (``mods`` == 0) when the GPU's SM count is known. Its CTAs
     start with items 0 .. G - 1 of the per-key-block grid's order and then take the next item from a counter
     (zeroed by the preprocess), so items of unequal length go to whichever CTA frees up first, as the
     hardware's block scheduler hands out the per-key-block grid. Deterministic mode keeps one CTA per key
@@ -257,7 +258,7 @@ def bwd_sm90_ws_tile(bucket: int, causal: bool, mods: int, sm_count: int | None,
     which is safe only if the whole grid is resident at once, and a GPU shared with other work (another
     stream, MPS, a sanitizer) does not promise that."""
     tile = BWD_SM90_WS_TILES[bucket]
-    if (not mods & (MOD_VARLEN | MOD_WINDOW) and not deterministic and sm_count
+    if (not mods and not deterministic and sm_count
             and (bucket, bool(causal)) in BWD_SM90_WS_PERSISTENT):  # fmt: skip
         return dataclasses.replace(tile, persistent=True)
     return tile
