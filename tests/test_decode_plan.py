@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from cuflash import checks, cli, jit, kvcache, params, plan, reference
 from cuflash.plan import decode as pdecode
+from nvrtc_util import compile_static_asserts
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
 SMEM_PER_SM = {"sm_80": 164 * 1024, "sm_86": 100 * 1024, "sm_89": 100 * 1024, "sm_90a": 228 * 1024}
@@ -392,8 +393,6 @@ def test_decode_spec_rejects():
 def test_template_args_and_smem_match_the_kernel_config():
     """NVRTC checks, per variant, that template_args() lands every value on the DecodeConfig parameter
     it names and that DecodeConfig::kSmemBytes is the plan's smem_bytes (no GPU needed)."""
-    from cupy.cuda import nvrtc
-
     lines = ['#include "flash_decode.cuh"']
     for arch in ("sm_80", "sm_86", "sm_90a"):
         for s in plan.all_decode_specs(arch, dtypes=("bf16", "fp16")):
@@ -412,17 +411,7 @@ def test_template_args_and_smem_match_the_kernel_config():
                 f"\"{s.name}: template argument order\");"
             )
             lines.append(f'static_assert({c}::kSmemBytes == {s.smem_bytes}, "{s.name}: shared memory");')
-    text = "\n".join(lines) + "\n"
-    headers = jit.included_headers(text)
-    prog = nvrtc.createProgram(text, "decode_config_check.cu", [h.encode() for h in headers.values()],
-                               [n.encode() for n in headers])  # fmt: skip
-    try:
-        try:
-            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a"])
-        except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    compile_static_asserts(lines, "decode_config_check.cu")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cuflash import plan
+from nvrtc_util import compile_static_asserts
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120")
 
@@ -297,10 +298,6 @@ def test_ws_backward_template_and_smem_match_the_kernel_config():
     persistent flag that fits at head dims 64 and 128, that template_args() lands the stages and the
     persistent flag on Sm90WsBwdConfig and that its kSmemBytes is the plan's bwd_sm90_ws_smem_bytes (the
     launch's dynamic shared memory; no GPU needed)."""
-    from cupy.cuda import nvrtc
-
-    from cuflash import jit
-
     specs = [s for s in plan.all_bwd_specs("sm_90a", mods=(0, plan.MOD_VARLEN)) if s.family == "flash_bwd_sm90_ws"]
     for hd in (64, 128):
         for stages in (2, 3, 4):
@@ -316,14 +313,4 @@ def test_ws_backward_template_and_smem_match_the_kernel_config():
         lines.append(f"static_assert({c}::kHeadDim == {s.head_dim} && {c}::kStages == {s.tile.stages} && "
                      f'{c}::kPersistent == {persistent}, "{s.name}: template argument order");')  # fmt: skip
         lines.append(f'static_assert({c}::kSmemBytes == {s.smem_bytes}, "{s.name}: shared memory");')
-    text = "\n".join(lines) + "\n"
-    headers = jit.included_headers(text)
-    prog = nvrtc.createProgram(text, "bwd_ws_config_check.cu", [h.encode() for h in headers.values()],
-                               [n.encode() for n in headers])  # fmt: skip
-    try:
-        try:
-            nvrtc.compileProgram(prog, ["-std=c++17", "-arch=sm_90a"])
-        except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    compile_static_asserts(lines, "bwd_ws_config_check.cu")
