@@ -79,12 +79,14 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
         main_tile = bp.main.spec.tile
         dq_tile = main_tile.warp_tiles(bp.dq_accum_cols)["dq"]
         rows = (batch, nheads, bp.seqlen_q_pad)
-        lse_log2 = cupy.empty(rows, dtype=cupy.float32)
-        dsum = cupy.empty(rows, dtype=cupy.float32)
+        # lse_log2 and D per row, then one int32: the persistent main kernel's item counter (zeroed by the
+        # preprocess kernel), in one allocation (a pool call less per scratch array on the host path)
+        n_rows = batch * nheads * bp.seqlen_q_pad
+        row_scratch = cupy.empty(2 * n_rows + 1, dtype=cupy.float32)
+        lse_log2, dsum = row_scratch[:n_rows].reshape(rows), row_scratch[n_rows : 2 * n_rows].reshape(rows)
+        persistent = getattr(main_tile, "persistent", False)
         dq_accum = cupy.empty(rows + (bp.dq_accum_cols,), dtype=cupy.float32)  # (zeroed by the preprocess kernel)
         dq_turn = cupy.zeros((batch, nheads, bp.num_m_blocks), dtype=cupy.int32) if deterministic else None
-        # (the persistent main kernel's item counter, zeroed by the preprocess kernel)
-        item_counter = cupy.empty(1, dtype=cupy.int32) if getattr(main_tile, "persistent", False) else None
         strides = {}
         for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
             for kind, s in zip(("batch", "row", "head"), checks.elem_strides(x)):
@@ -93,7 +95,7 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
             q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, dout=dout.data.ptr, lse=lse.data.ptr,
             dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, lse_log2=lse_log2.data.ptr, dsum=dsum.data.ptr,
             dq_accum=dq_accum.data.ptr, dq_turn=dq_turn.data.ptr if deterministic else 0,
-            item_counter=item_counter.data.ptr if item_counter is not None else 0,
+            item_counter=row_scratch.data.ptr + 4 * 2 * n_rows if persistent else 0,
             **strides,
             batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_ratio=nheads // nheads_kv,
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, seqlen_q_pad=bp.seqlen_q_pad,
