@@ -84,7 +84,7 @@ def _desc(x) -> tuple:
     return x.shape, x.strides, x.dtype, x.data.device_id
 
 
-def _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
+def _signature(nd, desc, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
                return_lse, out, check, policy, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):  # fmt: skip
     """The key under which a call's checks and plan are kept (_Prepared): everything they depend on but
     the pointers and, for one length for all, the length itself (only its 64-token step, which the
@@ -93,8 +93,9 @@ def _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
     then raises the errors). A decode loop's repeated call skips re-checking what cannot have changed:
     the host time of a step is latency, and on the H200 the checks, the plan lookup and the packing
     of the record took more of it than the launch. ALiBi slopes (a device pointer in the record) take
-    the whole way too."""
-    nd = cupy.ndarray
+    the whole way too. ``nd`` is the array type the call's arrays must be and ``desc`` gives an array's
+    (shape, strides in bytes, NumPy dtype, device): CuPy's (_desc) here, torch's in cuflash.torch, so a
+    torch call finds the preparation its first call made through the CuPy API."""
     if check or type(num_splits) is not int or policy is not None and type(policy) is not plan.DecodePolicy:
         return None
     if alibi_slopes is not None or type(window_size) is not tuple or type(softcap) not in (int, float):
@@ -103,25 +104,25 @@ def _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
         return None
     if softmax_scale is not None and type(softmax_scale) is not float:
         return None
-    kd = _desc(k_cache)
-    key = [_desc(q), kd, _desc(v_cache), bool(causal), softmax_scale, num_splits, bool(return_lse), policy,
+    kd = desc(k_cache)
+    key = [desc(q), kd, desc(v_cache), bool(causal), softmax_scale, num_splits, bool(return_lse), policy,
            window_size, softcap]
     new = 0
     if k is not None or v is not None:
         if type(k) is not nd or type(v) is not nd:
             return None
-        kn = _desc(k)
-        key += [kn, _desc(v)]
+        kn = desc(k)
+        key += [kn, desc(v)]
         new = kn[0][1] if len(kn[0]) == 4 else 0
     if out is not None:
         if type(out) is not nd:
             return None
-        key.append(_desc(out))
+        key.append(desc(out))
     capacity = kd[0][1] if len(kd[0]) == 4 else 0
     if block_table is not None:
         if type(block_table) is not nd:
             return None
-        bd = _desc(block_table)
+        bd = desc(block_table)
         key.append(bd)
         capacity *= bd[0][1] if len(bd[0]) == 2 else 0
     if cache_seqlens is None:
@@ -131,7 +132,7 @@ def _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, caus
             return None  # the whole way raises the error
         key.append(-(-min(cache_seqlens + new, capacity) // 64) * 64)  # the plan's step of the length
     elif type(cache_seqlens) is nd:
-        key.append(_desc(cache_seqlens))
+        key.append(desc(cache_seqlens))
     else:
         return None
     return tuple(key)
@@ -141,10 +142,8 @@ def _run(prep: _Prepared, cupy, device_id: int, q_ptr: int, k_ptr: int, v_ptr: i
          seqlens_dev, bt_dev, seqlen_const: int, return_lse: bool):  # fmt: skip
     """The launches of a prepared call (device_id current): the record with this call's pointers and
     length, the split workspace of this stream."""
-    dplan = prep.dplan
-    fn_attn, fn_append, fn_combine = prep.fns
     stream = cupy.cuda.get_current_stream().ptr
-    o_partial_ptr = lse_partial_ptr = counters_ptr = 0
+    o_partial_ptr = counters_ptr = 0
     if prep.ws_floats:
         if cupy.cuda.runtime.streamIsCapturing(stream):
             # A CUDA graph keeps this call's pointers: it gets a workspace of its own (its counters'
@@ -159,14 +158,26 @@ def _run(prep: _Prepared, cupy, device_id: int, q_ptr: int, k_ptr: int, v_ptr: i
         else:
             partials, counters = _workspace(cupy, device_id, stream, prep.ws_floats, prep.ws_counters)
         o_partial_ptr = partials.data.ptr
-        counters_ptr = counters.data.ptr if prep.merge_in_kernel else 0
-        lse_partial_ptr = o_partial_ptr + prep.lse_offset  # bucket % 32 == 0: 128-byte aligned
+        counters_ptr = counters.data.ptr
+    _launch(prep, stream, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
+            0 if seqlens_dev is None else seqlens_dev.data.ptr, 0 if bt_dev is None else bt_dev.data.ptr, seqlen_const,
+            o_partial_ptr, counters_ptr)  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def _launch(prep: _Prepared, stream: int, q_ptr: int, k_ptr: int, v_ptr: int, kn_ptr: int, vn_ptr: int, o_ptr: int,
+            lse_ptr: int, seqlens_ptr: int, bt_ptr: int, seqlen_const: int, o_partial_ptr: int, counters_ptr: int):  # fmt: skip
+    """Patch the prepared record with a call's pointers and length and launch its kernels on ``stream``
+    (the device current; o_partial_ptr: the split workspace's partial rows, or 0 without splits)."""
+    dplan = prep.dplan
+    fn_attn, fn_append, fn_combine = prep.fns
+    lse_partial_ptr = o_partial_ptr + prep.lse_offset if o_partial_ptr else 0  # bucket % 32 == 0: 128-byte aligned
+    counters_ptr = counters_ptr if prep.merge_in_kernel else 0
     args = _ARGS
     buf = args.buf
     ctypes.memmove(buf, prep.record, len(prep.record))
-    _PTRS.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
-                    o_partial_ptr, lse_partial_ptr, counters_ptr, 0 if seqlens_dev is None else seqlens_dev.data.ptr,
-                    0 if bt_dev is None else bt_dev.data.ptr)  # fmt: skip
+    _PTRS.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, o_partial_ptr, lse_partial_ptr,
+                    counters_ptr, seqlens_ptr, bt_ptr)  # fmt: skip
     _SEQLEN_CONST.pack_into(buf, _SEQLEN_CONST_OFFSET, seqlen_const)
     if dplan.append is not None:  # the attention below reads the new tokens (same stream)
         launch.launch(fn_append, dplan.append, args.argv_ptr, stream)
@@ -174,7 +185,46 @@ def _run(prep: _Prepared, cupy, device_id: int, q_ptr: int, k_ptr: int, v_ptr: i
         launch.launch(fn_attn, dplan.attn, args.argv_ptr, stream)
         if dplan.combine is not None:
             launch.launch(fn_combine, dplan.combine, args.argv_ptr, stream)
-    return (out, lse) if return_lse else out
+
+
+def _usable(prep: _Prepared, q_ptr: int, k_ptr: int, v_ptr: int, kn_ptr: int, vn_ptr: int, o_ptr: int) -> bool:
+    """Whether a prepared call serves a call with these pointers: they agree with the load paths planned
+    (16-byte loads where every row was aligned) and the plan memo still gives the same plan and kernels (a
+    cleared or swapped memo, as tests and tools do, plans again)."""
+    return (prep.aligned == (prep.strides16 and not (q_ptr | k_ptr | v_ptr | o_ptr) & 15)
+            and prep.append_aligned == (prep.new_strides16 and not (k_ptr | v_ptr | kn_ptr | vn_ptr) & 15)
+            and (got := _plan_and_load(*prep.plan_args))[0] is prep.dplan and got[1] is prep.fns)  # fmt: skip
+
+
+def prepared(key) -> _Prepared | None:
+    """The preparation of a call signature (_signature) that an earlier call in this thread made, or None."""
+    return None if key is None else _PREPARED.calls.get(key)
+
+
+def run_prepared(prep: _Prepared, device_id: int, stream: int, q_ptr: int, k_ptr: int, v_ptr: int, kn_ptr: int,
+                 vn_ptr: int, o_ptr: int, lse_ptr: int, seqlens_ptr: int, bt_ptr: int, seqlen_const: int) -> bool:  # fmt: skip
+    """A prepared call by pointers, for callers that hold no CuPy arrays (cuflash.torch's decode step):
+    device_id current, ``stream`` a stream handle, out and lse allocated by the caller (q's shape,
+    contiguous; prep.lse_shape, float32), ``seqlen_const`` the one length for all (0 with lengths on the
+    device, the capacity for full caches). Returns False, having launched nothing, where the call must
+    take the whole way (attention_with_kvcache): pointers off the planned load path, a changed plan memo,
+    or a split workspace this stream does not have yet (the whole way allocates it from the caller's
+    allocator) or cannot share (the stream is capturing a CUDA graph)."""
+    if prep.seqlen_new <= 0:
+        kn_ptr = vn_ptr = 0
+    if not _usable(prep, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr):
+        return False
+    o_partial_ptr = counters_ptr = 0
+    if prep.ws_floats:
+        ws = _WORKSPACES.get((device_id, stream))
+        if ws is None or ws[0].size < prep.ws_floats or ws[1].size < prep.ws_counters:
+            return False
+        if checks.cupy_module().cuda.runtime.streamIsCapturing(stream):
+            return False
+        o_partial_ptr, counters_ptr = ws[0].data.ptr, ws[1].data.ptr
+    _launch(prep, stream, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, seqlens_ptr, bt_ptr, seqlen_const,
+            o_partial_ptr, counters_ptr)  # fmt: skip
+    return True
 
 #: Scratch of the split path per (device, stream handle), kept between calls: (fp32 partial rows and
 #: lse of the splits, int32 split counters). Calls on one stream run in order, so they can share it;
@@ -307,7 +357,7 @@ def attention_with_kvcache(
                        cache_leftpad, bool(causal) or _windowed(window_size))  # fmt: skip
     extras = cache_batch_idx is not None or cache_leftpad is not None
     # A signature seen before (_signature): only what can change between calls is looked at.
-    key = None if extras else _signature(cupy, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+    key = None if extras else _signature(cupy.ndarray, _desc, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                                          softmax_scale, num_splits, return_lse, out, check, policy, window_size,
                                          softcap, alibi_slopes)  # fmt: skip
     prep = None if key is None else _PREPARED.calls.get(key)
@@ -318,13 +368,7 @@ def attention_with_kvcache(
         with cupy.cuda.Device(device_id):
             if out is None:
                 out = cupy.empty(key[0][0], dtype=key[0][2])
-            o_ptr = out.data.ptr
-            # Kept only while the pointers agree with the load path planned (16-byte loads where every
-            # row was aligned) and the plan memo still gives the same plan (a cleared or swapped memo,
-            # as tests and tools do, plans again): else the whole way.
-            if prep.aligned == (prep.strides16 and not (q_ptr | k_ptr | v_ptr | o_ptr) & 15) and \
-                    prep.append_aligned == (prep.new_strides16 and not (k_ptr | v_ptr | kn_ptr | vn_ptr) & 15) and \
-                    (got := _plan_and_load(*prep.plan_args))[0] is prep.dplan and got[1] is prep.fns:
+            if _usable(prep, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, out.data.ptr):  # (else the whole way)
                 lse = cupy.empty(prep.lse_shape, dtype=cupy.float32) if return_lse else None
                 seqlens_dev = cache_seqlens if type(cache_seqlens) is cupy.ndarray else None
                 seqlen_const = prep.capacity if cache_seqlens is None else (0 if seqlens_dev is not None else cache_seqlens)

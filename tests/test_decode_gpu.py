@@ -1301,7 +1301,7 @@ def test_prepared_path_follows_the_plan_memo_and_the_pointers(launches, plans_ma
     kvcache._plan_and_load.cache_clear()  # drop the plans the swapped planner made
     for _ in range(2):  # the whole way, then prepared
         cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=1500, num_splits=6)
-    args = (cupy, c["q"], c["k_cache"], c["v_cache"], None, None, 1500, None, False, None, 6, False, None, False, None)
+    args = (cupy.ndarray, kvcache._desc, c["q"], c["k_cache"], c["v_cache"], None, None, 1500, None, False, None, 6, False, None, False, None)
     assert kvcache._signature(*args) in kvcache._PREPARED.calls
     with pytest.raises(ValueError, match="exceeds the cache capacity"):
         cuflash.attention_with_kvcache(c["q"], c["k_cache"], c["v_cache"], cache_seqlens=2001, num_splits=6)

@@ -1213,13 +1213,12 @@ def test_call_signature_of_the_prepared_path():
             strides = tuple(int(np.prod(shape[i + 1:])) * item for i in range(len(shape)))
         return FakeArray(shape=shape, strides=strides, dtype=np.dtype(dtype), data=SimpleNamespace(ptr=ptr, device_id=device))
 
-    cp = SimpleNamespace(ndarray=FakeArray)
     q, kc, vc = arr((2, 1, 8, 64)), arr((2, 1000, 2, 64)), arr((2, 1000, 2, 64))
     base = dict(k=None, v=None, cache_seqlens=700, block_table=None, causal=False, softmax_scale=0.125, num_splits=0,
                 return_lse=False, out=None, check=False, policy=None)  # fmt: skip
 
     def sig(q=q, kc=kc, vc=vc, **kw):
-        return kvcache._signature(cp, q, kc, vc, **{**base, **kw})
+        return kvcache._signature(FakeArray, kvcache._desc, q, kc, vc, **{**base, **kw})
 
     key = sig()
     assert key is not None and hash(key) is not None

@@ -247,6 +247,79 @@ def test_kvcache_appends_in_place_and_matches_reference(torch, ct, paged, length
     _close(v_cache, ref_v, "v_cache after the append", tol=1e-2)
 
 
+@pytest.mark.parametrize("paged, lengths_as, new, splits", [
+    (False, "tensor", 1, 0), (False, "int", 1, 1), (True, "tensor", 0, 0), (True, "int", 2, 4), (False, "full", 0, 0),
+])  # fmt: skip
+def test_kvcache_decode_loop_takes_the_prepared_path(torch, ct, monkeypatch, paged, lengths_as, new, splits):
+    """A decode loop's repeated flash_attn_with_kvcache call launches from the tensors' pointers (the
+    call signature prepared by its first call, cuflash.torch.ops._kvcache_prepared): outputs, lse and
+    the caches bitwise equal to the same loop with that path off; a stream without its split workspace
+    yet takes the whole way once."""
+    from cuflash import kvcache
+    from cuflash.torch import _bridge, ops
+
+    kvcache.free_workspaces()  # (another test's stream handle may come back for this test's side stream)
+    kvcache._PREPARED.calls.clear()
+    gen = torch.Generator(device="cuda").manual_seed(37 + paged + 2 * new)
+    batch, nh, nkv, d, cap, steps = 4, 8, 2, 128, 2048, 5
+    if paged:
+        page = 64
+        k_cache = _randn(torch, gen, (batch * cap // page + 5, page, nkv, d), torch.bfloat16)
+        table = torch.randperm(k_cache.shape[0], generator=torch.Generator().manual_seed(2))[: batch * cap // page]
+        table = table.view(batch, cap // page).to(torch.int32).cuda()
+    else:
+        k_cache, table = _randn(torch, gen, (batch, cap, nkv, d), torch.bfloat16), None
+    v_cache = torch.randn_like(k_cache)
+    inputs = [tuple(_randn(torch, gen, (batch, 1 if new < 2 else 2, h, d), torch.bfloat16) for h in (nh, nkv, nkv))
+              for _ in range(steps)]  # fmt: skip
+    start = torch.tensor([900, 0, 1500, 31], dtype=torch.int32, device="cuda")
+
+    def loop(kc, vc, stream=None):
+        outs = []
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            for t, (q, kn, vn) in enumerate(inputs):
+                lens = {"tensor": start + t * new, "int": 1000 + t * new, "full": None}[lengths_as]
+                out, lse = ct.flash_attn_with_kvcache(q, kc, vc, k=kn if new else None, v=vn if new else None,
+                                                      cache_seqlens=lens, block_table=table, causal=True,
+                                                      softmax_scale=1 if t == 3 else None, num_splits=splits,
+                                                      return_softmax_lse=True)  # fmt: skip
+                outs.append((out, lse))
+        torch.cuda.synchronize()
+        return outs
+
+    taken = []
+    real = kvcache.run_prepared
+    monkeypatch.setattr(kvcache, "run_prepared", lambda *a: taken.append(real(*a)) or taken[-1])
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = loop(kc, vc)
+    # step 0 prepares the signature; steps 1, 2, 4 find it (step 3's softmax_scale is another signature)
+    assert taken.count(True) == 3 and False not in taken, taken
+    monkeypatch.setattr(ops, "_kvcache_prepared", lambda *a: None)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = loop(want_k, want_v)
+    for t, ((o, l), (wo, wl)) in enumerate(zip(got, want)):
+        assert torch.equal(o, wo) and torch.equal(l, wl), f"step {t}"
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    monkeypatch.undo()
+    monkeypatch.setattr(kvcache, "run_prepared", lambda *a: taken.append(real(*a)) or taken[-1])
+    del taken[:]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    again = loop(kc2, vc2, side)
+    q, kn, vn = inputs[0]
+    lens = {"tensor": start, "int": 1000, "full": None}[lengths_as]
+    key = kvcache._signature(torch.Tensor, _bridge.desc, q, k_cache, v_cache, kn if new else None, vn if new else None,
+                             lens, table, True, None, splits, True, None, False, None, (-1, -1), 0.0)  # fmt: skip
+    prep = kvcache.prepared(key)
+    assert prep is not None
+    # with splits, the side stream's first call has no workspace there yet: the whole way, once
+    assert taken == [prep.ws_floats == 0] + [True] * (steps - 1), taken
+    for t, ((o, l), (wo, wl)) in enumerate(zip(again, want)):
+        assert torch.equal(o, wo) and torch.equal(l, wl), f"side stream, step {t}"
+    assert torch.equal(kc2, want_k)
+
+
 def test_kvcache_extras_and_errors(torch, ct):
     """cache_batch_idx and cache_leftpad through the flash-attn signature; a cache the kernels cannot
     write in place, a bad window and CPU tensors are errors that name the argument."""

@@ -60,6 +60,26 @@ def to_cupy(t: torch.Tensor, name: str = "tensor", copy_ok: bool = True):
                       strides=tuple(st * itemsize for st in t.stride()))
 
 
+def desc(t: torch.Tensor) -> tuple | None:
+    """What cuflash.kvcache's call signatures hold of an array, for a torch tensor: (shape, strides in
+    bytes, NumPy dtype, device index), as ``to_cupy(t)`` would give them (None for a dtype that crosses
+    by DLPack, or a tensor ``to_cupy`` would copy: such a call takes the whole way)."""
+    dtype = _NUMPY_DTYPES.get(t.dtype)
+    if dtype is None or not t.is_cuda:
+        return None
+    strides = t.stride()
+    if strides and strides[-1] != 1 and t.shape[-1] > 1:
+        return None
+    n = dtype.itemsize
+    return tuple(t.shape), tuple(st * n for st in strides), dtype, t.device.index
+
+
+def raw_stream(index: int) -> int:
+    """The handle of torch's current CUDA stream on device ``index`` (without building a torch.cuda.Stream)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 def to_cupy_opt(t, name: str = "tensor"):
     return None if t is None else to_cupy(t, name)
 
@@ -77,15 +97,37 @@ def to_torch(x) -> torch.Tensor:
     return torch.from_dlpack(x)
 
 
-def _stream():
-    """CuPy view of torch's current CUDA stream: through the CUDA stream protocol where CuPy has
-    Stream.from_external (CuPy 14 deprecates ExternalStream)."""
-    cp = cupy_module()
-    stream = torch.cuda.current_stream()
-    from_external = getattr(cp.cuda.Stream, "from_external", None)
-    if from_external is not None and hasattr(stream, "__cuda_stream__"):
-        return from_external(stream)
-    return cp.cuda.ExternalStream(stream.cuda_stream)
+_STREAMS: dict = {}  # (device index, stream handle) -> CuPy's view of that stream
+
+
+class _Handle:
+    """A stream handle in the CUDA stream protocol (what CuPy's Stream.from_external takes)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return 0, self.handle
+
+
+def _stream(index: int):
+    """CuPy view of torch's current CUDA stream on device ``index``, made once per stream handle: through
+    the CUDA stream protocol where CuPy has Stream.from_external (CuPy 14 deprecates ExternalStream).
+    (torch.cuda.current_stream() builds a Python object per call: ~25 us of a decode step's host time on
+    the H200 machine, docs/history/torch.md.)"""
+    handle = raw_stream(index)
+    stream = _STREAMS.get((index, handle))
+    if stream is None:
+        cp = cupy_module()
+        from_external = getattr(cp.cuda.Stream, "from_external", None)
+        if from_external is not None:
+            stream = from_external(_Handle(handle))
+        else:
+            stream = cp.cuda.ExternalStream(handle, index)
+        if len(_STREAMS) >= 256:  # (streams come and go in some programs: keep the dict small)
+            _STREAMS.clear()
+        _STREAMS[(index, handle)] = stream
+    return stream
 
 
 def _allocator(index: int):
@@ -110,7 +152,7 @@ def call(device: torch.device):
     """The context of one CuPy call on behalf of torch tensors on ``device`` (see the module docstring)."""
     index = device_index(device)
     cp = cupy_module()
-    with torch.cuda.device(index), _stream(), cp.cuda.using_allocator(_allocator(index)):
+    with torch.cuda.device(index), _stream(index), cp.cuda.using_allocator(_allocator(index)):
         yield cp
 
 

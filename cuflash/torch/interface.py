@@ -203,7 +203,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
     left, right = _window(window_size)
     out, lse = ops.kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, length_int,
-                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes, softmax_scale, bool(causal),
+                               cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                               None if softmax_scale is None else float(softmax_scale), bool(causal),
                                left, right, float(softcap), bool(rotary_interleaved), int(num_splits))  # fmt: skip
     return (out, lse) if return_softmax_lse else out
 

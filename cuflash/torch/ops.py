@@ -199,9 +199,44 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
 # Decode against a KV cache.
 
 
+def _kvcache_prepared(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table, softmax_scale, causal,
+                      window_left, window_right, softcap, num_splits):  # fmt: skip
+    """A decode step whose signature an earlier call in this thread prepared (cuflash.kvcache._signature),
+    launched from the tensors' pointers: no CuPy arrays, no stream or allocator switch, out and lse from
+    torch's allocator. None where the call takes the whole way (a first call, its device not the current
+    one, a stream without its split workspace yet, graph capture with splits, anything the signature
+    leaves out: rotary, cache_batch_idx, cache_leftpad, ALiBi)."""
+    lengths = cache_seqlens if cache_seqlens is not None else (None if cache_seqlens_int < 0 else cache_seqlens_int)
+    key = _kvcache._signature(Tensor, _bridge.desc, q, k_cache, v_cache, k, v, lengths, block_table, causal,
+                              softmax_scale, num_splits, True, None, False, None, (window_left, window_right),
+                              softcap)  # fmt: skip
+    prep = _kvcache.prepared(key)
+    if prep is None:
+        return None
+    index = key[0][3]
+    if torch.cuda.current_device() != index:
+        return None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device)
+    seqlen_const = prep.capacity if lengths is None else (0 if cache_seqlens is not None else lengths)
+    ok = _kvcache.run_prepared(
+        prep, index, _bridge.raw_stream(index), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        0 if k is None else k.data_ptr(), 0 if v is None else v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        0 if cache_seqlens is None else cache_seqlens.data_ptr(), 0 if block_table is None else block_table.data_ptr(),
+        seqlen_const,
+    )  # fmt: skip
+    return (out, lse) if ok else None
+
+
 def _fwd_kvcache_impl(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
                       cache_batch_idx, cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_left,
                       window_right, softcap, rotary_interleaved, num_splits):  # fmt: skip
+    if rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None \
+            and alibi_slopes is None:  # fmt: skip
+        done = _kvcache_prepared(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table,
+                                 softmax_scale, causal, window_left, window_right, softcap, num_splits)  # fmt: skip
+        if done is not None:
+            return done
     with _bridge.call(q.device):
         lengths = _bridge.to_cupy(cache_seqlens, "cache_seqlens") if cache_seqlens is not None else (
             None if cache_seqlens_int < 0 else cache_seqlens_int)  # fmt: skip
