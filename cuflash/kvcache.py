@@ -104,25 +104,28 @@ def _signature(nd, desc, q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         return None
     if softmax_scale is not None and type(softmax_scale) is not float:
         return None
-    kd = desc(k_cache)
-    key = [desc(q), kd, desc(v_cache), bool(causal), softmax_scale, num_splits, bool(return_lse), policy,
-           window_size, softcap]
+    # (desc gives None for an array only the whole way takes: a torch tensor that to_cupy would copy)
+    qd, kd, vd = desc(q), desc(k_cache), desc(v_cache)
+    if qd is None or kd is None or vd is None:
+        return None
+    key = [qd, kd, vd, bool(causal), softmax_scale, num_splits, bool(return_lse), policy, window_size, softcap]
     new = 0
     if k is not None or v is not None:
         if type(k) is not nd or type(v) is not nd:
             return None
-        kn = desc(k)
-        key += [kn, desc(v)]
+        kn, vn = desc(k), desc(v)
+        if kn is None or vn is None:
+            return None
+        key += [kn, vn]
         new = kn[0][1] if len(kn[0]) == 4 else 0
     if out is not None:
-        if type(out) is not nd:
+        if type(out) is not nd or (od := desc(out)) is None:
             return None
-        key.append(desc(out))
+        key.append(od)
     capacity = kd[0][1] if len(kd[0]) == 4 else 0
     if block_table is not None:
-        if type(block_table) is not nd:
+        if type(block_table) is not nd or (bd := desc(block_table)) is None:
             return None
-        bd = desc(block_table)
         key.append(bd)
         capacity *= bd[0][1] if len(bd[0]) == 2 else 0
     if cache_seqlens is None:
@@ -131,8 +134,8 @@ def _signature(nd, desc, q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         if not 0 <= cache_seqlens <= capacity - new:
             return None  # the whole way raises the error
         key.append(-(-min(cache_seqlens + new, capacity) // 64) * 64)  # the plan's step of the length
-    elif type(cache_seqlens) is nd:
-        key.append(desc(cache_seqlens))
+    elif type(cache_seqlens) is nd and (ld := desc(cache_seqlens)) is not None:
+        key.append(ld)
     else:
         return None
     return tuple(key)

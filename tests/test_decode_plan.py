@@ -1242,5 +1242,14 @@ def test_call_signature_of_the_prepared_path():
                       dict(policy=_PolicySubclass()), dict(alibi_slopes=arr((8,), np.float32)),
                       dict(window_size=[64, 0])):  # fmt: skip
         assert sig(**whole_way) is None, whole_way
+    # An array its desc refuses (cuflash.torch's: a tensor to_cupy would copy) sends the call the whole way.
+    for refused in (q, kc, vc):
+        assert kvcache._signature(FakeArray, lambda x, r=refused: None if x is r else kvcache._desc(x), q, kc, vc,
+                                  **base) is None  # fmt: skip
+    kn, lens, table = arr((2, 1, 2, 64)), arr((2,), np.int32), arr((2, 4), np.int32)
+    for refused in (kn, lens, table):
+        assert kvcache._signature(FakeArray, lambda x, r=refused: None if x is r else kvcache._desc(x), q, kc, vc,
+                                  **{**base, "k": kn, "v": arr((2, 1, 2, 64)), "cache_seqlens": lens,
+                                     "block_table": table}) is None  # fmt: skip
     # A paged cache's capacity is its pages per sequence x the page size: 4 x 1000 here.
     assert sig(block_table=arr((2, 4), np.int32), cache_seqlens=3999) is not None

@@ -166,6 +166,32 @@ def test_kvcache_appends_into_the_callers_tensors(ct):
     assert lse.shape == (2, 4, 1)
 
 
+def test_bridge_desc_is_what_to_cupy_would_give(ct):
+    """The decode step's prepared path keys a call by _bridge.desc of its tensors: (shape, strides in bytes,
+    NumPy dtype, device), as the CuPy view to_cupy makes has them; None where the whole way must run (a
+    CPU tensor, a dtype that crosses by DLPack, a last dimension to_cupy would copy)."""
+    from types import SimpleNamespace
+
+    import ml_dtypes
+    import torch
+
+    from cuflash.torch import _bridge
+
+    def fake(shape, strides, dtype=torch.bfloat16, cuda=True, index=1):
+        return SimpleNamespace(shape=torch.Size(shape), stride=lambda: strides, dtype=dtype, is_cuda=cuda,
+                               device=SimpleNamespace(index=index))  # fmt: skip
+
+    got = _bridge.desc(fake((2, 3, 4, 64), (1536, 512, 128, 1)))
+    assert got == ((2, 3, 4, 64), (3072, 1024, 256, 2), np.dtype(ml_dtypes.bfloat16), 1)
+    assert type(got[0]) is tuple and hash(got) is not None
+    assert _bridge.desc(fake((5,), (1,), torch.int32, index=0)) == ((5,), (4,), np.dtype(np.int32), 0)
+    assert _bridge.desc(fake((2, 64), (64, 2))) is None  # to_cupy copies it
+    assert _bridge.desc(fake((2, 1), (1, 7))) == ((2, 1), (2, 14), np.dtype(ml_dtypes.bfloat16), 1)  # (one column)
+    assert _bridge.desc(fake((2, 64), (64, 1), torch.float64)) is None
+    assert _bridge.desc(fake((2, 64), (64, 1), cuda=False)) is None
+    assert _bridge.desc(torch.zeros(2, 64, dtype=torch.bfloat16)) is None  # a real CPU tensor
+
+
 def test_compile_fullgraph_traces_the_functions(ct):
     """torch.compile(fullgraph=True) over the dense, packed, varlen and kvcache functions: no graph
     break (fullgraph raises on one), the compiled loss and gradients equal the eager ones."""

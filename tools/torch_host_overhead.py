@@ -1,11 +1,12 @@
 """Host time per call of the PyTorch bridge against the CuPy API and SDPA (a decode step is host-bound).
 
-    python3 tools/torch_host_overhead.py [--profile]   # needs a GPU and torch; --profile: cProfile of the decode call
+    python3 tools/torch_host_overhead.py [--rounds N] [--profile]   # needs a GPU and torch; --profile: cProfile of the decode call
 
 Prints microseconds of host time per call (calls queued back to back, GPU idle time excluded by
-measuring before the final synchronize) for a decode step (batch 8, 16 heads, d 128, 2k cache, one new
+measuring before the final synchronize; the median of N rounds, default 5) for a decode step (batch 8, 16 heads, d 128, 2k cache, one new
 token appended) and a small prefill (2 x 512 tokens).
 """
+import statistics
 import sys
 import time
 
@@ -55,9 +56,17 @@ def main():
         ("prefill 2x512: cuflash.torch.flash_attn_func", lambda: ct.flash_attn_func(small, small, small, causal=True)),
         ("prefill 2x512: cuflash.attention (CuPy)", lambda: cuflash.attention(c(small), c(small), c(small), causal=True)),
     ]
-    print(f"{'call':52} {'host us':>8}")
-    for name, fn in rows:
-        print(f"{name:52} {host_us(fn):8.1f}")
+    # Rounds over all rows in turn (the host's noise comes in bursts: one row measured once can read 3x
+    # its median); the median and the spread per row.
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
+    times = {name: [] for name, _ in rows}
+    for _ in range(rounds):
+        for name, fn in rows:
+            times[name].append(host_us(fn))
+    print(f"{'call':52} {'host us':>8}  (median of {rounds} rounds; min-max)")
+    for name, _ in rows:
+        t = sorted(times[name])
+        print(f"{name:52} {statistics.median(t):8.1f}  ({t[0]:.1f}-{t[-1]:.1f})")
     if "--profile" in sys.argv[1:]:  # where the eager decode call's host time goes, function by function
         import cProfile
         import pstats
