@@ -303,9 +303,9 @@ def test_kvcache_decode_loop_takes_the_prepared_path(torch, ct, monkeypatch, pag
     monkeypatch.undo()
     monkeypatch.setattr(kvcache, "run_prepared", lambda *a: taken.append(real(*a)) or taken[-1])
     del taken[:]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
     kc2, vc2 = k_cache.clone(), v_cache.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # (after the clones: the side stream reads them)
     again = loop(kc2, vc2, side)
     q, kn, vn = inputs[0]
     lens = {"tensor": start, "int": 1000, "full": None}[lengths_as]
