@@ -239,7 +239,8 @@ BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
 #: cuDNN at 512-4096 tokens against 0.89-0.90 per key block. Left out: causal calls, 0.93-1.03 at hd128 and
 #: 0.96-0.99 at hd64 (their short items pay the counter and the hand-over; a static order measured 1.04-1.10
 #: at hd64 but left hd128 at 16k tokens 0.70x, docs/history/hopper.md, sessions 20-22); hd64 non-causal,
-#: 0.94-0.98 (static order). Calls with a variant (window, softcap, ALiBi, dropout) keep the per-key-block grid
+#: 0.94-0.98 (static order); again in session 23, with the counter and with its number taken one item ahead:
+#: hd128 causal 8-16k 0.90-0.95, hd64 non-causal 0.92-0.95 (so the atomic's latency is not the cost). Calls with a variant (window, softcap, ALiBi, dropout) keep the per-key-block grid
 #: too: none was measured persistent, windowed items are short and uneven as causal ones (causal windows reach
 #: the planner as kernel-causal False with MOD_WINDOW), and the persistent softcap build spills 8 bytes where
 #: the per-key-block one spills none.
