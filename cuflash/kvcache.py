@@ -108,7 +108,9 @@ def _signature(nd, desc, q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     qd, kd, vd = desc(q), desc(k_cache), desc(v_cache)
     if qd is None or kd is None or vd is None:
         return None
-    key = [qd, kd, vd, bool(causal), softmax_scale, num_splits, bool(return_lse), policy, window_size, softcap]
+    # Every optional array has its slot (None when absent): a paged call and a call whose out happens to look
+    # like a block table must not share a key.
+    kn = vn = od = bd = None
     new = 0
     if k is not None or v is not None:
         if type(k) is not nd or type(v) is not nd:
@@ -116,18 +118,17 @@ def _signature(nd, desc, q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         kn, vn = desc(k), desc(v)
         if kn is None or vn is None:
             return None
-        key += [kn, vn]
         new = kn[0][1] if len(kn[0]) == 4 else 0
     if out is not None:
         if type(out) is not nd or (od := desc(out)) is None:
             return None
-        key.append(od)
     capacity = kd[0][1] if len(kd[0]) == 4 else 0
     if block_table is not None:
         if type(block_table) is not nd or (bd := desc(block_table)) is None:
             return None
-        key.append(bd)
         capacity *= bd[0][1] if len(bd[0]) == 2 else 0
+    key = [qd, kd, vd, kn, vn, od, bd, bool(causal), softmax_scale, num_splits, bool(return_lse), policy, window_size,
+           softcap]
     if cache_seqlens is None:
         key.append(None)
     elif type(cache_seqlens) is int:

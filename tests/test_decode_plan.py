@@ -1242,11 +1242,15 @@ def test_call_signature_of_the_prepared_path():
                       dict(policy=_PolicySubclass()), dict(alibi_slopes=arr((8,), np.float32)),
                       dict(window_size=[64, 0])):  # fmt: skip
         assert sig(**whole_way) is None, whole_way
+    lens_dev = arr((2,), np.int32)
+    # Optional arrays keep their own slots: a paged call and one whose out looks like its block table differ.
+    assert sig(block_table=arr((2, 4), np.int32), cache_seqlens=lens_dev) != sig(out=arr((2, 4), np.int32),
+                                                                               cache_seqlens=lens_dev)  # fmt: skip
     # An array its desc refuses (cuflash.torch's: a tensor to_cupy would copy) sends the call the whole way.
     for refused in (q, kc, vc):
         assert kvcache._signature(FakeArray, lambda x, r=refused: None if x is r else kvcache._desc(x), q, kc, vc,
                                   **base) is None  # fmt: skip
-    kn, lens, table = arr((2, 1, 2, 64)), arr((2,), np.int32), arr((2, 4), np.int32)
+    kn, lens, table = arr((2, 1, 2, 64)), arr((2,), np.int32), arr((2, 4), np.int32)  # fmt: skip
     for refused in (kn, lens, table):
         assert kvcache._signature(FakeArray, lambda x, r=refused: None if x is r else kvcache._desc(x), q, kc, vc,
                                   **{**base, "k": kn, "v": arr((2, 1, 2, 64)), "cache_seqlens": lens,

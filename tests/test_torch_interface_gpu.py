@@ -252,8 +252,10 @@ def test_kvcache_appends_in_place_and_matches_reference(torch, ct, paged, length
 ])  # fmt: skip
 def test_kvcache_decode_loop_takes_the_prepared_path(torch, ct, monkeypatch, paged, lengths_as, new, splits):
     """A decode loop's repeated flash_attn_with_kvcache call launches from the tensors' pointers (the
-    call signature prepared by its first call, cuflash.torch.ops._kvcache_prepared): outputs, lse and
-    the caches bitwise equal to the same loop with that path off; a stream without its split workspace
+    call signature prepared by its first call, cuflash.torch.ops._kvcache_prepared) on the current stream:
+    outputs, lse and the caches bitwise equal to the same loop with that path off (the CuPy API's own
+    prepared call then, with the same record: this checks the torch side's pointers, lengths and stream;
+    the record itself is checked against the reference elsewhere); a stream without its split workspace
     yet takes the whole way once."""
     from cuflash import kvcache
     from cuflash.torch import _bridge, ops
@@ -289,7 +291,13 @@ def test_kvcache_decode_loop_takes_the_prepared_path(torch, ct, monkeypatch, pag
 
     taken = []
     real = kvcache.run_prepared
-    monkeypatch.setattr(kvcache, "run_prepared", lambda *a: taken.append(real(*a)) or taken[-1])
+
+    def spy(*a):  # (prep, device, stream, pointers...): on the caller's current stream
+        assert a[2] == torch.cuda.current_stream().cuda_stream
+        taken.append(real(*a))
+        return taken[-1]
+
+    monkeypatch.setattr(kvcache, "run_prepared", spy)
     kc, vc = k_cache.clone(), v_cache.clone()
     got = loop(kc, vc)
     # step 0 prepares the signature; steps 1, 2, 4 find it (step 3's softmax_scale is another signature)
@@ -301,7 +309,7 @@ def test_kvcache_decode_loop_takes_the_prepared_path(torch, ct, monkeypatch, pag
         assert torch.equal(o, wo) and torch.equal(l, wl), f"step {t}"
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     monkeypatch.undo()
-    monkeypatch.setattr(kvcache, "run_prepared", lambda *a: taken.append(real(*a)) or taken[-1])
+    monkeypatch.setattr(kvcache, "run_prepared", spy)
     del taken[:]
     kc2, vc2 = k_cache.clone(), v_cache.clone()
     side = torch.cuda.Stream()
@@ -317,7 +325,7 @@ def test_kvcache_decode_loop_takes_the_prepared_path(torch, ct, monkeypatch, pag
     assert taken == [prep.ws_floats == 0] + [True] * (steps - 1), taken
     for t, ((o, l), (wo, wl)) in enumerate(zip(again, want)):
         assert torch.equal(o, wo) and torch.equal(l, wl), f"side stream, step {t}"
-    assert torch.equal(kc2, want_k)
+    assert torch.equal(kc2, want_k) and torch.equal(vc2, want_v)
 
 
 def test_kvcache_extras_and_errors(torch, ct):

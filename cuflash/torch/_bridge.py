@@ -111,7 +111,8 @@ class _Handle:
 
 
 def _stream(index: int):
-    """CuPy view of torch's current CUDA stream on device ``index``, made once per stream handle: through
+    """CuPy view of torch's current CUDA stream on device ``index`` (which must be the current device: CuPy
+    records the current device in the view it builds; call() holds it), made once per stream handle: through
     the CUDA stream protocol where CuPy has Stream.from_external (CuPy 14 deprecates ExternalStream).
     (torch.cuda.current_stream() builds a Python object per call: ~25 us of a decode step's host time on
     the H200 machine, docs/history/torch.md.)"""
