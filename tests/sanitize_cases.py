@@ -11,7 +11,7 @@ on the forward and backward of both kernel families, paged K/V in the varlen for
 extras (rotary, cache_batch_idx, cache_leftpad). --only hopper: the warp-specialized TMA forward
 (sm_90a): every schedule on ragged dense cases, packed varlen with NaN past the used keys, paged K/V;
 and the warp-specialized backward on ragged cases (a short run for memcheck, racecheck and synccheck:
-mbarrier phases and named barriers). --only hopper-bwd: that backward part alone.
+mbarrier phases and named barriers). --only hopper-fwd, --only hopper-bwd: the forward or the backward part alone.
 """
 import dataclasses
 import sys
@@ -49,10 +49,12 @@ def main():
         return varlen_cases(rng, arch)
     if sys.argv[1:] == ["--only", "hopper"]:
         return hopper_cases(rng, arch)
+    if sys.argv[1:] == ["--only", "hopper-fwd"]:
+        return hopper_cases(rng, arch, forward_only=True)
     if sys.argv[1:] == ["--only", "hopper-bwd"]:
         return hopper_bwd_cases(rng, arch)
     if sys.argv[1:] and not filled_only:
-        sys.exit("usage: sanitize_cases.py [--only filled|variants|varlen|hopper|hopper-bwd]")
+        sys.exit("usage: sanitize_cases.py [--only filled|variants|varlen|hopper|hopper-fwd|hopper-bwd]")
     for b, sq, sk, h, hk, d, causal, dt, layout in [] if filled_only else CASES:
         q, k, v = random_qkv(rng, b, sq, sk, h, hk, d, dt, layout_q=layout, layout_kv=layout)
         err, bound = check_forward(q, k, v, causal=causal, dtype=dt)
@@ -191,7 +193,7 @@ def variant_cases(rng, arch):
     cupy.cuda.runtime.deviceSynchronize()
 
 
-def hopper_cases(rng, arch):
+def hopper_cases(rng, arch, forward_only=False):
     """The warp-specialized TMA forward: each schedule on ragged causal / windowed cases at 1, 3 and
     ragged key-tile counts, with and without clusters of 2 sharing K/V by multicast; the 3-warpgroup hd64 tile; the persistent tiles, several tiles per CTA (O
     out by 16-byte stores and by TMA stores, whose shared-memory reads the next tile's staging waits for);
@@ -225,7 +227,8 @@ def hopper_cases(rng, arch):
     for d in (128, 256):
         test_varlen_nan_after_the_keys_stays_out(d)
         print(f"ok varlen NaN tails, paged, d={d}")
-    hopper_bwd_cases(rng, arch)
+    if not forward_only:
+        hopper_bwd_cases(rng, arch)
 
 
 def hopper_bwd_cases(rng, arch):
