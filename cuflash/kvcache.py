@@ -220,7 +220,7 @@ def run_prepared(prep: _Prepared, device_id: int, stream: int, q_ptr: int, k_ptr
         return False
     o_partial_ptr = counters_ptr = 0
     if prep.ws_floats:
-        ws = _WORKSPACES.get((device_id, stream))
+        ws = _WORKSPACES.get(_workspace_key(device_id, stream))
         if ws is None or ws[0].size < prep.ws_floats or ws[1].size < prep.ws_counters:
             return False
         if checks.cupy_module().cuda.runtime.streamIsCapturing(stream):
@@ -230,10 +230,18 @@ def run_prepared(prep: _Prepared, device_id: int, stream: int, q_ptr: int, k_ptr
             o_partial_ptr, counters_ptr)  # fmt: skip
     return True
 
-#: Scratch of the split path per (device, stream handle), kept between calls: (fp32 partial rows and
+#: Scratch of the split path per stream (_workspace_key), kept between calls: (fp32 partial rows and
 #: lse of the splits, int32 split counters). Calls on one stream run in order, so they can share it;
 #: the kernel leaves every counter at 0 when it ends. Grown on demand; free_workspaces() drops them.
 _WORKSPACES: dict = {}
+#: cudaStreamPerThread: one handle that names a different stream in every host thread.
+_PER_THREAD_STREAM = 2
+
+
+def _workspace_key(device_id: int, stream: int) -> tuple:
+    """The key of one stream's workspace: (device, handle), and the thread for the per-thread default
+    stream, whose handle is the same in every thread though their streams are not ordered."""
+    return device_id, stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0
 #: The buffers of calls captured in CUDA graphs (split-KV workspaces, rotated copies), kept until
 #: free_workspaces(): a graph replays into them.
 _CAPTURED: list = []
@@ -243,17 +251,18 @@ _WORKSPACE_LOCK = threading.Lock()
 def _workspace(cupy, device_id: int, stream: int, floats: int, counters: int):
     """(partials, counters) of at least ``floats`` float32 and ``counters`` zeroed int32 elements for
     this device and stream (the caller holds the device current)."""
-    ws = _WORKSPACES.get((device_id, stream))
+    key = _workspace_key(device_id, stream)
+    ws = _WORKSPACES.get(key)
     if ws is None or ws[0].size < floats or ws[1].size < counters:
         with _WORKSPACE_LOCK:
-            old = _WORKSPACES.get((device_id, stream))
+            old = _WORKSPACES.get(key)
             if old is not None:
                 floats, counters = max(floats, old[0].size), max(counters, old[1].size)
             # Allocated on this stream: CuPy's pool reuses the old arrays' blocks only for work on the
             # same stream, ordered after the kernels still reading them; cupy.zeros clears the new
             # counters on this stream before the next kernel.
             ws = (cupy.empty(floats, dtype=cupy.float32), cupy.zeros(counters, dtype=cupy.int32))
-            _WORKSPACES[(device_id, stream)] = ws
+            _WORKSPACES[key] = ws
     return ws
 
 

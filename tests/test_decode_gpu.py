@@ -404,7 +404,8 @@ def test_split_counters_return_to_zero():
 
 
 def test_streams_get_their_own_workspace():
-    """Calls on another stream use a workspace of their own (two streams may run at once)."""
+    """Calls on another stream use a workspace of their own (two streams may run at once), and so do two
+    threads on the per-thread default stream."""
     import cupy
 
     from cuflash import kvcache
@@ -415,8 +416,29 @@ def test_streams_get_their_own_workspace():
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         run_and_check(**c, num_splits=6, what="another stream")
-    assert (c["q"].device.id, stream.ptr) in kvcache._WORKSPACES
-    assert (c["q"].device.id, cupy.cuda.Stream.null.ptr) in kvcache._WORKSPACES
+    assert kvcache._workspace_key(c["q"].device.id, stream.ptr) in kvcache._WORKSPACES
+    assert kvcache._workspace_key(c["q"].device.id, cupy.cuda.Stream.null.ptr) in kvcache._WORKSPACES
+    # the per-thread default stream: one handle, a different stream (and workspace) in each thread
+    import threading
+
+    keys, errors = [], []
+
+    def worker():
+        try:
+            with cupy.cuda.Stream.ptds:
+                run_and_check(**c, num_splits=6, what="per-thread default stream")
+                cupy.cuda.Stream.ptds.synchronize()
+            keys.append(kvcache._workspace_key(c["q"].device.id, cupy.cuda.Stream.ptds.ptr))
+        except Exception as exc:  # (re-raised below, in the test's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(set(keys)) == 2 and all(k in kvcache._WORKSPACES for k in keys)
     assert _all_counters_zero()
     kvcache.free_workspaces()
     assert not kvcache._WORKSPACES

@@ -1257,3 +1257,20 @@ def test_call_signature_of_the_prepared_path():
                                      "block_table": table}) is None  # fmt: skip
     # A paged cache's capacity is its pages per sequence x the page size: 4 x 1000 here.
     assert sig(block_table=arr((2, 4), np.int32), cache_seqlens=3999) is not None
+
+
+def test_split_workspaces_are_keyed_per_stream_and_per_thread_on_the_per_thread_stream():
+    """The split path's scratch is shared by the calls of one stream (they run in order). The per-thread
+    default stream (handle 2) is a different stream in each host thread: its workspaces are per thread too."""
+    import threading
+
+    from cuflash import kvcache
+
+    here = {h: kvcache._workspace_key(0, h) for h in (0, 2, 0x7F00)}
+    there = {}
+    t = threading.Thread(target=lambda: there.update({h: kvcache._workspace_key(0, h) for h in (0, 2, 0x7F00)}))
+    t.start()
+    t.join()
+    assert here[0] == there[0] and here[0x7F00] == there[0x7F00]  # one stream, whatever thread calls
+    assert here[2] != there[2]
+    assert kvcache._workspace_key(1, 0) != here[0]  # and per device

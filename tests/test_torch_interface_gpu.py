@@ -207,6 +207,18 @@ def test_varlen_paged_block_table(torch, ct):
         out.sum().backward()
 
 
+def _caches(torch, gen, batch, cap, nkv, d, paged, spare_pages, seed):
+    """bf16 k and v caches of ``cap`` slots per sequence: contiguous (block table None), or paged: pages of
+    64 slots, ``spare_pages`` more than the table uses, each sequence's pages a random draw (``seed``)."""
+    if not paged:
+        k_cache = _randn(torch, gen, (batch, cap, nkv, d), torch.bfloat16)
+        return k_cache, torch.randn_like(k_cache), None
+    page, used = 64, batch * cap // 64
+    k_cache = _randn(torch, gen, (used + spare_pages, page, nkv, d), torch.bfloat16)
+    table = torch.randperm(k_cache.shape[0], generator=torch.Generator().manual_seed(seed))[:used]
+    return k_cache, torch.randn_like(k_cache), table.view(batch, cap // page).to(torch.int32).cuda()
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("lengths_as", ["tensor", "int"])
 def test_kvcache_appends_in_place_and_matches_reference(torch, ct, paged, lengths_as):
@@ -222,15 +234,7 @@ def test_kvcache_appends_in_place_and_matches_reference(torch, ct, paged, length
     pos = torch.arange(cap, device="cuda", dtype=torch.float32)[:, None]
     inv = 1.0 / 10000 ** (torch.arange(0, 64, 2, device="cuda", dtype=torch.float32) / 64)
     cos, sin = (f(pos * inv).to(torch.bfloat16) for f in (torch.cos, torch.sin))
-    if paged:
-        page = 64
-        k_cache = _randn(torch, gen, (batch * cap // page + 3, page, nkv, d), torch.bfloat16)
-        table = torch.randperm(k_cache.shape[0], generator=torch.Generator().manual_seed(1))[: batch * cap // page]
-        table = table.view(batch, cap // page).to(torch.int32).cuda()
-    else:
-        k_cache = _randn(torch, gen, (batch, cap, nkv, d), torch.bfloat16)
-        table = None
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache, table = _caches(torch, gen, batch, cap, nkv, d, paged, spare_pages=3, seed=1)
     before_k, before_v = _host(k_cache), _host(v_cache)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda") if lengths_as == "tensor" else lengths[0]
     out, lse = ct.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, rotary_cos=cos, rotary_sin=sin,
@@ -264,14 +268,7 @@ def test_kvcache_decode_loop_takes_the_prepared_path(torch, ct, monkeypatch, pag
     kvcache._PREPARED.calls.clear()
     gen = torch.Generator(device="cuda").manual_seed(37 + paged + 2 * new)
     batch, nh, nkv, d, cap, steps = 4, 8, 2, 128, 2048, 5
-    if paged:
-        page = 64
-        k_cache = _randn(torch, gen, (batch * cap // page + 5, page, nkv, d), torch.bfloat16)
-        table = torch.randperm(k_cache.shape[0], generator=torch.Generator().manual_seed(2))[: batch * cap // page]
-        table = table.view(batch, cap // page).to(torch.int32).cuda()
-    else:
-        k_cache, table = _randn(torch, gen, (batch, cap, nkv, d), torch.bfloat16), None
-    v_cache = torch.randn_like(k_cache)
+    k_cache, v_cache, table = _caches(torch, gen, batch, cap, nkv, d, paged, spare_pages=5, seed=2)
     inputs = [tuple(_randn(torch, gen, (batch, 1 if new < 2 else 2, h, d), torch.bfloat16) for h in (nh, nkv, nkv))
               for _ in range(steps)]  # fmt: skip
     start = torch.tensor([900, 0, 1500, 31], dtype=torch.int32, device="cuda")

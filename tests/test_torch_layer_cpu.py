@@ -178,8 +178,8 @@ def test_bridge_desc_is_what_to_cupy_would_give(ct):
     from cuflash.torch import _bridge
 
     def fake(shape, strides, dtype=torch.bfloat16, cuda=True, index=1):
-        return SimpleNamespace(shape=torch.Size(shape), stride=lambda: strides, dtype=dtype, is_cuda=cuda,
-                               device=SimpleNamespace(index=index))  # fmt: skip
+        return SimpleNamespace(shape=torch.Size(shape), stride=lambda *d: strides[d[0]] if d else strides, dtype=dtype,
+                               is_cuda=cuda, device=SimpleNamespace(index=index), dim=lambda: len(shape))  # fmt: skip
 
     got = _bridge.desc(fake((2, 3, 4, 64), (1536, 512, 128, 1)))
     assert got == ((2, 3, 4, 64), (3072, 1024, 256, 2), np.dtype(ml_dtypes.bfloat16), 1)
@@ -190,6 +190,10 @@ def test_bridge_desc_is_what_to_cupy_would_give(ct):
     assert _bridge.desc(fake((2, 64), (64, 1), torch.float64)) is None
     assert _bridge.desc(fake((2, 64), (64, 1), cuda=False)) is None
     assert _bridge.desc(torch.zeros(2, 64, dtype=torch.bfloat16)) is None  # a real CPU tensor
+    # one copy rule for both (to_cupy copies what needs_copy says, desc refuses it)
+    x = torch.zeros(3, 8, 2)
+    assert not _bridge.needs_copy(x) and _bridge.needs_copy(x.transpose(1, 2)) and not _bridge.needs_copy(x[..., :1])
+    assert not _bridge.needs_copy(torch.tensor(1.0)) and not _bridge.needs_copy(x[:, ::2])
 
 
 def test_compile_fullgraph_traces_the_functions(ct):

@@ -38,11 +38,16 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def needs_copy(t: torch.Tensor) -> bool:
+    """Whether ``to_cupy`` copies ``t``: the kernels need a contiguous last dimension."""
+    return bool(t.dim()) and t.stride(-1) != 1 and t.shape[-1] > 1
+
+
 def to_cupy(t: torch.Tensor, name: str = "tensor", copy_ok: bool = True):
     """A CuPy view of ``t`` (same memory). The kernels need a contiguous last dimension: anything else
-    is copied once, unless ``copy_ok`` is False (a cache the kernels write in place), then an error."""
+    is copied once (needs_copy), unless ``copy_ok`` is False (a cache the kernels write in place), then an error."""
     t = t.detach()  # DLPack carries no autograd history; the memory is shared either way
-    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+    if needs_copy(t):
         if not copy_ok:
             raise ValueError(
                 f"{name} must be contiguous in its last dimension (stride {t.stride(-1)}): cuflash writes it in "
@@ -65,13 +70,10 @@ def desc(t: torch.Tensor) -> tuple | None:
     bytes, NumPy dtype, device index), as ``to_cupy(t)`` would give them (None for a dtype that crosses
     by DLPack, or a tensor ``to_cupy`` would copy: such a call takes the whole way)."""
     dtype = _NUMPY_DTYPES.get(t.dtype)
-    if dtype is None or not t.is_cuda:
-        return None
-    strides = t.stride()
-    if strides and strides[-1] != 1 and t.shape[-1] > 1:
+    if dtype is None or not t.is_cuda or needs_copy(t):
         return None
     n = dtype.itemsize
-    return tuple(t.shape), tuple(st * n for st in strides), dtype, t.device.index
+    return tuple(t.shape), tuple(st * n for st in t.stride()), dtype, t.device.index
 
 
 def raw_stream(index: int) -> int:
