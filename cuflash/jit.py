@@ -162,9 +162,10 @@ _PTXAS_RE = {
 
 
 #: ptxas's notes that it took the asynchrony out of a kernel's wgmma (sm_90a): C7515, every wgmma
-#: serialized (a non-wgmma write to an accumulator inside a pipeline stage); C7517, a wait injected
-#: before registers a wgmma still defines are used. Either cost the TMA forward 20% and more.
-_WGMMA_NOTES = {"wgmma_serialized": "(C7515)", "wgmma_waits_injected": "(C7517)"}
+#: serialized (a non-wgmma write to an accumulator inside a pipeline stage); C7513, the same for a
+#: wgmma's other input registers (the A fragments of P V, session 24's look-ahead: 0.66x); C7517, a
+#: wait injected before registers a wgmma still defines are used. Each cost the TMA forward 20% and more.
+_WGMMA_NOTES = {"wgmma_serialized": "(C7515)", "wgmma_inputs_serialized": "(C7513)", "wgmma_waits_injected": "(C7517)"}
 
 
 def parse_ptxas_report(log: str) -> dict[str, int]:
