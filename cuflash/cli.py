@@ -306,6 +306,13 @@ def precompile(archs, head_dims, dtype, causal, all_, kernels, variant, jobs, ve
         f"{len(results)} variants: {len(compiled)} compiled, {n_cached} already cached, "
         f"{seconds:.1f}s, cache {kcache.cache_dir()}"
     )
+    # ptxas's notes that a variant's wgmma lost their asynchrony (jit._WGMMA_NOTES): correct kernels that run
+    # 20% and more slower, worth a line whatever --verbose says (a new NVRTC may start drawing them)
+    serialized = sorted(name for name, _, header in results
+                        if any(k.startswith("wgmma_") for k in header.get("ptxas", {})))  # fmt: skip
+    if serialized:
+        click.echo(f"warning: ptxas serialized the wgmma of {len(serialized)} variant(s) (C7513 / C7515 / C7517: "
+                   f"correct, slower): {', '.join(serialized[:5])}{' ...' if len(serialized) > 5 else ''}", err=True)
 
 
 @main.group()

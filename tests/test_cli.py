@@ -144,6 +144,23 @@ def test_precompile_compiles_both_load_paths_then_hits_the_cache(cache):
     assert len(list(cache.glob("*.cubin"))) == N_SMALL
 
 
+def test_precompile_warns_of_serialized_wgmma(cache, monkeypatch):
+    """A variant whose compile report holds one of ptxas's wgmma notes gets a warning line after the summary."""
+    real = jit.precompile
+
+    def noted(specs, jobs=1, on_done=None):
+        out = real(specs, jobs=jobs, on_done=on_done)
+        name, how, header = out[0]
+        return [(name, how, {**header, "ptxas": {**header["ptxas"], "wgmma_inputs_serialized": 1}})] + out[1:]
+
+    r = invoke(SMALL)
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
+    monkeypatch.setattr(jit, "precompile", noted)
+    r = invoke(SMALL)
+    assert r.exit_code == 0, r.output
+    assert "warning: ptxas serialized the wgmma of 1 variant(s)" in r.output
+
+
 def test_precompile_in_parallel(cache):
     args = ["precompile", "--arch", "sm_80", "--head-dim", "32", "--dtype", "fp16", "--no-causal", "-j", "2",
             "--kernels", "fwd"]  # fmt: skip
