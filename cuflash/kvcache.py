@@ -221,7 +221,7 @@ def run_prepared(prep: _Prepared, device_id: int, stream: int, q_ptr: int, k_ptr
     o_partial_ptr = counters_ptr = 0
     if prep.ws_floats:
         ws = _WORKSPACES.get(_workspace_key(device_id, stream))
-        if ws is None or ws[0].size < prep.ws_floats or ws[1].size < prep.ws_counters:
+        if not _fits(ws, prep.ws_floats, prep.ws_counters):
             return False
         if checks.cupy_module().cuda.runtime.streamIsCapturing(stream):
             return False
@@ -229,6 +229,7 @@ def run_prepared(prep: _Prepared, device_id: int, stream: int, q_ptr: int, k_ptr
     _launch(prep, stream, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, seqlens_ptr, bt_ptr, seqlen_const,
             o_partial_ptr, counters_ptr)  # fmt: skip
     return True
+
 
 #: Scratch of the split path per stream (_workspace_key), kept between calls: (fp32 partial rows and
 #: lse of the splits, int32 split counters). Calls on one stream run in order, so they can share it;
@@ -242,6 +243,13 @@ def _workspace_key(device_id: int, stream: int) -> tuple:
     """The key of one stream's workspace: (device, handle), and the thread for the per-thread default
     stream, whose handle is the same in every thread though their streams are not ordered."""
     return device_id, stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0
+
+
+def _fits(ws, floats: int, counters: int) -> bool:
+    """Whether workspace ``ws`` (or None) holds ``floats`` float32 and ``counters`` int32 elements."""
+    return ws is not None and ws[0].size >= floats and ws[1].size >= counters
+
+
 #: The buffers of calls captured in CUDA graphs (split-KV workspaces, rotated copies), kept until
 #: free_workspaces(): a graph replays into them.
 _CAPTURED: list = []
@@ -253,7 +261,7 @@ def _workspace(cupy, device_id: int, stream: int, floats: int, counters: int):
     this device and stream (the caller holds the device current)."""
     key = _workspace_key(device_id, stream)
     ws = _WORKSPACES.get(key)
-    if ws is None or ws[0].size < floats or ws[1].size < counters:
+    if not _fits(ws, floats, counters):
         with _WORKSPACE_LOCK:
             old = _WORKSPACES.get(key)
             if old is not None:
