@@ -104,38 +104,42 @@ struct BwdConfig {
 
 // The (query head of the GQA group, query block) pairs the CTA of key block n0 of kv head hk visits,
 // one per iteration it: query head head(it) = hk * head_ratio + it / n_m, query block m_block(it) =
-// m_begin + it % n_m. All query blocks, or (causal) those with a row i >= n0 - (seqlen_k - seqlen_q),
+// m_begin + it % n_m. All query blocks, or (causal) those with a row i >= n0 - off,
 // the first that sees any of these keys; with a window (block_n > 0) only the query blocks with a row
 // whose window holds one of keys [n0, n0 + block_n): rows n0 - off - window_right .. n0 + block_n - 1
-// - off + window_left (off = seqlen_k - seqlen_q).
+// - off + window_left (off = seqlen_k - seqlen_q + shift; shift: masks.cuh diag_shift_of).
 struct BwdQueryWalk {
     int head0, m_begin, n_m, n_iters;
-    CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int hk, int n0, int block_m, bool causal, int block_n = 0) {
+    template <int kMods>
+    CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int hk, int n0, int block_m, bool causal, int block_n, ModBits<kMods>) {
+        const int shift = diag_shift_of<kMods>(p.mod);
         head0 = hk * p.head_ratio;
         if (block_n > 0) {
-            const int off = p.seqlen_k - p.seqlen_q;
+            const int off = p.seqlen_k - p.seqlen_q + shift;
             m_begin = max(0, n0 - off - p.mod.window_right) / block_m;
             const int last_row = n0 + block_n - 1 - off + p.mod.window_left;  // may be negative
             const int m_end = last_row < 0 ? 0 : min(p.num_m_blocks, last_row / block_m + 1);
             n_m = max(0, m_end - m_begin);
         } else {
-            m_begin = causal ? max(0, n0 - (p.seqlen_k - p.seqlen_q)) / block_m : 0;
+            m_begin = causal ? max(0, n0 - (p.seqlen_k - p.seqlen_q + shift)) / block_m : 0;
             n_m = max(0, p.num_m_blocks - m_begin);
         }
         n_iters = p.head_ratio * n_m;
     }
     // Varlen: the same walk over one packed sequence of seqlen_q queries (num_m_blocks blocks) and seqlen_k keys.
+    template <int kMods>
     CUFLASH_DEVICE BwdQueryWalk(const BwdParams& p, int seqlen_q, int seqlen_k, int num_m_blocks, int hk, int n0, int block_m,
-                                bool causal, int block_n) {
+                                bool causal, int block_n, ModBits<kMods>) {
+        const int shift = diag_shift_of<kMods>(p.mod);
         head0 = hk * p.head_ratio;
         if (block_n > 0) {
-            const int off = seqlen_k - seqlen_q;
+            const int off = seqlen_k - seqlen_q + shift;
             m_begin = max(0, n0 - off - p.mod.window_right) / block_m;
             const int last_row = n0 + block_n - 1 - off + p.mod.window_left;  // may be negative
             const int m_end = last_row < 0 ? 0 : min(num_m_blocks, last_row / block_m + 1);
             n_m = max(0, m_end - m_begin);
         } else {
-            m_begin = causal ? max(0, n0 - (seqlen_k - seqlen_q)) / block_m : 0;
+            m_begin = causal ? max(0, n0 - (seqlen_k - seqlen_q + shift)) / block_m : 0;
             n_m = max(0, num_m_blocks - m_begin);
         }
         n_iters = p.head_ratio * n_m;
@@ -182,13 +186,22 @@ struct BwdKeyBlock {
             return p.num_m_blocks;
         }
     }
+    // The diagonal offset: query i of the sequence is aligned to key i + diag(p) (masks.cuh
+    // diag_shift_of; spelled out here: a + 0 from a helper perturbed the plain kernels' register use).
+    CUFLASH_DEVICE int diag(const BwdParams& p) const {
+        if constexpr ((Cfg::kMods & (kModWindow | kModAlibi)) != 0) {
+            return seq.len_k(p) - seq.len_q(p) + p.mod.diag_shift;
+        } else {
+            return seq.len_k(p) - seq.len_q(p);
+        }
+    }
     CUFLASH_DEVICE BwdQueryWalk walk(const BwdParams& p, int hk) const {
         if constexpr (kVarlen) {
             return BwdQueryWalk(p, seq.seqlen_q, seq.seqlen_k, num_m_blocks(p), hk, n_block * Cfg::kBlockN, Cfg::kBlockM,
-                                Cfg::kIsCausal, Cfg::kMods & kModWindow ? Cfg::kBlockN : 0);
+                                Cfg::kIsCausal, Cfg::kMods & kModWindow ? Cfg::kBlockN : 0, ModBits<Cfg::kMods>{});
         } else {
             return BwdQueryWalk(p, hk, n_block * Cfg::kBlockN, Cfg::kBlockM, Cfg::kIsCausal,
-                                Cfg::kMods & kModWindow ? Cfg::kBlockN : 0);
+                                Cfg::kMods & kModWindow ? Cfg::kBlockN : 0, ModBits<Cfg::kMods>{});
         }
     }
     // Deterministic mode: how many key blocks add to query block m0's dQ before this one (the key
@@ -196,7 +209,7 @@ struct BwdKeyBlock {
     // visible key with a window, from 0 otherwise).
     CUFLASH_DEVICE int dq_turn(const BwdParams& p, int m0) const {
         if constexpr ((Cfg::kMods & kModWindow) != 0) {
-            return n_block - max(0, m0 + seq.len_k(p) - seq.len_q(p) - p.mod.window_left) / Cfg::kBlockN;
+            return n_block - max(0, m0 + diag(p) - p.mod.window_left) / Cfg::kBlockN;
         } else {
             return n_block;
         }
@@ -218,7 +231,7 @@ CUFLASH_DEVICE void flash_bwd_kernel(const BwdParams& p) {
     const auto& seq = blk.seq;
     const int n_block = blk.n_block, hk = blockIdx.y, b = seq.b;
     const int n0 = n_block * kBlockN;
-    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
+    const int offset = blk.diag(p);  // causal: query i sees keys j <= i + offset
 
     const BwdQueryWalk walk = blk.walk(p, hk);
     const int n_iters = walk.n_iters;

@@ -221,7 +221,7 @@ struct BwdModTile : BwdModBase<Mask> {
     }
     // d - j of key j and query i as a float (the ALiBi distance; i + 8 nb adds 8 nb).
     CUFLASH_DEVICE float dist_base(int j, int i) const {
-        return static_cast<float>(i + this->mask.seqlen_k - this->mask.seqlen_q - j);
+        return static_cast<float>(i + this->mask.diag() - j);
     }
 };
 
@@ -321,7 +321,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_pair_kernel(const BwdParams& p) {
     const auto& seq = blk.seq;
     const int n_block = blk.n_block, hk = blockIdx.y;
     const int n0 = n_block * kBlockN;
-    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
+    const int offset = blk.diag(p);  // causal: query i sees keys j <= i + offset
 
     const BwdQueryWalk walk = blk.walk(p, hk);
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
@@ -465,7 +465,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_split_kernel(const BwdParams& p) {
     const auto& seq = blk.seq;
     const int n_block = blk.n_block, hk = blockIdx.y;
     const int n0 = n_block * kBlockN;
-    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
+    const int offset = blk.diag(p);  // causal: query i sees keys j <= i + offset
 
     const BwdQueryWalk walk = blk.walk(p, hk);
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;

@@ -438,7 +438,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_split_consumer(const BwdParams& p, const B
     const int tid = threadIdx.x, lane = tid % 32, cwarp = tid / 32 - 4, cwg = cwarp / 4, wq = cwarp % 4;
     const int g = lane / 4, t = lane % 4;
     const int n0 = blk.n_block * kBlockN;
-    const int offset = seq.len_k(p) - seq.len_q(p);  // causal: query i sees keys j <= i + offset
+    const int offset = blk.diag(p);  // causal: query i sees keys j <= i + offset
     const int n_iters = walk.n_iters;
     using Mask = AttnMask<Cfg::kIsCausal, Cfg::kMods>;
     const float* rows_ptr = reinterpret_cast<const float*>(smem_raw + (sm.rows0 - smem_u32(smem_raw)));
@@ -669,7 +669,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
         if constexpr (Cfg::kSplit) {
             flash_bwd_sm90_ws_split_consumer<Cfg>(p, blk, walk, sm, smem_raw, hk);
         } else {
-            const int offset = blk.seq.len_k(p) - blk.seq.len_q(p);  // causal: query i sees keys j <= i + offset
+            const int offset = blk.diag(p);  // causal: query i sees keys j <= i + offset
             flash_bwd_sm90_ws_pair_consumer<Cfg>(p, blk, walk, sm, smem_raw, tid, warp, lane, n0, offset, hk, 0, 0);
         }
     } else {
@@ -706,7 +706,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_kernel(const BwdTmaParams& P) {
             __syncwarp();
             const BwdKeyBlock<Cfg> blk{SeqInfo<false>(item.b), item.n_block, false};
             const BwdQueryWalk walk = blk.walk(p, item.hk);
-            const int offset = blk.seq.len_k(p) - blk.seq.len_q(p);  // causal: query i sees keys j <= i + offset
+            const int offset = blk.diag(p);  // causal: query i sees keys j <= i + offset
             flash_bwd_sm90_ws_pair_consumer<Cfg>(p, blk, walk, sm, smem_raw, tid, warp, lane, item.n_block * Cfg::kBlockN,
                                                  offset, item.hk, g0, kv_use);
             g0 += walk.n_iters;

@@ -6,7 +6,8 @@
 // values runtime (ModParams, cuda_src/params.h). With kMods == 0 every function below is what the
 // kernels computed before the variants existed (causal or not), so those variants compile unchanged.
 // For a query whose diagonal is d = i + seqlen_k - seqlen_q (the key it is aligned to, bottom-right
-// like causal), raw score s = q.k (the softmax applies its unit scale later, as exp2(x scale_log2)):
+// like causal; window and ALiBi kernels add ModParams::diag_shift, see diag_shift_of), raw score s = q.k
+// (the softmax applies its unit scale later, as exp2(x scale_log2)):
 //   window   key j is visible iff d - window_left <= j <= d + window_right (causal: window_right = 0)
 //   softcap  s -> tanh(s * softcap_scale); the softmax's unit scale is then softcap, not softmax_scale,
 //            so the score it sees is softcap * tanh(softmax_scale * s / softcap)
@@ -35,6 +36,24 @@ constexpr int kModScores = kModWindow | kModSoftcap | kModAlibi | kModDropout;  
 CUFLASH_DEVICE float accurate_tanh(float x) {
     const float e = fast_exp2(x * (2.f * kLog2e));
     return fmaf(-2.f, __fdividef(1.f, e + 1.f), 1.f);
+}
+
+// The shift of the diagonal: query i is aligned to key i + seqlen_k - seqlen_q + diag_shift. The host
+// moves the diagonal of a call whose queries and keys are pieces of a longer sequence (a ring's chunk
+// pairs: query i at absolute position q0 + i, key j at k0 + j, diag_shift = q0 - k0 - (seqlen_k -
+// seqlen_q)). Only window and ALiBi kernels read ModParams::diag_shift (the host routes a shifted causal
+// mask through the window kernels); for every other kernel it is the constant 0, so their code is
+// what it was before the shift existed.
+template <int kMods>
+struct ModBits {};  // a kernel's kMods as an argument (template argument deduction)
+
+template <int kMods>
+CUFLASH_DEVICE int diag_shift_of(const ModParams& m) {
+    if constexpr ((kMods & (kModWindow | kModAlibi)) != 0) {
+        return m.diag_shift;
+    } else {
+        return 0;
+    }
 }
 
 // Score modifiers of one kernel variant: softcap and ALiBi on a score, the window's key range.
@@ -85,22 +104,25 @@ struct AttnMask : ScoreMods<kMods> {
     using Mods = ScoreMods<kMods>;
     using Mods::kWindow;
     int seqlen_q, seqlen_k;
+    int shift;  // diag_shift_of: query row i is aligned to key i + seqlen_k - seqlen_q + shift
 
     CUFLASH_DEVICE AttnMask(const ModParams& m, int seqlen_q_, int seqlen_k_)
-        : Mods(m), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_) {}
+        : Mods(m), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), shift(diag_shift_of<kMods>(m)) {}
 
-    // Causal is aligned bottom-right: query row i sees keys j <= i + seqlen_k - seqlen_q; a window also
-    // keys j >= i + seqlen_k - seqlen_q - window_left (the host folds causal into window_right = 0).
+    // Causal is aligned bottom-right: query row i sees keys j <= i + seqlen_k - seqlen_q (+ shift); a
+    // window also keys j >= that - window_left (the host folds causal into window_right = 0).
     CUFLASH_DEVICE int last_key_plus_one(int row) const {
         if constexpr (kWindow) {
-            return min(seqlen_k, row + seqlen_k - seqlen_q + this->window_right + 1);
+            return min(seqlen_k, row + seqlen_k - seqlen_q + shift + this->window_right + 1);
         } else if constexpr (kIsCausal) {
-            return min(seqlen_k, row + seqlen_k - seqlen_q + 1);
+            return min(seqlen_k, row + seqlen_k - seqlen_q + shift + 1);
         } else {
             return seqlen_k;
         }
     }
-    CUFLASH_DEVICE int first_key_of_row(int row) const { return this->first_key(row + seqlen_k - seqlen_q); }
+    CUFLASH_DEVICE int first_key_of_row(int row) const { return this->first_key(row + seqlen_k - seqlen_q + shift); }
+    // The diagonal offset: query row i is aligned to key i + diag().
+    CUFLASH_DEVICE int diag() const { return seqlen_k - seqlen_q + shift; }
 
     // K/V blocks [n_block_begin, n_block_end) hold every key any row of [m0, m0 + block_m) can see.
     CUFLASH_DEVICE int n_block_end(int m0, int block_m, int block_n) const {
@@ -126,7 +148,7 @@ struct AttnMask : ScoreMods<kMods> {
         if constexpr (kWindow) {
             return block_needs_mask(m0, block_m, n0, block_n);
         } else {
-            return kIsCausal ? n0 + block_n - 1 > m0 + (seqlen_k - seqlen_q) : n0 + block_n > seqlen_k;
+            return kIsCausal ? n0 + block_n - 1 > m0 + (seqlen_k - seqlen_q + shift) : n0 + block_n > seqlen_k;
         }
     }
     // Whether query i must not see key j (on the blocks that need a mask; see key_block_needs_mask).
@@ -134,12 +156,12 @@ struct AttnMask : ScoreMods<kMods> {
         if constexpr (kWindow) {
             return j >= last_key_plus_one(i) || j < first_key_of_row(i);
         } else {
-            return kIsCausal ? j > i + (seqlen_k - seqlen_q) : j >= seqlen_k;
+            return kIsCausal ? j > i + (seqlen_k - seqlen_q + shift) : j >= seqlen_k;
         }
     }
 
-    // Backward: P = exp2(score * scale_log2 - lse_log2) of query i and key j (dist = i + seqlen_k -
-    // seqlen_q - j, as a float) from the raw score s, 0 where the key is hidden (on blocks that need the
+    // Backward: P = exp2(score * scale_log2 - lse_log2) of query i and key j (dist = i + diag() - j, as
+    // a float) from the raw score s, 0 where the key is hidden (on blocks that need the
     // mask); *dtanh gets what dS is multiplied by for the softcap's tanh (1 - tanh^2; 1 without softcap).
     CUFLASH_DEVICE float prob(float s, int i, int j, float dist, float lse_log2, float scale_log2, bool need_mask,
                               float slope, float* dtanh) const {
@@ -158,7 +180,7 @@ struct AttnMask : ScoreMods<kMods> {
             for (int s = 0; s < kMSlabs; ++s)
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
-                    const float dist0 = static_cast<float>(row0 + 16 * s + 8 * r + seqlen_k - seqlen_q - col0);
+                    const float dist0 = static_cast<float>(row0 + 16 * s + 8 * r + seqlen_k - seqlen_q + shift - col0);
 #pragma unroll
                     for (int nb = 0; nb < kNB; ++nb)
 #pragma unroll

@@ -28,6 +28,7 @@ struct ModParams {
     long long block_table_stride;    // elements between rows of block_table
     int window_left;                 // sliding window: query i sees keys j with
     int window_right;                //   d - window_left <= j <= d + window_right, d = i + seqlen_k - seqlen_q
+                                     //   (+ diag_shift)
     float softcap_scale;             // softcap: softmax_scale / softcap; the score s becomes tanh(s * softcap_scale)
     float alibi_scale;               // ALiBi: slope -> bias per key in raw score units (1 / the softmax's unit scale)
     float dropout_rp;                // dropout: 1 / keep probability (keep_threshold / 256)
@@ -35,6 +36,8 @@ struct ModParams {
     int page_size;                   // paged varlen: tokens per page (a multiple of every key tile)
     int num_pages;                   //   pages of k, v (indices are clamped into [0, num_pages))
     int page_capacity;               //   keys a sequence can hold: block_table columns x page_size
+    int diag_shift;                  // window and ALiBi kernels (forward, backward): d = i + seqlen_k - seqlen_q
+                                     //   + diag_shift (masks.cuh diag_offset; a ring's chunk pairs); else 0
 };
 
 struct FwdParams {

@@ -15,7 +15,7 @@ from .params import BWD_PACKER
 def attention_backward(
     dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
     softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None,
-    deterministic: bool = False, dq=None, dk=None, dv=None,
+    deterministic: bool = False, dq=None, dk=None, dv=None, diag_shift: int = 0,
 ):  # fmt: skip
     """Gradients (dq, dk, dv) of ``out = attention(q, k, v)`` given ``dout``, with FlashAttention-2.
 
@@ -25,7 +25,7 @@ def attention_backward(
     ``cuflash.attention``: float16 or bfloat16, any strides with a contiguous last dimension,
     GQA / MQA (dk, dv of a kv head are summed over its query heads), head dims 1 to 256.
 
-    causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p: the values the forward ran
+    causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, diag_shift: the values the forward ran
     with; rng_state: the one the forward returned (with dropout_p > 0: required, it regenerates the
     forward's dropout mask).
     deterministic: False (default) adds the dq partial sums with fp32 atomics in whatever order the
@@ -39,13 +39,13 @@ def attention_backward(
     """
     return run(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state,
-               deterministic=deterministic, dq=dq, dk=dk, dv=dv)  # fmt: skip
+               deterministic=deterministic, dq=dq, dk=dk, dv=dv, diag_shift=diag_shift)  # fmt: skip
 
 
 def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
         softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None,
         deterministic: bool = False, dq=None, dk=None, dv=None,
-        tile: plan.BwdTile | plan.BwdSm90Tile | plan.BwdSm90WsTile | None = None):  # fmt: skip
+        tile: plan.BwdTile | plan.BwdSm90Tile | plan.BwdSm90WsTile | None = None, diag_shift: int = 0):  # fmt: skip
     """``attention_backward`` with a forced main-kernel tile (a plan.BwdTile runs the mma.sync kernel
     with it, a plan.BwdSm90Tile the cp.async Hopper one, a plan.BwdSm90WsTile the warp-specialized
     TMA one); for tuning tools and tests. tile=None is exactly ``attention_backward``."""
@@ -57,7 +57,8 @@ def run(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float |
     checks.check_lse(lse, (batch, nheads, seqlen_q), device_id, cupy)
     var = variants.resolve(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            dropout_p=dropout_p, rng_state=rng_state, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
-                           seqlen_k=seqlen_k, device_id=device_id, cupy=cupy, new_rng_state=False)  # fmt: skip
+                           seqlen_k=seqlen_k, device_id=device_id, cupy=cupy, new_rng_state=False,
+                           diag_shift=diag_shift)  # fmt: skip
 
     with cupy.cuda.Device(device_id):
         dq, dk, dv = (checks.output_like(given, like, device_id, cupy, name, name[1:])

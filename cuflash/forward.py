@@ -18,7 +18,7 @@ from .params import FWD_PACKER
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
               softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None,
-              return_lse: bool = False, out=None):  # fmt: skip
+              return_lse: bool = False, out=None, diag_shift: int = 0):  # fmt: skip
     """Exact attention ``softmax(scale * q k^T) v`` with FlashAttention-2 on CuPy arrays.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim); float16 or
@@ -41,17 +41,21 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     return_lse: also return lse, float32 (batch, nheads, seqlen_q), natural log of the softmax sum
     (of the softcapped, ALiBi'd scores, before dropout).
     out: optional output array (shape and dtype of q, last dim contiguous) written in place.
+    diag_shift: moves the diagonal d of causal, window and ALiBi to i + seqlen_k - seqlen_q + diag_shift:
+    for a piece of a longer sequence (query i at position q0 + i, key j at k0 + j of the whole), pass
+    q0 - k0 - (seqlen_k - seqlen_q) to get the whole's mask and biases (ring attention's chunk pairs).
 
     Returns out; (out, lse) with return_lse; with dropout_p > 0, rng_state last: (out, rng_state) or
     (out, lse, rng_state). Runs on CuPy's current stream and never synchronizes.
     """
     return run(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-               alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state, return_lse=return_lse, out=out)
+               alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state, return_lse=return_lse, out=out,
+               diag_shift=diag_shift)
 
 
 def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
         softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0, rng_state=None, return_lse: bool = False,
-        out=None, tile: plan.Tile | plan.Sm90Tile | None = None, kernel=None):  # fmt: skip
+        out=None, tile: plan.Tile | plan.Sm90Tile | None = None, kernel=None, diag_shift: int = 0):  # fmt: skip
     """``attention`` with a forced tile (a plan.Tile runs the mma.sync kernel with it, a plan.Sm90Tile
     the Hopper one); for tuning tools and tests. tile=None is exactly ``attention``. ``kernel``: a
     loaded kernel launched in place of the planned one, which must be a build of the same variant
@@ -63,7 +67,7 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
     softmax_scale = checks.resolve_scale(softmax_scale, head_dim)
     var = variants.resolve(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            dropout_p=dropout_p, rng_state=rng_state, batch=batch, nheads=nheads, seqlen_q=seqlen_q,
-                           seqlen_k=seqlen_k, device_id=device_id, cupy=cupy)  # fmt: skip
+                           seqlen_k=seqlen_k, device_id=device_id, cupy=cupy, diag_shift=diag_shift)  # fmt: skip
 
     def result(out, lse):
         res = (out, lse) if return_lse else (out,)

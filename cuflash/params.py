@@ -37,6 +37,7 @@ MOD_FIELDS = [
     ("page_size", _I32),
     ("num_pages", _I32),
     ("page_capacity", _I32),
+    ("diag_shift", _I32),
 ]
 
 MOD_DTYPE = np.dtype(MOD_FIELDS, align=True)

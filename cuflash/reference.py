@@ -29,7 +29,8 @@ never built.  The code loops over batch and heads and, within one
 
 Variants (flash-attn's semantics; every public function takes them as keywords): ``window_size``
 ``(left, right)`` (-1 = unbounded; query ``i`` sees key ``j`` iff ``d - left <= j <= d + right``,
-``d = i + seqlen_k - seqlen_q``; causal sets ``right = 0``), ``softcap`` (``s -> softcap *
+``d = i + seqlen_k - seqlen_q``, plus ``diag_shift`` in attention_forward / attention_backward; causal
+sets ``right = 0``), ``softcap`` (``s -> softcap *
 tanh(s / softcap)`` on the scaled score), ``alibi_slopes`` (``(nheads,)`` or ``(batch, nheads)``; adds
 ``-slope * |d - j|`` after the softcap) and ``dropout_p`` with ``rng_state = (seed, offset)`` (each
 probability kept with probability ``1 - p``, rounded to a multiple of 1/256 (:func:`keep_probability`, as
@@ -158,13 +159,14 @@ def _identity(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool,
-                 q_start: int = 0, q_stop: int | None = None, window_size=(-1, -1)) -> np.ndarray:
+                 q_start: int = 0, q_stop: int | None = None, window_size=(-1, -1), diag_shift: int = 0) -> np.ndarray:
     """Boolean mask of shape (q_stop - q_start, seqlen_k).
 
     Entry ``[r, j]`` is True when query row ``i = q_start + r`` may see key
     ``j``: always when not causal, else iff ``j <= i + seqlen_k - seqlen_q``;
     with ``window_size = (left, right)`` also only iff ``d - left <= j <= d + right``
-    (``d = i + seqlen_k - seqlen_q``; -1 leaves that side unbounded).
+    (``d = i + seqlen_k - seqlen_q``; -1 leaves that side unbounded). ``diag_shift`` moves the diagonal:
+    ``d = i + seqlen_k - seqlen_q + diag_shift``, in the causal test too.
     """
     if q_stop is None:
         q_stop = seqlen_q
@@ -179,7 +181,7 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal: bool,
         right = 0
     if left < 0 and right < 0:
         return np.ones((rows, seqlen_k), dtype=bool)
-    d = np.arange(q_start, q_stop)[:, None] + (seqlen_k - seqlen_q)
+    d = np.arange(q_start, q_stop)[:, None] + (seqlen_k - seqlen_q + int(diag_shift))
     j = np.arange(seqlen_k)[None, :]
     visible = np.ones((rows, seqlen_k), dtype=bool)
     if right >= 0:
@@ -258,6 +260,7 @@ class _Mods:
     b: int = 0
     h: int = 0
     nheads: int = 1
+    diag_shift: int = 0  # d = i + seqlen_k - seqlen_q + diag_shift (mask and ALiBi)
 
     def keep(self, start: int, stop: int, seqlen_k: int) -> np.ndarray | None:
         """The dropout keep mask of query rows [start, stop), or None without dropout."""
@@ -269,7 +272,7 @@ class _Mods:
 _NO_MODS = _Mods()
 
 
-def _variants(batch: int, nheads: int, window_size, softcap, alibi_slopes, dropout_p, rng_state):
+def _variants(batch: int, nheads: int, window_size, softcap, alibi_slopes, dropout_p, rng_state, diag_shift=0):
     """Checked variant arguments -> a function (b, h) -> _Mods."""
     window = tuple(int(w) for w in window_size)
     if len(window) != 2 or min(window) < -1:
@@ -291,7 +294,8 @@ def _variants(batch: int, nheads: int, window_size, softcap, alibi_slopes, dropo
     rng = (0, 0) if rng_state is None else tuple(int(x) for x in rng_state)
 
     def at(b: int, h: int) -> _Mods:
-        return _Mods(window, softcap, 0.0 if slopes is None else float(slopes[b, h]), dropout_p, rng, b, h, nheads)
+        return _Mods(window, softcap, 0.0 if slopes is None else float(slopes[b, h]), dropout_p, rng, b, h, nheads,
+                     int(diag_shift))
     return at
 
 
@@ -307,7 +311,8 @@ def _scores(q: np.ndarray, k: np.ndarray, scale, mask: np.ndarray, mods: _Mods =
         S = S.dtype.type(mods.softcap) * T
     if mods.slope:
         seqlen_k = k.shape[0]
-        d = np.arange(start, start + q.shape[0])[:, None] + (seqlen_k - (seqlen_q if seqlen_q is not None else q.shape[0]))
+        d = np.arange(start, start + q.shape[0])[:, None] + (seqlen_k - (seqlen_q if seqlen_q is not None else q.shape[0])
+                                                             + mods.diag_shift)
         S = S - S.dtype.type(mods.slope) * np.abs(d - np.arange(seqlen_k)[None, :]).astype(S.dtype)
     return np.where(mask, S, -np.inf).astype(S.dtype, copy=False), T
 
@@ -347,7 +352,7 @@ def _forward_head(q, k, v, scale, causal, rnd: Rounder = _identity, p_order: str
     lse = np.full(seqlen_q, -np.inf)
     rp = q.dtype.type(1.0 / keep_probability(mods.dropout_p))
     for start, stop in _row_chunks(seqlen_q, seqlen_k):
-        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop, mods.window)
+        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop, mods.window, mods.diag_shift)
         S, _ = _scores(q[start:stop], k, scale, mask, mods, start, seqlen_q)
         E, l, lse[start:stop] = _exp_rows(S)
         keep = mods.keep(start, stop, seqlen_k)
@@ -417,7 +422,7 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
     rp = q.dtype.type(1.0 / keep_probability(mods.dropout_p))
     for start, stop in _row_chunks(seqlen_q, seqlen_k):
         q_c, do_c = q[start:stop], dout[start:stop]
-        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop, mods.window)
+        mask = visible_mask(seqlen_q, seqlen_k, causal, start, stop, mods.window, mods.diag_shift)
         S, T = _scores(q_c, k, scale, mask, mods, start, seqlen_q)
         if lse is None:
             P, _ = _softmax_rows(S)
@@ -450,17 +455,18 @@ def _backward_head(dout, q, k, v, scale, causal, rnd: Rounder = _identity, o=Non
 # ---------------------------------------------------------------------------
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                      alibi_slopes=None, dropout_p=0.0, rng_state=None):  # fmt: skip
+                      alibi_slopes=None, dropout_p=0.0, rng_state=None, diag_shift=0):  # fmt: skip
     """Exact attention in float64, with the variants of the module docstring.
 
     Returns ``(out, lse)``: out ``(batch, seqlen_q, nheads, headdim)`` and
     lse ``(batch, nheads, seqlen_q)``, both float64 (lse of the scores the softmax
-    sees: softcapped and ALiBi'd, before dropout).
+    sees: softcapped and ALiBi'd, before dropout). ``diag_shift`` moves the diagonal of causal,
+    window and ALiBi (visible_mask).
     """
     q, k, v = _to_f64(q, "q"), _to_f64(k, "k"), _to_f64(v, "v")
     batch, seqlen_q, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
     scale = _scale(softmax_scale, headdim)
-    mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state)
+    mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state, diag_shift)
     out = np.zeros(q.shape)
     lse = np.full((batch, nheads, seqlen_q), -np.inf)
     for b in range(batch):
@@ -471,7 +477,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window_size=
 
 
 def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, dropout_p=0.0, rng_state=None, out=None, lse=None):  # fmt: skip
+                       alibi_slopes=None, dropout_p=0.0, rng_state=None, out=None, lse=None, diag_shift=0):  # fmt: skip
     """Exact gradients of ``sum(out * dout)`` in float64; returns (dq, dk, dv).
 
     With GQA, dk and dv of a kv head are summed over its query heads. The variants as in
@@ -486,7 +492,7 @@ def attention_backward(dout, q, k, v, *, causal=False, softmax_scale=None, windo
     batch, _, _, nheads, nheads_kv, headdim = _check_qkv(q, k, v)
     _require_shape(dout, "dout", q.shape)
     scale = _scale(softmax_scale, headdim)
-    mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state)
+    mods = _variants(batch, nheads, window_size, softcap, alibi_slopes, dropout_p, rng_state, diag_shift)
     if lse is not None and out is None:
         raise ValueError("lse without out: a block's share needs the whole's output too (D = rowsum(dout * out))")
     o = None if out is None else _to_f64(out, "out")
@@ -791,7 +797,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None,
 # Plain low-precision implementation (sets the test tolerance)
 # ---------------------------------------------------------------------------
 
-_VARIANT_DEFAULTS = {"window_size": (-1, -1), "softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None}
+_VARIANT_DEFAULTS = {"window_size": (-1, -1), "softcap": 0.0, "alibi_slopes": None, "dropout_p": 0.0, "rng_state": None,
+                     "diag_shift": 0}
 
 
 def _variant_args(variants: dict) -> dict:

@@ -12,6 +12,10 @@ the key it is aligned to (bottom-right, like causal).
       (8-bit random numbers, as flash-attn; reference.keep_probability), and scaled by the inverse of
       that probability, after the normalization; the keep mask is a Philox4x32-10 stream of rng_state = (seed, offset)
       (cuda_src/dropout.cuh, reproduced by cuflash.reference.dropout_keep_mask).
+  diag_shift (forward and backward): d = i + seqlen_k - seqlen_q + diag_shift, for the causal mask, the
+      window and ALiBi alike: a call on a piece of a longer sequence (query i at absolute position
+      q0 + i, key j at k0 + j) passes diag_shift = q0 - k0 - (seqlen_k - seqlen_q) to see the whole's
+      masks and biases (ring attention's chunk pairs). A shifted causal mask runs on the window kernels.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ class Variants:
     alibi_batch_stride: int = 0  # elements between batch rows (0: one row for every batch)
     dropout_p: float = 0.0
     rng_state: tuple[int, int] | None = None  # (seed, offset), with dropout
+    diag_shift: int = 0  # moves the diagonal (window and ALiBi kernels; 0 in every other)
 
     def unit_scale(self, softmax_scale: float) -> float:
         """The softmax's unit scale: what the kernel's softmax multiplies its working scores by
@@ -57,7 +62,7 @@ class Variants:
         bt, bt_stride, page_size, num_pages, capacity = paged
         return (self.alibi_ptr, self.alibi_batch_stride, seed, offset, cu_seqlens_q, cu_seqlens_k, seqused_k, bt,
                 bt_stride, self.window[0], self.window[1], softcap_scale, 1.0 / unit, 1.0 / keep_probability(self.dropout_p), keep,
-                page_size, num_pages, capacity)  # fmt: skip
+                page_size, num_pages, capacity, self.diag_shift)  # fmt: skip
 
 
 
@@ -77,15 +82,18 @@ def resolve(
     cupy,
     allow_dropout: bool = True,
     new_rng_state: bool = True,
+    diag_shift: int = 0,
 ) -> Variants:
     """Check the variant arguments of one call and resolve them for the kernels. seqlen_k: the keys
     a query may see at most (decode: the cache capacity plus new tokens). A window that reaches past
     every key on a side is unbounded on that side; what is left decides the kernel: plain, causal,
     or windowed. new_rng_state: with dropout and rng_state None, draw a fresh (seed, 0) (the forward);
-    else rng_state is required (the backward replays the forward's)."""
+    else rng_state is required (the backward replays the forward's). diag_shift: moves the diagonal
+    (module docstring); it changes nothing in a call without causal, window or ALiBi."""
     if type(window_size) is tuple and window_size == (-1, -1) and alibi_slopes is None and type(softcap) in (int, float) and softcap == 0 \
-            and type(dropout_p) in (int, float) and dropout_p == 0:
+            and type(dropout_p) in (int, float) and dropout_p == 0 and (diag_shift == 0 or not causal and type(diag_shift) is int):
         return _PLAIN_CAUSAL if causal else _PLAIN  # every call without variants: nothing to check or build
+    shift = _diag_shift(diag_shift)
     left, right = _window(window_size)
     softcap = _softcap(softcap)
     dropout_p = _dropout_p(dropout_p)
@@ -96,16 +104,18 @@ def resolve(
     window = (0, 0)
     if causal:
         right = 0
-    left_open = left < 0 or left >= seqlen_k - 1  # d - left <= 0 for every row: every key on the left
-    right_open = right < 0 or right >= seqlen_q - 1  # d + right >= seqlen_k - 1 for every row
+    # Rows' diagonals d run over [seqlen_k - seqlen_q + shift, seqlen_k - 1 + shift].
+    left_open = left < 0 or left >= seqlen_k - 1 + shift  # d - left <= 0 for every row: every key on the left
+    right_open = right < 0 or right >= seqlen_q - 1 - shift  # d + right >= seqlen_k - 1 for every row
+    open_left, open_right = max(seqlen_k, seqlen_k + shift), max(seqlen_q, seqlen_q - shift)  # as wide as unbounded
     if not left_open:
         mods |= MOD_WINDOW
-        window = (min(left, seqlen_k), seqlen_q if right_open else right)
-    elif causal or right == 0 and not right_open:
+        window = (left, open_right if right_open else right)
+    elif shift == 0 and (causal or right == 0 and not right_open):
         kernel_causal = True  # the window (-1, 0) is causal
     elif not right_open:
-        mods |= MOD_WINDOW
-        window = (seqlen_k, right)
+        mods |= MOD_WINDOW  # (a shifted causal mask too: only the window kernels read diag_shift)
+        window = (open_left, right)
     if softcap > 0:
         mods |= MOD_SOFTCAP
     alibi_ptr = alibi_stride = 0
@@ -120,7 +130,8 @@ def resolve(
                 raise ValueError("dropout_p > 0: pass the rng_state the forward returned (it regenerates the same mask)")
             rng_state = (secrets.randbits(64), 0)
         state = _rng_state(rng_state)
-    return Variants(mods, kernel_causal, window, softcap, alibi_ptr, alibi_stride, dropout_p, state)
+    shift = shift if mods & (MOD_WINDOW | MOD_ALIBI) else 0  # (nothing else depends on the diagonal)
+    return Variants(mods, kernel_causal, window, softcap, alibi_ptr, alibi_stride, dropout_p, state, shift)
 
 
 _PLAIN, _PLAIN_CAUSAL = Variants(), Variants(causal=True)
@@ -135,6 +146,19 @@ def _window(window_size) -> tuple[int, int]:
     if left < -1 or right < -1:
         raise ValueError(f"window_size values must be >= -1 (-1: unbounded), got {window_size!r}")
     return left, right
+
+
+_MAX_SHIFT = 2**30  # |diag_shift| bound: the kernels' int32 row + diagonal + window sums stay in range
+
+
+def _diag_shift(diag_shift) -> int:
+    try:
+        shift = _int(diag_shift)
+    except TypeError:
+        raise ValueError(f"diag_shift must be an int, got {diag_shift!r}") from None
+    if abs(shift) > _MAX_SHIFT:
+        raise ValueError(f"diag_shift must be within +-2**30, got {shift}")
+    return shift
 
 
 def _int(x) -> int:

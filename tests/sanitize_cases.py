@@ -159,14 +159,15 @@ def main():
 
 
 def variant_cases(rng, arch):
-    """Ragged cases of each variant (and all together) on the forward and backward of both kernel
-    families, and on decode with splits."""
+    """Ragged cases of each variant (and all together, and a shifted diagonal) on the forward and
+    backward of both kernel families, and on decode with splits."""
     import cuflash
     from cuflash import reference
 
     slopes = cupy.asarray(rng.uniform(0.05, 0.5, (2, 4)).astype(np.float32))
     variants = [dict(window_size=(0, 0)), dict(dropout_p=0.3),
-                dict(window_size=(40, 3), softcap=5.0, alibi_slopes=slopes, dropout_p=0.2)]
+                dict(window_size=(40, 3), softcap=5.0, alibi_slopes=slopes, dropout_p=0.2),
+                dict(window_size=(30, 5), alibi_slopes=slopes, diag_shift=-20), dict(alibi_slopes=slopes, diag_shift=40)]
     for b, sq, sk, d, causal, layout in ((2, 77, 45, 64, True, "bshd"), (2, 45, 130, 128, False, "bhsd"),
                                          (2, 70, 70, 256, True, "bshd"), (2, 50, 90, 100, False, "bshd")):
         q, k, v = random_qkv(rng, b, sq, sk, 4, 2, d, "bf16", layout_q=layout, layout_kv=layout)

@@ -281,8 +281,8 @@ def test_chunking_matches_unchunked(monkeypatch):
     blocks = []
     original_mask = R.visible_mask
 
-    def spy(seqlen_q, seqlen_k, causal, q_start=0, q_stop=None, window_size=(-1, -1)):
-        m = original_mask(seqlen_q, seqlen_k, causal, q_start, q_stop, window_size)
+    def spy(seqlen_q, seqlen_k, causal, q_start=0, q_stop=None, window_size=(-1, -1), diag_shift=0):
+        m = original_mask(seqlen_q, seqlen_k, causal, q_start, q_stop, window_size, diag_shift)
         blocks.append(m.shape)
         return m
 
@@ -807,3 +807,25 @@ def test_empty_dims(batch, sq, sk):
     out, lse, kc, _ = R.attention_with_kvcache(q, np.ones((batch, 5, hkv, d)),
                                                np.ones((batch, 5, hkv, d)), cache_seqlens=sk)
     assert out.shape == q.shape and lse.shape == (batch, h, sq) and kc.shape == (batch, 5, hkv, d)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (5, 2)), (True, (7, -1)), (False, (-1, 3))])
+def test_a_shifted_diagonal_is_a_block_of_the_whole(causal, window):
+    """visible_mask and ALiBi of a (query piece, key piece) call with diag_shift = q0 - k0 - (lk - lq)
+    are the whole sequence's on that block: the lse of each piece's rows against the whole's keys,
+    merged, is the whole's lse."""
+    n = 24
+    whole = R.visible_mask(n, n, causal, window_size=window)
+    for q0, lq, k0, lk in ((0, 8, 16, 8), (16, 8, 0, 8), (5, 7, 3, 13), (10, 14, 0, 24)):
+        shift = q0 - k0 - (lk - lq)
+        part = R.visible_mask(lq, lk, causal, window_size=window, diag_shift=shift)
+        np.testing.assert_array_equal(part, whole[q0:q0 + lq, k0:k0 + lk])
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, n, 2, 8)) for _ in range(3))
+    kw = dict(causal=causal, window_size=window, alibi_slopes=np.array([0.5, 0.125]))
+    _, lse = R.attention_forward(q, k, v, **kw)
+    q0, lq = 9, 11
+    pieces = [R.attention_forward(q[:, q0:q0 + lq], k[:, k0:k0 + 6], v[:, k0:k0 + 6], diag_shift=q0 - k0 - (6 - lq),
+                                  **kw)[1] for k0 in range(0, n, 6)]  # fmt: skip
+    np.testing.assert_allclose(np.logaddexp.reduce(np.stack(pieces), axis=0), lse[:, :, q0:q0 + lq], rtol=1e-12)
+

@@ -236,6 +236,33 @@ def test_window_resolution(causal, window, want_mods, want_causal, want_window):
         assert v.window == want_window
 
 
+@pytest.mark.parametrize("causal,window,shift,want_mods,want_window", [
+    (True, (-1, -1), 5, plan.MOD_WINDOW, (125, 0)),       # a shifted causal mask runs on the window kernels
+    (True, (-1, -1), -200, plan.MOD_WINDOW, (120, 0)),    # every key after every query: still masked
+    (True, (-1, -1), 200, 0, None),                       # every key before every query: nothing to mask
+    (False, (-1, -1), 7, 0, None),                        # no mask, no ALiBi: the shift changes nothing
+    (False, (10, 10), 3, plan.MOD_WINDOW, (10, 10)),
+    (False, (150, -1), 40, plan.MOD_WINDOW, (150, 100)),  # d - 150 > 0 for the last rows: a left edge
+    (False, (150, -1), 0, 0, None),
+    (False, (-1, 90), -20, plan.MOD_WINDOW, (120, 90)),   # d + 90 < 119 for the first rows (also unshifted)
+    (False, (-1, 90), 20, 0, None),                      # d + 90 >= 119 for every row
+])  # fmt: skip
+def test_window_resolution_with_a_shifted_diagonal(causal, window, shift, want_mods, want_window):
+    v = _resolve(causal=causal, window_size=window, diag_shift=shift)
+    assert v.mods == want_mods and not v.causal
+    assert v.diag_shift == (shift if want_mods else 0)
+    if want_window is not None:
+        assert v.window == want_window
+        assert v.record(0.125)[-1] == shift  # ModParams.diag_shift, the last field
+    assert _resolve(softcap=5.0, diag_shift=shift).diag_shift == 0  # only window and ALiBi kernels read it
+
+
+@pytest.mark.parametrize("bad", ["3", 2.0, 2**31, -(2**30) - 1])
+def test_bad_diag_shift(bad):
+    with pytest.raises(ValueError, match="diag_shift"):
+        _resolve(causal=True, diag_shift=bad)
+
+
 def test_softcap_alibi_dropout_resolution_and_record():
     slopes = _FakeArray(dtype=np.dtype(np.float32), shape=(2, 4), strides=(16, 4), ndim=2, device=SimpleNamespace(id=0),
                         data=SimpleNamespace(ptr=4096))  # fmt: skip
@@ -243,7 +270,7 @@ def test_softcap_alibi_dropout_resolution_and_record():
     assert v.mods == plan.MOD_SOFTCAP | plan.MOD_ALIBI | plan.MOD_DROPOUT
     assert v.unit_scale(0.125) == 30.0
     rec = v.record(0.125)
-    assert rec == (4096, 4, 2**64 - 1, 5, 0, 0, 0, 0, 0, 0, 0, 0.125 / 30.0, 1 / 30.0, 1 / 0.75, 192, 0, 0, 0)
+    assert rec == (4096, 4, 2**64 - 1, 5, 0, 0, 0, 0, 0, 0, 0, 0.125 / 30.0, 1 / 30.0, 1 / 0.75, 192, 0, 0, 0, 0)
     assert v.record(0.125, 8, 16, 24)[4:7] == (8, 16, 24)  # varlen: cu_seqlens_q, cu_seqlens_k, seqused_k
     fresh = _resolve(dropout_p=0.1)
     assert fresh.rng_state is not None and fresh.rng_state != _resolve(dropout_p=0.1).rng_state

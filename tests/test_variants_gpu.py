@@ -34,7 +34,7 @@ def _slopes(rng, batch, nheads, per_batch: bool):
 
 
 def _variants(rng, case):
-    v = dict(window_size=case["window"], softcap=case["softcap"], dropout_p=case["dropout_p"])
+    v = dict(window_size=case["window"], softcap=case["softcap"], dropout_p=case["dropout_p"], diag_shift=case["shift"])
     if case["alibi"] is not None:
         v["alibi_slopes"] = _slopes(rng, case["batch"], case["nheads"], case["alibi"] == "batch")
     return v
@@ -53,6 +53,7 @@ def variant_cases(draw):
     case = dict(
         dtype=dtype, head_dim=head_dim, nheads=nheads, nheads_kv=nheads_kv, batch=draw(st.integers(1, 2)),
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=draw(st.booleans()), window=(left, right),
+        shift=draw(st.one_of(st.just(0), st.just(0), st.integers(-seqlen_q - 8, seqlen_k + 8))),
         softcap=draw(st.one_of(st.just(0.0), st.floats(1.0, 50.0))),
         alibi=draw(st.sampled_from([None, "heads", "batch"])),
         dropout_p=draw(st.one_of(st.just(0.0), st.floats(0.05, 0.6))),
@@ -142,6 +143,31 @@ def test_window_edges_on_every_kernel(sq, sk, window, causal, head_dim):
         check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, window_size=window, what=f"{tile}")
     for tile in _backward_kernels(head_dim):
         check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, window_size=window, what=f"{tile}")
+
+
+@pytest.mark.parametrize("sq,sk,shift,window,causal,alibi", [
+    (256, 256, -256, (-1, -1), True, False),   # every key after every query: no row sees a key
+    (256, 256, 256, (-1, -1), True, True),     # every key before: ALiBi's distances shifted, nothing masked
+    (200, 300, 77, (-1, -1), True, True),      # a shifted causal diagonal (the window kernels) with ALiBi
+    (300, 200, -50, (40, 10), False, False),   # a shifted band
+    (257, 257, 130, (100, 0), True, True),     # a ring's chunk pair: window + causal + ALiBi
+    (128, 384, -128, (-1, -1), False, True),   # ALiBi alone, not causal
+])  # fmt: skip
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
+def test_shifted_diagonal_on_every_kernel(sq, sk, shift, window, causal, alibi, head_dim):
+    """diag_shift (ring attention's chunk pairs): the causal mask, the window and ALiBi aligned to
+    i + seqlen_k - seqlen_q + diag_shift, on every forward and backward kernel, against the reference."""
+    rng = np.random.default_rng()
+    q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, head_dim, "bf16")
+    variants = dict(window_size=window, diag_shift=shift)
+    if alibi:
+        variants["alibi_slopes"] = _slopes(rng, 2, 4, False)
+    for tile in _forward_kernels(head_dim):
+        check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"{tile}", **variants)
+    for tile in _backward_kernels(head_dim):
+        check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"{tile}", **variants)
+    for det in (False, True):  # the deterministic backward's dQ turns follow the shifted window too
+        check_backward(q, k, v, causal=causal, dtype="bf16", deterministic=det, what=f"det={det}", **variants)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
