@@ -33,8 +33,9 @@ def _qkv(seed, b, s, h, hk, d, dtype=torch.float64):
     return q, k, v
 
 
-def _expected(q, k, v, dout, causal, softcap=0.0):
-    kw = dict(causal=causal, softcap=softcap)
+def _expected(q, k, v, dout, causal, softcap=0.0, window_size=(-1, -1), alibi_slopes=None):
+    kw = dict(causal=causal, softcap=softcap, window_size=window_size,
+              alibi_slopes=None if alibi_slopes is None else alibi_slopes.numpy())  # fmt: skip
     out, _ = reference.attention_forward(q.numpy(), k.numpy(), v.numpy(), **kw)
     grads = reference.attention_backward(dout.numpy(), q.numpy(), k.numpy(), v.numpy(), **kw)
     return out, grads
@@ -72,6 +73,49 @@ def test_the_step_plan_covers_every_causal_pair_once(ring):
         assert seen == want, world
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(-1, -1), (0, 0), (3, -1), (-1, 2), (5, 4), (13, 0), (30, 30)])
+def test_the_pieces_cover_every_visible_pair_of_halves_once(ring, causal, window):
+    """With positions (a window or ALiBi), the calls of all ranks and steps together cover each (query
+    half, key half) pair of the zigzag layout that holds a visible score exactly once, with the diagonal
+    shift of the halves' distance, and none that holds none (the reference mask over the whole sequence)."""
+    for world in range(1, 5):
+        half = 3
+        n = 2 * world * half
+        mask = reference.visible_mask(n, n, causal, window_size=window)
+        want = {(a, b_) for a in range(2 * world) for b_ in range(2 * world)
+                if mask[a * half:(a + 1) * half, b_ * half:(b_ + 1) * half].any()}  # fmt: skip
+        seen = []
+        for r in range(world):
+            for src in range(world):
+                chunk = lambda part, x: x if part == "first" else 2 * world - 1 - x  # noqa: E731
+                for qp, kp, c, shift in ring._pieces(r, src, world, half, causal, window):
+                    a, b_ = chunk(qp, r), chunk(kp, src)
+                    assert c == causal and shift == (a - b_) * half
+                    seen.append((a, b_))
+        assert len(seen) == len(set(seen)) and set(seen) == want, (world, window)
+
+
+@settings(max_examples=25, deadline=None)
+@given(world=st.integers(1, 4), causal=st.booleans(), chunk=st.integers(1, 6), group=st.sampled_from([1, 2]),
+       window=st.sampled_from([(-1, -1), (0, 0), (4, -1), (-1, 3), (7, 2), (2, 9)]), alibi=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_simulated_ring_with_a_window_or_alibi_is_attention_over_the_whole_sequence(ring, world, causal, chunk, group,
+                                                                                    window, alibi, seed):  # fmt: skip
+    """The window and ALiBi over the whole sequence's positions: zigzag slices, causal or not."""
+    s = 2 * world * chunk
+    q, k, v = _qkv(seed, 2, s, 2 * group, 2, 16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=q.dtype)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625][: 2 * group], dtype=torch.float32) if alibi else None
+    qs, ks, vs = ([ring.zigzag_shard(x, r, world).clone().requires_grad_() for r in range(world)] for x in (q, k, v))
+    outs = ring.simulate_ring(qs, ks, vs, causal=causal, window_size=window, alibi_slopes=slopes)
+    torch.autograd.backward(outs, [ring.zigzag_shard(dout, r, world) for r in range(world)])
+    want, (dq, dk, dv) = _expected(q, k, v, dout, causal, window_size=window, alibi_slopes=slopes)
+    np.testing.assert_allclose(ring.zigzag_unshard(outs).detach().numpy(), want, atol=1e-5)
+    for got, ref in ((qs, dq), (ks, dk), (vs, dv)):
+        np.testing.assert_allclose(ring.zigzag_unshard([g.grad for g in got]).numpy(), ref, atol=1e-5)
+
+
 @settings(max_examples=25, deadline=None)
 @given(world=st.integers(1, 4), causal=st.booleans(), chunk=st.integers(1, 9), group=st.sampled_from([1, 2]),
        softcap=st.sampled_from([0.0, 3.0]), seed=st.integers(0, 2**16))
@@ -93,17 +137,22 @@ def test_simulated_ring_is_attention_over_the_whole_sequence(ring, world, causal
 
 def test_what_a_ring_cannot_do_is_an_error(ring):
     q, k, v = _qkv(0, 1, 8, 2, 2, 16)
-    with pytest.raises(NotImplementedError, match="window"):
-        ring.ring_attention(q, k, v, window_size=(4, 0))
-    with pytest.raises(NotImplementedError, match="ALiBi"):
-        ring.ring_attention(q, k, v, alibi_slopes=torch.ones(2))
     with pytest.raises(NotImplementedError, match="dropout"):
         ring.ring_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="window_size"):
+        ring.ring_attention(q, k, v, window_size=(4, -2))
+    with pytest.raises(ValueError, match="window_size"):
+        ring.ring_attention(q, k, v, window_size=4)
+    q7, k7, v7 = _qkv(0, 1, 7, 2, 2, 16)
+    with pytest.raises(ValueError, match="window or ALiBi takes zigzag_shard slices, of even length"):
+        ring.ring_attention(q7, k7, v7, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match="causal ring attention takes zigzag_shard slices"):
+        ring.simulate_ring([q7], [k7], [v7], causal=True)
     with pytest.raises(ValueError, match="slices expected"):
         ring.simulate_ring([q[0]], [k], [v])
 
 
-def _worker(rank, world, init_file, causal, result_file):
+def _worker(rank, world, init_file, causal, result_file, window=(-1, -1), alibi=False):
     import torch.distributed as dist
 
     import torch_cpu_kernels
@@ -115,18 +164,24 @@ def _worker(rank, world, init_file, causal, result_file):
     try:
         q, k, v = _qkv(7, 2, 4 * world * 3, 4, 2, 16)
         dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8), dtype=q.dtype)
-        shard = (lambda x: ring.zigzag_shard(x, rank, world)) if causal else (lambda x: x.chunk(world, dim=1)[rank])
+        zigzag = causal or window != (-1, -1) or alibi
+        shard = (lambda x: ring.zigzag_shard(x, rank, world)) if zigzag else (lambda x: x.chunk(world, dim=1)[rank])
         ql, kl, vl = (shard(x).clone().requires_grad_() for x in (q, k, v))
-        out = ring.ring_attention(ql, kl, vl, causal=causal)
+        out = ring.ring_attention(ql, kl, vl, causal=causal, window_size=window, alibi_slopes=_SLOPES if alibi else None)
         out.backward(shard(dout))
         torch.save({"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}, f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
+_SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
 @pytest.mark.slow  # (spawns processes: ~15 s)
-@pytest.mark.parametrize("world,causal", [(2, True), (3, True), (3, False)])
-def test_ring_over_gloo_processes(ring, tmp_path, world, causal):
+@pytest.mark.parametrize("world,causal,window,alibi", [(2, True, (-1, -1), False), (3, True, (-1, -1), False),
+                                                       (3, False, (-1, -1), False), (3, True, (5, 0), True),
+                                                       (2, False, (4, 7), False)])  # fmt: skip
+def test_ring_over_gloo_processes(ring, tmp_path, world, causal, window, alibi):
     """The real ring: W processes, torch.distributed with gloo (CPU), point-to-point K/V and dK/dV exchange;
     every rank's output and gradients against attention over the whole sequence."""
     import sys
@@ -135,12 +190,13 @@ def test_ring_over_gloo_processes(ring, tmp_path, world, causal):
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     result = tmp_path / "result"
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), causal, str(result)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), causal, str(result), window, alibi), nprocs=world, join=True)
     got = [torch.load(f"{result}.{r}") for r in range(world)]
     q, k, v = _qkv(7, 2, 4 * world * 3, 4, 2, 16)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(8), dtype=q.dtype)
-    want, grads = _expected(q, k, v, dout, causal)
-    unshard = ring.zigzag_unshard if causal else (lambda parts: torch.cat(parts, dim=1))
+    want, grads = _expected(q, k, v, dout, causal, window_size=window, alibi_slopes=_SLOPES if alibi else None)
+    zigzag = causal or window != (-1, -1) or alibi
+    unshard = ring.zigzag_unshard if zigzag else (lambda parts: torch.cat(parts, dim=1))
     np.testing.assert_allclose(unshard([g["out"] for g in got]).numpy(), want, atol=1e-5)
     for name, ref in zip(("dq", "dk", "dv"), grads):
         np.testing.assert_allclose(unshard([g[name] for g in got]).numpy(), ref, atol=1e-5, err_msg=name)

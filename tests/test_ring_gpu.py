@@ -31,8 +31,13 @@ def _bound(single_err, scale):
 
 @settings(max_examples=max(10, EXAMPLES // 3), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(world=st.integers(1, 4), causal=st.booleans(), chunk=st.integers(1, 200), heads=st.sampled_from([(4, 4), (4, 1), (6, 2)]),
-       head_dim=st.sampled_from([64, 128]), dtype_name=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 2**16))
-def test_simulated_ring_matches_attention_over_the_sequence(torch, world, causal, chunk, heads, head_dim, dtype_name, seed):
+       head_dim=st.sampled_from([64, 128]), dtype_name=st.sampled_from(["bfloat16", "float16"]),
+       window=st.sampled_from([(-1, -1), (-1, -1), (0, 0), (50, 0), (100, 30), (-1, 70)]), alibi=st.booleans(),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_simulated_ring_matches_attention_over_the_sequence(torch, world, causal, chunk, heads, head_dim, dtype_name,
+                                                            window, alibi, seed):  # fmt: skip
+    """With a window or ALiBi (over the whole sequence's positions) too: then every step runs the
+    zigzag halves as separate calls with their diagonal shifted (the window kernels, on every family)."""
     import cuflash.torch as ct
     from cuflash.torch import ring
 
@@ -42,19 +47,22 @@ def test_simulated_ring_matches_attention_over_the_sequence(torch, world, causal
     s = 2 * world * chunk
     q, k, v = (torch.randn((2, s, n, head_dim), device="cuda", generator=gen).to(dtype) for n in (nh, nkv, nkv))
     dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
-    shard = (lambda x, r: ring.zigzag_shard(x, r, world)) if causal else (lambda x, r: x.chunk(world, dim=1)[r])
-    unshard = ring.zigzag_unshard if causal else (lambda parts: torch.cat(parts, dim=1))
+    slopes = (0.5 ** torch.arange(1, nh + 1, device="cuda", dtype=torch.float32)) if alibi else None
+    zigzag = causal or window != (-1, -1) or alibi
+    shard = (lambda x, r: ring.zigzag_shard(x, r, world)) if zigzag else (lambda x, r: x.chunk(world, dim=1)[r])
+    unshard = ring.zigzag_unshard if zigzag else (lambda parts: torch.cat(parts, dim=1))
     qs, ks, vs = ([shard(x, r).clone().requires_grad_() for r in range(world)] for x in (q, k, v))
-    outs = ring.simulate_ring(qs, ks, vs, causal=causal)
+    outs = ring.simulate_ring(qs, ks, vs, causal=causal, window_size=window, alibi_slopes=slopes)
     torch.autograd.backward(outs, [shard(dout, r) for r in range(world)])
     got = [unshard(outs)] + [unshard([g.grad for g in xs]) for xs in (qs, ks, vs)]
     # the same inputs through one cuflash call on the whole sequence, and the float64 reference
     q1, k1, v1 = (x.clone().requires_grad_() for x in (q, k, v))
-    o1 = ct.flash_attn_func(q1, k1, v1, causal=causal)
+    o1 = ct.flash_attn_func(q1, k1, v1, causal=causal, window_size=window, alibi_slopes=slopes)
     o1.backward(dout)
     single = [o1, q1.grad, k1.grad, v1.grad]
-    want_out, _ = reference.attention_forward(_host(q), _host(k), _host(v), causal=causal)
-    want = [want_out, *reference.attention_backward(_host(dout), _host(q), _host(k), _host(v), causal=causal)]
+    kw = dict(causal=causal, window_size=window, alibi_slopes=None if slopes is None else slopes.cpu().numpy())
+    want_out, _ = reference.attention_forward(_host(q), _host(k), _host(v), **kw)
+    want = [want_out, *reference.attention_backward(_host(dout), _host(q), _host(k), _host(v), **kw)]
     for name, g, s1, w in zip(("out", "dq", "dk", "dv"), got, single, want):
         err, err1 = np.abs(_host(g) - w).max(), np.abs(_host(s1) - w).max()
         assert np.isfinite(_host(g)).all(), name

@@ -32,17 +32,18 @@ def _variants(alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap) -
                 alibi_slopes=_np(alibi_slopes))  # fmt: skip
 
 
-def _fwd(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic):
+def _fwd(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic, diag_shift=0):
     kw = _variants(alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap)
-    out, lse = reference.attention_forward(_np(q), _np(k), _np(v), **kw)
+    out, lse = reference.attention_forward(_np(q), _np(k), _np(v), diag_shift=diag_shift, **kw)
     return _like(out, q.dtype), _like(lse, torch.float32), torch.zeros(2, dtype=torch.int64)
 
 
 def _bwd(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, wl, wr, softcap,
-         deterministic):  # fmt: skip
+         deterministic, diag_shift=0):  # fmt: skip
     kw = _variants(alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap)
     # As the kernel: D from the given out, P normalized by the given lse (a ring's block uses the whole's).
-    grads = reference.attention_backward(_np(dout), _np(q), _np(k), _np(v), out=_np(out), lse=_np(lse), **kw)
+    grads = reference.attention_backward(_np(dout), _np(q), _np(k), _np(v), out=_np(out), lse=_np(lse),
+                                         diag_shift=diag_shift, **kw)  # fmt: skip
     return tuple(_like(g, t.dtype) for g, t in zip(grads, (q, k, v)))
 
 

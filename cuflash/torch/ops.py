@@ -55,21 +55,23 @@ _SEEDED = (torch.Tag.nondeterministic_seeded,)
 @torch.library.custom_op("cuflash::fwd", mutates_args=(), device_types="cuda", tags=_SEEDED)
 def fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout_p: float,
         softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Dense FlashAttention-2 forward; ``deterministic`` is kept for the backward."""
+        deterministic: bool, diag_shift: int = 0) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Dense FlashAttention-2 forward; ``deterministic`` is kept for the backward. ``diag_shift``: see
+    cuflash.attention (ring attention's chunk pairs)."""
     rng = _rng(dropout_p, q.device)
     with _bridge.call(q.device):
         out, lse = _forward.attention(
             _bridge.to_cupy(q, "q"), _bridge.to_cupy(k, "k"), _bridge.to_cupy(v, "v"), causal=causal,
             softmax_scale=softmax_scale, window_size=(window_left, window_right), softcap=softcap,
             alibi_slopes=_bridge.to_cupy_opt(alibi_slopes, "alibi_slopes"), dropout_p=dropout_p, rng_state=rng,
-            return_lse=True,
+            return_lse=True, diag_shift=diag_shift,
         )[:2]  # fmt: skip  (with dropout the rng_state comes last: the one passed in)
         return _bridge.to_torch(out), _bridge.to_torch(lse), _bridge.rng_tensor(rng, q.device)
 
 
 @fwd.register_fake
-def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+      diag_shift=0):  # fmt: skip
     b, s, h, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32),
             q.new_empty((2,), dtype=torch.int64))  # fmt: skip
@@ -78,7 +80,7 @@ def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, wind
 @torch.library.custom_op("cuflash::bwd", mutates_args=(), device_types="cuda")
 def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, alibi_slopes: Optional[Tensor],
         rng_state: Tensor, dropout_p: float, softmax_scale: Optional[float], causal: bool, window_left: int,
-        window_right: int, softcap: float, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        window_right: int, softcap: float, deterministic: bool, diag_shift: int = 0) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Dense FlashAttention-2 backward of ``fwd``."""
     rng = _bridge.rng_from_tensor(rng_state) if dropout_p > 0 else None
     with _bridge.call(q.device):
@@ -87,28 +89,28 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
             _bridge.to_cupy(out, "out"), _bridge.to_cupy(lse, "lse"), causal=causal, softmax_scale=softmax_scale,
             window_size=(window_left, window_right), softcap=softcap,
             alibi_slopes=_bridge.to_cupy_opt(alibi_slopes, "alibi_slopes"), dropout_p=dropout_p, rng_state=rng,
-            deterministic=deterministic,
+            deterministic=deterministic, diag_shift=diag_shift,
         )  # fmt: skip
         return tuple(_bridge.to_torch(g) for g in grads)
 
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left, window_right,
-      softcap, deterministic):  # fmt: skip
+      softcap, deterministic, diag_shift=0):  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic = inputs
+    q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic, diag_shift = inputs
     out, lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes)  # (no gradient flows to alibi_slopes)
-    ctx.args = (dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic)
+    ctx.args = (dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic, diag_shift)
 
 
 def _fwd_backward(ctx, dout, dlse, drng):
     q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
     dq, dk, dv = bwd(_grad_out(dout, out), q, k, v, out, lse, alibi_slopes, rng_state, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)

@@ -21,10 +21,12 @@ from a rank after it, the second half of the rank's queries sees the whole slice
     out_loc = ring_attention(q_loc, k_loc, v_loc, causal=True)               # autograd works
     out = zigzag_unshard(gathered_out_slices)                                  # all ranks' slices
 
-Supported: causal or not, GQA / MQA, softmax_scale, softcap. The sliding window and ALiBi depend on
-absolute positions that the kernels see only relative to one call: not supported across a ring
-(a clear error); neither is dropout. ``simulate_ring`` runs the same schedule in one process over W
-slices (tests, and a check of the merge on one GPU).
+Supported: causal or not, GQA / MQA, softmax_scale, softcap, the sliding window and ALiBi; not dropout
+(a clear error). The window and ALiBi depend on absolute positions: with either, the slices are taken
+to be zigzag_shard's (causal or not), each step runs rank r's query half against the slice's key
+halves as separate calls whose diagonal is moved to the halves' absolute positions (the kernels'
+diag_shift, cuflash.attention), and the pairs a window leaves empty are skipped. ``simulate_ring``
+runs the same schedule in one process over W slices (tests, and a check of the merge on one GPU).
 """
 from __future__ import annotations
 
@@ -81,6 +83,30 @@ def _step_plan(rank: int, src: int, causal: bool) -> tuple[str, str, bool]:
     return "second", "all", False  # only chunk 2W-1-r comes after both of src's chunks
 
 
+def _pair_visible(q0: int, k0: int, n: int, causal: bool, window: tuple[int, int]) -> bool:
+    """Whether any query of positions [q0, q0 + n) sees any key of [k0, k0 + n) (flash-attn's window:
+    key position j is visible to query position i iff i - left <= j <= i + right, -1 unbounded;
+    causal: right = 0)."""
+    left, right = window
+    right = 0 if causal else right
+    lo, hi = k0 - q0 - (n - 1), k0 - q0 + (n - 1)  # every key - query distance the pair holds
+    return (right < 0 or lo <= right) and (left < 0 or hi >= -left)
+
+
+def _pieces(rank: int, src: int, world: int, half: int, causal: bool, window: Optional[tuple[int, int]]):
+    """The kernel calls of rank ``rank``'s queries against the slice of rank ``src``: a list of
+    (query part, key part, causal, diag_shift). window None: positions do not matter (no window, no
+    ALiBi): _step_plan's one call. Else the zigzag halves' absolute positions (chunk r and 2W - 1 - r
+    of ``half`` tokens each): one call per pair of halves that holds a visible score, its diagonal
+    moved by the halves' distance."""
+    if window is None:
+        qp, kp, c = _step_plan(rank, src, causal)
+        return [(qp, kp, c, 0)]
+    starts = lambda r: (("first", r * half), ("second", (2 * world - 1 - r) * half))  # noqa: E731
+    return [(qp, kp, causal, q0 - k0) for qp, q0 in starts(rank) for kp, k0 in starts(src)
+            if _pair_visible(q0, k0, half, causal, window)]  # fmt: skip
+
+
 def _part(x: Tensor, part: str, dim: int = 1) -> Tensor:
     if part == "all":
         return x
@@ -114,17 +140,27 @@ def _merge_into(out: Optional[Tensor], lse: Optional[Tensor], part: str, out_b: 
 
 
 class _Args:
-    def __init__(self, softmax_scale: float, softcap: float):
-        self.scale, self.softcap = softmax_scale, softcap
+    """The per-call arguments of every step: scale, softcap, and the position-dependent variants
+    (window (left, right) and ALiBi slopes; window None when neither is asked for)."""
 
-    def fwd(self, q: Tensor, k: Tensor, v: Tensor, causal: bool):
-        out, lse, _ = torch.ops.cuflash.fwd(q, k, v, None, 0.0, self.scale, causal, -1, -1, self.softcap, False)
+    def __init__(self, softmax_scale: float, softcap: float, window: Optional[tuple[int, int]] = None,
+                 alibi_slopes: Optional[Tensor] = None):  # fmt: skip
+        self.scale, self.softcap, self.window, self.alibi = softmax_scale, softcap, window, alibi_slopes
+
+    def pieces(self, rank: int, src: int, world: int, length: int, causal: bool):
+        return _pieces(rank, src, world, length // 2, causal, self.window)
+
+    def fwd(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, shift: int = 0):
+        wl, wr = self.window or (-1, -1)
+        out, lse, _ = torch.ops.cuflash.fwd(q, k, v, self.alibi, 0.0, self.scale, causal, wl, wr, self.softcap, False,
+                                            shift)  # fmt: skip
         return out, lse
 
-    def bwd(self, dout, q, k, v, out, lse, causal: bool):
+    def bwd(self, dout, q, k, v, out, lse, causal: bool, shift: int = 0):
         empty = torch.zeros(2, dtype=torch.int64, device=q.device)
-        return torch.ops.cuflash.bwd(dout, q, k, v, out, lse, None, empty, 0.0, self.scale, causal, -1, -1,
-                                     self.softcap, False)  # fmt: skip
+        wl, wr = self.window or (-1, -1)
+        return torch.ops.cuflash.bwd(dout, q, k, v, out, lse, self.alibi, empty, 0.0, self.scale, causal, wl, wr,
+                                     self.softcap, False, shift)  # fmt: skip
 
 
 def _forward_steps(q: Tensor, kv_of_step: Callable[[int], tuple[Tensor, Tensor]], rank: int, world: int, causal: bool,
@@ -134,20 +170,27 @@ def _forward_steps(q: Tensor, kv_of_step: Callable[[int], tuple[Tensor, Tensor]]
     out = lse = None
     for i in range(world):
         k, v = kv_of_step(i)
-        qp, kp, c = _step_plan(rank, (rank - i) % world, causal)
-        o_b, l_b = args.fwd(_part(q, qp), _part(k, kp), _part(v, kp), c)
-        out, lse = _merge_into(out, lse, qp, o_b, l_b)
+        for qp, kp, c, shift in args.pieces(rank, (rank - i) % world, world, q.shape[1], causal):
+            o_b, l_b = args.fwd(_part(q, qp), _part(k, kp), _part(v, kp), c, shift)
+            if out is None and qp != "all":  # (a window's first call may cover half of the queries)
+                b, s, h, d = q.shape
+                out = torch.zeros(b, s, h, v.shape[-1], dtype=_acc_dtype(q.dtype), device=q.device)
+                lse = torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device)
+            out, lse = _merge_into(out, lse, qp, o_b, l_b)
     return out, lse
 
 
-def _backward_step(dout, q, k, v, out, lse, rank: int, src: int, causal: bool, args: _Args):
-    """((qp, dq_part), (kp, dk_part, dv_part)) of rank's queries against src's slice: the gradients of the
-    query part and key part the step covers (add them into views: _part(dq, qp).add_(dq_part))."""
-    qp, kp, c = _step_plan(rank, src, causal)
-    sl = lambda x: _part(x, qp)  # noqa: E731
-    dq_p, dk_p, dv_p = args.bwd(sl(dout), sl(q), _part(k, kp), _part(v, kp), sl(out),
-                                _part(lse, qp, dim=2).contiguous(), c)  # fmt: skip
-    return (qp, dq_p), (kp, dk_p, dv_p)
+def _backward_step(dout, q, k, v, out, lse, rank: int, src: int, world: int, causal: bool, args: _Args):
+    """[((qp, dq_part), (kp, dk_part, dv_part)), ...] of rank's queries against src's slice, one per
+    call of the step: the gradients of the query part and key part it covers (add them into views:
+    _part(dq, qp).add_(dq_part))."""
+    grads = []
+    for qp, kp, c, shift in args.pieces(rank, src, world, q.shape[1], causal):
+        sl = lambda x: _part(x, qp)  # noqa: E731,B023
+        dq_p, dk_p, dv_p = args.bwd(sl(dout), sl(q), _part(k, kp), _part(v, kp), sl(out),
+                                    _part(lse, qp, dim=2).contiguous(), c, shift)  # fmt: skip
+        grads.append(((qp, dq_p), (kp, dk_p, dv_p)))
+    return grads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,15 +273,16 @@ class _RingAttention(torch.autograd.Function):
         for i in range(ring.world):
             if i + 1 < ring.world:
                 kv_pending = ring.start(held)
-            (qp, dq_p), (kp, dk_p, dv_p) = _backward_step(dout, q, held[0], held[1], out, lse, ring.rank,
-                                                          (ring.rank - i) % ring.world, causal, args)  # fmt: skip
-            _part(dq, qp).add_(dq_p)
+            grads = _backward_step(dout, q, held[0], held[1], out, lse, ring.rank, (ring.rank - i) % ring.world,
+                                   ring.world, causal, args)  # fmt: skip
             if i == 0:
                 dk, dv = torch.zeros_like(held[0], dtype=acc), torch.zeros_like(held[1], dtype=acc)
             else:
                 dk, dv = ring.finish(dkv_pending)  # the received sums: ours to add into
-            _part(dk, kp).add_(dk_p)
-            _part(dv, kp).add_(dv_p)
+            for (qp, dq_p), (kp, dk_p, dv_p) in grads:
+                _part(dq, qp).add_(dq_p)
+                _part(dk, kp).add_(dk_p)
+                _part(dv, kp).add_(dv_p)
             if ring.world > 1:
                 dkv_pending = ring.start([dk, dv], tag=1)
             if i + 1 < ring.world:
@@ -248,36 +292,47 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def _check(q, k, v, window_size, alibi_slopes, dropout_p):
-    if window_size != (-1, -1) or alibi_slopes is not None:
-        raise NotImplementedError("ring_attention: the sliding window and ALiBi depend on absolute positions, which "
-                                  "cuflash's kernels see only within one call; run them without a ring")  # fmt: skip
+def _check(q, k, v, causal, window_size, alibi_slopes, dropout_p) -> Optional[tuple[int, int]]:
+    """Check one rank's slices and the variants; the window as the steps take it (None: positions
+    do not matter)."""
     if dropout_p:
         raise NotImplementedError("ring_attention: no dropout across a ring")
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q (b, s, h, d) and k, v (b, s_kv, h_kv, d) slices expected, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair of ints (left, right), -1 meaning unbounded; got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size values must be >= -1 (-1: unbounded), got {window_size!r}")
+    positional = (left, right) != (-1, -1) or alibi_slopes is not None
+    what = "causal ring attention" if causal else "ring attention with a window or ALiBi" if positional else None
+    if what and q.shape[1] % 2:
+        raise ValueError(f"{what} takes zigzag_shard slices, of even length; got {q.shape[1]}")
+    if what and q.shape[1] != k.shape[1]:
+        raise ValueError(f"{what}: q and k slices must have the same length (zigzag_shard of one sequence)")
+    return (left, right) if positional else None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = False,
                    softmax_scale: Optional[float] = None, softcap: float = 0.0, window_size=(-1, -1),
-                   alibi_slopes=None, dropout_p: float = 0.0) -> Tensor:  # fmt: skip
+                   alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:  # fmt: skip
     """Attention of this rank's query slice against the whole sequence, whose K/V slices are spread over
     ``group`` (torch.distributed, NCCL on GPUs; default the world). q: (batch, seqlen_local, nheads,
     headdim); k, v: (batch, seqlen_local, nheads_kv, headdim), this rank's slices; with causal, the
-    slices of ``zigzag_shard`` (every rank the same length, even). Every rank's slices must have the
-    same shapes (the receive buffers are shaped like the local slice: pad the sequence to a multiple of
-    the world size, or of twice it with causal). Returns this rank's output slice; differentiable (the
-    backward runs the ring again, and every rank of the group must run it). window_size, alibi_slopes and dropout_p exist
-    to say clearly that they are not supported here."""
-    _check(q, k, v, tuple(window_size), alibi_slopes, dropout_p)
+    slices of ``zigzag_shard`` (every rank the same length, even), and so with a window or ALiBi,
+    causal or not (their positions are zigzag_shard's). Every rank's slices must have the same shapes
+    (the receive buffers are shaped like the local slice: pad the sequence to a multiple of the world
+    size, or of twice it with causal, a window or ALiBi). window_size (left, right) and alibi_slopes
+    ((nheads,) or (batch, nheads) float32 on q's device): flash-attn's, over the whole sequence's
+    positions. Returns this rank's output slice; differentiable (the backward runs the ring again,
+    and every rank of the group must run it). dropout_p exists to say clearly that it is not
+    supported here."""
+    window = _check(q, k, v, causal, window_size, alibi_slopes, dropout_p)
     ring = _Ring(group)
-    if causal and q.shape[1] % 2:
-        raise ValueError(f"causal ring attention takes zigzag slices of even length, got {q.shape[1]}")
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError("causal ring attention: q and k slices must have the same length (zigzag_shard of one sequence)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, ring, causal, _Args(scale, softcap))
+    return _RingAttention.apply(q, k, v, ring, causal, _Args(scale, softcap, window, alibi_slopes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,22 +365,24 @@ class _Simulated(torch.autograd.Function):
         for r in range(w):
             for i in range(w):
                 src = (r - i) % w
-                (qp, dq), (kp, dk, dv) = _backward_step(douts[r].contiguous(), qs[r], ks[src], vs[src], outs[r],
-                                                        lses[r], r, src, causal, args)  # fmt: skip
-                _part(dqs[r], qp).add_(dq)
-                _part(dks[src], kp).add_(dk)
-                _part(dvs[src], kp).add_(dv)
+                for (qp, dq), (kp, dk, dv) in _backward_step(douts[r].contiguous(), qs[r], ks[src], vs[src], outs[r],
+                                                             lses[r], r, src, w, causal, args):  # fmt: skip
+                    _part(dqs[r], qp).add_(dq)
+                    _part(dks[src], kp).add_(dk)
+                    _part(dvs[src], kp).add_(dv)
         cast = lambda gs, xs: [g.to(x.dtype) for g, x in zip(gs, xs)]  # noqa: E731
         return (None, None, *cast(dqs, qs), *cast(dks, ks), *cast(dvs, vs))
 
 
 def simulate_ring(qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor], *, causal: bool = False,
-                  softmax_scale: Optional[float] = None, softcap: float = 0.0) -> list[Tensor]:  # fmt: skip
+                  softmax_scale: Optional[float] = None, softcap: float = 0.0, window_size=(-1, -1),
+                  alibi_slopes: Optional[Tensor] = None) -> list[Tensor]:  # fmt: skip
     """ring_attention's schedule and merge for W = len(qs) ranks in one process: every rank's output
-    slice, differentiable. The slices as ring_attention takes them (zigzag_shard with causal)."""
+    slice, differentiable. The slices as ring_attention takes them (zigzag_shard with causal, a
+    window or ALiBi)."""
     if not len(qs) == len(ks) == len(vs) >= 1:
         raise ValueError("one q, k and v slice per simulated rank")
     for q, k, v in zip(qs, ks, vs):
-        _check(q, k, v, (-1, -1), None, 0.0)
+        window = _check(q, k, v, causal, window_size, alibi_slopes, 0.0)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(qs[0].shape[-1])
-    return list(_Simulated.apply(causal, _Args(scale, softcap), *qs, *ks, *vs))
+    return list(_Simulated.apply(causal, _Args(scale, softcap, window, alibi_slopes), *qs, *ks, *vs))
