@@ -74,26 +74,29 @@ def test_the_step_plan_covers_every_causal_pair_once(ring):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("window", [(-1, -1), (0, 0), (3, -1), (-1, 2), (5, 4), (13, 0), (30, 30)])
-def test_the_pieces_cover_every_visible_pair_of_halves_once(ring, causal, window):
-    """With positions (a window or ALiBi), the calls of all ranks and steps together cover each (query
-    half, key half) pair of the zigzag layout that holds a visible score exactly once, with the diagonal
-    shift of the halves' distance, and none that holds none (the reference mask over the whole sequence)."""
+@pytest.mark.parametrize("window", [(-1, -1), (0, 0), (3, -1), (-1, 2), (5, 4), (13, 0), (30, 30), (1, 7)])
+def test_the_pieces_cover_every_visible_score_once_with_its_diagonal(ring, causal, window):
+    """With positions (a window or ALiBi), the calls of all ranks and steps together cover every visible
+    (query, key) pair of the whole sequence exactly once (the reference mask), each call inside one pair
+    of zigzag halves and cut to the rows and keys of its visible scores, with the mask of its diagonal
+    shift equal to the whole's on its block."""
     for world in range(1, 5):
-        half = 3
+        half = 5
         n = 2 * world * half
-        mask = reference.visible_mask(n, n, causal, window_size=window)
-        want = {(a, b_) for a in range(2 * world) for b_ in range(2 * world)
-                if mask[a * half:(a + 1) * half, b_ * half:(b_ + 1) * half].any()}  # fmt: skip
-        seen = []
+        whole = reference.visible_mask(n, n, causal, window_size=window)
+        count = np.zeros((n, n), dtype=int)
+        pos = lambda r, t: r * half + t if t < half else (2 * world - 1 - r) * half + t - half  # noqa: E731
         for r in range(world):
             for src in range(world):
-                chunk = lambda part, x: x if part == "first" else 2 * world - 1 - x  # noqa: E731
-                for qp, kp, c, shift in ring._pieces(r, src, world, half, causal, window):
-                    a, b_ = chunk(qp, r), chunk(kp, src)
-                    assert c == causal and shift == (a - b_) * half
-                    seen.append((a, b_))
-        assert len(seen) == len(set(seen)) and set(seen) == want, (world, window)
+                for (a0, a1), (b0, b1), c, shift in ring._pieces(r, src, world, half, causal, window):
+                    assert c == causal and (a0 < half) == (a1 <= half) and (b0 < half) == (b1 <= half)  # one half each
+                    qa, ka = pos(r, a0), pos(src, b0)
+                    block = whole[qa:qa + a1 - a0, ka:ka + b1 - b0]
+                    assert block.any(axis=1).all() and block.any(axis=0).all(), (world, r, src)  # cut tight
+                    np.testing.assert_array_equal(
+                        reference.visible_mask(a1 - a0, b1 - b0, causal, window_size=window, diag_shift=shift), block)
+                    count[qa:qa + a1 - a0, ka:ka + b1 - b0] += block
+        np.testing.assert_array_equal(count, whole.astype(int), err_msg=f"world {world}")
 
 
 @settings(max_examples=25, deadline=None)

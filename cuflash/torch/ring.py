@@ -83,33 +83,47 @@ def _step_plan(rank: int, src: int, causal: bool) -> tuple[str, str, bool]:
     return "second", "all", False  # only chunk 2W-1-r comes after both of src's chunks
 
 
-def _pair_visible(q0: int, k0: int, n: int, causal: bool, window: tuple[int, int]) -> bool:
-    """Whether any query of positions [q0, q0 + n) sees any key of [k0, k0 + n) (flash-attn's window:
-    key position j is visible to query position i iff i - left <= j <= i + right, -1 unbounded;
-    causal: right = 0)."""
+def _visible_block(q0: int, k0: int, n: int, causal: bool, window: tuple[int, int]):
+    """Rows [i0, i1) and keys [j0, j1) of a pair of n query positions from q0 and n key positions from
+    k0 that hold every visible score (flash-attn's window: key position j is visible to query position i
+    iff i - left <= j <= i + right, -1 unbounded; causal: right = 0), or None when none is visible."""
     left, right = window
     right = 0 if causal else right
-    lo, hi = k0 - q0 - (n - 1), k0 - q0 + (n - 1)  # every key - query distance the pair holds
-    return (right < 0 or lo <= right) and (left < 0 or hi >= -left)
+    big = 4 * n + abs(q0 - k0)  # (wider than any distance in the pair: unbounded)
+    lo, hi = (big if left < 0 else left), (big if right < 0 else right)  # key - query distance in [-lo, hi]
+    i0, i1 = max(0, k0 - q0 - hi), min(n, k0 - q0 + n + lo)
+    j0, j1 = max(0, q0 - k0 - lo), min(n, q0 - k0 + n + hi)
+    return (i0, i1, j0, j1) if i0 < i1 and j0 < j1 else None
 
 
 def _pieces(rank: int, src: int, world: int, half: int, causal: bool, window: Optional[tuple[int, int]]):
     """The kernel calls of rank ``rank``'s queries against the slice of rank ``src``: a list of
-    (query part, key part, causal, diag_shift). window None: positions do not matter (no window, no
-    ALiBi): _step_plan's one call. Else the zigzag halves' absolute positions (chunk r and 2W - 1 - r
-    of ``half`` tokens each): one call per pair of halves that holds a visible score, its diagonal
-    moved by the halves' distance."""
+    (query part, key part, causal, diag_shift), a part "all", "first", "second" or a (start, stop) range
+    of the slice. window None: positions do not matter (no window, no ALiBi): _step_plan's one call.
+    Else the zigzag halves' absolute positions (chunk r and 2W - 1 - r of ``half`` tokens each): per
+    pair of halves, one call on the rows and keys that hold its visible scores (none if it holds
+    none), its diagonal moved to their positions."""
     if window is None:
         qp, kp, c = _step_plan(rank, src, causal)
         return [(qp, kp, c, 0)]
-    starts = lambda r: (("first", r * half), ("second", (2 * world - 1 - r) * half))  # noqa: E731
-    return [(qp, kp, causal, q0 - k0) for qp, q0 in starts(rank) for kp, k0 in starts(src)
-            if _pair_visible(q0, k0, half, causal, window)]  # fmt: skip
+    starts = lambda r: ((0, r * half), (half, (2 * world - 1 - r) * half))  # noqa: E731  (offset in the slice, position)
+    pieces = []
+    for qo, q0 in starts(rank):
+        for ko, k0 in starts(src):
+            block = _visible_block(q0, k0, half, causal, window)
+            if block is not None:
+                i0, i1, j0, j1 = block
+                shift = (q0 + i0) - (k0 + j0) - ((j1 - j0) - (i1 - i0))
+                pieces.append(((qo + i0, qo + i1), (ko + j0, ko + j1), causal, shift))
+    return pieces
 
 
-def _part(x: Tensor, part: str, dim: int = 1) -> Tensor:
+def _part(x: Tensor, part, dim: int = 1) -> Tensor:
+    """The rows of ``part`` along ``dim``: "all", "first" / "second" (halves) or a (start, stop) range."""
     if part == "all":
         return x
+    if not isinstance(part, str):
+        return x.narrow(dim, part[0], part[1] - part[0])
     half = x.shape[dim] // 2
     return x.narrow(dim, 0, half) if part == "first" else x.narrow(dim, half, half)
 
@@ -172,7 +186,7 @@ def _forward_steps(q: Tensor, kv_of_step: Callable[[int], tuple[Tensor, Tensor]]
         k, v = kv_of_step(i)
         for qp, kp, c, shift in args.pieces(rank, (rank - i) % world, world, q.shape[1], causal):
             o_b, l_b = args.fwd(_part(q, qp), _part(k, kp), _part(v, kp), c, shift)
-            if out is None and qp != "all":  # (a window's first call may cover half of the queries)
+            if out is None and qp != "all":  # (a window's first call may cover part of the queries)
                 b, s, h, d = q.shape
                 out = torch.zeros(b, s, h, v.shape[-1], dtype=_acc_dtype(q.dtype), device=q.device)
                 lse = torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device)
