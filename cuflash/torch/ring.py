@@ -23,9 +23,10 @@ from a rank after it, the second half of the rank's queries sees the whole slice
 
 Supported: causal or not, GQA / MQA, softmax_scale, softcap, the sliding window and ALiBi; not dropout
 (a clear error). The window and ALiBi depend on absolute positions: with either, the slices are taken
-to be zigzag_shard's (causal or not), each step runs rank r's query half against the slice's key
-halves as separate calls whose diagonal is moved to the halves' absolute positions (the kernels'
-diag_shift, cuflash.attention), and the pairs a window leaves empty are skipped. ``simulate_ring``
+to be zigzag_shard's (causal or not), each step runs rank r's query halves against the slice's key
+halves as separate calls, each cut to the rows and keys that hold visible scores and with its diagonal
+moved to their absolute positions (the kernels' diag_shift, cuflash.attention); pairs a window leaves
+empty are skipped. ``simulate_ring``
 runs the same schedule in one process over W slices (tests, and a check of the merge on one GPU).
 """
 from __future__ import annotations
