@@ -155,12 +155,14 @@ def _merge_into(out: Optional[Tensor], lse: Optional[Tensor], part: str, out_b: 
 
 
 class _Args:
-    """The per-call arguments of every step: scale, softcap, and the position-dependent variants
-    (window (left, right) and ALiBi slopes; window None when neither is asked for)."""
+    """The per-call arguments of every step: scale, softcap, the position-dependent variants (window
+    (left, right) and ALiBi slopes; window None when neither is asked for) and the backward's
+    deterministic mode."""
 
     def __init__(self, softmax_scale: float, softcap: float, window: Optional[tuple[int, int]] = None,
-                 alibi_slopes: Optional[Tensor] = None):  # fmt: skip
+                 alibi_slopes: Optional[Tensor] = None, deterministic: bool = False):  # fmt: skip
         self.scale, self.softcap, self.window, self.alibi = softmax_scale, softcap, window, alibi_slopes
+        self.deterministic = bool(deterministic)
 
     def pieces(self, rank: int, src: int, world: int, length: int, causal: bool):
         return _pieces(rank, src, world, length // 2, causal, self.window)
@@ -175,7 +177,7 @@ class _Args:
         empty = torch.zeros(2, dtype=torch.int64, device=q.device)
         wl, wr = self.window or (-1, -1)
         return torch.ops.cuflash.bwd(dout, q, k, v, out, lse, self.alibi, empty, 0.0, self.scale, causal, wl, wr,
-                                     self.softcap, False, shift)  # fmt: skip
+                                     self.softcap, self.deterministic, shift)  # fmt: skip
 
 
 def _forward_steps(q: Tensor, kv_of_step: Callable[[int], tuple[Tensor, Tensor]], rank: int, world: int, causal: bool,
@@ -332,7 +334,7 @@ def _check(q, k, v, causal, window_size, alibi_slopes, dropout_p) -> Optional[tu
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = False,
                    softmax_scale: Optional[float] = None, softcap: float = 0.0, window_size=(-1, -1),
-                   alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:  # fmt: skip
+                   alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0, deterministic: bool = False) -> Tensor:  # fmt: skip
     """Attention of this rank's query slice against the whole sequence, whose K/V slices are spread over
     ``group`` (torch.distributed, NCCL on GPUs; default the world). q: (batch, seqlen_local, nheads,
     headdim); k, v: (batch, seqlen_local, nheads_kv, headdim), this rank's slices; with causal, the
@@ -342,12 +344,13 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
     size, or of twice it with causal, a window or ALiBi). window_size (left, right) and alibi_slopes
     ((nheads,) or (batch, nheads) float32 on q's device): flash-attn's, over the whole sequence's
     positions. Returns this rank's output slice; differentiable (the backward runs the ring again,
-    and every rank of the group must run it). dropout_p exists to say clearly that it is not
-    supported here."""
+    and every rank of the group must run it). deterministic: the kernels' deterministic backward (the
+    ring adds its partial gradients in a fixed order, so the gradients are then bitwise reproducible).
+    dropout_p exists to say clearly that it is not supported here."""
     window = _check(q, k, v, causal, window_size, alibi_slopes, dropout_p)
     ring = _Ring(group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, ring, causal, _Args(scale, softcap, window, alibi_slopes))
+    return _RingAttention.apply(q, k, v, ring, causal, _Args(scale, softcap, window, alibi_slopes, deterministic))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +394,7 @@ class _Simulated(torch.autograd.Function):
 
 def simulate_ring(qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor], *, causal: bool = False,
                   softmax_scale: Optional[float] = None, softcap: float = 0.0, window_size=(-1, -1),
-                  alibi_slopes: Optional[Tensor] = None) -> list[Tensor]:  # fmt: skip
+                  alibi_slopes: Optional[Tensor] = None, deterministic: bool = False) -> list[Tensor]:  # fmt: skip
     """ring_attention's schedule and merge for W = len(qs) ranks in one process: every rank's output
     slice, differentiable. The slices as ring_attention takes them (zigzag_shard with causal, a
     window or ALiBi)."""
@@ -400,4 +403,4 @@ def simulate_ring(qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tenso
     for q, k, v in zip(qs, ks, vs):
         window = _check(q, k, v, causal, window_size, alibi_slopes, 0.0)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(qs[0].shape[-1])
-    return list(_Simulated.apply(causal, _Args(scale, softcap, window, alibi_slopes), *qs, *ks, *vs))
+    return list(_Simulated.apply(causal, _Args(scale, softcap, window, alibi_slopes, deterministic), *qs, *ks, *vs))
