@@ -37,7 +37,7 @@ struct ModParams {
     int num_pages;                   //   pages of k, v (indices are clamped into [0, num_pages))
     int page_capacity;               //   keys a sequence can hold: block_table columns x page_size
     int diag_shift;                  // window and ALiBi kernels (forward, backward): d = i + seqlen_k - seqlen_q
-                                     //   + diag_shift (masks.cuh diag_offset; a ring's chunk pairs); else 0
+                                     //   + diag_shift (masks.cuh diag_shift_of; a ring's chunk pairs); else 0
 };
 
 struct FwdParams {

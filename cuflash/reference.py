@@ -302,7 +302,7 @@ def _variants(batch: int, nheads: int, window_size, softcap, alibi_slopes, dropo
 def _scores(q: np.ndarray, k: np.ndarray, scale, mask: np.ndarray, mods: _Mods = _NO_MODS, start: int = 0,
             seqlen_q: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """(S, T): S = scale * q k^T, softcapped (softcap * T, T = tanh(scale q k^T / softcap)) and ALiBi'd
-    (- slope |d - j|, d = i + seqlen_k - seqlen_q for query row i = start + r), with invisible entries
+    (- slope |d - j|, d = i + seqlen_k - seqlen_q + diag_shift for query row i = start + r), with invisible entries
     set to -inf (dtype of q kept); T is None without softcap."""
     S = (q @ k.T) * scale
     T = None

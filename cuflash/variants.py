@@ -54,7 +54,7 @@ class Variants:
                paged: tuple = (0, 0, 0, 0, 0)) -> tuple:  # fmt: skip
         """The ModParams fields (cuflash/params.py MOD_FIELDS order); the cu_seqlens / seqused_k device
         pointers of a varlen call (0 otherwise) and its paged K/V (block_table pointer, its row stride,
-        page_size, num_pages, page_capacity)."""
+        page_size, num_pages, page_capacity); diag_shift last."""
         seed, offset = self.rng_state or (0, 0)
         unit = self.unit_scale(softmax_scale)
         softcap_scale = softmax_scale / self.softcap if self.mods & MOD_SOFTCAP else 0.0
@@ -91,7 +91,8 @@ def resolve(
     else rng_state is required (the backward replays the forward's). diag_shift: moves the diagonal
     (module docstring); it changes nothing in a call without causal, window or ALiBi."""
     if type(window_size) is tuple and window_size == (-1, -1) and alibi_slopes is None and type(softcap) in (int, float) and softcap == 0 \
-            and type(dropout_p) in (int, float) and dropout_p == 0 and (diag_shift == 0 or not causal and type(diag_shift) is int):
+            and type(dropout_p) in (int, float) and dropout_p == 0 and type(diag_shift) is int \
+            and (diag_shift == 0 or not causal and abs(diag_shift) <= _MAX_SHIFT):
         return _PLAIN_CAUSAL if causal else _PLAIN  # every call without variants: nothing to check or build
     shift = _diag_shift(diag_shift)
     left, right = _window(window_size)
@@ -148,7 +149,7 @@ def _window(window_size) -> tuple[int, int]:
     return left, right
 
 
-_MAX_SHIFT = 2**30  # |diag_shift| bound: the kernels' int32 row + diagonal + window sums stay in range
+_MAX_SHIFT = 2**24  # |diag_shift| bound: ALiBi's distances are floats in the kernels (exact integers below 2^24)
 
 
 def _diag_shift(diag_shift) -> int:
@@ -157,7 +158,7 @@ def _diag_shift(diag_shift) -> int:
     except TypeError:
         raise ValueError(f"diag_shift must be an int, got {diag_shift!r}") from None
     if abs(shift) > _MAX_SHIFT:
-        raise ValueError(f"diag_shift must be within +-2**30, got {shift}")
+        raise ValueError(f"diag_shift must be within +-2**24, got {shift}")
     return shift
 
 

@@ -257,10 +257,13 @@ def test_window_resolution_with_a_shifted_diagonal(causal, window, shift, want_m
     assert _resolve(softcap=5.0, diag_shift=shift).diag_shift == 0  # only window and ALiBi kernels read it
 
 
-@pytest.mark.parametrize("bad", ["3", 2.0, 2**31, -(2**30) - 1])
-def test_bad_diag_shift(bad):
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bad", ["3", 2.0, 0.0, 2**24 + 1, -(2**24) - 1, 2**40])
+def test_bad_diag_shift(bad, causal):
+    """Refused whatever else the call asks for (a plain call too), beyond 2^24 as well: ALiBi's distances are
+    floats in the kernels."""
     with pytest.raises(ValueError, match="diag_shift"):
-        _resolve(causal=True, diag_shift=bad)
+        _resolve(causal=causal, diag_shift=bad)
 
 
 def test_softcap_alibi_dropout_resolution_and_record():

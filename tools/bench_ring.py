@@ -176,7 +176,8 @@ def main(argv=None) -> dict:
         sys.exit(f"--world {world}: this machine has {torch.cuda.device_count()} GPUs")
     unit = 2 * world if a.causal or a.window != (-1, -1) else world  # (zigzag: two halves per rank)
     if a.seqlen % unit:
-        sys.exit(f"--seqlen must be a multiple of {unit} (world {world}{', causal' if a.causal else ''})")
+        sys.exit(f"--seqlen must be a multiple of {unit} (world {world}"
+                 f"{', zigzag halves: causal or a window' if unit == 2 * world else ''})")
     import torch.multiprocessing as mp
 
     import cuflash
