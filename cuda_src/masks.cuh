@@ -110,17 +110,21 @@ struct AttnMask : ScoreMods<kMods> {
         : Mods(m), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), shift(diag_shift_of<kMods>(m)) {}
 
     // Causal is aligned bottom-right: query row i sees keys j <= i + seqlen_k - seqlen_q (+ shift); a
-    // window also keys j >= that - window_left (the host folds causal into window_right = 0).
+    // window also keys j >= that - window_left (the host folds causal into window_right = 0). The window's
+    // bounds are the row plus one bracketed sum each: ptxas keeps those two in registers; written as a
+    // chain of the four terms they cost the TMA forward's window kernels 56-116 bytes of spills.
     CUFLASH_DEVICE int last_key_plus_one(int row) const {
         if constexpr (kWindow) {
-            return min(seqlen_k, row + seqlen_k - seqlen_q + shift + this->window_right + 1);
+            return min(seqlen_k, row + (seqlen_k - seqlen_q + shift + this->window_right + 1));
         } else if constexpr (kIsCausal) {
             return min(seqlen_k, row + seqlen_k - seqlen_q + shift + 1);
         } else {
             return seqlen_k;
         }
     }
-    CUFLASH_DEVICE int first_key_of_row(int row) const { return this->first_key(row + seqlen_k - seqlen_q + shift); }
+    CUFLASH_DEVICE int first_key_of_row(int row) const {
+        return kWindow ? max(0, row + (seqlen_k - seqlen_q + shift - this->window_left)) : 0;
+    }
     // The diagonal offset: query row i is aligned to key i + diag().
     CUFLASH_DEVICE int diag() const { return seqlen_k - seqlen_q + shift; }
 

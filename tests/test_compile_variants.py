@@ -188,6 +188,10 @@ def test_decode_variants_compile_within_budget(compiled_decode):
 #: variants at once, 160 registers per consumer thread, since its softmax overlaps P V (sessions 17-18): 208
 #: bytes non-causal, 176 causal, with NVRTC 12.9; dropout alone 136-144.)
 VARIANT_EXTRA_STACK_BYTES = 224
+#: ... except the TMA forward with a window or ALiBi alone (the ring's calls run them; the selection's head dims
+#: 64 and 128), which keeps everything in registers as the plain kernel does: the diagonal shift once made
+#: its window kernels park 56-116 bytes, and the window forward ran 1-3% faster without them (session 26).
+NO_SPILL_VARIANTS = (plan.MOD_WINDOW, plan.MOD_ALIBI)
 
 _SINGLE = (plan.MOD_WINDOW, plan.MOD_SOFTCAP, plan.MOD_ALIBI, plan.MOD_DROPOUT)
 
@@ -244,8 +248,9 @@ def test_variant_kernels_compile_within_budget(compiled_variants):
         plain = DECODE_MAX_STACK_BYTES if s.family == "flash_decode" else _budget(s)
         if not 0 < p["registers"] <= 255:
             problems.append(f"{s.name}: {p['registers']} registers")
-        if p["stack_frame"] > plain + VARIANT_EXTRA_STACK_BYTES:
-            problems.append(f"{s.name}: {p['stack_frame']} bytes of local memory > {plain + VARIANT_EXTRA_STACK_BYTES}")
+        budget = 0 if s.family == "flash_fwd_sm90_ws" and s.mods in NO_SPILL_VARIANTS else plain + VARIANT_EXTRA_STACK_BYTES
+        if p["stack_frame"] > budget:
+            problems.append(f"{s.name}: {p['stack_frame']} bytes of local memory > {budget}")
         notes = {k: v for k, v in p.items() if k.startswith("wgmma_")}
         if notes:
             problems.append(f"{s.name}: ptxas took the asynchrony out of its wgmma: {notes}")
