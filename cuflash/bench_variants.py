@@ -97,7 +97,9 @@ def _flex_peer(torch, variant, causal, window, scale, tq, tk, tv, slopes_t):
 
 
 def run_point(variant: str, op: str, dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, nheads: int, *,
-              window: int = 1024, repeats: int = 20, peers: bool = True) -> Row:  # fmt: skip
+              window: int = 1024, repeats: int = 20, peers: bool = True, tile=None) -> Row:  # fmt: skip
+    """One point of the variant grid; ``tile`` forces the forward's tile (``forward.run``; tools/tune_fwd.py
+    --variant), in the backward too (its forward)."""
     import cupy
 
     from . import backward as bwd_api
@@ -123,7 +125,8 @@ def run_point(variant: str, op: str, dtype: str, head_dim: int, causal: bool, se
     grads = [cupy.empty_like(x) for x in (q, k, v)]
 
     def forward():
-        return fwd_api.run(q, k, v, causal=causal, softmax_scale=scale, return_lse=op != "fwd", out=out, **kw)
+        return fwd_api.run(q, k, v, causal=causal, softmax_scale=scale, return_lse=op != "fwd", out=out, tile=tile,
+                           **kw)  # fmt: skip
 
     if op == "fwd":
         impls = {"cuflash": forward}

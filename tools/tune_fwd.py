@@ -3,14 +3,16 @@ torch's FlashAttention-2, to choose the rows of cuflash/plan/forward.py FWD_TILE
 
     python tools/tune_fwd.py [--hd 64 128 256] [--seqlen 2048 8192] [--dtype bf16] [--sm90 | --ws]
 --sm90 sweeps the Hopper (wgmma) kernel's tiles (FWD_SM90_TILES) instead of the mma.sync kernel's; --ws the
-warp-specialized TMA kernel's tiles and schedules (FWD_SM90_WS_TILES; its ablations).
+warp-specialized TMA kernel's tiles and schedules (FWD_SM90_WS_TILES; its ablations). --variant V (window,
+softcap, alibi, dropout) times the tiles with that variant against its peer (cuflash.bench_variants:
+FlexAttention, or SDPA FlashAttention-2 with the same dropout), beside SDPA FlashAttention-2 without it.
 Prints one line per (head dim, tile, causal, seqlen) and, last, the best tile per head dim.
 """
 import argparse
 import dataclasses
 import statistics
 
-from cuflash import bench
+from cuflash import bench, bench_variants
 from cuflash.plan import Sm90Tile, Sm90WsTile, Tile
 
 T = Tile
@@ -64,6 +66,8 @@ SM90_WS_CANDIDATES[128] += [W(128, 128, 3, pingpong=False, cluster=2)]
 # no wgmma notes: checked with NVRTC, not yet timed)
 SM90_WS_CANDIDATES[128] += [W(192, 80, pingpong=False), W(192, 80, 3, pingpong=False), W(192, 64, 4, pingpong=False),
                             W(192, 80, 3, pingpong=False, cluster=2)]
+# hd64's 192-row tile with 64-key tiles: the variants that spill at 128 keys (dropout, softcap) do not at 64
+SM90_WS_CANDIDATES[64] += [W(192, 64, pingpong=False), W(192, 64, 3, pingpong=False)]
 # Ping-pong again once the softmax really overlaps P V inside a warpgroup (session 17): FlashAttention-3's
 # hd256 tile with it (head dims 64 and 128 have theirs above)
 SM90_WS_CANDIDATES[256] += [W(128, 80)]
@@ -108,26 +112,34 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--sm90", action="store_true", help="sweep the Hopper kernel's tiles")
     ap.add_argument("--ws", action="store_true", help="sweep the warp-specialized Hopper kernel's tiles and schedules")
+    ap.add_argument("--variant", choices=bench_variants.VARIANTS,
+                    help="time the tiles with this attention variant, against its peer")
     ap.add_argument("--match", nargs="*", default=[],
                     help="only the candidates whose description contains one of these strings (e.g. persistent=1)")
     a = ap.parse_args()
     candidates = SM90_WS_CANDIDATES if a.ws else SM90_CANDIDATES if a.sm90 else CANDIDATES
+    # the ratios' peer, and a second column: the variant's peer and SDPA FA2 without it, or FA2 and cuDNN
+    peer, second = (bench_variants.peer_of(a.variant), "flash (plain)") if a.variant else ("flash", "cudnn")
     best = {}
     for hd in a.hd:
         scores = {}
         for tile in candidates.get(hd, []):
             if a.match and not any(m in describe(tile) for m in a.match):
                 continue
-            ratios, vs_cudnn = [], []
+            ratios, vs_second = [], []
             if not check_tile(hd, tile, a.dtype):
                 print(f"hd{hd} {describe(tile)}: WRONG RESULTS, skipped", flush=True)
                 continue
-            for causal in (False, True):
+            for causal in (True,) if a.variant == "window" else (False, True):  # (the variant bench's window is causal)
                 for s in a.seqlen:
                     b, h = max(1, 16384 // s), 2048 // hd
                     try:
-                        row = bench.run_point(a.dtype, hd, causal, s, b, h, repeats=a.repeats, peers=True,
-                                              naive_max_gb=0, tile=tile)
+                        if a.variant:
+                            row = bench_variants.run_point(a.variant, "fwd", a.dtype, hd, causal, s, b, h,
+                                                           repeats=a.repeats, tile=tile)  # fmt: skip
+                        else:
+                            row = bench.run_point(a.dtype, hd, causal, s, b, h, repeats=a.repeats, peers=True,
+                                                  naive_max_gb=0, tile=tile)  # fmt: skip
                         bench.release_memory()
                     except Exception as exc:  # e.g. too much shared memory for this tile
                         print(f"hd{hd} {tile} causal={causal} s={s}: FAILED {type(exc).__name__}: {exc}", flush=True)
@@ -136,19 +148,19 @@ def main():
                     if "cuflash" not in t:
                         print(f"hd{hd} {tile} causal={causal} s={s}: cuflash failed: {row.notes}", flush=True)
                         continue
-                    r = t["cuflash"] / t["flash"] if "flash" in t else float("nan")
+                    r = t["cuflash"] / t[peer] if peer in t else float("nan")
                     ratios.append(r)
-                    if "cudnn" in t:
-                        vs_cudnn.append(t["cuflash"] / t["cudnn"])
+                    if second in t:
+                        vs_second.append(t["cuflash"] / t[second])
                     print(f"hd{hd} {describe(tile)} "
-                          f"causal={int(causal)} s={s:5d}: cuflash {t['cuflash']:6.1f}  flash {t.get('flash', 0):6.1f} "
-                          f"cudnn {t.get('cudnn', 0):6.1f}  ratio {r:.3f}", flush=True)
+                          f"causal={int(causal)} s={s:5d}: cuflash {t['cuflash']:6.1f}  {peer} {t.get(peer, 0):6.1f} "
+                          f"{second} {t.get(second, 0):6.1f}  ratio {r:.3f}", flush=True)
             if ratios:
-                scores[tile] = (statistics.median(ratios), statistics.median(vs_cudnn) if vs_cudnn else float("nan"))
+                scores[tile] = (statistics.median(ratios), statistics.median(vs_second) if vs_second else float("nan"))
         if scores:
             best[hd] = max(scores, key=lambda t: scores[t][0])
             for tile, (sc, sd) in sorted(scores.items(), key=lambda kv: -kv[1][0]):
-                print(f"  hd{hd} median ratio vs flash {sc:.3f} vs cudnn {sd:.3f}  {describe(tile)}")
+                print(f"  hd{hd} median ratio vs {peer} {sc:.3f} vs {second} {sd:.3f}  {describe(tile)}")
     print("BEST:", {hd: tuple(t.__dict__.values()) for hd, t in best.items()})
 
 
