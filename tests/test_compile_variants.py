@@ -184,9 +184,9 @@ def test_decode_variants_compile_within_budget(compiled_decode):
 
 #: Local memory allowed in a variant kernel (the plain variant's budget plus this): the variants add
 #: per-element work (tanh, the ALiBi distance, Philox) to kernels that already run at the 255-register
-#: ceiling, so a few more values are parked. (The most: the TMA forward's 192-row hd64 tile with all four
-#: variants at once, 160 registers per consumer thread, since its softmax overlaps P V (sessions 17-18): 208
-#: bytes non-causal, 176 causal, with NVRTC 12.9; dropout alone 136-144.)
+#: ceiling, so a few more values are parked. (The TMA forward's 192-row hd64 tile, 160 registers per
+#: consumer thread, parks 56-72 bytes with window, softcap and ALiBi at once (NVRTC 12.9); with dropout,
+#: which parked 128-144 there, the planner takes a 128-row tile: plan.FWD_SM90_WS_DROPOUT_TILES.)
 VARIANT_EXTRA_STACK_BYTES = 224
 #: ... except the TMA forward with a window or ALiBi alone (the ring's calls run them; the selection's head dims
 #: 64 and 128), which keeps everything in registers as the plain kernel does: the diagonal shift once made
@@ -217,10 +217,10 @@ def _variant_selection():
         if arch == "sm_90a":  # head dim 256's 80-key TMA tile, which dropout (in ALL_MODS) never runs on
             no_dropout = plan.ALL_MODS & ~plan.MOD_DROPOUT
             specs += [plan.fwd_sm90_ws_spec(256, "bf16", True, mods=m) for m in (no_dropout, no_dropout | plan.MOD_VARLEN)]
-            # head dim 64's 192-row TMA tile, the one that parks the most: each variant alone, and all of them
-            # non-causal (its most: 208 bytes)
+            # head dim 64's 192-row TMA tile, the one that parks the most: each variant alone (dropout: on its
+            # own tile), all of them non-causal, and all but dropout non-causal on the 192 rows (its most: 72 bytes)
             specs += [plan.fwd_sm90_ws_spec(64, "bf16", True, mods=m) for m in _SINGLE]
-            specs.append(plan.fwd_sm90_ws_spec(64, "bf16", False, mods=plan.ALL_MODS))
+            specs += [plan.fwd_sm90_ws_spec(64, "bf16", False, mods=m) for m in (plan.ALL_MODS, no_dropout)]
         for hd, mods in [(128, plan.MOD_VARLEN), (128, plan.MOD_VARLEN | plan.ALL_MODS)]:
             specs += plan.all_fwd_specs(arch, head_dims=(hd,), dtypes=("bf16",), causals=(True,), aligned=(True,),
                                         mods=(mods,))  # fmt: skip

@@ -766,6 +766,38 @@ def test_short_keys_take_the_short_key_tma_forward():
         assert plan.fit_key_tile(short, paged=True, mods=plan.MOD_DROPOUT) == short
 
 
+def test_dropout_takes_its_own_tile_beyond_the_short_keys():
+    """Head dim 64's 192-row tile spills with dropout's keep bits: with dropout the planner takes
+    FWD_SM90_WS_DROPOUT_TILES beyond the short keys (plain and packed batches, with other variants too),
+    the short-key tile up to them, and precompile builds it in place of the default's dropout variant."""
+    W = plan.Sm90WsTile
+    assert plan.FWD_SM90_WS_DROPOUT_TILES == {64: W(128, 128, pingpong=False)}
+    kw = dict(batch=2, seqlen_q=3000, nheads=4, nheads_kv=4, dtype="bf16", aligned=True, arch="sm_90a", sm_count=132)
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            long, short = 20000, plan.SHORT_KEYS[d][causal]
+            for mods in (plan.MOD_DROPOUT, plan.MOD_DROPOUT | plan.MOD_WINDOW | plan.MOD_SOFTCAP):
+                want = plan.fit_key_tile(plan.FWD_SM90_WS_DROPOUT_TILES.get(d, plan.FWD_SM90_WS_TILES[d]), mods=mods)
+                assert plan.ws_default_tile(d, mods) == plan.FWD_SM90_WS_DROPOUT_TILES.get(d, plan.FWD_SM90_WS_TILES[d])
+                assert plan.ws_default_tile(d, mods & ~plan.MOD_DROPOUT) == plan.FWD_SM90_WS_TILES[d]
+                got = plan.plan_forward(seqlen_k=long, causal=causal, head_dim=d, mods=mods, **kw).spec
+                assert got.tile == want and got.mods == mods, (d, causal, mods)
+                assert plan.plan_forward(seqlen_k=short, causal=causal, head_dim=d, mods=mods, **kw).spec.tile == \
+                    plan.FWD_SM90_WS_SHORT_TILES[d]
+                assert plan.plan_forward(seqlen_k=long, causal=causal, head_dim=d, mods=mods & ~plan.MOD_DROPOUT,
+                                         **kw).spec.tile == plan.FWD_SM90_WS_TILES[d]  # fmt: skip
+                packed = plan.plan_forward(seqlen_k=long, causal=causal, head_dim=d, mods=mods | plan.MOD_VARLEN,
+                                           max_seqlen_k=long, **kw).spec.tile  # fmt: skip
+                assert packed == dataclasses.replace(want, tma_store=False)
+                assert plan.fwd_sm90_ws_spec(d, "bf16", causal, mods=mods).tile == want
+    specs = plan.all_fwd_specs("sm_90a", head_dims=(64,), dtypes=("bf16",), causals=(True,), aligned=(True,),
+                               mods=(0, plan.MOD_DROPOUT))  # fmt: skip
+    ws = {(s.tile, s.mods) for s in specs if s.family == "flash_fwd_sm90_ws"}
+    assert ws == {(plan.FWD_SM90_WS_TILES[64], 0), (plan.FWD_SM90_WS_SHORT_TILES[64], 0),
+                  (plan.FWD_SM90_WS_DROPOUT_TILES[64], plan.MOD_DROPOUT),
+                  (plan.FWD_SM90_WS_SHORT_TILES[64], plan.MOD_DROPOUT)}  # fmt: skip
+
+
 @pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224])
 def test_buckets_without_hopper_tile_use_mma_sync(head_dim):
     assert _fwd_plan(head_dim).spec.family == "flash_fwd"
@@ -855,6 +887,8 @@ def test_paged_kv_and_dropout_plan_key_tiles_that_fit():
         for mods, paged in ((plan.MOD_VARLEN, True), (plan.MOD_VARLEN | plan.MOD_DROPOUT, False), (plan.MOD_DROPOUT, False)):
             free = plan.plan_forward(head_dim=d, mods=mods & ~plan.MOD_DROPOUT, **kw).spec.tile
             got = plan.plan_forward(head_dim=d, mods=mods, paged=paged, **kw).spec.tile
+            if free == plan.FWD_SM90_WS_TILES[d]:  # (3000 keys, not packed: the default, dropout's own where it has one)
+                free = plan.ws_default_tile(d, mods)
             assert got == fit(free, paged=paged, mods=mods) and (got != free) == (d == 256), (d, mods, paged)
             assert plan.PAGE_KEYS % got.block_n == 0 and got.block_n % plan.DROPOUT_KEYS == 0
     specs = plan.all_fwd_specs("sm_90a", head_dims=(256,), dtypes=("bf16",), causals=(True,), aligned=(True,),

@@ -102,7 +102,8 @@ def test_backward_variants_property(case):
 def _kernels(head_dim, op, dropout=False):
     """The tiles to force for op "fwd" or "bwd": the mma.sync kernel's, and on Hopper the wgmma ones'
     where they exist (the cp.async and the warp-specialized TMA kernels; with ``dropout`` the forward's
-    as the planner fits it: key tiles of a multiple of 32, plan.fit_key_tile)."""
+    as the planner takes it: its own tile at head dim 64, key tiles of a multiple of 32, plan.ws_default_tile
+    and plan.fit_key_tile)."""
     from cuflash import plan
 
     arch = _arch()
@@ -111,7 +112,8 @@ def _kernels(head_dim, op, dropout=False):
     if arch == "sm_90a" and head_dim in hopper:
         tiles.append(hopper[head_dim])
     if arch == "sm_90a" and op == "fwd" and head_dim in plan.FWD_SM90_WS_TILES:  # the warp-specialized one too
-        tiles.append(plan.fit_key_tile(plan.FWD_SM90_WS_TILES[head_dim], mods=plan.MOD_DROPOUT if dropout else 0))
+        mods = plan.MOD_DROPOUT if dropout else 0
+        tiles.append(plan.fit_key_tile(plan.ws_default_tile(head_dim, mods), mods=mods))
     if arch == "sm_90a" and op == "bwd" and head_dim in plan.BWD_SM90_WS_TILES:
         tiles.append(plan.BWD_SM90_WS_TILES[head_dim])
     return tiles

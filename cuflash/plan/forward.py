@@ -144,6 +144,24 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
     256: Sm90WsTile(128, 80, pingpong=False),
 }
 
+#: Dropout's tile where its keep bits overflow the default tile's registers: head dim 64's 192 rows (3 consumer
+#: warpgroups at 160 registers a thread) park 128-144 bytes with dropout, 128 x 128 (2 at 240) none. tools/
+#: tune_fwd.py --ws --hd 64 --variant dropout (session 26, bf16, 1k/4k/16k tokens x causal, against SDPA
+#: FlashAttention-2 with the same dropout, one run): 192 x 128 median 0.976 (0.71-1.10), 128 x 128 1.110
+#: (0.95-1.18; +10-17% at 4k-16k keys), 192 x 64 1.089 (3 stages 1.096), the persistent 128 x 128 1.080; up to
+#: SHORT_KEYS the short-key tile runs as without dropout. (Softcap parks 44-56 bytes there but measured best
+#: on the default: 2.03 against 1.96-2.02 vs FlexAttention.)
+FWD_SM90_WS_DROPOUT_TILES: dict[int, Sm90WsTile] = {64: Sm90WsTile(128, 128, pingpong=False)}
+
+
+def ws_default_tile(bucket: int, mods: int = 0) -> Sm90WsTile:
+    """The warp-specialized forward's default tile for ``bucket`` (beyond the short keys): FWD_SM90_WS_TILES,
+    with dropout in ``mods`` its FWD_SM90_WS_DROPOUT_TILES row where it has one (fit_key_tile still applies)."""
+    if mods & MOD_DROPOUT and bucket in FWD_SM90_WS_DROPOUT_TILES:
+        return FWD_SM90_WS_DROPOUT_TILES[bucket]
+    return FWD_SM90_WS_TILES[bucket]
+
+
 #: Paged K/V (a packed batch with a block_table): a key tile must not straddle two pages, and page sizes
 #: are multiples of PAGE_KEYS (cuflash/varlen.py checks it). Dropout draws its random bits in blocks
 #: of 16 rows x DROPOUT_KEYS keys (masks.cuh), so its key tiles are multiples of DROPOUT_KEYS.
@@ -244,18 +262,18 @@ def short_keys_hint(seqlen_k: int) -> int:
     return min(int(seqlen_k), max(max(v) for v in SHORT_KEYS.values()) + 1)
 
 
-def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = False) -> Sm90WsTile:
+def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = False, mods: int = 0) -> Sm90WsTile:
     """The warp-specialized forward's tile for a call: FWD_SM90_WS_SHORT_TILES where the keys are
     short (at most SHORT_KEYS[bucket][causal]; packed batches: the longest sequence's), else
-    FWD_SM90_WS_TILES, in clusters of 2 from CLUSTER_KEYS[bucket] keys (plan_forward drops them for few
+    ws_default_tile (FWD_SM90_WS_TILES; dropout's own where ``mods`` has it), in clusters of 2 from CLUSTER_KEYS[bucket] keys (plan_forward drops them for few
     query tiles: cluster_pays; packed batches never take them: fwd_sm90_ws_spec). ``default_only``:
     always the default (packed batches whose longest sequence is not known; plans without the GPU's
     SM count)."""
     if not default_only and bucket in FWD_SM90_WS_SHORT_TILES and seqlen_k <= SHORT_KEYS[bucket][bool(causal)]:
         return FWD_SM90_WS_SHORT_TILES[bucket]
     if not default_only and seqlen_k >= CLUSTER_KEYS.get(bucket, 1 << 62):
-        return dataclasses.replace(FWD_SM90_WS_TILES[bucket], cluster=2)
-    return FWD_SM90_WS_TILES[bucket]
+        return dataclasses.replace(ws_default_tile(bucket, mods), cluster=2)
+    return ws_default_tile(bucket, mods)
 
 
 def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile) -> int:
@@ -376,7 +394,7 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
     if tile is None:
         if bucket not in FWD_SM90_WS_TILES:
             raise ValueError(f"no warp-specialized forward tile for head-dim bucket {bucket} (have {sorted(FWD_SM90_WS_TILES)})")
-        tile = fit_key_tile(FWD_SM90_WS_TILES[bucket], mods=mods)
+        tile = fit_key_tile(ws_default_tile(bucket, mods), mods=mods)
     if bucket % 64 or tile.block_m not in (128, 192) or tile.block_n not in WS_KEY_TILES or not 2 <= tile.stages <= 4:
         raise ValueError(f"warp-specialized tile {tile} for bucket {bucket}: needs block_m 128 or 192, block_n one "
                          f"of {WS_KEY_TILES} and 2 to 4 stages")  # fmt: skip
@@ -490,7 +508,8 @@ def plan_forward(
         if tile is None:  # (the short-key tiles need sm_count: without it, the default tile)
             varlen = bool(mods & MOD_VARLEN)
             keys = (max_seqlen_k or 0) if varlen else seqlen_k
-            tile = sm90_ws_tile(head_dim_bucket(head_dim), keys, causal, (varlen and max_seqlen_k is None) or not sm_count)
+            tile = sm90_ws_tile(head_dim_bucket(head_dim), keys, causal, (varlen and max_seqlen_k is None) or not sm_count,
+                                mods)  # fmt: skip
             tile = fit_key_tile(tile, paged=paged, mods=mods)
             if tile.cluster > 1 and not cluster_pays(-(-seqlen_q // tile.block_m), tile.cluster):
                 tile = dataclasses.replace(tile, cluster=1)
@@ -547,14 +566,14 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                         if al and uses_sm90_forward(bucket, True, arch):
                             specs.append(fwd_sm90_spec(bucket, dt, c, mods=m))
                         if al and uses_sm90_ws_forward(bucket, True, arch):
-                            default = fit_key_tile(FWD_SM90_WS_TILES[bucket], mods=m)
+                            default = fit_key_tile(ws_default_tile(bucket, m), mods=m)
                             specs.append(fwd_sm90_ws_spec(bucket, dt, c, default, m))
                             if bucket in FWD_SM90_WS_SHORT_TILES:
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, FWD_SM90_WS_SHORT_TILES[bucket], m))
                             if bucket in CLUSTER_KEYS:  # (packed batches: the same spec, without clusters)
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, dataclasses.replace(default, cluster=2), m))
                             if m & MOD_VARLEN:  # (packed batches may be paged)
-                                paged = fit_key_tile(FWD_SM90_WS_TILES[bucket], paged=True, mods=m)
+                                paged = fit_key_tile(ws_default_tile(bucket, m), paged=True, mods=m)
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, paged, m))
     return list(dict.fromkeys(specs))  # unique, order kept
 
