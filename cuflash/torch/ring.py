@@ -174,9 +174,9 @@ class _Args:
         return out, lse
 
     def bwd(self, dout, q, k, v, out, lse, causal: bool, shift: int = 0):
-        empty = torch.zeros(2, dtype=torch.int64, device=q.device)
+        no_rng = torch.empty(0, dtype=torch.int64, device=q.device)  # (read only with dropout; no kernel to fill it)
         wl, wr = self.window or (-1, -1)
-        return torch.ops.cuflash.bwd(dout, q, k, v, out, lse, self.alibi, empty, 0.0, self.scale, causal, wl, wr,
+        return torch.ops.cuflash.bwd(dout, q, k, v, out, lse, self.alibi, no_rng, 0.0, self.scale, causal, wl, wr,
                                      self.softcap, self.deterministic, shift)  # fmt: skip
 
 
