@@ -265,8 +265,9 @@ def short_keys_hint(seqlen_k: int) -> int:
 def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = False, mods: int = 0) -> Sm90WsTile:
     """The warp-specialized forward's tile for a call: FWD_SM90_WS_SHORT_TILES where the keys are
     short (at most SHORT_KEYS[bucket][causal]; packed batches: the longest sequence's), else
-    ws_default_tile (FWD_SM90_WS_TILES; dropout's own where ``mods`` has it), in clusters of 2 from CLUSTER_KEYS[bucket] keys (plan_forward drops them for few
-    query tiles: cluster_pays; packed batches never take them: fwd_sm90_ws_spec). ``default_only``:
+    ws_default_tile (FWD_SM90_WS_TILES; dropout's own where ``mods`` has it), in clusters of 2 from
+    CLUSTER_KEYS[bucket] keys (plan_forward drops them for few query tiles: cluster_pays; packed
+    batches never take them: fwd_sm90_ws_spec). ``default_only``:
     always the default (packed batches whose longest sequence is not known; plans without the GPU's
     SM count)."""
     if not default_only and bucket in FWD_SM90_WS_SHORT_TILES and seqlen_k <= SHORT_KEYS[bucket][bool(causal)]:
