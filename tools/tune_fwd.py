@@ -66,8 +66,10 @@ SM90_WS_CANDIDATES[128] += [W(128, 128, 3, pingpong=False, cluster=2)]
 # no wgmma notes: checked with NVRTC, not yet timed)
 SM90_WS_CANDIDATES[128] += [W(192, 80, pingpong=False), W(192, 80, 3, pingpong=False), W(192, 64, 4, pingpong=False),
                             W(192, 80, 3, pingpong=False, cluster=2)]
-# hd64's 192-row tile with 64-key tiles: the variants that spill at 128 keys (dropout, softcap) do not at 64
+# hd64's 192-row tile with 64-key tiles: the variants that spill at 128 keys (dropout, softcap) do not at 64;
+# hd128's 192 x 64 is its default with dropout (whose key tiles are multiples of 32: plan.fit_key_tile)
 SM90_WS_CANDIDATES[64] += [W(192, 64, pingpong=False), W(192, 64, 3, pingpong=False)]
+SM90_WS_CANDIDATES[128] += [W(192, 64, pingpong=False)]
 # Ping-pong again once the softmax really overlaps P V inside a warpgroup (session 17): FlashAttention-3's
 # hd256 tile with it (head dims 64 and 128 have theirs above)
 SM90_WS_CANDIDATES[256] += [W(128, 80)]

@@ -144,14 +144,19 @@ FWD_SM90_WS_TILES: dict[int, Sm90WsTile] = {
     256: Sm90WsTile(128, 80, pingpong=False),
 }
 
-#: Dropout's tile where its keep bits overflow the default tile's registers: head dim 64's 192 rows (3 consumer
-#: warpgroups at 160 registers a thread) park 128-144 bytes with dropout, 128 x 128 (2 at 240) none. tools/
-#: tune_fwd.py --ws --hd 64 --variant dropout (session 26, bf16, 1k/4k/16k tokens x causal, against SDPA
-#: FlashAttention-2 with the same dropout, one run): 192 x 128 median 0.976 (0.71-1.10), 128 x 128 1.110
-#: (0.95-1.18; +10-17% at 4k-16k keys), 192 x 64 1.089 (3 stages 1.096), the persistent 128 x 128 1.080; up to
-#: SHORT_KEYS the short-key tile runs as without dropout. (Softcap parks 44-56 bytes there but measured best
-#: on the default: 2.03 against 1.96-2.02 vs FlexAttention.)
-FWD_SM90_WS_DROPOUT_TILES: dict[int, Sm90WsTile] = {64: Sm90WsTile(128, 128, pingpong=False)}
+#: Dropout's own tile beyond the short keys, per head-dim bucket. Head dim 64: the 192-row default (3 consumer
+#: warpgroups at 160 registers a thread) parks 128-144 bytes with dropout's keep bits, 128 x 128 (2 at 240)
+#: none. tools/tune_fwd.py --ws --variant dropout (session 26, bf16, vs SDPA FlashAttention-2 with the same
+#: dropout, each head dim in one run): hd64 over 1k/4k/16k x causal: 192 x 128 median 0.976 (0.71-1.10),
+#: 128 x 128 1.110 (0.95-1.18; +10-17% at 4k-16k keys), 192 x 64 1.089 (3 stages 1.096), the persistent
+#: 128 x 128 1.080. hd128 (whose default becomes 192 x 64 with dropout: fit_key_tile; no spills), 8k/16k keys:
+#: 128 x 128 against 192 x 64 1.05 / 1.06 causal, 0.99 / 1.00 not. Up to SHORT_KEYS the short-key tile runs
+#: as without dropout. (Softcap parks 44-56 bytes on hd64's default but measured best there: 2.03 against
+#: 1.90-2.02 vs FlexAttention.)
+FWD_SM90_WS_DROPOUT_TILES: dict[int, Sm90WsTile] = {
+    64: Sm90WsTile(128, 128, pingpong=False),
+    128: Sm90WsTile(128, 128, pingpong=False),
+}
 
 
 def ws_default_tile(bucket: int, mods: int = 0) -> Sm90WsTile:
