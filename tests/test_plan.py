@@ -791,12 +791,29 @@ def test_dropout_takes_its_own_tile_beyond_the_short_keys():
                                            max_seqlen_k=long, **kw).spec.tile  # fmt: skip
                 assert packed == dataclasses.replace(want, tma_store=False)
                 assert plan.fwd_sm90_ws_spec(d, "bf16", causal, mods=mods).tile == want
+            # paged K/V (packed batches) with dropout: its own tile, fitted (128 keys divide a page)
+            paged = plan.plan_forward(seqlen_k=long, causal=causal, head_dim=d, mods=plan.MOD_DROPOUT | plan.MOD_VARLEN,
+                                      max_seqlen_k=long, paged=True, **kw).spec.tile  # fmt: skip
+            assert paged == dataclasses.replace(plan.fit_key_tile(plan.ws_default_tile(d, plan.MOD_DROPOUT), paged=True,
+                                                                  mods=plan.MOD_DROPOUT), tma_store=False)  # fmt: skip
+    # what precompile builds holds what the planner launches: plain and packed, with and without dropout
+    varlen_dropout = plan.MOD_VARLEN | plan.MOD_DROPOUT
     specs = plan.all_fwd_specs("sm_90a", head_dims=(64,), dtypes=("bf16",), causals=(True,), aligned=(True,),
-                               mods=(0, plan.MOD_DROPOUT))  # fmt: skip
+                               mods=(0, plan.MOD_DROPOUT, varlen_dropout))  # fmt: skip
     ws = {(s.tile, s.mods) for s in specs if s.family == "flash_fwd_sm90_ws"}
+    unboxed = lambda t: dataclasses.replace(t, tma_store=False)  # (packed batches: 16-byte stores)  # noqa: E731
     assert ws == {(plan.FWD_SM90_WS_TILES[64], 0), (plan.FWD_SM90_WS_SHORT_TILES[64], 0),
                   (plan.FWD_SM90_WS_DROPOUT_TILES[64], plan.MOD_DROPOUT),
-                  (plan.FWD_SM90_WS_SHORT_TILES[64], plan.MOD_DROPOUT)}  # fmt: skip
+                  (plan.FWD_SM90_WS_SHORT_TILES[64], plan.MOD_DROPOUT),
+                  (unboxed(plan.FWD_SM90_WS_DROPOUT_TILES[64]), varlen_dropout),
+                  (unboxed(plan.FWD_SM90_WS_SHORT_TILES[64]), varlen_dropout)}  # fmt: skip
+    for d in (64, 128, 256):
+        for mods in (plan.MOD_DROPOUT, varlen_dropout):
+            specs = plan.all_fwd_specs("sm_90a", head_dims=(d,), dtypes=("bf16",), causals=(True,), aligned=(True,),
+                                       mods=(mods,))  # fmt: skip
+            launched = plan.plan_forward(seqlen_k=20000, causal=True, head_dim=d, mods=mods,
+                                         max_seqlen_k=20000 if mods & plan.MOD_VARLEN else None, **kw).spec  # fmt: skip
+            assert launched in specs, (d, mods)
 
 
 @pytest.mark.parametrize("head_dim", [32, 96, 160, 192, 224])

@@ -102,8 +102,8 @@ def test_backward_variants_property(case):
 def _kernels(head_dim, op, dropout=False):
     """The tiles to force for op "fwd" or "bwd": the mma.sync kernel's, and on Hopper the wgmma ones'
     where they exist (the cp.async and the warp-specialized TMA kernels; with ``dropout`` the forward's
-    as the planner takes it: its own tile at head dim 64, key tiles of a multiple of 32, plan.ws_default_tile
-    and plan.fit_key_tile)."""
+    as the planner takes it: its own tile at head dims 64 and 128, key tiles of a multiple of 32,
+    plan.ws_default_tile and plan.fit_key_tile)."""
     from cuflash import plan
 
     arch = _arch()

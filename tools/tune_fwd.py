@@ -5,15 +5,21 @@ torch's FlashAttention-2, to choose the rows of cuflash/plan/forward.py FWD_TILE
 --sm90 sweeps the Hopper (wgmma) kernel's tiles (FWD_SM90_TILES) instead of the mma.sync kernel's; --ws the
 warp-specialized TMA kernel's tiles and schedules (FWD_SM90_WS_TILES; its ablations). --variant V (window,
 softcap, alibi, dropout) times the tiles with that variant against its peer (cuflash.bench_variants:
-FlexAttention, or SDPA FlashAttention-2 with the same dropout), beside SDPA FlashAttention-2 without it.
+FlexAttention, or SDPA FlashAttention-2 with the same dropout), beside SDPA FlashAttention-2 without it;
+a tile the variant cannot run (dropout: key tiles of a multiple of 32) is skipped. Each tile's results are
+checked against the reference without the variant (tests/test_variants_gpu.py checks the variants on the
+planner's tiles); the window is bench_variants' (1024 keys, causal), so at 1024 tokens it is the causal mask.
 Prints one line per (head dim, tile, causal, seqlen) and, last, the best tile per head dim.
 """
 import argparse
 import dataclasses
 import statistics
 
-from cuflash import bench, bench_variants
+from cuflash import bench, bench_variants, plan
 from cuflash.plan import Sm90Tile, Sm90WsTile, Tile
+
+VARIANT_BITS = {"window": plan.MOD_WINDOW, "softcap": plan.MOD_SOFTCAP, "alibi": plan.MOD_ALIBI,
+                "dropout": plan.MOD_DROPOUT}  # fmt: skip
 
 T = Tile
 CANDIDATES = {  # (block_m, block_n, warps, q_in_regs, min_blocks, stages)
@@ -67,7 +73,7 @@ SM90_WS_CANDIDATES[128] += [W(128, 128, 3, pingpong=False, cluster=2)]
 SM90_WS_CANDIDATES[128] += [W(192, 80, pingpong=False), W(192, 80, 3, pingpong=False), W(192, 64, 4, pingpong=False),
                             W(192, 80, 3, pingpong=False, cluster=2)]
 # hd64's 192-row tile with 64-key tiles: the variants that spill at 128 keys (dropout, softcap) do not at 64;
-# hd128's 192 x 64 is its default with dropout (whose key tiles are multiples of 32: plan.fit_key_tile)
+# hd128's 192 x 64: what its default tile is with dropout's key tiles (multiples of 32: plan.fit_key_tile)
 SM90_WS_CANDIDATES[64] += [W(192, 64, pingpong=False), W(192, 64, 3, pingpong=False)]
 SM90_WS_CANDIDATES[128] += [W(192, 64, pingpong=False)]
 # Ping-pong again once the softmax really overlaps P V inside a warpgroup (session 17): FlashAttention-3's
@@ -129,6 +135,12 @@ def main():
             if a.match and not any(m in describe(tile) for m in a.match):
                 continue
             ratios, vs_second = [], []
+            if a.variant and isinstance(tile, Sm90WsTile):
+                try:
+                    plan.fwd_sm90_ws_spec(hd, a.dtype, True, tile, mods=VARIANT_BITS[a.variant])
+                except ValueError as exc:
+                    print(f"hd{hd} {describe(tile)}: skipped, not a {a.variant} tile: {exc}", flush=True)
+                    continue
             if not check_tile(hd, tile, a.dtype):
                 print(f"hd{hd} {describe(tile)}: WRONG RESULTS, skipped", flush=True)
                 continue
