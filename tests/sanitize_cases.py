@@ -174,7 +174,7 @@ def variant_cases(rng, arch):
         bucket = plan.head_dim_bucket(d)
         for kw in variants:
             fwd_tiles = [None, plan.fwd_tile(bucket, arch)] if plan.uses_sm90_forward(d, True, arch) else [None]
-            if plan.uses_sm90_ws_forward(d, True, arch):  # (these short keys plan the short-key tile; the long keys' too)
+            if plan.uses_sm90_ws_forward(d, True, arch):  # (short keys plan the short-key tile: the long keys' too)
                 mods = plan.MOD_DROPOUT if "dropout_p" in kw else 0
                 fwd_tiles.append(plan.fit_key_tile(plan.ws_default_tile(bucket, mods), mods=mods))
             for tile in fwd_tiles:

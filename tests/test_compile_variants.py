@@ -231,8 +231,9 @@ def _variant_selection():
             # the window and ALiBi kernels the library launches: a window always runs a non-causal build
             # (variants.resolve folds causal into the window), ALiBi both
             for hd, mods in [(hd, m) for hd in (64, 128) for m in NO_SPILL_VARIANTS]:
-                specs += [s for s in plan.all_fwd_specs(arch, head_dims=(hd,), dtypes=("bf16",), causals=(False,),
-                                                        aligned=(True,), mods=(mods,)) if s.family == "flash_fwd_sm90_ws"]
+                built = plan.all_fwd_specs(arch, head_dims=(hd,), dtypes=("bf16",), causals=(False,), aligned=(True,),
+                                           mods=(mods,))  # fmt: skip
+                specs += [s for s in built if s.family == "flash_fwd_sm90_ws"]
         for hd, mods in [(128, plan.MOD_VARLEN), (128, plan.MOD_VARLEN | plan.ALL_MODS)]:
             specs += plan.all_fwd_specs(arch, head_dims=(hd,), dtypes=("bf16",), causals=(True,), aligned=(True,),
                                         mods=(mods,))  # fmt: skip

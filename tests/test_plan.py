@@ -905,7 +905,7 @@ def test_paged_kv_and_dropout_plan_key_tiles_that_fit():
         for mods, paged in ((plan.MOD_VARLEN, True), (plan.MOD_VARLEN | plan.MOD_DROPOUT, False), (plan.MOD_DROPOUT, False)):
             free = plan.plan_forward(head_dim=d, mods=mods & ~plan.MOD_DROPOUT, **kw).spec.tile
             got = plan.plan_forward(head_dim=d, mods=mods, paged=paged, **kw).spec.tile
-            if free == plan.FWD_SM90_WS_TILES[d]:  # (3000 keys, not packed: the default, dropout's own where it has one)
+            if free == plan.FWD_SM90_WS_TILES[d]:  # (3000 keys, not packed: the default; dropout's own if it has one)
                 free = plan.ws_default_tile(d, mods)
             assert got == fit(free, paged=paged, mods=mods) and (got != free) == (d == 256), (d, mods, paged)
             assert plan.PAGE_KEYS % got.block_n == 0 and got.block_n % plan.DROPOUT_KEYS == 0

@@ -32,10 +32,12 @@ from .decode_kernels import (
     decode_launch_smem, decode_m_slabs, decode_m_slabs_options, decode_smem_bytes, decode_spec, decode_tile,
 )
 from .forward import (
-    FWD_SM90_TILES, FWD_SM90_WS_DROPOUT_TILES, FWD_SM90_WS_SHORT_TILES, FWD_SM90_WS_TILES, FWD_TILES, KernelSpec, Sm90KernelSpec, Sm90Tile, Sm90WsKernelSpec, Sm90WsTile,
+    FWD_SM90_TILES, FWD_SM90_WS_DROPOUT_TILES, FWD_SM90_WS_SHORT_TILES, FWD_SM90_WS_TILES, FWD_TILES, KernelSpec,
+    Sm90KernelSpec, Sm90Tile, Sm90WsKernelSpec, Sm90WsTile,
     Tile, all_fwd_specs, fwd_sm90_smem_bytes, fwd_sm90_spec, fwd_sm90_ws_smem_bytes, fwd_sm90_ws_spec, fwd_smem_bytes,
     CLUSTER_KEYS, PERSISTENT_L2_SHARE, SHORT_KEYS, fwd_spec, persistent_group, short_keys_hint, fwd_tile, plan_forward,
-    DROPOUT_KEYS, PAGE_KEYS, WS_KEY_TILES, fit_key_tile, sm90_ws_tile, ws_default_tile, uses_sm90_forward, uses_sm90_ws_forward,
+    DROPOUT_KEYS, PAGE_KEYS, WS_KEY_TILES, fit_key_tile, sm90_ws_tile, ws_default_tile, uses_sm90_forward,
+    uses_sm90_ws_forward,
     cluster_pays, varlen_tiles, with_tile,
 )
 

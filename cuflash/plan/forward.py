@@ -514,8 +514,8 @@ def plan_forward(
         if tile is None:  # (the short-key tiles need sm_count: without it, the default tile)
             varlen = bool(mods & MOD_VARLEN)
             keys = (max_seqlen_k or 0) if varlen else seqlen_k
-            tile = sm90_ws_tile(head_dim_bucket(head_dim), keys, causal, (varlen and max_seqlen_k is None) or not sm_count,
-                                mods)  # fmt: skip
+            default_only = (varlen and max_seqlen_k is None) or not sm_count
+            tile = sm90_ws_tile(head_dim_bucket(head_dim), keys, causal, default_only, mods)
             tile = fit_key_tile(tile, paged=paged, mods=mods)
             if tile.cluster > 1 and not cluster_pays(-(-seqlen_q // tile.block_m), tile.cluster):
                 tile = dataclasses.replace(tile, cluster=1)

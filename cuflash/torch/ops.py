@@ -17,8 +17,8 @@ so two identical dropout calls in one compiled graph may still be merged).
 
 rng_state is an int64 CUDA tensor (2,): dropout's Philox (seed, offset), drawn from torch's CUDA
 generator by the forward and replayed by the backward (zeros without dropout; the backward reads it only
-when dropout_p > 0, so any int64 tensor may stand in there, e.g. ring attention's empty one). window_size travels
-as two ints (-1 = unbounded). The user-facing functions with flash-attn's signatures are in
+when dropout_p > 0, so any int64 tensor may stand in there, e.g. ring attention's empty one).
+window_size travels as two ints (-1 = unbounded). The user-facing functions with flash-attn's signatures are in
 cuflash.torch.interface.
 """
 from __future__ import annotations
