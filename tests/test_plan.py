@@ -14,6 +14,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from cuflash import jit, plan
+from nvrtc_util import compile_static_asserts
 
 #: Opt-in dynamic shared memory per block (CUDA programming guide, compute capabilities table).
 MAX_SMEM_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90a": 227 * 1024}
@@ -881,6 +882,32 @@ def test_ws_forward_key_tiles_are_multiples_of_16():
                               (64, 16, "block_n one of"), (64, 224, "block_n one of"), (256, 96, "shared memory")):
         with pytest.raises(ValueError, match=match):
             plan.fwd_sm90_ws_spec(bucket, "bf16", False, W(128, bn, pingpong=False))
+
+
+def test_ws_forward_smem_matches_the_kernel_config():
+    """NVRTC checks, for every warp-specialized forward variant that precompile builds (plain, every variant,
+    packed batches) and for persistent tiles with 2-4 K/V slots, that template_args() lands the tile on
+    Sm90WsFwdConfig and that its kSmemBytes is the plan's fwd_sm90_ws_smem_bytes (the launch's dynamic
+    shared memory; no GPU needed)."""
+    specs = [s for s in plan.all_fwd_specs("sm_90a", dtypes=("bf16",), causals=(True,), aligned=(True,),
+                                           mods=(0, plan.ALL_MODS, plan.MOD_VARLEN))
+             if s.family == "flash_fwd_sm90_ws"]  # fmt: skip
+    W = plan.Sm90WsTile
+    for hd in (64, 128):
+        for stages in (2, 3, 4):
+            t = W(128, 128 if hd == 64 else 64, stages, pingpong=False, persistent=True)
+            if plan.fwd_sm90_ws_smem_bytes(hd, t) <= plan.max_smem_bytes("sm_90a"):
+                specs.append(plan.fwd_sm90_ws_spec(hd, "fp16", False, t))
+    assert any(s.tile.persistent and s.tile.stages == 4 for s in specs) and any(s.tile.block_m == 192 for s in specs)
+    lines = ['#include "flash_fwd_sm90_ws.cuh"']
+    for s in dict.fromkeys(specs):
+        c = f"cuflash::Sm90WsFwdConfig<{s.template_args()}>"
+        persistent = "true" if s.tile.persistent else "false"
+        lines.append(f"static_assert({c}::kHeadDim == {s.head_dim} && {c}::kBlockM == {s.tile.block_m} && "
+                     f"{c}::kBlockN == {s.tile.block_n} && {c}::kStages == {s.tile.stages} && "
+                     f'{c}::kPersistent == {persistent}, "{s.name}: template argument order");')  # fmt: skip
+        lines.append(f'static_assert({c}::kSmemBytes == {s.smem_bytes}, "{s.name}: shared memory");')
+    compile_static_asserts(lines, "fwd_ws_config_check.cu")
 
 
 def test_paged_kv_and_dropout_plan_key_tiles_that_fit():
