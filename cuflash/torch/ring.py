@@ -144,12 +144,17 @@ def _merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     lse.copy_(new)
 
 
-def _merge_into(out: Optional[Tensor], lse: Optional[Tensor], part: str, out_b: Tensor, lse_b: Tensor):
-    """_merge_ of a partial attention of one query part into the running (out, lse) of all queries."""
+def _merge_into(out: Optional[Tensor], lse: Optional[Tensor], part: str, out_b: Tensor, lse_b: Tensor,
+                seqlen: int):  # fmt: skip
+    """_merge_ of a partial attention of one query part into the running (out, lse) of all ``seqlen``
+    queries. The first part starts them: itself when it covers every query, else (a window's first call
+    may cover part of them) zeros with lse -inf, merged with it."""
     if out is None:
-        if part != "all":
-            raise AssertionError("the first step covers every query")
-        return out_b.to(_acc_dtype(out_b.dtype)), lse_b.clone()
+        if part == "all":
+            return out_b.to(_acc_dtype(out_b.dtype)), lse_b.clone()
+        b, _, h, d = out_b.shape
+        out = torch.zeros(b, seqlen, h, d, dtype=_acc_dtype(out_b.dtype), device=out_b.device)
+        lse = torch.full((b, h, seqlen), -math.inf, dtype=torch.float32, device=out_b.device)
     _merge_(_part(out, part), _part(lse, part, dim=2), out_b, lse_b)
     return out, lse
 
@@ -189,11 +194,7 @@ def _forward_steps(q: Tensor, kv_of_step: Callable[[int], tuple[Tensor, Tensor]]
         k, v = kv_of_step(i)
         for qp, kp, c, shift in args.pieces(rank, (rank - i) % world, world, q.shape[1], causal):
             o_b, l_b = args.fwd(_part(q, qp), _part(k, kp), _part(v, kp), c, shift)
-            if out is None and qp != "all":  # (a window's first call may cover part of the queries)
-                b, s, h, d = q.shape
-                out = torch.zeros(b, s, h, v.shape[-1], dtype=_acc_dtype(q.dtype), device=q.device)
-                lse = torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device)
-            out, lse = _merge_into(out, lse, qp, o_b, l_b)
+            out, lse = _merge_into(out, lse, qp, o_b, l_b, q.shape[1])
     return out, lse
 
 
