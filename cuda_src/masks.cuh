@@ -109,26 +109,24 @@ struct AttnMask : ScoreMods<kMods> {
     CUFLASH_DEVICE AttnMask(const ModParams& m, int seqlen_q_, int seqlen_k_)
         : Mods(m), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), shift(diag_shift_of<kMods>(m)) {}
 
-    // The diagonal offset: query row i is aligned to key i + diag().
-    CUFLASH_DEVICE int diag() const { return seqlen_k - seqlen_q + shift; }
-
     // Causal is aligned bottom-right: query row i sees keys j <= i + seqlen_k - seqlen_q (+ shift); a
     // window also keys j >= that - window_left (the host folds causal into window_right = 0). The window's
     // bounds are the row plus one bracketed sum each: ptxas keeps those two in registers; written as a
     // chain of the four terms they cost the TMA forward's window kernels 56-116 bytes of spills.
     CUFLASH_DEVICE int last_key_plus_one(int row) const {
         if constexpr (kWindow) {
-            return min(seqlen_k, row + (diag() + this->window_right + 1));
+            return min(seqlen_k, row + (seqlen_k - seqlen_q + shift + this->window_right + 1));
         } else if constexpr (kIsCausal) {
-            // (not row + diag() + 1: that order of the additions changes the SASS of 82 causal forward variants)
             return min(seqlen_k, row + seqlen_k - seqlen_q + shift + 1);
         } else {
             return seqlen_k;
         }
     }
     CUFLASH_DEVICE int first_key_of_row(int row) const {
-        return kWindow ? max(0, row + (diag() - this->window_left)) : 0;
+        return kWindow ? max(0, row + (seqlen_k - seqlen_q + shift - this->window_left)) : 0;
     }
+    // The diagonal offset: query row i is aligned to key i + diag().
+    CUFLASH_DEVICE int diag() const { return seqlen_k - seqlen_q + shift; }
 
     // K/V blocks [n_block_begin, n_block_end) hold every key any row of [m0, m0 + block_m) can see.
     CUFLASH_DEVICE int n_block_end(int m0, int block_m, int block_n) const {
@@ -154,7 +152,7 @@ struct AttnMask : ScoreMods<kMods> {
         if constexpr (kWindow) {
             return block_needs_mask(m0, block_m, n0, block_n);
         } else {
-            return kIsCausal ? n0 + block_n - 1 > m0 + diag() : n0 + block_n > seqlen_k;
+            return kIsCausal ? n0 + block_n - 1 > m0 + (seqlen_k - seqlen_q + shift) : n0 + block_n > seqlen_k;
         }
     }
     // Whether query i must not see key j (on the blocks that need a mask; see key_block_needs_mask).
@@ -162,7 +160,7 @@ struct AttnMask : ScoreMods<kMods> {
         if constexpr (kWindow) {
             return j >= last_key_plus_one(i) || j < first_key_of_row(i);
         } else {
-            return kIsCausal ? j > i + diag() : j >= seqlen_k;
+            return kIsCausal ? j > i + (seqlen_k - seqlen_q + shift) : j >= seqlen_k;
         }
     }
 
