@@ -176,7 +176,7 @@ def variant_cases(rng, arch):
             fwd_tiles = [None, plan.fwd_tile(bucket, arch)] if plan.uses_sm90_forward(d, True, arch) else [None]
             if plan.uses_sm90_ws_forward(d, True, arch):  # (short keys plan the short-key tile: the long keys' too)
                 mods = plan.MOD_DROPOUT if "dropout_p" in kw else 0
-                fwd_tiles.append(plan.fit_key_tile(plan.ws_default_tile(bucket, mods), mods=mods))
+                fwd_tiles.append(plan.ws_default_tile(bucket, mods))
             for tile in fwd_tiles:
                 err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, **kw)
             bwd_tiles = [None, plan.bwd_tile(bucket, arch)]

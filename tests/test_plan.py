@@ -780,7 +780,7 @@ def test_dropout_takes_its_own_tile_beyond_the_short_keys():
             long, short = 20000, plan.SHORT_KEYS[d][causal]
             for mods in (plan.MOD_DROPOUT, plan.MOD_DROPOUT | plan.MOD_WINDOW | plan.MOD_SOFTCAP):
                 want = plan.fit_key_tile(plan.FWD_SM90_WS_DROPOUT_TILES.get(d, plan.FWD_SM90_WS_TILES[d]), mods=mods)
-                assert plan.ws_default_tile(d, mods) == plan.FWD_SM90_WS_DROPOUT_TILES.get(d, plan.FWD_SM90_WS_TILES[d])
+                assert plan.ws_default_tile(d, mods) == want  # (the table row, fitted)
                 assert plan.ws_default_tile(d, mods & ~plan.MOD_DROPOUT) == plan.FWD_SM90_WS_TILES[d]
                 got = plan.plan_forward(seqlen_k=long, causal=causal, head_dim=d, mods=mods, **kw).spec
                 assert got.tile == want and got.mods == mods, (d, causal, mods)
@@ -795,8 +795,7 @@ def test_dropout_takes_its_own_tile_beyond_the_short_keys():
             # paged K/V (packed batches) with dropout: its own tile, fitted (128 keys divide a page)
             paged = plan.plan_forward(seqlen_k=long, causal=causal, head_dim=d, mods=plan.MOD_DROPOUT | plan.MOD_VARLEN,
                                       max_seqlen_k=long, paged=True, **kw).spec.tile  # fmt: skip
-            assert paged == dataclasses.replace(plan.fit_key_tile(plan.ws_default_tile(d, plan.MOD_DROPOUT), paged=True,
-                                                                  mods=plan.MOD_DROPOUT), tma_store=False)  # fmt: skip
+            assert paged == dataclasses.replace(plan.ws_default_tile(d, plan.MOD_DROPOUT, paged=True), tma_store=False)
     # what precompile builds holds what the planner launches: plain and packed, with and without dropout
     varlen_dropout = plan.MOD_VARLEN | plan.MOD_DROPOUT
     specs = plan.all_fwd_specs("sm_90a", head_dims=(64,), dtypes=("bf16",), causals=(True,), aligned=(True,),
@@ -932,8 +931,8 @@ def test_paged_kv_and_dropout_plan_key_tiles_that_fit():
         for mods, paged in ((plan.MOD_VARLEN, True), (plan.MOD_VARLEN | plan.MOD_DROPOUT, False), (plan.MOD_DROPOUT, False)):
             free = plan.plan_forward(head_dim=d, mods=mods & ~plan.MOD_DROPOUT, **kw).spec.tile
             got = plan.plan_forward(head_dim=d, mods=mods, paged=paged, **kw).spec.tile
-            if free == plan.FWD_SM90_WS_TILES[d]:  # (3000 keys, not packed: the default; dropout's own if it has one)
-                free = plan.ws_default_tile(d, mods)
+            if free == plan.FWD_SM90_WS_TILES[d] and mods & plan.MOD_DROPOUT:  # (3000 keys, not packed: the
+                free = plan.FWD_SM90_WS_DROPOUT_TILES.get(d, free)  # default; dropout's own row, unfitted, if it has one)
             assert got == fit(free, paged=paged, mods=mods) and (got != free) == (d == 256), (d, mods, paged)
             assert plan.PAGE_KEYS % got.block_n == 0 and got.block_n % plan.DROPOUT_KEYS == 0
     specs = plan.all_fwd_specs("sm_90a", head_dims=(256,), dtypes=("bf16",), causals=(True,), aligned=(True,),

@@ -103,7 +103,7 @@ def _kernels(head_dim, op, dropout=False):
     """The tiles to force for op "fwd" or "bwd": the mma.sync kernel's, and on Hopper the wgmma ones'
     where they exist (the cp.async and the warp-specialized TMA kernels; with ``dropout`` the forward's
     as the planner takes it: its own tile at head dims 64 and 128, key tiles of a multiple of 32,
-    plan.ws_default_tile and plan.fit_key_tile)."""
+    plan.ws_default_tile)."""
     from cuflash import plan
 
     arch = _arch()
@@ -113,7 +113,7 @@ def _kernels(head_dim, op, dropout=False):
         tiles.append(hopper[head_dim])
     if arch == "sm_90a" and op == "fwd" and head_dim in plan.FWD_SM90_WS_TILES:  # the warp-specialized one too
         mods = plan.MOD_DROPOUT if dropout else 0
-        tiles.append(plan.fit_key_tile(plan.ws_default_tile(head_dim, mods), mods=mods))
+        tiles.append(plan.ws_default_tile(head_dim, mods))
     if arch == "sm_90a" and op == "bwd" and head_dim in plan.BWD_SM90_WS_TILES:
         tiles.append(plan.BWD_SM90_WS_TILES[head_dim])
     return tiles

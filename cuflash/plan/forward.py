@@ -159,12 +159,13 @@ FWD_SM90_WS_DROPOUT_TILES: dict[int, Sm90WsTile] = {
 }
 
 
-def ws_default_tile(bucket: int, mods: int = 0) -> Sm90WsTile:
-    """The warp-specialized forward's default tile for ``bucket`` (beyond the short keys): FWD_SM90_WS_TILES,
-    with dropout in ``mods`` its FWD_SM90_WS_DROPOUT_TILES row where it has one (fit_key_tile still applies)."""
+def ws_default_tile(bucket: int, mods: int = 0, *, paged: bool = False) -> Sm90WsTile:
+    """The warp-specialized forward's default tile for ``bucket`` (beyond the short keys), fitted to its
+    key-tile rules (fit_key_tile): FWD_SM90_WS_TILES, with dropout in ``mods`` its FWD_SM90_WS_DROPOUT_TILES
+    row where it has one."""
     if mods & MOD_DROPOUT and bucket in FWD_SM90_WS_DROPOUT_TILES:
-        return FWD_SM90_WS_DROPOUT_TILES[bucket]
-    return FWD_SM90_WS_TILES[bucket]
+        return fit_key_tile(FWD_SM90_WS_DROPOUT_TILES[bucket], paged=paged, mods=mods)
+    return fit_key_tile(FWD_SM90_WS_TILES[bucket], paged=paged, mods=mods)
 
 
 #: Paged K/V (a packed batch with a block_table): a key tile must not straddle two pages, and page sizes
@@ -400,7 +401,7 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
     if tile is None:
         if bucket not in FWD_SM90_WS_TILES:
             raise ValueError(f"no warp-specialized forward tile for head-dim bucket {bucket} (have {sorted(FWD_SM90_WS_TILES)})")
-        tile = fit_key_tile(ws_default_tile(bucket, mods), mods=mods)
+        tile = ws_default_tile(bucket, mods)
     if bucket % 64 or tile.block_m not in (128, 192) or tile.block_n not in WS_KEY_TILES or not 2 <= tile.stages <= 4:
         raise ValueError(f"warp-specialized tile {tile} for bucket {bucket}: needs block_m 128 or 192, block_n one "
                          f"of {WS_KEY_TILES} and 2 to 4 stages")  # fmt: skip
@@ -572,14 +573,14 @@ def all_fwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                         if al and uses_sm90_forward(bucket, True, arch):
                             specs.append(fwd_sm90_spec(bucket, dt, c, mods=m))
                         if al and uses_sm90_ws_forward(bucket, True, arch):
-                            default = fit_key_tile(ws_default_tile(bucket, m), mods=m)
+                            default = ws_default_tile(bucket, m)
                             specs.append(fwd_sm90_ws_spec(bucket, dt, c, default, m))
                             if bucket in FWD_SM90_WS_SHORT_TILES:
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, FWD_SM90_WS_SHORT_TILES[bucket], m))
                             if bucket in CLUSTER_KEYS:  # (packed batches: the same spec, without clusters)
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, dataclasses.replace(default, cluster=2), m))
                             if m & MOD_VARLEN:  # (packed batches may be paged)
-                                paged = fit_key_tile(ws_default_tile(bucket, m), paged=True, mods=m)
+                                paged = ws_default_tile(bucket, m, paged=True)
                                 specs.append(fwd_sm90_ws_spec(bucket, dt, c, paged, m))
     return list(dict.fromkeys(specs))  # unique, order kept
 

@@ -59,11 +59,15 @@ def _unpack(name: str, x, layout: str):
 
 
 def _window(window_size) -> tuple[int, int]:
+    """The torch layer's window_size as two ints (anything int() takes, as flash-attn does), each >= -1."""
     try:
         left, right = window_size
-        return int(left), int(right)
+        left, right = int(left), int(right)
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right) of ints, -1 = unbounded; got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size values must be >= -1 (-1: unbounded), got {window_size!r}")
+    return left, right
 
 
 def _dropout(dropout_p, return_attn_probs: bool) -> float:

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from . import ops  # noqa: F401  (torch.ops.cuflash.fwd / bwd)
+from .interface import _window
 
 __all__ = ["ring_attention", "simulate_ring", "zigzag_shard", "zigzag_unshard"]
 
@@ -318,12 +319,7 @@ def _check(q, k, v, causal, window_size, alibi_slopes, dropout_p) -> Optional[tu
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q (b, s, h, d) and k, v (b, s_kv, h_kv, d) slices expected, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")  # fmt: skip
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair of ints (left, right), -1 meaning unbounded; got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size values must be >= -1 (-1: unbounded), got {window_size!r}")
+    left, right = _window(window_size)
     positional = (left, right) != (-1, -1) or alibi_slopes is not None
     what = "causal ring attention" if causal else "ring attention with a window or ALiBi" if positional else None
     if what and q.shape[1] % 2:
