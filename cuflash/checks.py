@@ -150,7 +150,10 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
     """softmax_scale, or 1 / sqrt(head_dim) for None; must be a positive finite number."""
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    softmax_scale = float(softmax_scale)
+    try:
+        softmax_scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"softmax_scale must be a positive finite number (float32), got {softmax_scale!r}") from None
     # The kernels take scale and scale * log2(e) as float32: both must be finite there.
     if not (math.isfinite(softmax_scale) and 0 < softmax_scale * math.log2(math.e) < _FLT_MAX):
         raise ValueError(f"softmax_scale must be a positive finite number (float32), got {softmax_scale}")

@@ -876,7 +876,7 @@ def test_dtype_names_scale_and_ints():
     assert checks.resolve_scale(None, 64) == 0.125 and checks.resolve_scale(2, 64) == 2.0
     assert type(checks.resolve_scale(np.float32(0.5), 64)) is float
     assert checks.resolve_scale(1e38, 64) == 1e38
-    for bad in (0.0, -1.0, float("nan"), float("inf"), 3e38, 1e300):  # the kernels take it as float32
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 3e38, 1e300, "a", [1.0]):  # the kernels take it as float32
         with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
             checks.resolve_scale(bad, 64)
     for yes in (0, 3, np.int32(3), np.int64(-1)):

@@ -125,6 +125,25 @@ def test_errors_name_the_argument(ct):
     with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
         ct.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
                                   torch.tensor([0, 8], dtype=torch.int32), torch.tensor([8, 8]), 8)  # fmt: skip
+    with pytest.raises(ValueError, match="max_seqlen_k must be an int, got 'a'"):
+        ct.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
+                                  torch.tensor([0, 8], dtype=torch.int32), 8, "a")  # fmt: skip
+    with pytest.raises(ValueError, match="window_size values must be >= -1"):
+        ct.flash_attn_func(q, q, q, window_size=(-2, 0))
+    for kw, name in ((dict(dropout_p=None), "dropout_p"), (dict(softcap="x"), "softcap"),
+                     (dict(softmax_scale="a"), "softmax_scale")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{name} must be a number"):
+            ct.flash_attn_func(q, q, q, **kw)
+    with pytest.raises(ValueError, match="softcap must be a number"):
+        ct.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
+                                  torch.tensor([0, 8], dtype=torch.int32), 8, 8, softcap=None)  # fmt: skip
+    with pytest.raises(ValueError, match="k and v .* must be given together"):
+        ct.flash_attn_with_kvcache(q, q, q, k=q)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be an int or an int32 tensor \(batch,\), got \[3\]"):
+        ct.flash_attn_with_kvcache(q, q, q, cache_seqlens=[3])
+    for kw, name in ((dict(softcap=None), "softcap"), (dict(softmax_scale="a"), "softmax_scale")):
+        with pytest.raises(ValueError, match=f"{name} must be a number"):
+            ct.flash_attn_with_kvcache(q, q, q, **kw)
 
 
 def test_opcheck_every_op(ct):

@@ -15,6 +15,8 @@ the same calls.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import ops
@@ -71,7 +73,7 @@ def _window(window_size) -> tuple[int, int]:
 
 
 def _dropout(dropout_p, return_attn_probs: bool) -> float:
-    p = float(dropout_p)
+    p = _float("dropout_p", dropout_p)
     if return_attn_probs and p > 0:
         raise ValueError(
             "return_attn_probs=True with dropout_p > 0 is not supported: cuflash never writes the attention "
@@ -86,7 +88,21 @@ def _int(name: str, x) -> int:
         if x.numel() != 1:
             raise ValueError(f"{name} must be an int, got a tensor of shape {tuple(x.shape)}")
         return int(x.item())
-    return int(x)
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an int, got {x!r}") from None
+
+
+def _float(name: str, x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {x!r}") from None
+
+
+def _scale(softmax_scale) -> float | None:
+    return None if softmax_scale is None else _float("softmax_scale", softmax_scale)
 
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -97,7 +113,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     _half((("q", q), ("k", k), ("v", v)))
     _tensor("alibi_slopes", alibi_slopes, optional=True)
     left, right = _window(window_size)
-    out, lse, _ = ops.fwd(q, k, v, alibi_slopes, p, softmax_scale, bool(causal), left, right, float(softcap),
+    out, lse, _ = ops.fwd(q, k, v, alibi_slopes, p, _scale(softmax_scale), bool(causal), left, right, _float("softcap", softcap),
                           bool(deterministic))  # fmt: skip
     return (out, lse, None) if return_attn_probs else out
 
@@ -143,7 +159,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     left, right = _window(window_size)
     out, lse, _ = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, _int("max_seqlen_q", max_seqlen_q),
                                  _int("max_seqlen_k", max_seqlen_k), seqused_k, block_table, alibi_slopes, p,
-                                 softmax_scale, bool(causal), left, right, float(softcap),
+                                 _scale(softmax_scale), bool(causal), left, right, _float("softcap", softcap),
                                  bool(deterministic))  # fmt: skip
     return (out, lse, None) if return_attn_probs else out
 
@@ -193,14 +209,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     a CUDA graph once warmed up (pass cache_seqlens as a tensor so replays see new lengths)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t)
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must be given together, or neither")
     _half((("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + ((("k", k), ("v", v)) if k is not None else ()))
     named = (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
              ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table),
              ("alibi_slopes", alibi_slopes))  # fmt: skip
     for name, t in named:
         _tensor(name, t, optional=True)
-    lengths, length_int = (cache_seqlens, -1) if isinstance(cache_seqlens, torch.Tensor) else (
-        None, -1 if cache_seqlens is None else int(cache_seqlens))  # fmt: skip
+    lengths, length_int = (cache_seqlens, -1) if isinstance(cache_seqlens, torch.Tensor) else (None, -1)
+    if cache_seqlens is not None and lengths is None:
+        try:
+            length_int = operator.index(cache_seqlens)
+        except TypeError:
+            raise ValueError(f"cache_seqlens must be an int or an int32 tensor (batch,), got {cache_seqlens!r}") from None
     if lengths is not None:
         _tensor("cache_seqlens", lengths)
     elif cache_seqlens is not None and length_int < 0:
@@ -208,8 +230,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     left, right = _window(window_size)
     out, lse = ops.kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, length_int,
                                cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-                               None if softmax_scale is None else float(softmax_scale), bool(causal),
-                               left, right, float(softcap), bool(rotary_interleaved), int(num_splits))  # fmt: skip
+                               _scale(softmax_scale), bool(causal), left, right, _float("softcap", softcap),
+                               bool(rotary_interleaved), _int("num_splits", num_splits))  # fmt: skip
     return (out, lse) if return_softmax_lse else out
 
 
