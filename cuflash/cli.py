@@ -13,7 +13,9 @@ only parses options, selects variants through cuflash/plan and prints.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import json
 import logging
 import math
 import os
@@ -43,11 +45,39 @@ VARLEN_ONLY_OPTIONS = ("varlen",)
 E2E_ONLY_OPTIONS = ("e2e", "model", "compile_model", "inference")
 #: Options of `cuflash bench` handled here (redrawing a saved run), not by the benchmark modules.
 REPLOT_OPTIONS = ("from_json",)
+#: The mode flag of `cuflash bench` that saves each kind of --json run (saved_run_kind).
+SAVED_RUN_FLAGS = {"prefill": "", "decode": " --decode", "variant": " --variant", "varlen": " --varlen", "e2e": " --e2e"}
 
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def _given(ctx, name: str) -> bool:
+    """Whether option ``name`` was given on the command line (or by the environment), not defaulted."""
+    from click.core import ParameterSource
+
+    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
+
+
+def saved_run_kind(path: str) -> str | None:
+    """The kind of `cuflash bench --json` run saved at ``path`` (a SAVED_RUN_FLAGS key, told by the
+    top-level keys each mode writes), or None where it is none of them."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "environment" not in data:
+        return None
+    if data.get("benchmark") in ("varlen", "e2e"):
+        return data["benchmark"]
+    if "decode" in data:
+        return "decode"
+    if "window_check" in data:
+        return "variant"
+    return "prefill" if "rows" in data else None
 
 
 def human_size(n: int) -> str:
@@ -114,8 +144,8 @@ def _known_arch(arch: str) -> str:
         return a
     if plan.arch_number(a) not in supported:
         major, minor = nvrtc.getVersion()
-        known = ", ".join(f"sm_{n}" for n in supported)
-        raise ValueError(f"NVRTC {major}.{minor} cannot compile for {a} (it knows {known})")
+        known = ", ".join(plan.parse_arch(f"sm_{n}") for n in supported if n in plan.KNOWN_ARCHS)
+        raise ValueError(f"NVRTC {major}.{minor} cannot compile for {a} (of cuflash's targets it knows {known})")
     return a
 
 
@@ -127,6 +157,28 @@ def _parse_archs(ctx, param, values):
 def _parse_head_dims(ctx, param, values):
     """Head dims 1..256 -> their buckets."""
     return _normalized(ctx, param, values, plan.head_dim_bucket)
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str, every_s: float = 10.0):
+    """A step() to call once per finished item: a progress bar on a terminal; elsewhere (CI logs, image
+    builds), where click's bar would stay silent until the end, a line at the first item, then at most
+    one every ``every_s`` seconds, and at the last."""
+    if sys.stderr.isatty():
+        with click.progressbar(length=total, label=label, show_pos=True, file=sys.stderr) as bar:
+            yield lambda: bar.update(1)
+        return
+    t0 = time.perf_counter()
+    state = {"done": 0, "shown": -every_s}
+
+    def step():
+        state["done"] += 1
+        now = time.perf_counter() - t0
+        if state["done"] in (1, total) or now - state["shown"] >= every_s:
+            state["shown"] = now
+            click.echo(f"{label}: {state['done']}/{total} ({now:.0f} s)", err=True)
+
+    yield step
 
 
 @contextlib.contextmanager
@@ -284,11 +336,9 @@ def precompile(archs, head_dims, dtype, causal, all_, kernels, variant, jobs, ve
             raise click.ClickException(str(exc)) from None
 
     t0 = time.perf_counter()
-    with _quiet_compile_log(not verbose), click.progressbar(
-        length=len(specs), label="Compiling kernels", show_pos=True, file=sys.stderr
-    ) as bar:
+    with _quiet_compile_log(not verbose), _progress(len(specs), "Compiling kernels") as step:
         try:
-            results = jit.precompile(specs, jobs=jobs, on_done=lambda r: bar.update(1))
+            results = jit.precompile(specs, jobs=jobs, on_done=lambda r: step())
         except (jit.CompileError, kcache.CacheWriteError) as exc:
             raise click.ClickException(str(exc)) from None
     seconds = time.perf_counter() - t0
@@ -317,7 +367,7 @@ def precompile(archs, head_dims, dtype, causal, all_, kernels, variant, jobs, ve
 
 @main.group()
 def cache():
-    """Inspect, prune or empty the kernel cache (CUFLASH_CACHE_DIR, default ~/.cache/cuflash)."""
+    """Inspect, prune or empty the kernel cache (CUFLASH_CACHE_DIR, default $XDG_CACHE_HOME/cuflash, else ~/.cache/cuflash)."""
 
 
 @cache.command("list")
@@ -428,8 +478,8 @@ def plot_problem(path: str) -> str | None:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write a figure, grouped bars per shape (needs matplotlib: the plot extra).")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Print the table of a saved --json run (and draw --plot; an explicit --op picks one operation) "
-                   "instead of running: no GPU needed.")
+              help="Print the table of a saved --json run of any mode, told from the file (and draw --plot; an "
+                   "explicit --op picks one operation of a prefill run) instead of running: no GPU needed.")
 @click.option("--decode", is_flag=True,
               help="Decode with a KV cache instead: one query token against caches of --seqlen tokens, KV bytes "
                    "read per second.")
@@ -468,10 +518,26 @@ def bench(ctx, **options):
     (varlen,) = (options.pop(name) for name in VARLEN_ONLY_OPTIONS)
     e2e, models, compile_model, inference = (options.pop(name) for name in E2E_ONLY_OPTIONS)
     from_json = options.pop("from_json")
+    if from_json is not None and options["json_path"]:
+        raise click.UsageError("--from-json redraws a saved run; --json writes a new one: use one of them")
+    if from_json is not None:  # a saved run is redrawn by the mode that saved it
+        mode = "decode" if decode else "variant" if variant else "varlen" if varlen else "e2e" if e2e else "prefill"
+        kind = saved_run_kind(from_json)
+        if kind is None:
+            raise click.ClickException(f"{from_json} is not a saved `cuflash bench{SAVED_RUN_FLAGS[mode]} --json` run")
+        if mode == "prefill" and kind != "prefill":  # no mode flag given: the file's
+            decode, varlen, e2e = kind == "decode", kind == "varlen", kind == "e2e"
+            variant = ("all",) if kind == "variant" else variant
+        elif kind != mode:
+            raise click.UsageError(f"{from_json} holds a `cuflash bench{SAVED_RUN_FLAGS[kind]} --json` run, not a "
+                                   f"`cuflash bench{SAVED_RUN_FLAGS[mode]}` one: leave out the mode flag, or give "
+                                   f"{SAVED_RUN_FLAGS[kind].strip() or 'none'}")  # fmt: skip
     if e2e and (varlen or decode or variant):
         raise click.UsageError("--e2e trains and runs whole models; it does not combine with --varlen, --decode or --variant")
     if models and not e2e:
         raise click.UsageError("--model applies to --e2e only")
+    if not ({"window", "all"} & set(variant)) and _given(ctx, "window"):
+        raise click.UsageError("--window applies to --variant window (or all) only")
     if varlen and (decode or variant):
         raise click.UsageError("--varlen times packed prefill batches; it does not combine with --decode or --variant")
     if varlen and options["op"] == "fwd+bwd":
@@ -488,8 +554,6 @@ def bench(ctx, **options):
         problem = plot_problem(options["plot_path"])
         if problem is not None:
             raise click.UsageError(problem)
-    if from_json is not None and options["json_path"]:
-        raise click.UsageError("--from-json redraws a saved run; --json writes a new one: use one of them")
     if from_json is None:
         problem = gpu_problem()
         if problem is not None:
@@ -499,16 +563,14 @@ def bench(ctx, **options):
     except ImportError as exc:
         raise click.ClickException(f"the benchmark module {module} could not be imported: {exc}") from None
     if from_json is not None:
-        from click.core import ParameterSource
-
         kw = {}
-        if not decode and not variant and not varlen and not e2e and ctx.get_parameter_source("op") is not ParameterSource.DEFAULT and options["op"] != "all":
+        if not decode and not variant and not varlen and not e2e and _given(ctx, "op") and options["op"] != "all":
             kw["ops"] = (options["op"],)  # an explicit --op picks that operation out of the saved run
         try:
             mod.replot(from_json, options["plot_path"], **kw)
         except (KeyError, TypeError, ValueError) as exc:
-            raise click.ClickException(f"{from_json} is not a saved `cuflash bench{' --decode' if decode else ''} "
-                                       f"--json` run ({type(exc).__name__}: {exc})") from None
+            raise click.ClickException(f"{from_json} is not a saved `cuflash bench{SAVED_RUN_FLAGS[mode]} --json` run "
+                                       f"({type(exc).__name__}: {exc})") from None
         return
     if decode:
         _bench_decode(ctx, mod, options, batch, kv_heads)
@@ -518,19 +580,15 @@ def bench(ctx, **options):
         mod.cli_main(variants=variants, window=window, **options)
         return
     if e2e:
-        from click.core import ParameterSource
-
-        given = lambda name: ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)  # noqa: E731
+        given = functools.partial(_given, ctx)
         mod.cli_main(models=models or tuple(mod.MODELS), contexts=options["seqlen"] if given("seqlen") else mod.CONTEXTS,
                      tokens=options["tokens"], repeats=options["repeats"] if given("repeats") else 5,
                      peers=options["peers"], compile_model=compile_model, inference=inference,
                      json_path=options["json_path"], plot_path=options["plot_path"])  # fmt: skip
         return
     if varlen:
-        from click.core import ParameterSource
-
         seqlens = options.pop("seqlen")  # the means of the length distribution
-        means = seqlens if ctx.get_parameter_source("seqlen") is not ParameterSource.DEFAULT else mod.MEANS
+        means = seqlens if _given(ctx, "seqlen") else mod.MEANS
         mod.cli_main(means=means, **options)
         return
     mod.cli_main(**options)
@@ -538,9 +596,7 @@ def bench(ctx, **options):
 
 def _bench_decode(ctx, mod, options, batch, kv_heads):
     """`cuflash bench --decode`: hand the decode grid to cuflash.bench_decode.cli_main (None = its default)."""
-    from click.core import ParameterSource
-
-    given = lambda name: ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)  # noqa: E731
+    given = functools.partial(_given, ctx)
     mod.cli_main(
         head_dim=options["head_dim"] if given("head_dim") else None,
         cache_len=options["seqlen"] if given("seqlen") else None,

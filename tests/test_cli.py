@@ -253,6 +253,10 @@ def test_precompile_all_selects_every_variant(cache, recorder):
     assert {(s.head_dim, s.causal) for s in ws_bwd if s.tile.persistent} == plan.BWD_SM90_WS_PERSISTENT
     assert recorder.specs == expected
     assert f"{len(expected)} variants: {len(expected)} compiled" in r.output
+    # not a terminal (CI logs, image builds): progress as lines, the first and the last item at least
+    # (the recorder takes no time, so nothing in between)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("Compiling kernels: ")]
+    assert [line.split()[2] for line in lines] == [f"1/{len(expected)}", f"{len(expected)}/{len(expected)}"], lines
 
 
 @pytest.mark.parametrize(
@@ -409,9 +413,10 @@ def test_precompile_arch_this_nvrtc_does_not_know(cache, recorder, monkeypatch):
     """A shipped arch the installed NVRTC cannot compile for is a usage error naming what it can."""
     from cupy.cuda import nvrtc
 
-    monkeypatch.setattr(nvrtc, "getSupportedArchs", lambda: (80, 86, 89, 90))
+    monkeypatch.setattr(nvrtc, "getSupportedArchs", lambda: (50, 75, 80, 86, 89, 90))  # (sm_50, sm_75: not cuflash's)
     r = invoke(["precompile", "--arch", "sm_120", "--all"])
-    assert r.exit_code == 2 and "cannot compile for sm_120 (it knows sm_80, sm_86, sm_89, sm_90)" in r.output
+    assert r.exit_code == 2 and "cannot compile for sm_120 (of cuflash's targets it knows sm_80, sm_86, sm_89, sm_90a)" \
+        in r.output, r.output
     assert recorder.specs == []
     assert invoke(["precompile", "--arch", "sm_90", "--head-dim", "64"]).exit_code == 0
 
@@ -650,6 +655,14 @@ def test_bench_plot_problems_are_usage_errors_before_the_run(fake_bench, monkeyp
     assert cli.plot_problem(str(tmp_path / "nowhere" / "f.png")) is not None
 
 
+def test_bench_window_without_the_window_variant_is_a_usage_error(fake_bench):
+    """--window sizes only the window variant's benchmark: elsewhere it would be silently ignored."""
+    for extra in ([], ["--variant", "softcap"], ["--decode"]):
+        r = invoke(["bench", "--window", "5", *extra])
+        assert r.exit_code == 2 and "--window applies to --variant window (or all) only" in r.output, (extra, r.output)
+    assert fake_bench == []
+
+
 def test_bench_from_json_and_json_together_is_a_usage_error(fake_bench, tmp_path):
     saved = tmp_path / "run.json"
     saved.write_text("{}")
@@ -869,11 +882,28 @@ def test_bench_from_json_of_something_else(tmp_path, gpu_never_asked, decode, co
 
 
 def test_bench_from_json_of_the_other_kind(tmp_path, gpu_never_asked):
-    """A decode run read as a prefill run (and the other way round) is refused, not half printed."""
-    r = invoke(["bench", "--from-json", str(_saved_decode_run(tmp_path / "d.json"))])
-    assert r.exit_code == 1 and "is not a saved `cuflash bench --json` run" in r.output
+    """Without a mode flag a saved run is redrawn as the mode that saved it; a mode flag that names
+    another kind is a usage error that says which flag the file needs, not a half-printed table."""
+    from cuflash import bench, bench_decode as bd
+
+    decode_run = _saved_decode_run(tmp_path / "d.json")
+    r = invoke(["bench", "--from-json", str(decode_run)])
+    assert r.exit_code == 0, r.output
+    assert bd.format_decode_table([bd.DecodeRow(**x) for x in json.loads(decode_run.read_text())["decode"]], ENV) in r.output
     r = invoke(["bench", "--decode", "--from-json", str(_saved_prefill_run(tmp_path / "p.json"))])
-    assert r.exit_code == 1 and "is not a saved `cuflash bench --decode --json` run" in r.output
+    assert r.exit_code == 2 and "holds a `cuflash bench --json` run, not a `cuflash bench --decode` one" in r.output
+    varlen_run = tmp_path / "v.json"
+    bench.save_run(str(varlen_run), ENV, [], benchmark="varlen")
+    r = invoke(["bench", "--decode", "--from-json", str(varlen_run)])
+    assert r.exit_code == 2 and "leave out the mode flag, or give --varlen" in r.output, r.output
+    for kind, extra in (("prefill", {}), ("decode", {"decode": []}), ("variant", {"window_check": {}}),
+                        ("varlen", {"benchmark": "varlen"}), ("e2e", {"benchmark": "e2e", "runs": []})):  # fmt: skip
+        path = tmp_path / f"{kind}.json"
+        path.write_text(json.dumps({"environment": ENV, "rows": [], **extra}))
+        assert cli.saved_run_kind(str(path)) == kind
+    for content in ("{not json", "[1, 2]", '{"rows": []}', '{"environment": {}}'):
+        (tmp_path / "x.json").write_text(content)
+        assert cli.saved_run_kind(str(tmp_path / "x.json")) is None
 
 
 def test_bench_from_json_needs_an_existing_file(tmp_path, gpu_never_asked):
@@ -1018,3 +1048,15 @@ def test_bench_e2e_passes_its_options(monkeypatch):
     assert set(got[0]) <= set(inspect.signature(bench_e2e.cli_main).parameters)
     assert invoke(["bench", "--e2e", "--varlen"]).exit_code != 0
     assert invoke(["bench", "--model", "gpt-1.3b"]).exit_code != 0
+
+
+def test_progress_lines_off_a_terminal(capsys):
+    """Off a terminal the progress is lines on stderr: the first item, then one per interval, and the last."""
+    with cli._progress(5, "Doing") as step:
+        for _ in range(5):
+            step()
+    assert [line.split()[1] for line in capsys.readouterr().err.splitlines()] == ["1/5", "5/5"]
+    with cli._progress(3, "Doing", every_s=0.0) as step:
+        for _ in range(3):
+            step()
+    assert [line.split()[1] for line in capsys.readouterr().err.splitlines()] == ["1/3", "2/3", "3/3"]
