@@ -243,7 +243,7 @@ def fig_forward():
 
 def fig_forward_masks():
     ax = canvas("forward-masks.svg", 124, 62)
-    title(ax, 2, 59.5, "Which K/V blocks a query tile visits (CausalMask, masks.cuh); BLOCK_M = 2 x BLOCK_N as at head dim 128")
+    title(ax, 2, 59.5, "Which K/V blocks a query tile visits (AttnMask, masks.cuh); BLOCK_M = 2 x BLOCK_N as at head dim 128")
 
     def grid(x0, y0, n_m, n_n, cw, ch, causal, head):
         label(ax, x0 + n_n * cw / 2, y0 + n_m * ch + 3.0, head, fs=7.5, weight="bold")
