@@ -67,6 +67,8 @@ def test_both_forward_kernels(dtype, head_dim, causal, sq, sk):
     tiles = [plan.fwd_tile(head_dim, arch)]
     if arch == "sm_90a":
         tiles += [plan.FWD_SM90_TILES[head_dim], plan.FWD_SM90_WS_TILES[head_dim]]
+    # and the mma.sync tiles other GPUs plan (the A100's, the RTX / L4 one's), compiled for this one
+    tiles += [t for t in (plan.fwd_tile(head_dim, "sm_80"), plan.fwd_tile(head_dim, "sm_86")) if t not in tiles]
     for tile in tiles:
         check_forward(q, k, v, causal=causal, dtype=dtype, tile=tile, what=f"{tile} sq={sq} sk={sk}")
 

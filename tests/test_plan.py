@@ -214,13 +214,24 @@ def test_tiles_fit_the_smem_of_every_supported_arch(arch):
 
 
 def test_fwd_tile_keeps_the_tuned_row_on_hopper_and_shrinks_only_where_needed():
+    ctas = plan.ctas_per_sm_by_smem
     for bucket in plan.HEAD_DIM_BUCKETS:
-        assert plan.fwd_tile(bucket, "sm_90a") == plan.FWD_TILES[bucket]
-        for arch in ("sm_80", "sm_86", "sm_89", "sm_120"):
+        row = plan.FWD_TILES[bucket]
+        assert plan.fwd_tile(bucket, "sm_90a") == row
+        assert ctas(plan.fwd_smem_bytes(bucket, row), "sm_90a") >= row.min_blocks  # (the CTAs/SM it was tuned at)
+        for arch in ("sm_80", "sm_86", "sm_87", "sm_89", "sm_120"):
             t = plan.fwd_tile(bucket, arch)
             assert plan.fwd_smem_bytes(bucket, t) <= plan.max_smem_bytes(arch)
-            if plan.fwd_smem_bytes(bucket, plan.FWD_TILES[bucket]) <= plan.max_smem_bytes(arch):
-                assert t == plan.FWD_TILES[bucket]
+            single = dataclasses.replace(row, stages=1)
+            if ctas(plan.fwd_smem_bytes(bucket, row), arch) < row.min_blocks <= ctas(plan.fwd_smem_bytes(bucket, single), arch):
+                assert t == single, (bucket, arch)  # single buffered: the row's CTAs per SM kept
+            elif plan.fwd_smem_bytes(bucket, row) <= plan.max_smem_bytes(arch):
+                assert t == row, (bucket, arch)
+    # the A100 (164 KB per SM): hd128's double-buffered 102 KiB CTA would run alone; single-buffered two fit
+    assert plan.fwd_tile(128, "sm_80") == plan.Tile(128, 64, 4, False, 2, stages=1)
+    assert ctas(plan.fwd_smem_bytes(128, plan.FWD_TILES[128]), "sm_80") == 1
+    assert ctas(plan.fwd_smem_bytes(128, plan.fwd_tile(128, "sm_80")), "sm_80") == 2
+    assert [b for b in plan.HEAD_DIM_BUCKETS if plan.fwd_tile(b, "sm_80") != plan.FWD_TILES[b]] == [128, 224]
     with pytest.raises(ValueError, match="shared memory"):
         plan.fwd_spec(256, "bf16", False, True, "sm_86", plan.Tile(128, 64, 8, False, 1, stages=2))
 
@@ -467,7 +478,8 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
         return
     t = plan.fwd_tile(bucket, arch)
     assert spec == plan.KernelSpec("flash_fwd", bucket, dtype, causal, aligned, t, arch)
-    assert t == plan.FWD_TILES[bucket] or plan.fwd_smem_bytes(bucket, plan.FWD_TILES[bucket]) > plan.max_smem_bytes(arch)
+    row = plan.FWD_TILES[bucket]  # (or smaller: single buffered to keep its CTAs per SM, or to fit at all)
+    assert t == row or t == dataclasses.replace(row, stages=1) or plan.fwd_smem_bytes(bucket, row) > plan.max_smem_bytes(arch)
     assert launch.grid == (math.ceil(seqlen_q / t.block_m), nheads, batch)
     assert (launch.grid[0] - 1) * t.block_m < seqlen_q <= launch.grid[0] * t.block_m  # every row, once
     assert launch.block == (t.warps * 32, 1, 1) == (spec.threads, 1, 1)

@@ -19,7 +19,7 @@ from .backward import (
 )
 from .common import (
     ALL_MODS, DTYPES, HEAD_DIM_BUCKETS, KERNEL_FAMILIES, KNOWN_ARCHS, MAX_GRID_X, MAX_SMEM_KB, MIN_COMPUTE_CAPABILITY,
-    MOD_ALIBI, MOD_DROPOUT, MOD_NAMES, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW, FWD_BWD_MODS, SMEM_PER_SM_KB, KernelFamily, Launch, arch_for_capability, arch_number, head_dim_bucket, max_smem_bytes, parse_arch, smem_per_sm_bytes,
+    MOD_ALIBI, MOD_DROPOUT, MOD_NAMES, MOD_SOFTCAP, MOD_VARLEN, MOD_WINDOW, FWD_BWD_MODS, SMEM_PER_SM_KB, KernelFamily, Launch, arch_for_capability, arch_number, ctas_per_sm_by_smem, head_dim_bucket, max_smem_bytes, parse_arch, smem_per_sm_bytes,
     supports_pdl,
 )
 from .decode import (
@@ -157,6 +157,7 @@ __all__ = [
     "plan_decode",
     "plan_forward",
     "smem_per_sm_bytes",
+    "ctas_per_sm_by_smem",
     "supports_pdl",
     "uses_sm90_backward",
     "uses_sm90_forward",

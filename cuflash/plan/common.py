@@ -93,6 +93,12 @@ def smem_per_sm_bytes(arch: str) -> int:
     return SMEM_PER_SM_KB.get(arch_number(arch), 100) * 1024
 
 
+def ctas_per_sm_by_smem(smem_bytes: int, arch: str) -> int:
+    """How many CTAs of ``smem_bytes`` dynamic shared memory one SM of ``arch`` holds (the system keeps
+    1 KB per CTA beside it)."""
+    return smem_per_sm_bytes(arch) // (smem_bytes + 1024)
+
+
 def supports_pdl(arch: str) -> bool:
     """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
     return arch_number(arch) >= 90

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .common import (
     DTYPES, HEAD_DIM_BUCKETS, MOD_DROPOUT, MOD_VARLEN, HopperSpec, Launch, TiledSpec, check_dtype, check_mods, cpp_bool,
-    head_dim_bucket, max_smem_bytes, mods_arg,
+    ctas_per_sm_by_smem, head_dim_bucket, max_smem_bytes, mods_arg,
 )  # fmt: skip
 
 
@@ -37,7 +37,8 @@ FWD_TILES: dict[int, Tile] = {
     # 32 rows/warp: O 96 + S 64 regs, Q re-read from smem; single buffer (0.85x vs 0.81x).
     96: Tile(128, 64, 4, False, 2, stages=1),
     # FA2's tile: 32 rows/warp, O 128 + S 64 regs, Q from smem, 2 CTAs/SM (102 KiB); double
-    # buffering 0.95x against 0.94x single, 0.87x for 32-key tiles.
+    # buffering 0.95x against 0.94x single, 0.87x for 32-key tiles. (Where two 102 KiB CTAs do not fit
+    # an SM, as on the A100, fwd_tile takes the single-buffered 68 KiB form.)
     128: Tile(128, 64, 4, False, 2, stages=2),
     # 32 rows/warp with 32-key tiles: O 160 + S 32 regs fits; 63 KiB single buffer, 2 CTAs/SM (1.17x;
     # 8 warps of 16 rows 1.01x).
@@ -294,13 +295,20 @@ def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile) -> int:
 
 
 def fwd_tile(bucket: int, arch: str) -> Tile:
-    """The forward tile for a head-dim bucket on ``arch``: the FWD_TILES row (tuned on the H200),
-    or, where that needs more shared memory than the arch has, the first smaller shape that fits:
+    """The forward tile for a head-dim bucket on ``arch``: the FWD_TILES row (tuned on the H200), single
+    buffered where that keeps the row's CTAs per SM (min_blocks) on a GPU with less shared memory per SM
+    (the A100's 164 KB hold two 68 KiB hd128 CTAs, not two of 102 KiB: FlashAttention-2's A100 tile; on the
+    H200, where both fit twice, single buffering measured within 1% of double: FWD_TILES' note), or,
+    where the row needs more shared memory than one CTA may have, the first smaller shape that fits:
     single-buffered, then 32-key tiles, then 64 query rows of 4 warps (untuned on those GPUs)."""
     t = FWD_TILES[bucket]
+    single = dataclasses.replace(t, stages=1)
+    if ctas_per_sm_by_smem(fwd_smem_bytes(bucket, t), arch) < t.min_blocks <= ctas_per_sm_by_smem(
+            fwd_smem_bytes(bucket, single), arch):  # fmt: skip
+        return single
     candidates = (
         t,
-        dataclasses.replace(t, stages=1),
+        single,
         dataclasses.replace(t, stages=1, block_n=32),
         Tile(64, 32, 4, False, 1, stages=1),
     )
