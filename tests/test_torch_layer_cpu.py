@@ -266,17 +266,42 @@ def hf(ct):
     return transformers
 
 
-def _pair(hf, name):
-    """(eager float32 reference, cuflash float16), the same random weights."""
+#: Gemma 2's q_proj weights are multiplied by this: with the random initialization the scores stay far
+#: below the softcap (|s| < 0.5 against 4), where tanh is the identity and a dropped softcap would pass.
+GEMMA2_Q_SCALE = 100.0
+
+
+def _pair(hf, name, **config_changes):
+    """(eager float32 reference, cuflash float16), the same random weights (Gemma 2's queries sharpened
+    by GEMMA2_Q_SCALE so that its softcap bends the scores). ``config_changes`` go to the reference only."""
     import torch
 
     cls, extra = MODELS[name]
     config = getattr(hf, cls)(**COMMON, **extra)
     torch.manual_seed(0)
-    ref = hf.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32)
+    ref = hf.AutoModelForCausalLM.from_config(getattr(hf, cls)(**COMMON, **{**extra, **config_changes}),
+                                              attn_implementation="eager", dtype=torch.float32)  # fmt: skip
+    if name == "gemma2":
+        with torch.no_grad():
+            for layer in ref.model.layers:
+                layer.self_attn.q_proj.weight.mul_(GEMMA2_Q_SCALE)
     ours = hf.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="cufa", dtype=torch.float32)
     ours.load_state_dict(ref.state_dict())
     return ref.eval(), ours.to(torch.float16).eval()
+
+
+def test_transformers_gemma2_softcap_matters(hf):
+    """The Gemma 2 cases below would fail if the softcap were dropped: the reference without it differs
+    from cuflash (with it) by far more than their 2e-2 bound."""
+    import torch
+
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(5))
+    no_cap, ours = _pair(hf, "gemma2", attn_logit_softcapping=None)
+    ref, _ = _pair(hf, "gemma2")
+    with torch.no_grad():
+        got = ours(ids).logits.float()
+        assert (got - ref(ids).logits).abs().max() < 2e-2
+        assert (got - no_cap(ids).logits).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
