@@ -21,3 +21,29 @@ def compile_static_asserts(lines: list[str], filename: str, arch: str = "sm_90a"
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+#: A test kernel around varlen.cuh's varlen_find_seq (the packed-batch scheduler's search): one warp per
+#: grid tile t writes the sequence it names. Compiled on the CPU by test_varlen_reference, run by test_varlen_gpu.
+FIND_SEQ_SOURCE = r"""
+#include "varlen.cuh"
+extern "C" __global__ void cuflash_test_find_seq(const int* cu, int batch, int total, int block, int n_slots, int* out) {
+    const int t = (int)(blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32);  // uniform over the warp
+    if (t >= n_slots) return;
+    const int b = cuflash::varlen_find_seq(cu, batch, total, block, t);
+    if (threadIdx.x % 32 == 0) out[t] = b;
+}
+"""
+
+
+def find_seq_owners(cu: list[int], total: int, block: int, n_slots: int) -> list[int]:
+    """What varlen_find_seq must return for grid tiles t = 0 .. n_slots - 1: the largest b < batch with
+    clamp(cu[b]) // block + b <= t (cu clamped into [0, total]), or 0 where none is (a bad cu[0] >= block)."""
+    import numpy as np
+
+    f = np.minimum(np.maximum(np.asarray(cu[:-1], dtype=np.int64), 0), total) // block + np.arange(len(cu) - 1)
+    out = []
+    for t in range(n_slots):
+        hits = np.nonzero(f <= t)[0]
+        out.append(int(hits[-1]) if hits.size else 0)
+    return out

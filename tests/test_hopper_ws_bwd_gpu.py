@@ -174,7 +174,7 @@ def test_agrees_with_the_cp_async_kernel(head_dim):
         assert np.abs(x - y).max() <= 2e-2 * scale, name  # a few bf16 ulps of the largest value
 
 
-def test_default_is_the_tma_kernel_and_falls_back():
+def test_default_is_the_tma_kernel_and_falls_back(monkeypatch):
     """The planner's choice for aligned plain batches at head dims 64 / 128 is the TMA kernel; a
     broadcast (stride-0) input no tensor map can describe runs the cp.async kernel instead, and a
     caller that forces the TMA kernel gets the error."""
@@ -185,6 +185,15 @@ def test_default_is_the_tma_kernel_and_falls_back():
     from cuflash import backward, plan, tma
     from cuflash.checks import BF16
 
+    planned, plan_and_load = [], backward._plan_and_load
+
+    def spy(*args):  # the main kernel of every plan the calls below take, in order
+        bp, fns = plan_and_load(*args)
+        planned.append(bp.main.spec.family)
+        return bp, fns
+
+    monkeypatch.setattr(backward, "_plan_and_load", spy)
+
     assert plan.plan_backward(batch=1, seqlen_q=64, seqlen_k=64, nheads=2, nheads_kv=2, head_dim=64, dtype="bf16",
                               causal=False, aligned=True, arch="sm_90a").main.spec.family == "flash_bwd_sm90_ws"
     rng = np.random.default_rng(3)
@@ -194,13 +203,17 @@ def test_default_is_the_tma_kernel_and_falls_back():
     dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(BF16))
     with pytest.raises(tma.TensorMapError):
         backward.run(dout, q, k, k, out, lse, tile=plan.BWD_SM90_WS_TILES[64])
+    del planned[:]
     dq, dk, dv = cuflash.attention_backward(dout, q, k, k, out, lse)  # the cp.async kernel
+    assert planned == ["flash_bwd_sm90_ws", "flash_bwd_sm90"]  # the TMA plan, then its fallback
     want = backward.run(dout, q, k, k, out, lse, tile=plan.BWD_SM90_TILES[64])
     for got, ref in zip((dq, dk, dv), want):
         assert not np.isnan(to_f64(got)).any()
         np.testing.assert_allclose(to_f64(got), to_f64(ref), atol=2e-2, rtol=2e-2)
     # deterministic mode falls back to the mma.sync kernel (the cp.async one has no ordered dQ additions)
+    del planned[:]
     a = cuflash.attention_backward(dout, q, k, k, out, lse, deterministic=True)
+    assert planned == ["flash_bwd_sm90_ws", "flash_bwd"]
     b = cuflash.attention_backward(dout, q, k, k, out, lse, deterministic=True)
     for x, y, ref in zip(a, b, want):
         assert bool((x.view(cupy.uint16) == y.view(cupy.uint16)).all())

@@ -49,16 +49,26 @@ def test_matches_sdpa_forward_and_gradients(torch, dtype_name, causal, heads, he
         assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g}"
 
 
-def test_runs_on_torch_current_stream_and_accepts_sdpa_layout_views(torch):
+def test_runs_on_torch_current_stream_and_accepts_sdpa_layout_views(torch, monkeypatch):
     import cuflash.torch as ct
+    from cuflash import launch
 
     q = torch.randn(2, 4, 257, 64, device="cuda", dtype=torch.bfloat16)  # SDPA's (b, h, s, d)
     side = torch.cuda.Stream()
+    streams = []
+    real = launch.launch_record
+
+    def spy(fn, how, record, stream_ptr):  # every kernel of the forward and the backward, on torch's stream
+        streams.append(stream_ptr)
+        real(fn, how, record, stream_ptr)
+
+    monkeypatch.setattr(launch, "launch_record", spy)
     with torch.cuda.stream(side):
         a = q.transpose(1, 2).requires_grad_()  # flash-attn layout view, not contiguous
         out = ct.attention(a, a, a, causal=True)
         out.float().sum().backward()
     side.synchronize()
+    assert len(streams) >= 2 and set(streams) == {side.cuda_stream}, (streams, side.cuda_stream)
     ref = _sdpa(torch, q.transpose(1, 2).double(), q.transpose(1, 2).double(), q.transpose(1, 2).double(), True, 64**-0.5)
     assert (out.double() - ref).abs().max().item() < 2e-2
     assert a.grad is not None and a.grad.shape == a.shape and not torch.isnan(a.grad).any()
@@ -140,7 +150,9 @@ def test_variants_through_autograd(torch):
     torch.manual_seed(11)
     default = torch.cuda.default_generators[torch.cuda.current_device()]
     offset = default.get_offset()
-    kw = dict(causal=True, window_size=(50, -1), softcap=20.0, dropout_p=0.15)
+    # softcap 2 bends these scores (std ~1): in the float64 reference, dropping it moves out and the gradients
+    # by 1.5-3, against this test's bound of ~0.1-0.2 (at softcap 20 they moved 0.06-0.09, under the bound)
+    kw = dict(causal=True, window_size=(50, -1), softcap=2.0, dropout_p=0.15)
     out = ct.attention(q, k, v, alibi_slopes=slopes, **kw)
     out.backward(dout)
     state = (default.initial_seed(), offset)

@@ -420,3 +420,33 @@ def test_varlen_paged_matches_contiguous(kernel, page_size, head_dim):
         varlen.run(q, k_pages, v_pages, cu_q, cu_k, 300, 1000, block_table=bad)
     with pytest.raises(ValueError, match="multiple of 128"):
         varlen.run(q, k_pages[:, :100], v_pages[:, :100], cu_q, cu_k, 300, 1000, block_table=table)
+
+
+def test_varlen_find_seq_on_the_gpu(tmp_path):
+    """varlen.cuh's varlen_find_seq itself (test_varlen_reference models it in Python): for every grid tile
+    of random packed batches (1 to 2000 sequences: one to three levels of its 32-way search, lengths 0
+    included) the sequence it names is the largest b with cu[b] / block + b <= t; a bad cu[0] >= block
+    (unchecked input) names sequence 0 for the tiles before it, never -1."""
+    import cupy
+
+    from cuflash import jit
+    from nvrtc_util import FIND_SEQ_SOURCE, find_seq_owners
+
+    for name, body in jit.included_headers(FIND_SEQ_SOURCE).items():  # (the headers as cuflash hands them to NVRTC)
+        (tmp_path / name).write_text(body)
+    kernel = cupy.RawModule(code=FIND_SEQ_SOURCE, options=("-std=c++17", f"-I{tmp_path}")).get_function(
+        "cuflash_test_find_seq")  # fmt: skip
+    rng = np.random.default_rng(4)
+    cases = [(int(rng.choice([64, 128])), np.concatenate([[0], np.cumsum(rng.integers(0, 400, size=n))]).tolist())
+             for n in (1, 2, 31, 32, 33, 100, 1023, 1024, 1025, 2000)]  # fmt: skip
+    cases += [(128, [256, 300, 400]), (64, [0, 0, 0, 5000, 5000])]  # cu[0] >= block; empty sequences then a long one
+    for block, cu in cases:
+        batch, total = len(cu) - 1, cu[-1]
+        n_slots = total // block + batch + 2  # past the last tile too
+        out = cupy.full(n_slots, -7, dtype=cupy.int32)
+        warps = 8
+        kernel(((n_slots + warps - 1) // warps,), (32 * warps,),
+               (cupy.asarray(cu, dtype=cupy.int32), np.int32(batch), np.int32(total), np.int32(block), np.int32(n_slots), out))  # fmt: skip
+        got = out.get().tolist()
+        want = find_seq_owners(cu, total, block, n_slots)
+        assert got == want, (block, batch, [(t, g, w) for t, (g, w) in enumerate(zip(got, want)) if g != w][:5])

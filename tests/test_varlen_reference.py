@@ -221,3 +221,11 @@ def test_varlen_search_model_never_names_sequence_minus_one():
         want = [(b, m) for b, n in enumerate(lengths) for m in range(-(-int(n) // block))]
         assert sorted(owned) == want
     slots([256, 300, 400], 400, 128)  # cu[0] >= block: no sequence -1
+
+
+def test_find_seq_test_kernel_compiles():
+    """The kernel test_varlen_gpu runs varlen_find_seq through compiles against varlen.cuh (NVRTC, no GPU)."""
+    pytest.importorskip("cupy")
+    from nvrtc_util import FIND_SEQ_SOURCE, compile_static_asserts
+
+    compile_static_asserts(FIND_SEQ_SOURCE.splitlines(), "find_seq.cu", arch="sm_80")
