@@ -144,7 +144,7 @@ def _known_arch(arch: str) -> str:
         return a
     if plan.arch_number(a) not in supported:
         major, minor = nvrtc.getVersion()
-        known = ", ".join(plan.parse_arch(f"sm_{n}") for n in supported if n in plan.KNOWN_ARCHS)
+        known = ", ".join(plan.parse_arch(f"sm_{n}") for n in supported if n in plan.KNOWN_ARCHS) or "none"
         raise ValueError(f"NVRTC {major}.{minor} cannot compile for {a} (of cuflash's targets it knows {known})")
     return a
 
@@ -529,24 +529,26 @@ def bench(ctx, **options):
             decode, varlen, e2e = kind == "decode", kind == "varlen", kind == "e2e"
             variant = ("all",) if kind == "variant" else variant
         elif kind != mode:
+            give = f", or give {SAVED_RUN_FLAGS[kind].strip()}" if kind != "prefill" else ""
             raise click.UsageError(f"{from_json} holds a `cuflash bench{SAVED_RUN_FLAGS[kind]} --json` run, not a "
-                                   f"`cuflash bench{SAVED_RUN_FLAGS[mode]}` one: leave out the mode flag, or give "
-                                   f"{SAVED_RUN_FLAGS[kind].strip() or 'none'}")  # fmt: skip
+                                   f"`cuflash bench{SAVED_RUN_FLAGS[mode]}` one: leave out the mode flag{give}")  # fmt: skip
+    # (what sizes a new run, --window, --op of the modes that time fwd / bwd apart, ..., a redraw ignores)
+    replot = from_json is not None
     if e2e and (varlen or decode or variant):
         raise click.UsageError("--e2e trains and runs whole models; it does not combine with --varlen, --decode or --variant")
     if models and not e2e:
         raise click.UsageError("--model applies to --e2e only")
-    if not ({"window", "all"} & set(variant)) and _given(ctx, "window"):
+    if not replot and not ({"window", "all"} & set(variant)) and _given(ctx, "window"):
         raise click.UsageError("--window applies to --variant window (or all) only")
     if varlen and (decode or variant):
         raise click.UsageError("--varlen times packed prefill batches; it does not combine with --decode or --variant")
-    if varlen and options["op"] == "fwd+bwd":
+    if not replot and varlen and options["op"] == "fwd+bwd":
         raise click.UsageError("--varlen times --op fwd, bwd or all (forward and backward apart)")
     if not decode and (batch or kv_heads):
         raise click.UsageError("--batch and --kv-heads apply to --decode only")
     if variant and decode:
         raise click.UsageError("--variant times prefill (forward, backward); decode variants are not benchmarked here")
-    if variant and options["op"] == "fwd+bwd":
+    if not replot and variant and options["op"] == "fwd+bwd":
         raise click.UsageError("--variant times --op fwd, bwd or all (forward and backward apart)")
     module = ("cuflash.bench_decode" if decode else "cuflash.bench_variants" if variant else
               "cuflash.bench_varlen" if varlen else "cuflash.bench_e2e" if e2e else "cuflash.bench")  # fmt: skip

@@ -891,7 +891,8 @@ def test_bench_from_json_of_the_other_kind(tmp_path, gpu_never_asked):
     assert r.exit_code == 0, r.output
     assert bd.format_decode_table([bd.DecodeRow(**x) for x in json.loads(decode_run.read_text())["decode"]], ENV) in r.output
     r = invoke(["bench", "--decode", "--from-json", str(_saved_prefill_run(tmp_path / "p.json"))])
-    assert r.exit_code == 2 and "holds a `cuflash bench --json` run, not a `cuflash bench --decode` one" in r.output
+    assert r.exit_code == 2 and "holds a `cuflash bench --json` run, not a `cuflash bench --decode` one: leave out " \
+        "the mode flag\n" in r.output, r.output
     varlen_run = tmp_path / "v.json"
     bench.save_run(str(varlen_run), ENV, [], benchmark="varlen")
     r = invoke(["bench", "--decode", "--from-json", str(varlen_run)])
@@ -1011,6 +1012,10 @@ def test_bench_varlen_from_json_and_usage(tmp_path, gpu_never_asked):
     r = invoke(["bench", "--varlen", "--from-json", str(path)])
     assert r.exit_code == 0, r.output
     assert r.output.strip() == bench_varlen.format_table(rows, ENV).strip()
+    # without the mode flag, and with what sizes a new run only (a redraw ignores it: no error about flags not typed)
+    for extra in ([], ["--op", "fwd+bwd"], ["--window", "5"]):
+        r = invoke(["bench", "--from-json", str(path), *extra])
+        assert r.exit_code == 0 and r.output.strip() == bench_varlen.format_table(rows, ENV).strip(), (extra, r.output)
     assert "fwd: cuflash varlen / cuflash equal over 1 points: median 0.952" in r.output
     assert "fwd: cuflash varlen / flex over 1 points: median 1.333" in r.output
     assert "note: flex at bwd hd128 mean=2048: RuntimeError: no" in r.output
