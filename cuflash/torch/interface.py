@@ -217,16 +217,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
              ("alibi_slopes", alibi_slopes))  # fmt: skip
     for name, t in named:
         _tensor(name, t, optional=True)
-    lengths, length_int = (cache_seqlens, -1) if isinstance(cache_seqlens, torch.Tensor) else (None, -1)
-    if cache_seqlens is not None and lengths is None:
+    lengths, length_int = None, -1  # a tensor (batch,), or one int for every sequence (-1: full caches)
+    if isinstance(cache_seqlens, torch.Tensor):
+        lengths = _tensor("cache_seqlens", cache_seqlens)
+    elif cache_seqlens is not None:
         try:
             length_int = operator.index(cache_seqlens)
         except TypeError:
             raise ValueError(f"cache_seqlens must be an int or an int32 tensor (batch,), got {cache_seqlens!r}") from None
-    if lengths is not None:
-        _tensor("cache_seqlens", lengths)
-    elif cache_seqlens is not None and length_int < 0:
-        raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+        if length_int < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
     left, right = _window(window_size)
     out, lse = ops.kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths, length_int,
                                cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
