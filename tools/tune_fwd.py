@@ -76,6 +76,9 @@ SM90_WS_CANDIDATES[128] += [W(192, 80, pingpong=False), W(192, 80, 3, pingpong=F
 # hd128's 192 x 64: what its default tile is with dropout's key tiles (multiples of 32: plan.fit_key_tile)
 SM90_WS_CANDIDATES[64] += [W(192, 64, pingpong=False), W(192, 64, 3, pingpong=False)]
 SM90_WS_CANDIDATES[128] += [W(192, 64, pingpong=False)]
+# hd64's short keys on 3 consumer warpgroups, persistent: 64 or 96 keys per tile fit 160 registers without
+# spills (192 x 128 persistent parks ~80 bytes: session 11); more warps per scheduler for the softmax's latencies
+SM90_WS_CANDIDATES[64] += [P(192, 64, pingpong=False), P(192, 96, pingpong=False)]
 # Ping-pong again once the softmax really overlaps P V inside a warpgroup (session 17): FlashAttention-3's
 # hd256 tile with it (head dims 64 and 128 have theirs above)
 SM90_WS_CANDIDATES[256] += [W(128, 80)]
