@@ -747,12 +747,12 @@ def test_persistent_launch_needs_its_group():
 
 
 def test_short_keys_take_the_short_key_tma_forward():
-    """Keys up to SHORT_KEYS[bucket] (hd64: 1024; hd128: 2048, causal 4096; hd256: 512) take
+    """Keys up to SHORT_KEYS[bucket] (hd64: 1024, causal 2048; hd128: 2048, causal 4096; hd256: 512) take
     FWD_SM90_WS_SHORT_TILES' tile (hd64 and hd128 persistent, hd256 a per-tile launch of 64-key tiles),
     longer ones the default tile; packed batches by their longest sequence (max_seqlen_k; unknown: the
     default)."""
     kw = dict(batch=2, seqlen_q=700, nheads=4, nheads_kv=4, dtype="fp16", aligned=True, arch="sm_90a", sm_count=132)
-    assert plan.SHORT_KEYS == {64: (1024, 1024), 128: (2048, 4096), 256: (512, 512)}
+    assert plan.SHORT_KEYS == {64: (1024, 2048), 128: (2048, 4096), 256: (512, 512)}
     assert set(plan.FWD_SM90_WS_SHORT_TILES) == set(plan.SHORT_KEYS) == {64, 128, 256}
     assert plan.FWD_SM90_WS_SHORT_TILES[256] == plan.Sm90WsTile(128, 64, pingpong=False)
     for d, short in plan.FWD_SM90_WS_SHORT_TILES.items():

@@ -216,7 +216,7 @@ FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
 #: Keys per sequence up to which FWD_SM90_WS_SHORT_TILES run, per head-dim bucket: (non-causal, causal).
 #: hd128 non-causal from 4096 keys: the 192-row default tile (621 against 602-616 TFLOP/s at 4096, session 17,
 #: the fix's first build).
-SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 1024), 128: (2048, 4096), 256: (512, 512)}
+SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 2048), 128: (2048, 4096), 256: (512, 512)}
 
 
 #: Keys per sequence from which the default tile runs in clusters of 2 CTAs that share each K/V tile by
