@@ -215,7 +215,9 @@ FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
 
 #: Keys per sequence up to which FWD_SM90_WS_SHORT_TILES run, per head-dim bucket: (non-causal, causal).
 #: hd128 non-causal from 4096 keys: the 192-row default tile (621 against 602-616 TFLOP/s at 4096, session 17,
-#: the fix's first build).
+#: the fix's first build). hd64 causal to 2048 keys: the persistent 128 x 128 against the 192 x 128 default
+#: at 2048 causal keys 353 / 340 / 341 against 344 / 333 / 340 TFLOP/s (three rounds, session 31), at 4096
+#: 375 / 382 against 401 / 407.
 SHORT_KEYS: dict[int, tuple[int, int]] = {64: (1024, 2048), 128: (2048, 4096), 256: (512, 512)}
 
 
