@@ -165,7 +165,10 @@ _PTXAS_RE = {
 #: serialized (a non-wgmma write to an accumulator inside a pipeline stage); C7513, the same for a
 #: wgmma's other input registers (the A fragments of P V, session 24's look-ahead: 0.66x); C7517, a
 #: wait injected before registers a wgmma still defines are used. Each cost the TMA forward 20% and more.
-_WGMMA_NOTES = {"wgmma_serialized": "(C7515)", "wgmma_inputs_serialized": "(C7513)", "wgmma_waits_injected": "(C7517)"}
+#: C7512, every wgmma serialized for want of registers (the TMA backward's 128-row query blocks with dV
+#: issued before dS^T, as at 64 rows: a wait after each wgmma and 48 bytes parked).
+_WGMMA_NOTES = {"wgmma_serialized": "(C7515)", "wgmma_inputs_serialized": "(C7513)", "wgmma_waits_injected": "(C7517)",
+                "wgmma_serialized_registers": "(C7512)"}
 
 
 def parse_ptxas_report(log: str) -> dict[str, int]:

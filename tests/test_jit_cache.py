@@ -753,6 +753,9 @@ def test_parse_ptxas_report():
               "due to non wgmma instructions defining input registers of a wgmma between start and end of the "
               "pipeline stage in the function 'k'\nptxas info    : Used 168 registers, used 1 barriers")  # fmt: skip
     assert jit.parse_ptxas_report(inputs) == {"registers": 168, "wgmma_inputs_serialized": 1}
+    registers = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                 "due to insufficient register resources for the function 'k'\nptxas info    : Used 168 registers")
+    assert jit.parse_ptxas_report(registers) == {"registers": 168, "wgmma_serialized_registers": 1}
 
 
 _WAIT_INJECTED_KERNEL = r"""
