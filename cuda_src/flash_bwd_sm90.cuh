@@ -39,10 +39,12 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0>
+template <int kHeadDim_, int kBlockN_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0, int kBlockM_ = 64>
 struct Sm90BwdConfig {
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kBlockM = 64;  // query rows per iteration: the N of S^T, one wgmma M of dQ
+    // Query rows per iteration: the N of S^T; 64 is one wgmma M of dQ, 128 (the warp-specialized kernel at
+    // head dim 64 only) is one per warpgroup, so each warpgroup's dQ part is its 64 rows x every column.
+    static constexpr int kBlockM = kBlockM_;
     static constexpr int kBlockN = kBlockN_;
     static constexpr bool kIsBF16 = kIsBF16_;
     static constexpr bool kIsCausal = kIsCausal_;
@@ -52,7 +54,9 @@ struct Sm90BwdConfig {
     static constexpr int kNWarps = 8;  // two warpgroups
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kChunksPerRow = kHeadDim / 8;  // load_tile_sw128
-    static constexpr int kDQCols = kHeadDim / 2;        // dQ (and, split, dK / dV) columns per warpgroup
+    // dQ (and, split, dK / dV) columns per warpgroup: a head-dim half of all kBlockM = 64 rows, or all
+    // columns of the warpgroup's 64 rows (kBlockM = 128)
+    static constexpr int kDQCols = kBlockM == 128 ? kHeadDim : kHeadDim / 2;
 
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
@@ -66,6 +70,8 @@ struct Sm90BwdConfig {
                   "dK + dV accumulators: at most 128 registers per thread");
     static_assert(kBlockN == 128 || kBlockN == 64, "keys per CTA: 64 per warpgroup, or 64 split");
     static_assert(kDQCols % 32 == 0, "dQ halves are whole wgmma N blocks");
+    static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64 && !kSplit),
+                  "128 query rows: S^T and dP^T take 64 registers each, so only head dim 64's dK and dV fit beside them");
 };
 
 // Shared memory of both Hopper backward kernels (Sm90BwdConfig::kSmemBytes, 1024-byte aligned):

@@ -9,7 +9,7 @@
 // convert kernels run around this one unchanged.
 //
 // Grid  (ceil(seqlen_k / kBlockN), nheads_kv, batch): CTA (n, hk, b) owns keys [kBlockN n, ...) and
-//       walks every (query head of the group, query block of 64 rows) that sees them (BwdQueryWalk).
+//       walks every (query head of the group, query block of kBlockM = 64 or 128 rows) that sees them (BwdQueryWalk).
 //       Packed varlen batches: (scheduler slots over the packed keys, nheads_kv, 1), varlen.cuh.
 //       Persistent (kPersistent: plain batches, head dims 64 and 128, atomic dQ): min(items, SMs) CTAs; CTA c
 //       starts with item c of the per-key-block grid's (n, hk, b) in its order (bwd_ws_item), and each later
@@ -26,9 +26,10 @@
 //              i of it key rows 64 c + 16 i + (g, g + 8) of every accumulator (g = lane / 4). dK, dV
 //              accumulate in registers for the whole walk.
 //
-//   shared memory:  K, V [kBlockN x d] | Q[kStages], dO[kStages] [64 x d] | dS^T[2] [kBlockN x 64]
-//                   (split: P^T[b], dS^T[b] [64 x 64] for b = 0, 1) | (lse_log2, D)[kStages] [64 + 64
-//                   floats] | mbarriers (tiles in 64-column atoms of the 128-byte swizzle, 1024-byte aligned)
+//   shared memory:  K, V [kBlockN x d] | Q[kStages], dO[kStages] [kBlockM x d] | dS^T[2] [kBlockN x kBlockM]
+//                   (split: P^T[b], dS^T[b] [64 x 64] for b = 0, 1) | (lse_log2, D)[kStages] [kBlockM +
+//                   kBlockM floats] | mbarriers (tiles in 64-column atoms of the 128-byte swizzle, 1024-byte
+//                   aligned)
 //
 // Schedule of one query block (head dims 64, 128; per consumer warpgroup; groups complete in issue order):
 //
@@ -42,6 +43,16 @@
 // is double buffered: a warpgroup writes buffer (it + 2) % 2 only after the barrier of block it + 1,
 // which the other warpgroup reaches after its dQ of block it completed (it counts the CTA's query
 // blocks over all its items).
+//
+// Head dim 64 with query blocks of 128 rows (kBlockM = 128, FlashAttention-3's tile there): S^T, dP^T are
+// wgmma m64n128 (64 fp32 registers each), dS^T is two 64-query atoms [kBlockN x 64] per buffer, and each
+// warpgroup's dQ part is its own 64 query rows x all 64 columns (A = its atom of dS^T, 32 registers) instead
+// of a column half of all rows, so dq_accum holds 8 warps of 16 rows x 64 columns per block. The fp32 tiles
+// leave no room for dV's operands while dS^T is formed: P^T is packed with dS^T and dV issued with dK after
+// it (no softcap: dV's P^T is dS^T's, dropped and scaled with dropout):
+//
+//   wait slot full | issue S^T | issue dP^T | wait S^T | P^T (fp32, in S) | wait dP^T
+//   dS^T and P^T -> A fragments, dS^T -> smem | issue dV += P^T dO, dK += dS^T Q | barrier | dQ ... as above
 //
 // Preconditions (cuflash/plan/backward.py picks this kernel only then): sm_90a; head-dim bucket 64,
 // 128 or 256; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules). Deterministic mode
@@ -83,9 +94,10 @@ struct BwdTmaParams {
 };
 static_assert(sizeof(BwdTmaParams) == 512 + (sizeof(BwdParams) + 63) / 64 * 64, "p starts at byte 512, after the maps");
 
-template <int kHeadDim_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0, int kStages_ = 2, bool kPersistent_ = false>
-struct Sm90WsBwdConfig : Sm90BwdConfig<kHeadDim_, kHeadDim_ == 256 ? 64 : 128, kIsBF16_, kIsCausal_, kMods_> {
-    using Base = Sm90BwdConfig<kHeadDim_, kHeadDim_ == 256 ? 64 : 128, kIsBF16_, kIsCausal_, kMods_>;
+template <int kHeadDim_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0, int kStages_ = 2, bool kPersistent_ = false,
+          int kBlockM_ = 64>
+struct Sm90WsBwdConfig : Sm90BwdConfig<kHeadDim_, kHeadDim_ == 256 ? 64 : 128, kIsBF16_, kIsCausal_, kMods_, kBlockM_> {
+    using Base = Sm90BwdConfig<kHeadDim_, kHeadDim_ == 256 ? 64 : 128, kIsBF16_, kIsCausal_, kMods_, kBlockM_>;
     static constexpr int kStages = kStages_;
     // One CTA per SM walks its items (key blocks, taken from a counter): the next item's K / V and
     // first query blocks load while this one's last blocks and dK / dV stores run (pair consumers, plain
@@ -275,8 +287,20 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
     const u64 desc_do0 = sw128_desc(sm.do0, 16);
     const u64 desc_q0_n = sw128_desc(sm.q0, kBlockM * 128);
     const u64 desc_do0_n = sw128_desc(sm.do0, kBlockM * 128);
-    const u64 desc_ds0 = sw128_desc(sm.ds0, kBlockN * 128);
-    const u64 desc_k_dq = sw128_desc(sm.k + (cwg * Cfg::kDQCols / 64) * kBlockN * 128 + (cwg * Cfg::kDQCols % 64) * 2, kBlockN * 128);
+    // dQ: 64 query rows (kBlockM = 64: all of them, kBlockM = 128: this warpgroup's, dS^T's 64-query atom cwg)
+    // x kDQCols columns of K (kBlockM = 64: from column cwg kDQCols, whole atoms at hd128, half an atom at
+    // hd64; kBlockM = 128: all of them).
+    constexpr bool kRowsPerWg = kBlockM == 128;
+    // 128 query rows: S^T and dP^T take 64 registers each, so the P^T fragments are packed and dV issued only
+    // after dS^T (FlashAttention-3's order): issued before it, as at 64 rows, dV's operands stay live beside
+    // both fp32 tiles and ptxas serializes every wgmma for want of registers. (Softcap: dV takes P^T, dS^T
+    // P^T (1 - tanh^2), two fp32 tiles; the planner keeps those calls at 64 rows.)
+    constexpr bool kLatePack = kRowsPerWg;
+    static_assert(!kLatePack || !Mask::kSoftcap, "128 query rows: dV's P^T is derived from dS^T's");
+    const u64 desc_ds0 = kRowsPerWg ? sw128_desc(sm.ds0 + cwg * kBlockN * 128, kBlockN * 128) : sw128_desc(sm.ds0, kBlockN * 128);
+    const u64 desc_k_dq = kRowsPerWg ? sw128_desc(sm.k, kBlockN * 128)
+                                     : sw128_desc(sm.k + (cwg * Cfg::kDQCols / 64) * kBlockN * 128 + (cwg * Cfg::kDQCols % 64) * 2,
+                                                  kBlockN * 128);
     constexpr u64 kQStage = Cfg::kTileBytesQ >> 4, kDsBuf = Cfg::kTileBytesDS >> 4;
 
     float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];
@@ -325,19 +349,24 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
                                     m0 + col, m0 + 2 * t, offset, seq.len_k(p), pv, pd, kept);
                 S[nb][2 * r] = pd[0];  // (kept for dS^T)
                 S[nb][2 * r + 1] = pd[1];
-                a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pv[0], pv[1]);
+                if constexpr (!kLatePack) a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pv[0], pv[1]);
             }
         }
 
-        // ---- dV += P^T dO (in flight while dS^T is formed)
-        wgmma_fence();
-        wgmma_rs_ksteps<kHeadDim, kBF16>(acc_dv, a_p, desc_do0_n + st * kQStage);
-        wgmma_commit();
-        wgmma_wait<1>();  // dP^T landed; dV may still run
+        if constexpr (!kLatePack) {
+            // ---- dV += P^T dO (in flight while dS^T is formed)
+            wgmma_fence();
+            wgmma_rs_ksteps<kHeadDim, kBF16>(acc_dv, a_p, desc_do0_n + st * kQStage);
+            wgmma_commit();
+            wgmma_wait<1>();  // dP^T landed; dV may still run
+        } else {
+            wgmma_wait<0>();  // dP^T landed
+        }
         wgmma_fence_operands(dp_acc);
 
         // ---- dS^T = P^T (dP^T - D[i]), to A fragments and smem (variants: P^T (1 - tanh^2) (Z dP^T / q - D[i]),
-        //      q the keep probability)
+        //      q the keep probability); late pack: P^T's A fragments too (from the fp32 P^T, which is what dV takes
+        //      without softcap: dropout drops and scales it here)
 #pragma unroll
         for (int nb = 0; nb < kNB; ++nb) {
             const int col = 8 * nb + 2 * t;
@@ -347,14 +376,30 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
                 const u32 ds = pack2<kBF16>(bwd_sm90_ds<Cfg>(mods, S[nb][2 * r], dP[nb][2 * r], dd.x, mods.kept(nb, r, 0)),
                                             bwd_sm90_ds<Cfg>(mods, S[nb][2 * r + 1], dP[nb][2 * r + 1], dd.y, mods.kept(nb, r, 1)));
                 a_ds[nb / 2][2 * (nb % 2) + r] = ds;
+                if constexpr (kLatePack) {
+                    float pv0 = S[nb][2 * r], pv1 = S[nb][2 * r + 1];
+                    if constexpr (Mask::kDropout) {
+                        pv0 = mods.dropped_p(pv0, mods.kept(nb, r, 0));
+                        pv1 = mods.dropped_p(pv1, mods.kept(nb, r, 1));
+                    }
+                    a_p[nb / 2][2 * (nb % 2) + r] = pack2<kBF16>(pv0, pv1);
+                }
             }
+        }
+        if constexpr (kLatePack) {
+            // ---- dV += P^T dO (in flight with dK below)
+            wgmma_fence();
+            wgmma_rs_ksteps<kHeadDim, kBF16>(acc_dv, a_p, desc_do0_n + st * kQStage);
+            wgmma_commit();
         }
         // dS^T to smem, one stmatrix per 16 queries: matrix m of call kk holds 8-query block 2 kk + m / 2,
         // key rows 8 (m % 2) ..+ 8 (a_ds[kk][m]); lane 8 m + i addresses key row warp_key0 + 8 (m % 2) + i,
-        // chunk 2 kk + m / 2 swizzled by the row (i).
+        // chunk 2 (kk % 4) + m / 2 of 64-query atom kk / 4, swizzled by the row (i).
 #pragma unroll
         for (int kk = 0; kk < kQSteps; ++kk) {
-            stmatrix_x4(s_ds + st_row * 128 + ((st_chunk ^ (2 * kk)) << 4), a_ds[kk][0], a_ds[kk][1], a_ds[kk][2], a_ds[kk][3]);
+            const u32 atom = kRowsPerWg ? s_ds + (kk / 4) * kBlockN * 128 : s_ds;
+            stmatrix_x4(atom + st_row * 128 + ((st_chunk ^ (2 * (kk % 4))) << 4), a_ds[kk][0], a_ds[kk][1], a_ds[kk][2],
+                        a_ds[kk][3]);
         }
 
         // ---- dK += dS^T Q, then dQ part = dS K over the CTA's keys once both halves of dS^T are in smem

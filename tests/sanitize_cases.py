@@ -253,6 +253,10 @@ def hopper_bwd_cases(rng, arch):
         (B(persistent=True), (64, 4400, 128, "bf16", False, {})),
         (B(stages=3, persistent=True), (130, 4400, 64, "bf16", False, dict(window_size=(300, 0)))),
         (B(persistent=True), (700, 4400, 64, "fp16", True, {})),  # causal: 140 items, 8 from the counter
+        # head dim 64's 128-row query blocks: dS^T in two atoms, each warpgroup's own dQ rows; a window, dropout
+        (B(block_m=128, stages=3), (300, 200, 64, "bf16", True, {})),
+        (B(block_m=128), (130, 900, 56, "fp16", False, dict(window_size=(100, 0), dropout_p=0.2))),
+        (B(block_m=128, persistent=True), (260, 4400, 64, "bf16", False, {})),
     ):  # fmt: skip
         q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, d, dt)
         check_backward(q, k, v, causal=causal, dtype=dt, tile=tile, rng=rng, **kw)

@@ -182,6 +182,35 @@ def test_warp_specialized_backward_where_it_can(head_dim):
         _bwd_plan(head_dim, tile=plan.BwdSm90WsTile(block_n=n, stages=5))
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_warp_specialized_backward_128_query_rows(persistent):
+    """Head dim 64's 128-row query blocks: each consumer warpgroup's dQ part is its own 64 rows x all 64
+    columns (8 warps of 16 rows in the convert kernel's layout), the scratch rows pad to 128, the boxes of
+    q and dout are 128 rows; the 64-row tiles' template arguments stay what they were."""
+    tile = plan.BwdSm90WsTile(block_m=128, stages=3, persistent=persistent)
+    bp = plan.plan_backward(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=64, dtype="bf16",
+                            causal=True, aligned=True, arch="sm_90a", tile=tile, sm_count=132)  # fmt: skip
+    spec = bp.main.spec
+    assert spec.template_args() == f"64, true, true, 0, 3, {'true' if persistent else 'false'}, 128"
+    assert "_bm128_" in spec.name
+    assert bp.num_m_blocks == 8 and bp.seqlen_q_pad == 1024
+    assert tile.dq_q_warps == 8 and tile.warp_tiles(64)["dq"] == (16, 64)
+    assert plan.BWD_SM90_WS_TILES[64].dq_q_warps == 4 and plan.BWD_SM90_WS_TILES[64].warp_tiles(64)["dq"] == (16, 32)
+    ring = 8 * 4 + 8 + 32 if persistent else 0
+    smem = 1024 + 2 * 128 * 64 * 2 + 2 * 3 * 128 * 64 * 2 + 2 * 128 * 128 * 2 + 3 * 1024 + 8 * (2 + 2 * 3) + ring
+    assert bp.main.smem_bytes == smem <= 227 * 1024
+    for mods in (plan.MOD_WINDOW, plan.MOD_ALIBI, plan.MOD_DROPOUT, plan.MOD_WINDOW | plan.MOD_VARLEN):
+        if not (persistent and mods):
+            assert plan.bwd_sm90_ws_spec(64, "fp16", False, tile, mods).template_args().endswith(", 128")
+    with pytest.raises(ValueError, match="softcap calls run 64-row blocks"):
+        plan.bwd_sm90_ws_spec(64, "bf16", False, plan.BwdSm90WsTile(block_m=128), plan.MOD_SOFTCAP)
+    for d in (128, 256):
+        with pytest.raises(ValueError, match="x 128 queries at head dim 64"):
+            plan.bwd_sm90_ws_spec(d, "bf16", False, plan.BwdSm90WsTile(block_m=128, block_n=64 if d == 256 else 128))
+    with pytest.raises(ValueError, match="shared memory"):  # 4 stages of 128-row Q and dO do not fit
+        plan.bwd_sm90_ws_spec(64, "bf16", False, plan.BwdSm90WsTile(block_m=128, stages=4))
+
+
 def test_warp_specialized_backward_tile_errors():
     with pytest.raises(ValueError, match="no warp-specialized backward tile"):
         _bwd_plan(192, tile=plan.BwdSm90WsTile())

@@ -4,6 +4,7 @@ FlashAttention-2 backward, to choose the rows of BWD_TILES.
     python tools/tune_bwd.py --hd 128 [--seqlen 1024 4096] [--tiles "64,128,8,2,4,4,2" ...]
     python tools/tune_bwd.py --hd 128 --sm90     (the Hopper kernels: TMA at 2 and 3 stages, cp.async)
     python tools/tune_bwd.py --hd 128 --sm90 --persistent   (TMA at 2-4 stages, per key block and persistent)
+    python tools/tune_bwd.py --hd 64 --sm90 --block-m 64 128   (the TMA tiles with 64- and 128-row query blocks)
 A tile is block_m,block_n,warps,stages,s_key_warps,kv_key_warps,dq_q_warps. Every tile is first
 checked against the float64 reference on a ragged GQA case; then one line per (tile, causal,
 seqlen) and, last, the median ratio per tile.
@@ -49,15 +50,17 @@ def main():
     ap.add_argument("--persistent", action="store_true",
                     help="with --sm90: the warp-specialized tiles at 2-4 stages, each per key block and persistent "
                          "(head dims 64 and 128), without the cp.async kernel")
+    ap.add_argument("--block-m", type=int, nargs="+", default=[64],
+                    help="with --sm90: the warp-specialized tiles' query rows per block (128: head dim 64 only)")
     a = ap.parse_args()
     if a.sm90:
         ws = plan.BWD_SM90_WS_TILES.get(a.hd)  # its block_n (64 at head dim 256); every ring depth that fits
         persistent = (False, True) if a.persistent and a.hd in (64, 128) else (False,)
-        tiles = [dataclasses.replace(ws, stages=st, persistent=pe) for st in ((2, 3, 4) if a.persistent else (2, 3))
-                 for pe in persistent
-                 if ws and plan.bwd_sm90_ws_smem_bytes(a.hd, dataclasses.replace(ws, stages=st, persistent=pe))
+        tiles = [dataclasses.replace(ws, stages=st, persistent=pe, block_m=bm) for bm in a.block_m
+                 for st in ((2, 3, 4) if a.persistent else (2, 3)) for pe in persistent
+                 if ws and plan.bwd_sm90_ws_smem_bytes(a.hd, dataclasses.replace(ws, stages=st, persistent=pe, block_m=bm))
                  <= plan.max_smem_bytes("sm_90a")]  # fmt: skip
-        if not a.persistent:
+        if not a.persistent and a.block_m == [64]:
             tiles.append(plan.BWD_SM90_TILES[a.hd])
     else:
         tiles = [plan.BwdTile(*map(int, t.split(","))) for t in a.tiles] or [plan.BWD_TILES[a.hd]]

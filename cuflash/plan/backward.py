@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, MOD_VARLEN, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
+    DTYPES, HEAD_DIM_BUCKETS, MOD_SOFTCAP, MOD_VARLEN, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
     check_mods, head_dim_bucket, load_tag, max_smem_bytes, mods_arg,
 )  # fmt: skip
 
@@ -204,8 +204,9 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {64: BwdSm90Tile(), 128: BwdSm90Tile(),
 @dataclass(frozen=True)
 class BwdSm90WsTile(_Sm90DqLayout):
     """Tile of the warp-specialized Hopper backward (cuda_src/flash_bwd_sm90_ws.cuh): query blocks of
-    64 rows, ``block_n`` keys per CTA (128: one consumer warpgroup per 64 keys; 64 for head dim 256:
-    the consumer warpgroups split the keys of S and the head dim of dK, dV, dQ), and a producer
+    ``block_m`` rows (64; 128 at head dim 64, where each consumer warpgroup's dQ part is its 64 rows and
+    not a head-dim half), ``block_n`` keys per CTA (128: one consumer warpgroup per 64 keys; 64 for head
+    dim 256: the consumer warpgroups split the keys of S and the head dim of dK, dV, dQ), and a producer
     warpgroup that issues TMA loads into a ring of ``stages`` query-block slots."""
 
     block_n: int = 128
@@ -219,6 +220,13 @@ class BwdSm90WsTile(_Sm90DqLayout):
     @property
     def warps(self) -> int:
         return 12  # a producer warpgroup and two consumer warpgroups
+
+    @property
+    def dq_q_warps(self) -> int:
+        return self.block_m // 16  # warp w of the consumers: rows 16 (w % 4) (64) or 16 w (128)
+
+    def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
+        return {"dq": (16, head_dim_bucket if self.block_m == 128 else head_dim_bucket // 2)}
 
 
 #: Warp-specialized Hopper backward tiles: the default backward main kernel on sm_90a for aligned
@@ -292,8 +300,10 @@ class BwdSm90WsSpec(HopperSpec):
 
     def template_args(self) -> str:
         b = cpp_bool
-        persistent = f", {b(True)}" if self.tile.persistent else ""
-        return f"{self.head_dim}, {b(self.dtype == 'bf16')}, {b(self.causal)}, {self.mods}, {self.tile.stages}{persistent}"
+        t = self.tile
+        # (the 64-row tiles' arguments stay what they were before block_m was one: the same sources and cubins)
+        tail = f", {b(t.persistent)}, {t.block_m}" if t.block_m != 64 else (f", {b(True)}" if t.persistent else "")
+        return f"{self.head_dim}, {b(self.dtype == 'bf16')}, {b(self.causal)}, {self.mods}, {t.stages}{tail}"
 
 
 def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTile | None = None,
@@ -303,10 +313,13 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
     if bucket not in BWD_SM90_WS_TILES:
         raise ValueError(f"no warp-specialized backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_WS_TILES)})")
     tile = tile or BWD_SM90_WS_TILES[bucket]
-    if (tile.block_n != (64 if bucket == 256 else 128) or tile.block_m != 64 or not 2 <= tile.stages <= 4
-            or tile.min_blocks != 1):  # fmt: skip
+    if (tile.block_n != (64 if bucket == 256 else 128) or tile.block_m not in ((64, 128) if bucket == 64 else (64,))
+            or not 2 <= tile.stages <= 4 or tile.min_blocks != 1):  # fmt: skip
         raise ValueError("the warp-specialized backward runs 128 keys (64 for head dim 256) x 64 queries, 2 to 4 "
-                         f"stages, min_blocks 1; got {tile}")  # fmt: skip
+                         f"stages, min_blocks 1 (or x 128 queries at head dim 64); got {tile}")  # fmt: skip
+    if tile.block_m == 128 and mods & MOD_SOFTCAP:
+        raise ValueError("the warp-specialized backward's 128-row query blocks derive dV's P^T from dS^T's, which "
+                         "softcap multiplies by 1 - tanh^2: softcap calls run 64-row blocks")  # fmt: skip
     if tile.persistent and (bucket == 256 or mods & MOD_VARLEN):
         raise ValueError("the persistent warp-specialized backward runs head dims 64 and 128 on plain batches "
                          f"(not packed ones); got head dim {head_dim}, mods {mods}")  # fmt: skip
