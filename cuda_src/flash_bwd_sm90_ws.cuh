@@ -51,7 +51,7 @@
 // leave no room for dV's operands while dS^T is formed: P^T is packed with dS^T and dV issued with dK after
 // it (no softcap: dV's P^T is dS^T's, dropped and scaled with dropout):
 //
-//   wait slot full | issue S^T | issue dP^T | wait S^T | P^T (fp32, in S) | wait dP^T
+//   wait slot full | issue S^T | issue dP^T | wait S^T | P^T (fp32, in S) | wait dP^T (at the head of a branch)
 //   dS^T and P^T -> A fragments, dS^T -> smem | issue dV += P^T dO, dK += dS^T Q | barrier | dQ ... as above
 //
 // Preconditions (cuflash/plan/backward.py picks this kernel only then): sm_90a; head-dim bucket 64,
@@ -359,8 +359,15 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
             wgmma_rs_ksteps<kHeadDim, kBF16>(acc_dv, a_p, desc_do0_n + st * kQStage);
             wgmma_commit();
             wgmma_wait<1>();  // dP^T landed; dV may still run
+        } else if (p.head_dim > 0) {
+            // dP^T landed. The wait at the head of a branch, as the forward's P V wait (flash_fwd_sm90_ws.cuh):
+            // in the softmax's block ptxas scheduled it above three quarters of P^T's exponentials, which then
+            // ran after dP^T instead of under it. The condition is uniform and always true; the arms differ
+            // (a fence) so that ptxas keeps two blocks.
+            wgmma_wait<0>();
         } else {
-            wgmma_wait<0>();  // dP^T landed
+            wgmma_wait<0>();
+            __threadfence_block();
         }
         wgmma_fence_operands(dp_acc);
 
