@@ -123,7 +123,7 @@ def test_bwd_128_query_rows_compile_within_budget():
     """The TMA backward's 128-row query blocks at head dim 64 (tools/tune_bwd.py --block-m 128; not planned
     until measured): plain (per key block and persistent), window, ALiBi and packed builds keep everything in
     registers with every wgmma asynchronous. (Issued before dS^T, as at 64 rows, dV made ptxas serialize every
-    wgmma for want of registers, C7512, and park 48 bytes.) Dropout parks 84-104 bytes (NVRTC 12.9, nvcc 13),
+    wgmma for want of registers, C7512, and park 48 bytes.) Dropout parks 80 bytes (NVRTC 12.9, nvcc 13),
     within the variants' budget."""
     tile = plan.BwdSm90WsTile(block_m=128, stages=3)
     cases = [(c, m, tile) for c in (False, True) for m in (0, plan.MOD_WINDOW, plan.MOD_ALIBI, plan.MOD_VARLEN)]
@@ -133,7 +133,7 @@ def test_bwd_128_query_rows_compile_within_budget():
         _, header = jit.compile_cubin(spec)
         p = header["ptxas"]
         assert not {k for k in p if k.startswith("wgmma_")}, (spec.name, p)
-        budget = VARIANT_EXTRA_STACK_BYTES if mods & plan.MOD_DROPOUT else (32 if mods & plan.MOD_VARLEN else 0)
+        budget = VARIANT_EXTRA_STACK_BYTES if mods & plan.MOD_DROPOUT else 0
         assert p["stack_frame"] <= budget, (spec.name, p)
 
 
