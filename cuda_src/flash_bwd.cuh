@@ -657,7 +657,9 @@ constexpr int kConvertSmemElems = 64 * (256 + 8);  // largest block_m * (bucket 
 
 // Varlen: CTA (t, h) converts the scheduler's query tile t (varlen.cuh), stored at padded rows
 // t * block_m, into the rows of the tile m of the sequence it names; spare slots exit.
-template <bool kIsBF16, bool kAligned, bool kVarlen = false>
+// kTransposed: the main kernel added dQ^T (the TMA backward's 80-row blocks): a warp tile's rows are
+// head-dim columns and its columns query rows, and they are staged in smem swapped.
+template <bool kIsBF16, bool kAligned, bool kVarlen = false, bool kTransposed = false>
 CUFLASH_DEVICE void flash_bwd_convert_kernel(const BwdParams& p) {
     __shared__ __align__(16) u16 s_tile[kConvertSmemElems];
     const int m0 = blockIdx.x * p.block_m, h = blockIdx.y, b = blockIdx.z;  // (varlen: b = 0, m0 the padded row)
@@ -691,8 +693,16 @@ CUFLASH_DEVICE void flash_bwd_convert_kernel(const BwdParams& p) {
         for (int u = 0; u < kLoads; ++u) {
             if (grp + u * nwarps >= n_grp) break;
             const int r = wq * rows_w + 16 * s + lane / 4, c = wc * cols_w + 8 * db + 2 * (lane % 4);
-            *reinterpret_cast<u32*>(s_tile + r * stride + c) = pack2<kIsBF16>(x[u].x * sc, x[u].y * sc);
-            *reinterpret_cast<u32*>(s_tile + (r + 8) * stride + c) = pack2<kIsBF16>(x[u].z * sc, x[u].w * sc);
+            if constexpr (!kTransposed) {
+                *reinterpret_cast<u32*>(s_tile + r * stride + c) = pack2<kIsBF16>(x[u].x * sc, x[u].y * sc);
+                *reinterpret_cast<u32*>(s_tile + (r + 8) * stride + c) = pack2<kIsBF16>(x[u].z * sc, x[u].w * sc);
+            } else {  // dQ^T tiles: r, r + 8 are head-dim columns, c, c + 1 query rows
+                const u32 a = pack2<kIsBF16>(x[u].x * sc, x[u].z * sc), b = pack2<kIsBF16>(x[u].y * sc, x[u].w * sc);
+                s_tile[c * stride + r] = static_cast<u16>(a);
+                s_tile[c * stride + r + 8] = static_cast<u16>(a >> 16);
+                s_tile[(c + 1) * stride + r] = static_cast<u16>(b);
+                s_tile[(c + 1) * stride + r + 8] = static_cast<u16>(b >> 16);
+            }
             for (db += nwarps; db >= blocks;) {  // the next group of this warp: nwarps further
                 db -= blocks;
                 if (++s == slabs) {

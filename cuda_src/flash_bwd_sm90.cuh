@@ -42,9 +42,11 @@ namespace cuflash {
 template <int kHeadDim_, int kBlockN_, bool kIsBF16_, bool kIsCausal_, int kMods_ = 0, int kBlockM_ = 64>
 struct Sm90BwdConfig {
     static constexpr int kHeadDim = kHeadDim_;
-    // Query rows per iteration: the N of S^T; 64 is one wgmma M of dQ, 128 (the warp-specialized kernel at
-    // head dim 64 only) is one per warpgroup, so each warpgroup's dQ part is its 64 rows x every column.
+    // Query rows per iteration: the N of S^T; 64 is one wgmma M of dQ; in the warp-specialized kernel also
+    // 128 at head dim 64 (one M per warpgroup: each warpgroup's dQ part is its 64 rows x every column) and 80
+    // at head dim 128 (no M: each warpgroup computes dQ^T, its head-dim half x the 80 rows).
     static constexpr int kBlockM = kBlockM_;
+    static constexpr bool kDQTransposed = kBlockM == 80;
     static constexpr int kBlockN = kBlockN_;
     static constexpr bool kIsBF16 = kIsBF16_;
     static constexpr bool kIsCausal = kIsCausal_;
@@ -54,13 +56,15 @@ struct Sm90BwdConfig {
     static constexpr int kNWarps = 8;  // two warpgroups
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kChunksPerRow = kHeadDim / 8;  // load_tile_sw128
-    // dQ (and, split, dK / dV) columns per warpgroup: a head-dim half of all kBlockM = 64 rows, or all
-    // columns of the warpgroup's 64 rows (kBlockM = 128)
-    static constexpr int kDQCols = kBlockM == 128 ? kHeadDim : kHeadDim / 2;
+    // dQ (and, split, dK / dV) columns per warpgroup, the N of its dQ wgmma: a head-dim half of all kBlockM =
+    // 64 rows, all columns of the warpgroup's 64 rows (kBlockM = 128), or the 80 query rows of dQ^T
+    static constexpr int kDQCols = kBlockM == 128 ? kHeadDim : (kDQTransposed ? kBlockM : kHeadDim / 2);
 
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
-    static constexpr int kTileBytesDS = kBlockN * kBlockM * 2;
+    // dS^T [kBlockN x kBlockM] in 64-query atoms of kBlockN rows x 128 bytes (80 queries: a second atom whose
+    // rows hold 16 queries, swizzled over the whole 128 bytes)
+    static constexpr int kTileBytesDS = kBlockN * ((kBlockM + 63) / 64) * 128;
     static constexpr int kPStride = kBlockM + 4;  // fp32 P^T exchange rows (split): 16 bytes of padding
     static constexpr int kExchangeBytes = kSplit ? kBlockN * kPStride * 4 : 0;
     static constexpr int kSmemBytes =
@@ -69,9 +73,10 @@ struct Sm90BwdConfig {
     static_assert(kSplit ? kHeadDim == 256 : (kHeadDim == 64 || kHeadDim == 128),
                   "dK + dV accumulators: at most 128 registers per thread");
     static_assert(kBlockN == 128 || kBlockN == 64, "keys per CTA: 64 per warpgroup, or 64 split");
-    static_assert(kDQCols % 32 == 0, "dQ halves are whole wgmma N blocks");
-    static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64 && !kSplit),
-                  "128 query rows: S^T and dP^T take 64 registers each, so only head dim 64's dK and dV fit beside them");
+    static_assert(kDQCols % 32 == 0 || kDQTransposed, "dQ halves are whole wgmma N blocks");
+    static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64 && !kSplit) || (kBlockM == 80 && kHeadDim == 128 && !kSplit),
+                  "S^T and dP^T of 128 query rows take 64 registers each (only head dim 64's dK and dV fit beside them), "
+                  "of 80 rows 40 (head dim 128's)");
 };
 
 // Shared memory of both Hopper backward kernels (Sm90BwdConfig::kSmemBytes, 1024-byte aligned):

@@ -54,6 +54,13 @@
 //   wait slot full | issue S^T | issue dP^T | wait S^T | P^T (fp32, in S) | wait dP^T (at the head of a branch)
 //   dS^T and P^T -> A fragments, dS^T -> smem | issue dV += P^T dO, dK += dS^T Q | barrier | dQ ... as above
 //
+// Head dim 128 with query blocks of 80 rows (kBlockM = 80, FlashAttention-3's non-causal tile there): S^T,
+// dP^T are m64n80 (40 registers each), the same late order, dS^T two atoms per buffer (the second's rows hold
+// queries 64-79). 80 rows are no wgmma M, so each warpgroup computes dQ^T = K^T dS^T for its head-dim half
+// (A = its 64-column atom of K read M-major, B = dS^T read N-major over both atoms; m64n80, 40 registers):
+// dq_accum holds 8 warps of 16 head-dim rows x 80 query columns per block, which the convert kernel's
+// kTransposed build stages swapped. (Dropout there left ptxas short of registers: refused, 64 rows.)
+//
 // Preconditions (cuflash/plan/backward.py picks this kernel only then): sm_90a; head-dim bucket 64,
 // 128 or 256; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules). Deterministic mode
 // orders the dQ additions of a query block by key block (turn counters), as flash_bwd_kernel does.
@@ -290,12 +297,12 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
     // dQ: 64 query rows (kBlockM = 64: all of them, kBlockM = 128: this warpgroup's, dS^T's 64-query atom cwg)
     // x kDQCols columns of K (kBlockM = 64: from column cwg kDQCols, whole atoms at hd128, half an atom at
     // hd64; kBlockM = 128: all of them).
-    constexpr bool kRowsPerWg = kBlockM == 128;
-    // 128 query rows: S^T and dP^T take 64 registers each, so the P^T fragments are packed and dV issued only
-    // after dS^T (FlashAttention-3's order): issued before it, as at 64 rows, dV's operands stay live beside
-    // both fp32 tiles and ptxas serializes every wgmma for want of registers. (Softcap: dV takes P^T, dS^T
-    // P^T (1 - tanh^2), two fp32 tiles; the planner keeps those calls at 64 rows.)
-    constexpr bool kLatePack = kRowsPerWg;
+    constexpr bool kRowsPerWg = kBlockM == 128, kDQT = Cfg::kDQTransposed;
+    // 128 (80) query rows: S^T and dP^T take 64 (40) registers each, so the P^T fragments are packed and dV
+    // issued only after dS^T (FlashAttention-3's order): issued before it, as at 64 rows, dV's operands stay
+    // live beside both fp32 tiles and ptxas serializes every wgmma for want of registers. (Softcap: dV takes
+    // P^T, dS^T P^T (1 - tanh^2), two fp32 tiles; the planner keeps those calls at 64 rows.)
+    constexpr bool kLatePack = kBlockM > 64;
     static_assert(!kLatePack || !Mask::kSoftcap, "128 query rows: dV's P^T is derived from dS^T's");
     const u64 desc_ds0 = kRowsPerWg ? sw128_desc(sm.ds0 + cwg * kBlockN * 128, kBlockN * 128) : sw128_desc(sm.ds0, kBlockN * 128);
     const u64 desc_k_dq = kRowsPerWg ? sw128_desc(sm.k, kBlockN * 128)
@@ -404,7 +411,7 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
         // chunk 2 (kk % 4) + m / 2 of 64-query atom kk / 4, swizzled by the row (i).
 #pragma unroll
         for (int kk = 0; kk < kQSteps; ++kk) {
-            const u32 atom = kRowsPerWg ? s_ds + (kk / 4) * kBlockN * 128 : s_ds;
+            const u32 atom = kBlockM > 64 ? s_ds + (kk / 4) * kBlockN * 128 : s_ds;
             stmatrix_x4(atom + st_row * 128 + ((st_chunk ^ (2 * (kk % 4))) << 4), a_ds[kk][0], a_ds[kk][1], a_ds[kk][2],
                         a_ds[kk][3]);
         }
@@ -419,8 +426,13 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKeySteps; ++kk) {
-            wgmma_ss<Cfg::kDQCols, kBF16, 1, 1>(acc_dq, desc_ds0 + buf * kDsBuf + static_cast<u64>(kk * 128),
-                                                desc_k_dq + static_cast<u64>(kk * 128), kk > 0);
+            if constexpr (kDQT) {  // dQ^T [head-dim half x 80] = K^T dS^T: A = K's atom read M-major, B = dS^T N-major
+                wgmma_ss<Cfg::kDQCols, kBF16, 1, 1>(acc_dq, desc_k_dq + static_cast<u64>(kk * 128),
+                                                    desc_ds0 + buf * kDsBuf + static_cast<u64>(kk * 128), kk > 0);
+            } else {
+                wgmma_ss<Cfg::kDQCols, kBF16, 1, 1>(acc_dq, desc_ds0 + buf * kDsBuf + static_cast<u64>(kk * 128),
+                                                    desc_k_dq + static_cast<u64>(kk * 128), kk > 0);
+            }
         }
         wgmma_commit();
         wgmma_wait<0>();

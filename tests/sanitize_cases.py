@@ -253,10 +253,14 @@ def hopper_bwd_cases(rng, arch):
         (B(persistent=True), (64, 4400, 128, "bf16", False, {})),
         (B(stages=3, persistent=True), (130, 4400, 64, "bf16", False, dict(window_size=(300, 0)))),
         (B(persistent=True), (700, 4400, 64, "fp16", True, {})),  # causal: 140 items, 8 from the counter
-        # head dim 64's 128-row query blocks: dS^T in two atoms, each warpgroup's own dQ rows; a window, dropout
+        # head dim 64's 128-row query blocks: dS^T in two atoms, each warpgroup's own dQ rows; a window, dropout;
+        # head dim 128's 80-row ones: dQ^T and the transposed convert
         (B(block_m=128, stages=3), (300, 200, 64, "bf16", True, {})),
         (B(block_m=128), (130, 900, 56, "fp16", False, dict(window_size=(100, 0), dropout_p=0.2))),
         (B(block_m=128, persistent=True), (260, 4400, 64, "bf16", False, {})),
+        (B(block_m=80), (300, 200, 128, "bf16", True, {})),
+        (B(block_m=80), (170, 900, 120, "fp16", False, dict(window_size=(100, 0)))),
+        (B(block_m=80, persistent=True), (170, 4400, 128, "bf16", False, {})),
     ):  # fmt: skip
         q, k, v = random_qkv(rng, 2, sq, sk, 4, 2, d, dt)
         check_backward(q, k, v, causal=causal, dtype=dt, tile=tile, rng=rng, **kw)

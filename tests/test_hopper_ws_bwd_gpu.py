@@ -256,48 +256,59 @@ def test_varlen_nan_past_the_sequences_stays_out(head_dim, causal):
         assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max(), name
 
 
-def _rows128(stages=3, persistent=False):
+def _wide(head_dim, stages=None, persistent=False):
+    """The wide query blocks: 128 rows at head dim 64 (3 stages unless given), 80 at 128 (dQ^T; 2 stages)."""
     from cuflash.plan import BwdSm90WsTile
 
-    return BwdSm90WsTile(block_m=128, stages=stages, persistent=persistent)
+    rows = {64: 128, 128: 80}[head_dim]
+    return BwdSm90WsTile(block_m=rows, stages=stages or (3 if rows == 128 else 2), persistent=persistent)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("sq", [1, 128, 129, 300, 700])  # 128-row query blocks per head: 1, 1, 2, 3, 6
+@pytest.mark.parametrize("head_dim,stages", [(64, 2), (64, 3), (128, 2)])
+@pytest.mark.parametrize("sq", [1, 80, 129, 300, 700])  # 128-row blocks per head: 1, 1, 2, 3, 6; 80-row: 1, 1, 2, 4, 9
 @pytest.mark.parametrize("causal", [False, True])
-def test_128_row_query_blocks(stages, sq, causal):
+def test_wide_query_blocks(head_dim, stages, sq, causal):
     """Head dim 64's 128-row query blocks (each consumer warpgroup's dQ part is its own 64 rows, dS^T two
-    64-query atoms, P^T packed after dS^T): walks of 1 block to more than the ring, ragged last blocks, GQA
-    (the walk crosses heads), bf16 and fp16, against the float64 reference."""
+    64-query atoms, P^T packed after dS^T) and head dim 128's 80-row ones (dQ^T, converted by the transposed
+    convert kernel): walks of 1 block to more than the ring, ragged last blocks, GQA (the walk crosses heads),
+    bf16 and fp16, against the float64 reference."""
     _hopper()
-    rng = np.random.default_rng(sq + 10 * stages)
+    rng = np.random.default_rng(sq + 10 * stages + head_dim)
+    tile = _wide(head_dim, stages)
     for dtype in ("bf16", "fp16"):
-        q, k, v = random_qkv(rng, 2, sq, 300, 4, 2, 64, dtype)
-        check_backward(q, k, v, causal=causal, dtype=dtype, tile=_rows128(stages), rng=rng, what=f"{dtype} sq={sq}")
+        q, k, v = random_qkv(rng, 2, sq, 300, 4, 2, head_dim, dtype)
+        check_backward(q, k, v, causal=causal, dtype=dtype, tile=tile, rng=rng, what=f"{tile} {dtype} sq={sq}")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_128_row_query_blocks_variants_and_deterministic(causal):
-    """The 128-row blocks with a window (key blocks no query sees among them), ALiBi and dropout (dV's
-    P^T dropped from dS^T's P^T), head dims 40 and 64 (a box sticking out of the tensor); softcap is
-    refused (its dS^T P^T differs from dV's); deterministic mode bitwise over 20 runs; the persistent grid
-    over more items than SMs."""
+def test_wide_query_blocks_variants_and_deterministic(head_dim, causal):
+    """The wide blocks with a window (key blocks no query sees among them), ALiBi and, at 128 rows, dropout
+    (dV's P^T dropped from dS^T's P^T; refused at 80 rows), head dims below the bucket (a box sticking out of
+    the tensor); softcap is refused (its dS^T P^T differs from dV's); deterministic mode bitwise over 20 runs;
+    the persistent grid over more items than SMs."""
     _hopper()
     import cupy
 
     import cuflash
     from cuflash import backward
 
-    rng = np.random.default_rng(128 + causal)
-    tile = _rows128()
-    q, k, v = random_qkv(rng, 2, 500, 900, 4, 2, 64, "bf16")
+    rng = np.random.default_rng(128 + causal + head_dim)
+    tile = _wide(head_dim)
+    q, k, v = random_qkv(rng, 2, 500, 900, 4, 2, head_dim, "bf16")
     check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, rng=rng, window_size=(100, 20), what="window")
     slopes = cupy.asarray(rng.uniform(0.01, 0.1, size=(2, 4)).astype(np.float32))
     check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, rng=rng, alibi_slopes=slopes, what="ALiBi")
-    check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, rng=rng, dropout_p=0.15, what="dropout")
-    q40, k40, v40 = random_qkv(rng, 1, 333, 257, 2, 1, 40, "fp16")
-    check_backward(q40, k40, v40, causal=causal, dtype="fp16", tile=tile, rng=rng, what="hd40")
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    if head_dim == 64:
+        check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, rng=rng, dropout_p=0.15, what="dropout")
+    else:
+        o_d, lse_d, state = cuflash.attention(q, k, v, causal=causal, dropout_p=0.1, return_lse=True)
+        with pytest.raises(ValueError, match="dropout calls run 64-row blocks"):
+            backward.run(o_d, q, k, v, o_d, lse_d, causal=causal, dropout_p=0.1, rng_state=state, tile=tile)
+    small = head_dim - 24  # 40 / 104
+    qs, ks, vs = random_qkv(rng, 1, 333, 257, 2, 1, small, "fp16")
+    check_backward(qs, ks, vs, causal=causal, dtype="fp16", tile=tile, rng=rng, what=f"hd{small}")
     with pytest.raises(ValueError, match="softcap calls run 64-row blocks"):
         backward.run(out, q, k, v, out, lse, causal=causal, softcap=20.0, tile=tile)
     dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
@@ -307,14 +318,16 @@ def test_128_row_query_blocks_variants_and_deterministic(causal):
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"{name} differs on run {run + 1}"
     check_backward(q, k, v, causal=causal, dtype="bf16", tile=tile, rng=rng, deterministic=True, what="deterministic")
-    q, k, v = random_qkv(rng, 3, 300, 2000, 8, 4, 64, "bf16")  # 16 key blocks x 4 kv heads x 3 = 192 items
-    check_backward(q, k, v, causal=causal, dtype="bf16", tile=_rows128(2, persistent=True), rng=rng, what="persistent")
+    q, k, v = random_qkv(rng, 3, 300, 2000, 8, 4, head_dim, "bf16")  # 16 key blocks x 4 kv heads x 3 = 192 items
+    check_backward(q, k, v, causal=causal, dtype="bf16", tile=_wide(head_dim, 2, persistent=True), rng=rng,
+                   what="persistent")  # fmt: skip
 
 
-def test_128_row_query_blocks_agree_with_64():
-    """128- and 64-row query blocks sum the same products (dV and dK over a block's queries in other
-    groupings): their gradients agree to a few bf16 ulps of the largest value; and packed batches whose
-    tiles stick out into NaN rows give what the 64-row kernel gives."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wide_query_blocks_agree_with_64(head_dim):
+    """Wide and 64-row query blocks sum the same products (dV and dK over a block's queries in other
+    groupings; dQ^T at 80 rows): their gradients agree to a few bf16 ulps of the largest value; and packed
+    batches whose tiles stick out into NaN rows give what the 64-row kernel gives."""
     _hopper()
     import cupy
 
@@ -322,18 +335,18 @@ def test_128_row_query_blocks_agree_with_64():
     from cuflash import backward, plan, varlen
     from cuflash.checks import BF16
 
-    rng = np.random.default_rng(64)
-    q, k, v = random_qkv(rng, 2, 1000, 1000, 4, 2, 64, "bf16")
+    rng = np.random.default_rng(head_dim)
+    q, k, v = random_qkv(rng, 2, 1000, 1000, 4, 2, head_dim, "bf16")
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
-    a = backward.run(dout, q, k, v, out, lse, causal=True, tile=_rows128())
-    b = backward.run(dout, q, k, v, out, lse, causal=True, tile=plan.BWD_SM90_WS_TILES[64])
+    a = backward.run(dout, q, k, v, out, lse, causal=True, tile=_wide(head_dim))
+    b = backward.run(dout, q, k, v, out, lse, causal=True, tile=plan.BWD_SM90_WS_TILES[head_dim])
     for name, x, y in zip(("dq", "dk", "dv"), a, b):
         x, y = to_f64(x), to_f64(y)
         assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max(), name
     lengths, n = [300, 200, 77], 577
     total = n + 40
-    q, k, v, dout = (cupy.asarray(rng.standard_normal((total, h, 64), dtype=np.float32).astype(BF16))
+    q, k, v, dout = (cupy.asarray(rng.standard_normal((total, h, head_dim), dtype=np.float32).astype(BF16))
                      for h in (4, 2, 2, 4))  # fmt: skip
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     for x in (q, k, v, dout):
@@ -341,9 +354,9 @@ def test_128_row_query_blocks_agree_with_64():
     for causal in (False, True):
         out, lse = varlen.run(q, k, v, cu, cu, 300, 300, causal=causal, return_lse=True)
         poison_rows(out, slice(n, total))
-        got = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, causal=causal, tile=_rows128())
+        got = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, causal=causal, tile=_wide(head_dim))
         want = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, causal=causal,
-                                   tile=plan.BWD_SM90_WS_TILES[64])  # fmt: skip
+                                   tile=plan.BWD_SM90_WS_TILES[head_dim])  # fmt: skip
         for name, x, y in zip(("dq", "dk", "dv"), got, want):
             x, y = to_f64(x[:n]), to_f64(y[:n])
             assert not np.isnan(x).any(), name

@@ -207,8 +207,41 @@ def test_warp_specialized_backward_128_query_rows(persistent):
     for d in (128, 256):
         with pytest.raises(ValueError, match="x 128 queries at head dim 64"):
             plan.bwd_sm90_ws_spec(d, "bf16", False, plan.BwdSm90WsTile(block_m=128, block_n=64 if d == 256 else 128))
+    assert not plan.BwdSm90WsTile(block_m=128).dq_transposed
     with pytest.raises(ValueError, match="shared memory"):  # 4 stages of 128-row Q and dO do not fit
         plan.bwd_sm90_ws_spec(64, "bf16", False, plan.BwdSm90WsTile(block_m=128, stages=4))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_warp_specialized_backward_80_query_rows(persistent):
+    """Head dim 128's 80-row query blocks: each consumer warpgroup adds dQ^T (its head-dim half x the 80 rows:
+    8 warps of 16 head-dim rows x 80 query columns), which the convert kernel's transposed build reads; dS^T
+    takes two 64-query atoms per buffer; scratch rows pad to 80; softcap and dropout are refused."""
+    tile = plan.BwdSm90WsTile(block_m=80, persistent=persistent)
+    bp = plan.plan_backward(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=128, dtype="bf16",
+                            causal=False, aligned=True, arch="sm_90a", tile=tile, sm_count=132)  # fmt: skip
+    spec = bp.main.spec
+    assert spec.template_args() == f"128, true, false, 0, 2, {'true' if persistent else 'false'}, 80"
+    assert bp.num_m_blocks == 13 and bp.seqlen_q_pad == 1040
+    assert tile.dq_transposed and tile.dq_q_warps == 8 and tile.warp_tiles(128)["dq"] == (16, 80)
+    assert bp.convert.spec.transposed and bp.convert.spec.template_args() == "true, true, false, true"
+    assert bp.convert.spec.name == "flash_bwd_convert_bf16_dqT_vec16_sm90a" and bp.convert.grid == (13, 8, 2)
+    assert not _bwd_plan(128).convert.spec.transposed and _bwd_plan(128).convert.spec.template_args() == "true, true"
+    ring = 8 * 4 + 8 + 32 if persistent else 0
+    smem = 1024 + 2 * 128 * 128 * 2 + 2 * 2 * 80 * 128 * 2 + 2 * 2 * 128 * 128 + 2 * 640 + 8 * (2 + 2 * 2) + ring
+    assert bp.main.smem_bytes == smem <= 227 * 1024
+    packed = plan.plan_backward(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=128, dtype="fp16",
+                                causal=True, aligned=True, arch="sm_90a", tile=plan.BwdSm90WsTile(block_m=80),
+                                mods=plan.MOD_VARLEN)  # fmt: skip
+    assert packed.convert.spec.template_args() == "false, true, true, true"
+    with pytest.raises(ValueError, match="softcap calls run 64-row blocks"):
+        plan.bwd_sm90_ws_spec(128, "bf16", False, plan.BwdSm90WsTile(block_m=80), plan.MOD_SOFTCAP)
+    with pytest.raises(ValueError, match="dropout calls run 64-row blocks"):
+        plan.bwd_sm90_ws_spec(128, "bf16", False, plan.BwdSm90WsTile(block_m=80), plan.MOD_DROPOUT)
+    with pytest.raises(ValueError, match="x 80 at 128"):
+        plan.bwd_sm90_ws_spec(64, "bf16", False, plan.BwdSm90WsTile(block_m=80))
+    with pytest.raises(ValueError, match="shared memory"):  # 3 stages of 80-row Q and dO do not fit
+        plan.bwd_sm90_ws_spec(128, "bf16", False, plan.BwdSm90WsTile(block_m=80, stages=3))
 
 
 def test_warp_specialized_backward_tile_errors():

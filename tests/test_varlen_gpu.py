@@ -204,13 +204,15 @@ def _tiles(kernel, head_dim):
     """(forward tile, backward tile) that force a kernel family: "mma.sync", "cp.async" (the Hopper
     kernels without TMA, the TMA ones' fallback; the planner's choice where they cannot run), or
     "plan": None, None for the planner's choice (on Hopper the TMA kernels at head dims 64 / 128), or
-    "rows128": the TMA backward with 128-row query blocks (head dim 64 on sm_90a; (None, None) elsewhere)."""
+    "wide": the TMA backward with wide query blocks (128 rows at head dim 64, 80 at 128, on sm_90a; (None,
+    None) elsewhere)."""
     from cuflash import jit, plan
 
     bucket, arch = plan.head_dim_bucket(head_dim), jit.device_arch(0)
-    if kernel == "rows128":
-        runs = arch == "sm_90a" and head_dim % 8 == 0 and bucket == 64
-        return (None, plan.BwdSm90WsTile(block_m=128, stages=3)) if runs else (None, None)
+    if kernel == "wide":
+        runs = arch == "sm_90a" and head_dim % 8 == 0 and bucket in (64, 128)
+        rows = 128 if bucket == 64 else 80
+        return (None, plan.BwdSm90WsTile(block_m=rows, stages=3 if rows == 128 else 2)) if runs else (None, None)
     if kernel == "cp.async":
         runs = arch == "sm_90a" and head_dim % 8 == 0 and bucket in plan.BWD_SM90_TILES
         return (plan.FWD_SM90_TILES[bucket], plan.BWD_SM90_TILES[bucket]) if runs else (None, None)
@@ -219,7 +221,7 @@ def _tiles(kernel, head_dim):
     return plan.fwd_tile(bucket, arch), plan.bwd_tile(bucket, arch)
 
 
-@pytest.mark.parametrize("kernel", ["plan", "mma.sync", "cp.async", "rows128"])
+@pytest.mark.parametrize("kernel", ["plan", "mma.sync", "cp.async", "wide"])
 @pytest.mark.parametrize("head_dim", [128, 64, 100])
 def test_varlen_ragged_edges(kernel, head_dim):
     """Zero-length sequences (q, k or both), one very long sequence among short ones, sequences of one
@@ -234,8 +236,8 @@ def test_varlen_ragged_edges(kernel, head_dim):
     fwd_tile, bwd_tile = _tiles(kernel, head_dim)
     if kernel == "cp.async" and bwd_tile is None:
         pytest.skip("the Hopper cp.async kernels run on sm_90a at 16-byte aligned head dims")
-    if kernel == "rows128" and bwd_tile is None:
-        pytest.skip("128-row query blocks: the TMA backward at head dim 64 on sm_90a")
+    if kernel == "wide" and bwd_tile is None:
+        pytest.skip("wide query blocks: the TMA backward at head dims 64 and 128 on sm_90a")
     lengths_q = [0, 5, 1, 2100, 0, 77, 3, 129]
     lengths_k = [3, 0, 1, 2000, 0, 200, 3, 128]
     rng = np.random.default_rng(7)

@@ -4,7 +4,8 @@ FlashAttention-2 backward, to choose the rows of BWD_TILES.
     python tools/tune_bwd.py --hd 128 [--seqlen 1024 4096] [--tiles "64,128,8,2,4,4,2" ...]
     python tools/tune_bwd.py --hd 128 --sm90     (the Hopper kernels: TMA at 2 and 3 stages, cp.async)
     python tools/tune_bwd.py --hd 128 --sm90 --persistent   (TMA at 2-4 stages, per key block and persistent)
-    python tools/tune_bwd.py --hd 64 --sm90 --block-m 64 128   (the TMA tiles with 64- and 128-row query blocks)
+    python tools/tune_bwd.py --hd 64 --sm90 --block-m 64 128   (the TMA tiles with 64- and 128-row query blocks;
+                                                              at --hd 128: --block-m 64 80)
 A tile is block_m,block_n,warps,stages,s_key_warps,kv_key_warps,dq_q_warps. Every tile is first
 checked against the float64 reference on a ragged GQA case; then one line per (tile, causal,
 seqlen) and, last, the median ratio per tile.
@@ -51,7 +52,8 @@ def main():
                     help="with --sm90: the warp-specialized tiles at 2-4 stages, each per key block and persistent "
                          "(head dims 64 and 128), without the cp.async kernel")
     ap.add_argument("--block-m", type=int, nargs="+", default=[64],
-                    help="with --sm90: the warp-specialized tiles' query rows per block (128: head dim 64 only)")
+                    help="with --sm90: the warp-specialized tiles' query rows per block (128: head dim 64 only; "
+                         "80: head dim 128 only)")
     a = ap.parse_args()
     if a.sm90:
         ws = plan.BWD_SM90_WS_TILES.get(a.hd)  # its block_n (64 at head dim 256); every ring depth that fits

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .common import (
-    DTYPES, HEAD_DIM_BUCKETS, MOD_SOFTCAP, MOD_VARLEN, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
+    DTYPES, HEAD_DIM_BUCKETS, MOD_DROPOUT, MOD_SOFTCAP, MOD_VARLEN, HopperSpec, Launch, SpecBase, TiledSpec, arch_tag, check_dtype, cpp_bool,
     check_mods, head_dim_bucket, load_tag, max_smem_bytes, mods_arg,
 )  # fmt: skip
 
@@ -30,6 +30,7 @@ class BwdTile:
     kv_key_warps: int
     dq_q_warps: int
     min_blocks: int = 1  # __launch_bounds__ minimum CTAs per SM
+    dq_transposed = False  # (the convert kernel's dQ tiles are query rows x head-dim columns)
 
     def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
         """(rows, columns) of one warp's tile in each phase."""
@@ -153,23 +154,28 @@ class BwdAuxSpec(SpecBase):
     aligned: bool
     arch: str
     varlen: bool = False  # packed sequences (cuda_src/varlen.cuh): rows through the tile scheduler
+    transposed: bool = False  # (convert) the main kernel's dQ tiles are dQ^T (BwdSm90WsTile.dq_transposed)
 
     @property
     def name(self) -> str:
-        return f"{self.family}_{self.dtype}{'_varlen' if self.varlen else ''}_{load_tag(self.aligned)}_{arch_tag(self.arch)}"
+        return (f"{self.family}_{self.dtype}{'_varlen' if self.varlen else ''}{'_dqT' if self.transposed else ''}"
+                f"_{load_tag(self.aligned)}_{arch_tag(self.arch)}")  # fmt: skip
 
     threads = BWD_AUX_THREADS
     min_blocks = 1
     smem_bytes = 0
 
     def template_args(self) -> str:
-        varlen = ", true" if self.varlen else ""  # a plain variant's source stays what it was
-        return f"{cpp_bool(self.dtype == 'bf16')}, {cpp_bool(self.aligned)}{varlen}"
+        # (a plain variant's source stays what it was)
+        tail = f", {cpp_bool(self.varlen)}, true" if self.transposed else (", true" if self.varlen else "")
+        return f"{cpp_bool(self.dtype == 'bf16')}, {cpp_bool(self.aligned)}{tail}"
 
 
 class _Sm90DqLayout:
     """The dQ tile layout both Hopper backward kernels add in (what the convert kernel reads): 4 warps
     of 16 query rows x one head-dim half per (consumer) warpgroup."""
+
+    dq_transposed = False
 
     @property
     def dq_q_warps(self) -> int:
@@ -205,9 +211,10 @@ BWD_SM90_TILES: dict[int, BwdSm90Tile] = {64: BwdSm90Tile(), 128: BwdSm90Tile(),
 class BwdSm90WsTile(_Sm90DqLayout):
     """Tile of the warp-specialized Hopper backward (cuda_src/flash_bwd_sm90_ws.cuh): query blocks of
     ``block_m`` rows (64; 128 at head dim 64, where each consumer warpgroup's dQ part is its 64 rows and
-    not a head-dim half), ``block_n`` keys per CTA (128: one consumer warpgroup per 64 keys; 64 for head
-    dim 256: the consumer warpgroups split the keys of S and the head dim of dK, dV, dQ), and a producer
-    warpgroup that issues TMA loads into a ring of ``stages`` query-block slots."""
+    not a head-dim half; 80 at head dim 128, where it is dQ^T, its head-dim half x the 80 rows), ``block_n``
+    keys per CTA (128: one consumer warpgroup per 64 keys; 64 for head dim 256: the consumer warpgroups
+    split the keys of S and the head dim of dK, dV, dQ), and a producer warpgroup that issues TMA loads
+    into a ring of ``stages`` query-block slots."""
 
     block_n: int = 128
     block_m: int = 64
@@ -222,11 +229,17 @@ class BwdSm90WsTile(_Sm90DqLayout):
         return 12  # a producer warpgroup and two consumer warpgroups
 
     @property
+    def dq_transposed(self) -> bool:
+        return self.block_m == 80  # dQ^T: tiles of 16 head-dim rows x 80 query columns
+
+    @property
     def dq_q_warps(self) -> int:
-        return self.block_m // 16  # warp w of the consumers: rows 16 (w % 4) (64) or 16 w (128)
+        # warp w of the consumers: rows 16 (w % 4) (64 rows), 16 w (128 rows), head-dim rows 16 w (80: dQ^T)
+        return 4 if self.block_m == 64 else 8
 
     def warp_tiles(self, head_dim_bucket: int) -> dict[str, tuple[int, int]]:
-        return {"dq": (16, head_dim_bucket if self.block_m == 128 else head_dim_bucket // 2)}
+        d = head_dim_bucket
+        return {"dq": (16, {64: d // 2, 128: d, 80: 80}[self.block_m])}
 
 
 #: Warp-specialized Hopper backward tiles: the default backward main kernel on sm_90a for aligned
@@ -280,7 +293,8 @@ def bwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: BwdSm90WsTile) -> int:
     d, n, m, st = head_dim_bucket, tile.block_n, tile.block_m, tile.stages
     ds_tiles = 2 if n == 64 else 1
     ring = 8 * 4 + 8 + 32 if tile.persistent else 0
-    return 1024 + 2 * n * d * 2 + 2 * st * m * d * 2 + 2 * ds_tiles * n * m * 2 + st * 2 * m * 4 + 8 * (2 + 2 * st) + ring
+    ds_bytes = n * 128 * -(-m // 64)  # dS^T in 64-query atoms (80 queries: two)
+    return 1024 + 2 * n * d * 2 + 2 * st * m * d * 2 + 2 * ds_tiles * ds_bytes + st * 2 * m * 4 + 8 * (2 + 2 * st) + ring
 
 
 @dataclass(frozen=True)
@@ -313,13 +327,16 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
     if bucket not in BWD_SM90_WS_TILES:
         raise ValueError(f"no warp-specialized backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_WS_TILES)})")
     tile = tile or BWD_SM90_WS_TILES[bucket]
-    if (tile.block_n != (64 if bucket == 256 else 128) or tile.block_m not in ((64, 128) if bucket == 64 else (64,))
+    if (tile.block_n != (64 if bucket == 256 else 128) or tile.block_m not in {64: (64, 128), 128: (64, 80)}.get(bucket, (64,))
             or not 2 <= tile.stages <= 4 or tile.min_blocks != 1):  # fmt: skip
         raise ValueError("the warp-specialized backward runs 128 keys (64 for head dim 256) x 64 queries, 2 to 4 "
-                         f"stages, min_blocks 1 (or x 128 queries at head dim 64); got {tile}")  # fmt: skip
-    if tile.block_m == 128 and mods & MOD_SOFTCAP:
-        raise ValueError("the warp-specialized backward's 128-row query blocks derive dV's P^T from dS^T's, which "
-                         "softcap multiplies by 1 - tanh^2: softcap calls run 64-row blocks")  # fmt: skip
+                         f"stages, min_blocks 1 (or x 128 queries at head dim 64, x 80 at 128); got {tile}")  # fmt: skip
+    if tile.block_m == 80 and mods & MOD_DROPOUT:
+        raise ValueError("the warp-specialized backward's 80-row query blocks with dropout leave ptxas short of "
+                         "registers (it serializes every wgmma): dropout calls run 64-row blocks")  # fmt: skip
+    if tile.block_m != 64 and mods & MOD_SOFTCAP:
+        raise ValueError(f"the warp-specialized backward's {tile.block_m}-row query blocks derive dV's P^T from dS^T's, "
+                         "which softcap multiplies by 1 - tanh^2: softcap calls run 64-row blocks")  # fmt: skip
     if tile.persistent and (bucket == 256 or mods & MOD_VARLEN):
         raise ValueError("the persistent warp-specialized backward runs head dims 64 and 128 on plain batches "
                          f"(not packed ones); got head dim {head_dim}, mods {mods}")  # fmt: skip
@@ -472,8 +489,8 @@ def plan_backward(
     else:
         main = Launch(spec, (key_blocks, nheads_kv, grid_batch), (spec.threads, 1, 1), spec.smem_bytes)
     # One CTA per query block (its dQ tile is staged in CONVERT_SMEM_ELEMS of smem: BwdTile.valid_for).
-    convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch, varlen), (num_m_blocks, nheads, grid_batch),
-                     aux_block, 0)  # fmt: skip
+    convert = Launch(BwdAuxSpec("flash_bwd_convert", dtype, aligned, arch, varlen, spec.tile.dq_transposed),
+                     (num_m_blocks, nheads, grid_batch), aux_block, 0)  # fmt: skip
     return BwdPlan(pre, main, convert, seqlen_q_pad, spec.head_dim, num_m_blocks, rpw)
 
 
