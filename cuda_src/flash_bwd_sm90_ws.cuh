@@ -296,16 +296,18 @@ CUFLASH_DEVICE void flash_bwd_sm90_ws_pair_consumer(const BwdParams& p, const Bw
     const u64 desc_do0_n = sw128_desc(sm.do0, kBlockM * 128);
     // dQ: 64 query rows (kBlockM = 64: all of them, kBlockM = 128: this warpgroup's, dS^T's 64-query atom cwg)
     // x kDQCols columns of K (kBlockM = 64: from column cwg kDQCols, whole atoms at hd128, half an atom at
-    // hd64; kBlockM = 128: all of them).
+    // hd64; kBlockM = 128: all of them). kBlockM = 80: dQ^T, K's atom cwg (read M-major) x dS^T's 80 queries.
     constexpr bool kRowsPerWg = kBlockM == 128, kDQT = Cfg::kDQTransposed;
     // 128 (80) query rows: S^T and dP^T take 64 (40) registers each, so the P^T fragments are packed and dV
     // issued only after dS^T (FlashAttention-3's order): issued before it, as at 64 rows, dV's operands stay
     // live beside both fp32 tiles and ptxas serializes every wgmma for want of registers. (Softcap: dV takes
     // P^T, dS^T P^T (1 - tanh^2), two fp32 tiles; the planner keeps those calls at 64 rows.)
     constexpr bool kLatePack = kBlockM > 64;
-    static_assert(!kLatePack || !Mask::kSoftcap, "128 query rows: dV's P^T is derived from dS^T's");
+    static_assert(!kLatePack || !Mask::kSoftcap, "wide query blocks: dV's P^T is derived from dS^T's");
     const u64 desc_ds0 = kRowsPerWg ? sw128_desc(sm.ds0 + cwg * kBlockN * 128, kBlockN * 128) : sw128_desc(sm.ds0, kBlockN * 128);
+    // (80 rows: dQ^T's A, K's head-dim half = its 64-column atom cwg; kDQCols is dQ^T's N there, the 80 rows)
     const u64 desc_k_dq = kRowsPerWg ? sw128_desc(sm.k, kBlockN * 128)
+                          : kDQT     ? sw128_desc(sm.k + cwg * kBlockN * 128, kBlockN * 128)
                                      : sw128_desc(sm.k + (cwg * Cfg::kDQCols / 64) * kBlockN * 128 + (cwg * Cfg::kDQCols % 64) * 2,
                                                   kBlockN * 128);
     constexpr u64 kQStage = Cfg::kTileBytesQ >> 4, kDsBuf = Cfg::kTileBytesDS >> 4;
