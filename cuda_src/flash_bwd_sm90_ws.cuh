@@ -9,7 +9,8 @@
 // convert kernels run around this one unchanged.
 //
 // Grid  (ceil(seqlen_k / kBlockN), nheads_kv, batch): CTA (n, hk, b) owns keys [kBlockN n, ...) and
-//       walks every (query head of the group, query block of kBlockM = 64 or 128 rows) that sees them (BwdQueryWalk).
+//       walks every (query head of the group, query block of kBlockM = 64, 128 or 80 rows) that sees them
+//       (BwdQueryWalk).
 //       Packed varlen batches: (scheduler slots over the packed keys, nheads_kv, 1), varlen.cuh.
 //       Persistent (kPersistent: plain batches, head dims 64 and 128, atomic dQ): min(items, SMs) CTAs; CTA c
 //       starts with item c of the per-key-block grid's (n, hk, b) in its order (bwd_ws_item), and each later
