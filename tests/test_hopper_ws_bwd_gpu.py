@@ -258,9 +258,9 @@ def test_varlen_nan_past_the_sequences_stays_out(head_dim, causal):
 
 def _wide(head_dim, stages=None, persistent=False):
     """The wide query blocks: 128 rows at head dim 64 (3 stages unless given), 80 at 128 (dQ^T; 2 stages)."""
-    from cuflash.plan import BwdSm90WsTile
+    from cuflash.plan import BWD_SM90_WS_WIDE_ROWS, BwdSm90WsTile
 
-    rows = {64: 128, 128: 80}[head_dim]
+    rows = BWD_SM90_WS_WIDE_ROWS[head_dim]
     return BwdSm90WsTile(block_m=rows, stages=stages or (3 if rows == 128 else 2), persistent=persistent)
 
 

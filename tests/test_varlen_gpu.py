@@ -210,8 +210,8 @@ def _tiles(kernel, head_dim):
 
     bucket, arch = plan.head_dim_bucket(head_dim), jit.device_arch(0)
     if kernel == "wide":
-        runs = arch == "sm_90a" and head_dim % 8 == 0 and bucket in (64, 128)
-        rows = 128 if bucket == 64 else 80
+        runs = arch == "sm_90a" and head_dim % 8 == 0 and bucket in plan.BWD_SM90_WS_WIDE_ROWS
+        rows = plan.BWD_SM90_WS_WIDE_ROWS.get(bucket, 64)
         return (None, plan.BwdSm90WsTile(block_m=rows, stages=3 if rows == 128 else 2)) if runs else (None, None)
     if kernel == "cp.async":
         runs = arch == "sm_90a" and head_dim % 8 == 0 and bucket in plan.BWD_SM90_TILES

@@ -11,7 +11,7 @@ The JIT layer (cuflash/jit.py) turns a spec into source text and a compiled func
 modules (cuflash/forward.py, backward.py, kvcache.py) check arguments and call the planners.
 """
 from .backward import (
-    BWD_AUX_THREADS, BWD_FALLBACK_TILES, BWD_SM90_TILES, BWD_SM90_WS_PERSISTENT, BWD_SM90_WS_TILES, BWD_TILES, CONVERT_SMEM_ELEMS, BwdAuxSpec,
+    BWD_AUX_THREADS, BWD_FALLBACK_TILES, BWD_SM90_TILES, BWD_SM90_WS_PERSISTENT, BWD_SM90_WS_TILES, BWD_SM90_WS_WIDE_ROWS, BWD_TILES, CONVERT_SMEM_ELEMS, BwdAuxSpec,
     BwdPlan, BwdSm90Spec, BwdSm90Tile, BwdSm90WsSpec, BwdSm90WsTile, BwdSpec, BwdTile, all_bwd_specs,
     bwd_pre_rows_per_warp, bwd_sm90_smem_bytes, bwd_sm90_spec, bwd_sm90_ws_smem_bytes, bwd_sm90_ws_spec, bwd_sm90_ws_tile,
     bwd_smem_bytes,
@@ -61,6 +61,7 @@ __all__ = [
     "BWD_SM90_TILES",
     "BWD_SM90_WS_PERSISTENT",
     "BWD_SM90_WS_TILES",
+    "BWD_SM90_WS_WIDE_ROWS",
     "BwdSm90WsSpec",
     "BwdSm90WsTile",
     "bwd_pre_rows_per_warp",

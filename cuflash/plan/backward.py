@@ -252,6 +252,12 @@ BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
 }
 
 
+#: The warp-specialized backward's wide query blocks, rows per head-dim bucket (FlashAttention-3's tiles: 128
+#: at head dim 64, 80 at 128, dQ^T there): candidates beside the 64 rows of every bucket, not planned until
+#: measured on the GPU (tools/tune_bwd.py --block-m).
+BWD_SM90_WS_WIDE_ROWS: dict[int, int] = {64: 128, 128: 80}
+
+
 #: Where the planner runs the warp-specialized backward persistent (one CTA per SM taking items from a
 #: counter), by (head dim bucket, kernel causal flag). Measured on the H200 against the per-key-block grid
 #: (tools/ab_sources.py, bf16, 512 / 1024 / 2048 / 8192 / 16384 tokens, 16k tokens per batch, two rounds; the
@@ -327,7 +333,7 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
     if bucket not in BWD_SM90_WS_TILES:
         raise ValueError(f"no warp-specialized backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_WS_TILES)})")
     tile = tile or BWD_SM90_WS_TILES[bucket]
-    if (tile.block_n != (64 if bucket == 256 else 128) or tile.block_m not in {64: (64, 128), 128: (64, 80)}.get(bucket, (64,))
+    if (tile.block_n != (64 if bucket == 256 else 128) or tile.block_m not in (64, BWD_SM90_WS_WIDE_ROWS.get(bucket, 64))
             or not 2 <= tile.stages <= 4 or tile.min_blocks != 1):  # fmt: skip
         raise ValueError("the warp-specialized backward runs 128 keys (64 for head dim 256) x 64 queries, 2 to 4 "
                          f"stages, min_blocks 1 (or x 128 queries at head dim 64, x 80 at 128); got {tile}")  # fmt: skip
