@@ -274,8 +274,10 @@ CUFLASH_DEVICE float bwd_sm90_ds(const Mods& mods, float pd, float dp, float d, 
 }
 
 // dq_accum += this warp's dQ part (query block at m0 of head h): kCols / 8 float4 groups per thread,
-// in the register order of flash_bwd_convert_kernel with dq_q_warps = 4 (warp w = 4 wg + i holds
-// rows 16 i + (g, g + 8) of column block wg): one 512-byte warp-wide vector reduction per group.
+// in the register order of flash_bwd_convert_kernel with the tile's dq_q_warps (4 at 64-row query blocks:
+// warp w = 4 wg + i holds rows 16 i + (g, g + 8) of column block wg; 8 in the TMA backward's 128- and
+// 80-row blocks, whose warps hold 16 query rows x all columns, or at 80 rows 16 head-dim rows x 80 queries
+// of dQ^T: plan.BwdSm90WsTile.dq_q_warps): one 512-byte warp-wide vector reduction per group.
 template <int kCols, class Seq>
 CUFLASH_DEVICE void bwd_sm90_add_dq(const BwdParams& p, const float (&acc_dq)[kCols / 2], const Seq& seq, int h, int m0,
                                     int warp, int lane) {

@@ -66,7 +66,7 @@
 // 128 or 256; head_dim % 8 == 0 and rows / strides 16-byte aligned (TMA's rules). Deterministic mode
 // orders the dQ additions of a query block by key block (turn counters), as flash_bwd_kernel does.
 // Tensor maps (cuflash/tma.py): q, k, v, dout as (batch, rows, heads, head_dim) (packed varlen
-// batches: one batch of the packed rows, SeqInfo::tma_*), boxes of 64 columns x 64 (q, dout) or kBlockN
+// batches: one batch of the packed rows, SeqInfo::tma_*), boxes of 64 columns x kBlockM (q, dout) or kBlockN
 // (k, v) rows; rows past the tensor arrive as zeros, as the cp.async kernel's zero-filled loads. A
 // packed sequence's last key and query tiles bring the next rows of the packed tensor instead: the
 // consumers zero them in shared memory (clear_tail) before any wgmma reads them.
@@ -198,7 +198,7 @@ CUFLASH_DEVICE void bwd_ws_produce(const BwdTmaParams& P, const Seq& seq, const 
             tma_load_4d(sm.q(st) + a * kBlockM * 128, &P.tma_q, sm.full(st), 64 * a, row, h, seq.tma_batch());
             tma_load_4d(sm.dout(st) + a * kBlockM * 128, &P.tma_do, sm.full(st), 64 * a, row, h, seq.tma_batch());
         }
-        // lse_log2 and D rows are padded to whole query blocks (and 256-byte aligned): no bounds.
+        // lse_log2 and D rows are padded to whole query blocks (4 kBlockM bytes each, a multiple of 16): no bounds.
         const i64 row0 = seq.scratch_row(p, h) + m0;
         const u32 s_rows = sm.rows0 + st * Cfg::kRowsBytes;
         bulk_load(s_rows, p.lse_log2 + row0, kBlockM * 4, sm.full(st));

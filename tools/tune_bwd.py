@@ -56,6 +56,9 @@ def main():
                          "80: head dim 128 only)")
     a = ap.parse_args()
     if a.sm90:
+        heights = (64, plan.BWD_SM90_WS_WIDE_ROWS.get(a.hd, 64))
+        if any(bm not in heights for bm in a.block_m):
+            ap.error(f"--block-m at head dim {a.hd} takes {' or '.join(map(str, sorted(set(heights))))}")
         ws = plan.BWD_SM90_WS_TILES.get(a.hd)  # its block_n (64 at head dim 256); every ring depth that fits
         persistent = (False, True) if a.persistent and a.hd in (64, 128) else (False,)
         tiles = [dataclasses.replace(ws, stages=st, persistent=pe, block_m=bm) for bm in a.block_m
