@@ -17,7 +17,8 @@
 //   consumers  warpgroup c owns query rows [64c, 64c + 64) of the tile; warp i of it rows 64c + 16i ..
 //              +15 of the softmax (the wgmma accumulator layout, wgmma.cuh).
 //
-//   shared memory:  Q[kBlockM x d] | K[kStages][kBlockN x d] | V[kStages][kBlockN x d] | mbarriers
+//   shared memory:  Q[kBlockM x d] | K[kStages][kBlockN x d] | V[kStages][kBlockN x d] | (persistent) O staging
+//                   [kBlockM x d] | (look-ahead) second Q slot | mbarriers
 //                   (every tile in 64-column atoms of the 128-byte swizzle, 1024-byte aligned)
 //
 // Schedule of a consumer warpgroup (kOverlap, FlashAttention-3's intra-warpgroup pipelining):
@@ -48,7 +49,9 @@
 // box of 16 rows per 64-column atom; else, and for packed batches, every lane writes 16-byte chunks of
 // the valid rows), then Q goes back ("Q empty") to the producer. Persistent: Q goes back right after
 // the last S = Q K^T, O is staged in a tile of its own, and the next tile's Q and K/V loads overlap the
-// last P V and the epilogue, whose TMA stores run on while the next tile computes.
+// last P V and the epilogue, whose TMA stores run on while the next tile computes. Look-ahead
+// (kSchedLookAhead, persistent plain batches): the next tile's first S is issued right after this tile's last
+// P V and runs under the epilogue; Q has two slots, the u-th Q tile of the walk in slot u % 2.
 //
 // Preconditions (cuflash/plan/forward.py picks this kernel only then): sm_90a; head_dim % 8 == 0, rows
 // and strides 16-byte aligned (TMA's rules); head-dim bucket a multiple of 64; the host encodes the
@@ -82,6 +85,7 @@ constexpr int kSchedPingPong = 2;  // two consumer warpgroups take turns issuing
 constexpr int kSchedPersistent = 4;  // one CTA per SM walks the tiles; the next tile's loads overlap this one's epilogue
 constexpr int kSchedTmaStore = 8;    // O leaves by TMA stores (else 16-byte stores from every lane; packed batches always)
 constexpr int kSchedCluster = 16;    // clusters of 2 CTAs share each K/V tile: each loads half and multicasts it (plain batches)
+constexpr int kSchedLookAhead = 32;  // (persistent, plain batches) the next item's first S issued before this item's epilogue
 
 // Timeline events of a diagnostic build (trace.cuh, tools/trace_fwd.py; other builds mark nothing). The
 // producer marks when it starts an item and when its waits for a free Q / K / V slot end (the load is
@@ -114,6 +118,12 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     // CTAs per cluster: 2 = two query tiles of one (head, batch) take their K/V tiles together, each CTA
     // loading half of every tile's rows into both CTAs' shared memory (TMA multicast).
     static constexpr int kCluster = (kSched_ & kSchedCluster) != 0 && (kMods_ & kModVarlen) == 0 ? 2 : 1;
+    // Look-ahead (persistent, overlapped, one CTA, plain batches): a consumer warpgroup issues the next item's
+    // first S = Q K^T right after this item's last P V, so that product runs under the epilogue instead of
+    // after it; Q takes two slots, so the next item's Q loads while this item still reads its own.
+    static constexpr bool kLookAhead = (kSched_ & kSchedLookAhead) != 0 && kPersistent && kOverlap && !kPingPong &&
+                                       kCluster == 1 && (kMods_ & kModVarlen) == 0;
+    static constexpr int kQSlots = kLookAhead ? 2 : 1;
     // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
     // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40, one
     // tile's 24), the consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384, 24 x 128 + 240 x
@@ -122,12 +132,14 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kPersistent ? 232 : 240;
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
-    static constexpr int kBarriers = 2 + 4 * kStages;  // Q full, Q empty; K full, V full, K empty, V empty per slot
+    // Q full, Q empty; K full, V full, K empty, V empty per slot; (look-ahead) Q full, Q empty of the second Q slot
+    static constexpr int kBarriers = 2 + 4 * kStages + 2 * (kQSlots - 1);
     // 1024 bytes of slack to align the base to the swizzle pattern; the mbarriers after the tiles.
     // Persistent: O is staged in a tile of its own, so the next item's Q can load during the epilogue.
     static constexpr int kTileBytesO = kPersistent ? kTileBytesQ : 0;
+    // (Look-ahead: the second Q slot after the O staging tile.)
     static constexpr int kSmemBytes =
-        1024 + kTileBytesQ + 2 * kStages * kTileBytesKV + kTileBytesO + 8 * ((kBarriers + 1) / 2 * 2);
+        1024 + kQSlots * kTileBytesQ + 2 * kStages * kTileBytesKV + kTileBytesO + 8 * ((kBarriers + 1) / 2 * 2);
 
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-element swizzle atoms, N <= 256");
     static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (the register split above)");
@@ -136,6 +148,7 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static_assert(kBlockN / kCluster % 8 == 0, "each CTA's share of a K/V tile is whole 8-row swizzle patterns");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536 / kNThreads / 8 * 8 * kNThreads,
                   "the register split must fit what the launch gives (else setmaxnreg.inc waits forever)");
+    static_assert(!kLookAhead || kBlockN <= kBlockM, "look-ahead: a stand-in S reads a Q tile as its B (kBlockN rows)");
 };
 
 template <class Cfg>
@@ -211,8 +224,15 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     const u32 s_k0 = s_q + Cfg::kTileBytesQ;
     const u32 s_v0 = s_k0 + kStages * Cfg::kTileBytesKV;
     const u32 s_o = s_v0 + kStages * Cfg::kTileBytesKV;  // (persistent: O staging)
-    const u32 s_bar = s_o + Cfg::kTileBytesO;
+    const u32 s_q1 = s_o + Cfg::kTileBytesO;              // (look-ahead: the second Q slot)
+    const u32 s_bar = s_q1 + (Cfg::kQSlots - 1) * Cfg::kTileBytesQ;
     const u32 full_q = s_bar, empty_q = s_bar + 8u;
+    // The u-th Q tile of the CTA's walk: its slot, barriers and phase (look-ahead: two slots taken in turn).
+    constexpr bool kLookAhead = Cfg::kLookAhead;
+    auto q_tile = [&](int u) { return kLookAhead && (u & 1) ? s_q1 : s_q; };
+    auto q_full = [&](int u) { return kLookAhead && (u & 1) ? s_bar + 8u * (2 + 4 * kStages) : full_q; };
+    auto q_empty = [&](int u) { return kLookAhead && (u & 1) ? s_bar + 8u * (3 + 4 * kStages) : empty_q; };
+    auto q_phase = [&](int u) { return (u32)((kLookAhead ? u >> 1 : u) & 1); };
     auto full_k = [&](int s) { return s_bar + 8u * (2 + s); };
     auto full_v = [&](int s) { return s_bar + 8u * (2 + kStages + s); };
     auto empty_k = [&](int s) { return s_bar + 8u * (2 + 2 * kStages + s); };
@@ -220,8 +240,11 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     auto generic = [&](u32 s_addr) { return smem_raw + (s_addr - smem_u32(smem_raw)); };
 
     if (tid == 0) {
-        mbar_init(full_q, 1);
-        mbar_init(empty_q, 4 * Cfg::kConsumers);  // lane 0 of every consumer warp arrives
+#pragma unroll
+        for (int u = 0; u < Cfg::kQSlots; ++u) {
+            mbar_init(q_full(u), 1);
+            mbar_init(q_empty(u), 4 * Cfg::kConsumers);  // lane 0 of every consumer warp arrives
+        }
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full_k(s), 1);
@@ -268,19 +291,21 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         for (int item = item0; item < n_items; item += item_step) {
             const FwdTileRef<Cfg> tile = tile_of(item, rank);
             if (tile.skip()) continue;
-            const bool own = (kCluster == 1 || m_index(item, rank) < p.num_m_blocks) && !tile.empty();
+            // (look-ahead: every item's Q, rows that see no key included: a stand-in S reads it)
+            const bool own = (kCluster == 1 || m_index(item, rank) < p.num_m_blocks) && (kLookAhead || !tile.empty());
             int lo, hi;
             kv_span(item, tile, lo, hi);
             const int n_tiles = hi - lo;
             if (lane == 0) {
                 CUFLASH_TRACE_MARK(kTraceProducerItem);
                 if (own) {
-                    mbar_wait(empty_q, (uses & 1) ^ 1);  // the consumers are done with the last Q (and its O staging)
+                    mbar_wait(q_empty(uses), q_phase(uses) ^ 1);  // the consumers are done with the slot's last Q (and its O staging)
                     CUFLASH_TRACE_MARK(kTraceProducerQ);
-                    mbar_arrive_expect_tx(full_q, Cfg::kTileBytesQ);
+                    mbar_arrive_expect_tx(q_full(uses), Cfg::kTileBytesQ);
 #pragma unroll
                     for (int a = 0; a < kAtoms; ++a) {
-                        tma_load_4d(s_q + a * kBlockM * 128, &P.tma_q, full_q, 64 * a, tile.q_row0, tile.tma_h, tile.tma_b);
+                        tma_load_4d(q_tile(uses) + a * kBlockM * 128, &P.tma_q, q_full(uses), 64 * a, tile.q_row0, tile.tma_h,
+                                    tile.tma_b);
                     }
                 }
                 for (int t = 0; t < n_tiles; ++t) {
@@ -332,6 +357,36 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     // warpgroup never arrives twice on a barrier before the other has waited on it).
     if (Cfg::kPingPong && cwg == 1) named_arrive(2, 256);
 
+    // Look-ahead: the S of an item's first K/V tile is issued at the end of the item before (and for the
+    // CTA's first item here), into S_ahead, which the item's tiles then use as their S. Where the next item
+    // has no key to see, or there is none, a stand-in S = Q Q^T of a Q tile that nothing overwrites any more
+    // (the next item's own, or the last one's: the producer has no loads left) is issued instead and its
+    // result dropped, so that every path issues the same wgmma (an issue on one branch only made ptxas
+    // serialize every wgmma of the kernel, docs/history/hopper.md, session 15).
+    float S_ahead[1][kNB][4];
+    float(&s_ahead)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(S_ahead);
+    const u64 desc_qa1 = sw128_desc(s_q1 + cwg * 64 * 128, 16);  // (A: this warpgroup's rows of the second slot)
+    const u64 desc_qb0 = sw128_desc(s_q, 16), desc_qb1 = sw128_desc(s_q1, 16);  // (a Q tile read as a stand-in B)
+    auto look_ahead = [&](int next, int u_next, int ring_next, int u_hold) {
+        u64 da = (u_hold & 1) ? desc_qa1 : desc_q, db = (u_hold & 1) ? desc_qb1 : desc_qb0;
+        if (next < n_items) {
+            const FwdTileRef<Cfg> nt = tile_of(next, rank);
+            mbar_wait(q_full(u_next), q_phase(u_next));
+            da = (u_next & 1) ? desc_qa1 : desc_q;
+            db = (u_next & 1) ? desc_qb1 : desc_qb0;
+            if (!nt.empty()) {
+                const int st = ring_next % kStages;
+                mbar_wait(full_k(st), (u32)((ring_next / kStages) & 1));
+                db = desc_k0 + st * kSlotStep;
+            }
+        }
+        wgmma_fence_operands(s_ahead);
+        wgmma_fence();
+        wgmma_ss_kmajor<kBlockN, kBF16, Cfg::kKStepsQK, kBlockM, kBlockN>(s_ahead, da, db);
+        wgmma_commit();
+    };
+    if constexpr (kLookAhead) look_ahead(item0, 0, 0, 0);
+
     // A K/V load of the ring (the k-th) that this CTA does not compute with (clusters: the other CTA's
     // blocks): wait until it has landed here, then hand the slot back to both CTAs' producers.
     auto release_kv = [&](u32 bar) {
@@ -357,6 +412,16 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         kv_span(item, tile, lo, hi);
         const bool valid = kCluster == 1 || m_index(item, rank) < p.num_m_blocks;
         if (!valid || tile.empty()) {  // no row sees a key: O = 0, lse = -inf; nothing was loaded for it
+            if constexpr (kLookAhead) {  // (but its Q: the stand-in S read it)
+                wgmma_wait<0>();
+                wgmma_fence_operands(s_ahead);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(q_empty(uses));
+                tile.write_empty(p, ctid, 128 * Cfg::kConsumers);
+                look_ahead(item + item_step, uses + 1, ring, uses);
+                ++uses;
+                continue;
+            }
             if (valid) tile.write_empty(p, ctid, 128 * Cfg::kConsumers);
             for (int k = ring; k < ring + hi - lo; ++k) pass_kv(k);
             ring += hi - lo;
@@ -375,7 +440,8 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
 
         WarpTile<Cfg> wt;
         wt.init(warp_row0, lane);
-        float S[1][kNB][4];
+        float S_own[1][kNB][4];
+        float(&S)[1][kNB][4] = kLookAhead ? S_ahead : S_own;
         u32 keep[1][kNB / 2];       // dropout keep bits of the current tile (dropout only)
         u32 pa[Cfg::kKStepsPV][4];  // P of the previous tile: the A operand of its P V product
         float corr[1][2];
@@ -398,10 +464,11 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                 else named_arrive(2, 256);
             }
         };
-        auto issue_s = [&](int st) {  // S = Q K_st^T
+        auto issue_s = [&](int st) {  // S = Q K_st^T (look-ahead: Q from this item's slot)
             wgmma_fence_operands(s_acc);
             wgmma_fence();
-            wgmma_ss_kmajor<kBlockN, kBF16, Cfg::kKStepsQK, kBlockM, kBlockN>(s_acc, desc_q, desc_k0 + st * kSlotStep);
+            wgmma_ss_kmajor<kBlockN, kBF16, Cfg::kKStepsQK, kBlockM, kBlockN>(
+                s_acc, kLookAhead && (uses & 1) ? desc_qa1 : desc_q, desc_k0 + st * kSlotStep);
             wgmma_commit();
         };
         auto issue_pv = [&](int st) {  // O += P V_st
@@ -436,7 +503,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             if (signals) mbar_arrive(bar);
         };
         auto q_done = [&] {  // (persistent) this warpgroup's last S = Q K^T has completed: Q may be reloaded
-            if constexpr (Cfg::kPersistent) release(empty_q);
+            if constexpr (Cfg::kPersistent) release(q_empty(uses));
         };
         // Varlen: the first tile visited (key block n_last) may end past the sequence's keys, and TMA then
         // brought the rows that follow them in the packed tensor or page (the next sequence, unused cache
@@ -459,16 +526,20 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             }
         };
 
-        mbar_wait(full_q, uses & 1);
+        if constexpr (!kLookAhead) mbar_wait(full_q, uses & 1);  // (look-ahead: waited for before its S was issued)
         CUFLASH_TRACE_MARK(kTraceQ);
 
         if constexpr (Cfg::kOverlap) {
-            // Tile 0: S, softmax, P (O is still zero: nothing to rescale).
-            mbar_wait(full_k(slot(0)), phase(0));
-            CUFLASH_TRACE_MARK(kTraceK);
-            turn_wait();
-            issue_s(slot(0));
-            turn_pass();
+            // Tile 0: S, softmax, P (O is still zero: nothing to rescale). (Look-ahead: S is in flight.)
+            if constexpr (!kLookAhead) {
+                mbar_wait(full_k(slot(0)), phase(0));
+                CUFLASH_TRACE_MARK(kTraceK);
+                turn_wait();
+                issue_s(slot(0));
+                turn_pass();
+            } else {
+                CUFLASH_TRACE_MARK(kTraceK);  // (waited for before S was issued: the timeline's phases stay in order)
+            }
             tile.draw_keep(keep, n_last, m0 + warp_row0, lane);
             wgmma_wait<0>();
             wgmma_fence_operands(s_acc);
@@ -523,7 +594,14 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             turn_wait();
             issue_pv(slot(n_tiles - 1));
             turn_pass();
-            wait_pv();
+            if constexpr (kLookAhead) {  // the next item's first S behind the last P V: it runs under the epilogue
+                look_ahead(item + item_step, uses + 1, ring + n_tiles, uses);
+                wgmma_wait<1>();
+                wgmma_fence_operands(o_acc);
+                wgmma_fence_operands(pa);
+            } else {
+                wait_pv();
+            }
             CUFLASH_TRACE_MARK(kTracePV);
             release_kv(empty_v(slot(n_tiles - 1)));
         } else {
@@ -597,6 +675,10 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             release(empty_q);
         }
         CUFLASH_TRACE_MARK(kTraceEpilogue);
+    }
+    if constexpr (kLookAhead) {  // the stand-in S after the CTA's last item
+        wgmma_wait<0>();
+        wgmma_fence_operands(s_ahead);
     }
     if (Cfg::kTmaStore && Cfg::kPersistent && lane == 0) tma_store_wait_read<0>();  // smem stays until the last store read it
     if (Cfg::kPingPong && cwg == 0) named_sync(2, 256);

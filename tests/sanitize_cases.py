@@ -224,6 +224,15 @@ def hopper_cases(rng, arch, forward_only=False):
             q, k, v = random_qkv(rng, 4, 600, 700, 16, 4, d, "bf16")
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile)
             print(f"ok short-key {tile} d={d} causal={causal}: err {err:.2e} <= {bound:.2e}")
+    # the look-ahead (the next item's first S under the epilogue, two Q slots): CTAs walk 2-6 items; causal with
+    # more queries than keys and a window make items whose rows see no key (their stand-in S reads their Q);
+    # a ring of 4 slots of 64 keys (the stand-in reads a Q tile with a key tile's strides)
+    for d, tile in ((64, dataclasses.replace(short[64], look_ahead=True)), (128, dataclasses.replace(short[128], look_ahead=True)),
+                    (128, plan.Sm90WsTile(128, 64, 4, pingpong=False, persistent=True, tma_store=False, look_ahead=True))):
+        for sq, sk, causal, kw in ((600, 700, False, {}), (1400, 300, True, {}), (900, 700, False, dict(window_size=(40, 0)))):
+            q, k, v = random_qkv(rng, 4, sq, sk, 16, 4, d, "bf16")
+            err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, **kw)
+            print(f"ok look-ahead {tile} d={d} sq={sq} sk={sk} causal={causal} {kw}: err {err:.2e} <= {bound:.2e}")
     for d, dt in ((64, "fp16"), (56, "bf16"), (256, "bf16"), (248, "fp16")):  # planner's tiles, partial boxes
         q, k, v = random_qkv(rng, 1, 333, 257, 2, 1, d, dt)
         err, bound = check_forward(q, k, v, causal=True, dtype=dt)

@@ -145,6 +145,29 @@ def test_bwd_wide_query_rows_compile_within_budget():
 
 
 @pytest.mark.slow
+def test_fwd_look_ahead_compiles_within_budget():
+    """The TMA forward's look-ahead (the next item's first S issued before the epilogue, two Q slots;
+    tools/tune_fwd.py --look-ahead, not planned until measured) on the persistent short-key tiles of head dims
+    64 and 128: plain, dropout, ALiBi and softcap builds keep everything in registers and every wgmma
+    asynchronous, fp16 and bf16, causal or not. (With a window the hd128 tile parks 104 bytes causal and 168
+    not, where the same tile without the look-ahead parks 0 and 96.)"""
+    specs = []
+    for hd in (64, 128):
+        tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[hd], look_ahead=True)
+        for causal in (False, True):
+            specs += [plan.fwd_sm90_ws_spec(hd, "bf16", causal, tile, m)
+                      for m in (0, plan.MOD_DROPOUT, plan.MOD_ALIBI, plan.MOD_SOFTCAP)]  # fmt: skip
+            specs.append(plan.fwd_sm90_ws_spec(hd, "fp16", causal, dataclasses.replace(tile, tma_store=True)))
+            deeper = dataclasses.replace(tile, stages=3) if hd == 64 else dataclasses.replace(tile, block_n=64, stages=4)
+            specs.append(plan.fwd_sm90_ws_spec(hd, "bf16", causal, deeper))  # (the GPU tests' deeper rings)
+    for spec in specs:
+        assert spec.tile.look_ahead, spec.name
+        _, header = jit.compile_cubin(spec)
+        p = header["ptxas"]
+        assert p["stack_frame"] == 0 and not {k for k in p if k.startswith("wgmma_")}, (spec.name, p)
+
+
+@pytest.mark.slow
 def test_shared_memory_fits(compiled):
     specs, headers = compiled
     for s in specs:

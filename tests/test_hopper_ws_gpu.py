@@ -46,12 +46,17 @@ def _schedules():
             W(128, 128, pingpong=False, cluster=2), W(128, 128, cluster=2), W(128, 128, 3, pingpong=False, cluster=2),
             W(192, 64, pingpong=False, cluster=2), W(128, 80, pingpong=False, cluster=2),
             W(128, 128, pingpong=False, persistent=True, cluster=2),
-            W(128, 128, pingpong=False, persistent=True, tma_store=False, cluster=2)]  # fmt: skip
+            W(128, 128, pingpong=False, persistent=True, tma_store=False, cluster=2),
+            # the next item's first S issued before the epilogue (one item per CTA here: the first S from before
+            # the walk, the stand-in S after it; test_look_ahead_walks has several per CTA)
+            W(128, 128, pingpong=False, persistent=True, tma_store=False, look_ahead=True),
+            W(128, 128, pingpong=False, persistent=True, look_ahead=True),
+            W(128, 64, 4, pingpong=False, persistent=True, tma_store=False, look_ahead=True)]  # fmt: skip
 
 
 @pytest.mark.parametrize("tile", _schedules(), ids=lambda t: f"bm{t.block_m}bn{t.block_n}st{t.stages}ov{int(t.overlap)}"
                          f"pp{int(t.pingpong)}{'persistent' if t.persistent else ''}{'tmao' if t.tma_store else ''}"
-                         f"c{t.cluster}")
+                         f"c{t.cluster}{'la' if t.look_ahead else ''}")
 @pytest.mark.parametrize("sk", [1, 128, 256, 384, 700])  # 1 key tile, exactly the ring, one past it, ragged
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (100, 30))])
 def test_schedules(tile, sk, causal, window):
@@ -132,6 +137,48 @@ def test_persistent_walks_every_tile(head_dim, causal, which):
                                 tile=dataclasses.replace(tile, persistent=False))  # fmt: skip
     np.testing.assert_allclose(to_f64(got), to_f64(want), atol=1e-2)
     np.testing.assert_allclose(lse.get(), want_lse.get(), atol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", ["dense", "one-key-tile", "no-key-rows-causal", "no-key-rows-window", "gqa-dropout",
+                                  "alibi-softcap"])
+@pytest.mark.parametrize("ring", ["planned", "deeper"])  # the planner's tile's ring, or 3 slots (hd64) / 4 of 64 keys (hd128)
+def test_look_ahead_walks(head_dim, case, ring):
+    """The look-ahead tile (each item's first S issued before the epilogue of the item before; Q in two slots)
+    over many items per CTA: against the float64 reference, and bitwise equal to the same persistent tile
+    without it (the same products in the same order). Items whose rows see no key (causal with more queries
+    than keys; a window) take a stand-in S, in runs of several; the CTA's last item takes one too."""
+    _hopper()
+    import dataclasses
+
+    import cupy
+
+    from cuflash import forward, plan
+
+    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[head_dim], look_ahead=True)
+    if ring == "deeper":
+        tile = dataclasses.replace(tile, stages=3) if head_dim == 64 else dataclasses.replace(tile, block_n=64, stages=4)
+    rng = np.random.default_rng(head_dim + len(case))
+    causal, kw = False, {}
+    if case == "dense":  # 3 x 16 x 8 query tiles = 384 items on 132 CTAs
+        shape = (3, 1000, 1100, 16, 16)
+    elif case == "one-key-tile":  # every item a single key tile: its S comes from the item before
+        shape = (4, 1100, 100, 16, 16)
+    elif case == "no-key-rows-causal":  # 13 of 16 query tiles per pair see no key
+        shape, causal = (2, 2000, 300, 32, 8), True
+    elif case == "no-key-rows-window":  # rows below 700 see no key, and each row sees 41 keys
+        shape, kw = (2, 1600, 900, 24, 24), dict(window_size=(40, 0))
+    elif case == "gqa-dropout":
+        shape, causal, kw = (3, 1000, 1000, 16, 4), True, dict(dropout_p=0.1, rng_state=(1234, 8))
+    else:
+        shape, kw = (3, 700, 900, 16, 8), dict(softcap=5.0, alibi_slopes=cupy.asarray(
+            rng.uniform(0.01, 0.3, 16).astype(np.float32)))
+    q, k, v = random_qkv(rng, *shape, head_dim, "bf16")
+    check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile, what=f"look-ahead {case}", **kw)
+    got = forward.run(q, k, v, causal=causal, tile=tile, return_lse=True, **kw)
+    want = forward.run(q, k, v, causal=causal, tile=dataclasses.replace(tile, look_ahead=False), return_lse=True, **kw)
+    for g, w in zip(got[:2], want[:2]):
+        assert bool((g == w).all()), case
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -4,6 +4,7 @@ the source: ptxas hoisted that product's wait above the softmax in every variant
 nvcc and reads the SASS with nvdisasm (PyPI: nvidia-cuda-nvdisasm); without either the test skips."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -59,3 +60,46 @@ def test_backward_wide_blocks_exps_under_dp(head_dim, rows, causal):
     spec = plan.bwd_sm90_ws_spec(head_dim, "bf16", causal, plan.BwdSm90WsTile(block_m=rows, stages=3 if rows == 128 else 2))
     counts = check_overlap_sass.exps_under_pv(check_overlap_sass.sass_of(spec, exe))
     assert counts and max(counts) >= rows // 2, (spec.name, counts)
+
+
+def epilogue_under_next_s(sass: str) -> bool:
+    """Whether the first 16-byte store of O (STG.E.128) comes after an S = Q K^T issue (HGMMA without .tnspB)
+    with no wait for every wgmma (DEPBAR.LE gsb0, 0x0) in between: the epilogue runs while that S is in flight."""
+    last_s = None
+    for i, line in enumerate(sass.splitlines()):
+        if "HGMMA" in line:
+            last_s = i if "tnspB" not in line else None
+        elif re.search(r"DEPBAR\.LE gsb0, 0x0\b", line):
+            last_s = None
+        elif "STG.E.128" in line:
+            return last_s is not None
+    return False
+
+
+def test_epilogue_under_next_s_reads_the_order():
+    s_group = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT ;", "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;"]
+    pv = "HGMMA.64x64x16.F32.BF16 R88, R120, gdesc[UR20].tnspB, R88 ;"
+    store = "STG.E.128 desc[UR14][R8.64], R16 ;"
+    assert epilogue_under_next_s("\n".join([pv] + s_group + [store]))
+    assert not epilogue_under_next_s("\n".join([pv, "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;", store]))
+    assert not epilogue_under_next_s("\n".join([pv] + s_group + ["WARPGROUP.DEPBAR.LE gsb0, 0x0 ;", store]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_look_ahead_issues_the_next_s_before_the_epilogue(head_dim, causal):
+    """The look-ahead tile (Sm90WsTile.look_ahead; not planned until measured): the next item's first S is
+    issued before the epilogue's stores, which no wait for it precedes, and the loop still keeps a tile's
+    exponentials between its two waits. Without the look-ahead the same tile's epilogue follows a wait for
+    every wgmma."""
+    import dataclasses
+
+    exe = _nvdisasm()
+    tile = plan.FWD_SM90_WS_SHORT_TILES[head_dim]
+    for la in (True, False):
+        sass = check_overlap_sass.sass_of(plan.fwd_sm90_ws_spec(head_dim, "bf16", causal,
+                                                                dataclasses.replace(tile, look_ahead=la)), exe)
+        assert epilogue_under_next_s(sass) == la, (head_dim, causal, la)
+        counts = check_overlap_sass.exps_under_pv(sass)
+        assert counts and max(counts) >= tile.block_n // 2, (la, counts)

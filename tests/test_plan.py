@@ -909,16 +909,47 @@ def test_ws_forward_smem_matches_the_kernel_config():
             t = W(128, 128 if hd == 64 else 64, stages, pingpong=False, persistent=True)
             if plan.fwd_sm90_ws_smem_bytes(hd, t) <= plan.max_smem_bytes("sm_90a"):
                 specs.append(plan.fwd_sm90_ws_spec(hd, "fp16", False, t))
+    for hd in (64, 128):  # the look-ahead (two Q slots, two more mbarriers), with and without TMA stores
+        for tma_store in (False, True):
+            t = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[hd], look_ahead=True, tma_store=tma_store)
+            specs.append(plan.fwd_sm90_ws_spec(hd, "bf16", True, t, plan.MOD_WINDOW))
     assert any(s.tile.persistent and s.tile.stages == 4 for s in specs) and any(s.tile.block_m == 192 for s in specs)
     lines = ['#include "flash_fwd_sm90_ws.cuh"']
     for s in dict.fromkeys(specs):
         c = f"cuflash::Sm90WsFwdConfig<{s.template_args()}>"
         persistent = "true" if s.tile.persistent else "false"
+        look_ahead = "true" if s.tile.look_ahead else "false"
         lines.append(f"static_assert({c}::kHeadDim == {s.head_dim} && {c}::kBlockM == {s.tile.block_m} && "
                      f"{c}::kBlockN == {s.tile.block_n} && {c}::kStages == {s.tile.stages} && "
-                     f'{c}::kPersistent == {persistent}, "{s.name}: template argument order");')  # fmt: skip
+                     f"{c}::kPersistent == {persistent} && {c}::kLookAhead == {look_ahead}, "
+                     f'"{s.name}: template argument order");')  # fmt: skip
         lines.append(f'static_assert({c}::kSmemBytes == {s.smem_bytes}, "{s.name}: shared memory");')
     compile_static_asserts(lines, "fwd_ws_config_check.cu")
+
+
+def test_ws_forward_look_ahead_rules():
+    """The look-ahead (Sm90WsTile.look_ahead: kernel bit 32, two Q slots) is a schedule of persistent,
+    overlapped 128-row tiles without ping-pong or clusters whose key tiles are no wider than their query tiles (a
+    stand-in S reads a Q tile as its B); packed batches drop it (their items come from the varlen
+    scheduler); nothing plans it."""
+    W = plan.Sm90WsTile
+    la = W(128, 128, pingpong=False, persistent=True, tma_store=False, look_ahead=True)
+    spec = plan.fwd_sm90_ws_spec(128, "bf16", True, la)
+    assert la.sched == 1 | 4 | 32 and spec.name.endswith("_persistent_la_vec16_sm90a")
+    assert spec.smem_bytes == plan.fwd_sm90_ws_smem_bytes(128, dataclasses.replace(la, look_ahead=False)) + 128 * 128 * 2 + 16
+    assert spec.smem_bytes <= plan.max_smem_bytes("sm_90a")
+    packed = plan.fwd_sm90_ws_spec(128, "bf16", True, la, plan.MOD_VARLEN)
+    assert not packed.tile.look_ahead and packed == plan.fwd_sm90_ws_spec(128, "bf16", True, dataclasses.replace(
+        la, look_ahead=False), plan.MOD_VARLEN)
+    for bad in (dataclasses.replace(la, persistent=False), dataclasses.replace(la, overlap=False),
+                dataclasses.replace(la, pingpong=True), dataclasses.replace(la, cluster=2),
+                W(128, 176, pingpong=False, persistent=True, look_ahead=True),
+                W(192, 128, pingpong=False, persistent=True, look_ahead=True)):
+        with pytest.raises(ValueError, match="look_ahead needs"):
+            plan.fwd_sm90_ws_spec(64, "bf16", False, bad)
+    planned = [s for s in plan.all_fwd_specs("sm_90a", mods=(0, plan.ALL_MODS, plan.MOD_VARLEN))
+               if s.family == "flash_fwd_sm90_ws"]  # fmt: skip
+    assert planned and not any(s.tile.look_ahead for s in planned)
 
 
 def test_paged_kv_and_dropout_plan_key_tiles_that_fit():

@@ -47,19 +47,21 @@ def trace_layout() -> tuple[int, int, int]:
 
 
 def parse_tile(text: str | None, default):
-    """--tile "block_m,block_n[,persistent][,pingpong][,notma][,cluster]" -> an Sm90WsTile (the planner's when
-    None; cluster: clusters of 2 sharing K/V by multicast)."""
+    """--tile "block_m,block_n[,persistent][,pingpong][,notma][,cluster][,lookahead]" -> an Sm90WsTile (the
+    planner's when None; cluster: clusters of 2 sharing K/V by multicast; lookahead: each item's first S issued
+    before the epilogue of the item before)."""
     from cuflash.plan import Sm90WsTile
 
     if not text:
         return default
     parts = text.split(",")
     flags = set(parts[2:])
-    unknown = flags - {"persistent", "pingpong", "notma", "cluster"}
+    unknown = flags - {"persistent", "pingpong", "notma", "cluster", "lookahead"}
     if unknown:
-        sys.exit(f"--tile: unknown flags {sorted(unknown)} (persistent, pingpong, notma, cluster)")
+        sys.exit(f"--tile: unknown flags {sorted(unknown)} (persistent, pingpong, notma, cluster, lookahead)")
     return Sm90WsTile(int(parts[0]), int(parts[1]), pingpong="pingpong" in flags, persistent="persistent" in flags,
-                      tma_store="notma" not in flags, cluster=2 if "cluster" in flags else 1)  # fmt: skip
+                      tma_store="notma" not in flags, cluster=2 if "cluster" in flags else 1,
+                      look_ahead="lookahead" in flags)  # fmt: skip
 
 
 def _role_marks(row):

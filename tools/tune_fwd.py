@@ -83,13 +83,18 @@ SM90_WS_CANDIDATES[64] += [P(192, 64, pingpong=False), P(192, 96, pingpong=False
 # Ping-pong again once the softmax really overlaps P V inside a warpgroup (session 17): FlashAttention-3's
 # hd256 tile with it (head dims 64 and 128 have theirs above)
 SM90_WS_CANDIDATES[256] += [W(128, 80)]
+# The look-ahead on the planner's persistent short-key tiles: each item's first S issued right after the item
+# before's last P V, so that it runs under that item's epilogue, Q in two slots (built in session 33 without a
+# GPU; --match "persistent=1 tmastore=0 cluster=1" times them beside the planner's tiles)
+SM90_WS_CANDIDATES[64] += [P(128, 128, pingpong=False, look_ahead=True), P(128, 128, 3, pingpong=False, look_ahead=True)]
+SM90_WS_CANDIDATES[128] += [P(128, 128, pingpong=False, look_ahead=True)]
 
 
 def describe(tile) -> str:
     if isinstance(tile, Sm90WsTile):
         return (f"ws bm{tile.block_m} bn{tile.block_n} st{tile.stages} overlap={int(tile.overlap)} "
                 f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)} tmastore={int(tile.tma_store)} "
-                f"cluster={tile.cluster}")
+                f"cluster={tile.cluster} lookahead={int(tile.look_ahead)}")
     if isinstance(tile, Sm90Tile):
         return f"sm90 bm{tile.block_m} bn{tile.block_n} st{tile.stages} mb{tile.min_blocks}"
     return f"bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} st={tile.stages}"

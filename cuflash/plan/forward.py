@@ -113,6 +113,10 @@ class Sm90WsTile:
     # loading half its rows into both (TMA multicast), which halves the K/V the L2 serves (plain batches only:
     # packed ones get 1, fwd_sm90_ws_spec)
     cluster: int = 1
+    # (persistent, overlapped, 128 rows, no ping-pong, no clusters; plain batches: packed ones get False, fwd_sm90_ws_spec)
+    # each consumer warpgroup issues the next item's first S = Q K^T right after this item's last P V, so that
+    # it runs under the epilogue; Q takes two slots (the next item's loads while this one's is read)
+    look_ahead: bool = False
 
     @property
     def warps(self) -> int:
@@ -121,9 +125,10 @@ class Sm90WsTile:
     @property
     def sched(self) -> int:
         """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent, 8 TMA store,
-        16 clusters of 2."""
+        16 clusters of 2, 32 look-ahead."""
         return (int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0) | (4 if self.persistent else 0)
-                | (8 if self.tma_store else 0) | (16 if self.cluster == 2 else 0))  # fmt: skip
+                | (8 if self.tma_store else 0) | (16 if self.cluster == 2 else 0)
+                | (32 if self.look_ahead else 0))  # fmt: skip
 
 
 #: Warp-specialized Hopper forward tiles per head-dim bucket: the default forward on sm_90a for
@@ -288,11 +293,12 @@ def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = 
 
 def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile) -> int:
     """Dynamic shared memory of the warp-specialized forward: must match Sm90WsFwdConfig::kSmemBytes
-    (alignment slack, Q, the K/V ring, persistent: an O staging tile, 2 + 4 * stages mbarriers of 8
-    bytes rounded to 16)."""
-    barriers = 2 + 4 * tile.stages
+    (alignment slack, Q (look-ahead: two slots), the K/V ring, persistent: an O staging tile, 2 + 4 * stages
+    mbarriers of 8 bytes (look-ahead: 2 more) rounded to 16)."""
+    q_slots = 2 if getattr(tile, "look_ahead", False) else 1
+    barriers = 2 + 4 * tile.stages + 2 * (q_slots - 1)
     o_rows = tile.block_m if getattr(tile, "persistent", False) else 0  # persistent: O staged in a tile of its own
-    return (1024 + 2 * (tile.block_m + o_rows + 2 * tile.stages * tile.block_n) * head_dim_bucket
+    return (1024 + 2 * (q_slots * tile.block_m + o_rows + 2 * tile.stages * tile.block_n) * head_dim_bucket
             + 8 * ((barriers + 1) // 2 * 2))  # fmt: skip
 
 
@@ -382,7 +388,7 @@ class Sm90WsKernelSpec(HopperSpec):
         t = self.tile
         return self._variant_name(f"{'_ov' if t.overlap else ''}{'_pp' if t.sched & 2 else ''}"
                                   f"{'_persistent' if t.persistent else ''}{'_tmao' if t.tma_store else ''}"
-                                  f"{f'_c{t.cluster}' if t.cluster > 1 else ''}")
+                                  f"{f'_c{t.cluster}' if t.cluster > 1 else ''}{'_la' if t.look_ahead else ''}")
 
     @property
     def cluster(self) -> int:
@@ -432,6 +438,13 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
         tile = dataclasses.replace(tile, tma_store=False)  # (one spec, one name, and no output map to encode)
     if mods & MOD_VARLEN and tile.cluster > 1:  # the query tiles of a cluster belong to one (head, batch) pair
         tile = dataclasses.replace(tile, cluster=1)
+    if mods & MOD_VARLEN and tile.look_ahead:  # (the varlen scheduler's items are not known a walk ahead)
+        tile = dataclasses.replace(tile, look_ahead=False)
+    if tile.look_ahead and (not tile.persistent or not tile.overlap or tile.sched & 2 or tile.cluster > 1
+                            or tile.block_m != 128 or tile.block_n > tile.block_m):  # fmt: skip
+        # (3 consumer warpgroups, 160 registers a thread, park 72 bytes with the S in flight through the epilogue)
+        raise ValueError(f"warp-specialized tile {tile}: look_ahead needs a persistent, overlapped 128-row tile "
+                         f"without ping-pong or clusters, and block_n <= block_m")  # fmt: skip
     return Sm90WsKernelSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
 
 
