@@ -258,28 +258,7 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
     if peers and torch is None:
         row.notes["torch"] = "torch with CUDA not importable"
     if torch is not None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))  # (b, h, s, d) views
-        tdo = torch.from_dlpack(dout).transpose(1, 2)
-        if op != "fwd":
-            tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
-
-        def peer(backend):
-            def fwd():
-                with sdpa_kernel(backend):
-                    return sdpa(tq, tk, tv, is_causal=causal, scale=scale)
-
-            if op == "fwd":
-                return fwd
-            if op == "fwd+bwd":
-                return lambda: torch.autograd.grad(fwd(), (tq, tk, tv), tdo)
-            saved = fwd()  # the backend's backward runs on the graph its forward recorded
-            return lambda: torch.autograd.grad(saved, (tq, tk, tv), tdo, retain_graph=True)
-
-        impls["flash"] = peer(SDPBackend.FLASH_ATTENTION)
-        impls["cudnn"] = peer(SDPBackend.CUDNN_ATTENTION)
+        impls.update(sdpa_peers(torch, q, k, v, dout, causal, scale, op))
     if peers and op == "fwd" and batch * nheads * seqlen * seqlen * 4 <= naive_max_gb * 2**30:
         impls["naive"] = lambda: _naive(q, k, v, causal, scale)
 
@@ -299,6 +278,32 @@ def run_point(dtype: str, head_dim: int, causal: bool, seqlen: int, batch: int, 
         else:
             row.mem_mb[name] = round(torch_peak_mb(torch, fn), 1)
     return row
+
+
+def sdpa_peers(torch, q, k, v, dout, causal: bool, scale: float, op: str) -> dict:
+    """{"flash": fn, "cudnn": fn}: torch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION backends doing ``op`` on
+    (b, h, s, d) views of the same CuPy arrays (zero-copy through DLPack)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))  # (b, h, s, d) views
+    tdo = torch.from_dlpack(dout).transpose(1, 2)
+    if op != "fwd":
+        tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+
+    def peer(backend):
+        def fwd():
+            with sdpa_kernel(backend):
+                return sdpa(tq, tk, tv, is_causal=causal, scale=scale)
+
+        if op == "fwd":
+            return fwd
+        if op == "fwd+bwd":
+            return lambda: torch.autograd.grad(fwd(), (tq, tk, tv), tdo)
+        saved = fwd()  # the backend's backward runs on the graph its forward recorded
+        return lambda: torch.autograd.grad(saved, (tq, tk, tv), tdo, retain_graph=True)
+
+    return {"flash": peer(SDPBackend.FLASH_ATTENTION), "cudnn": peer(SDPBackend.CUDNN_ATTENTION)}
 
 
 def release_memory() -> None:

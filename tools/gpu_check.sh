@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install offline, then the steps named (default: precompile tests).
-#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [varlen] [variants] [ab] [trace] [hopper] [host] [ring] [quick]
+#   tools/gpu_check.sh OUTDIR [precompile] [tests] [sanitize] [bench] [decode] [e2e] [varlen] [variants] [ab] [trace] [ablation] [hopper] [host] [ring] [quick]
 #   precompile  every variant for this GPU, 16 NVRTC processes at once (the tests then load kernels
 #               instead of compiling them)
 #   tests       the whole suite, CPU and GPU, with pytest-xdist (-n 8; conftest.py splits the BLAS threads); junit and the 40 slowest tests
@@ -24,11 +24,13 @@
 #   trace       tools/trace_fwd.py (TRACE_POINTS, default "128:512 128:512:causal 64:512 256:512"; head dim:tokens[:causal]):
 #               where the TMA forward's time goes per work item, from a diagnostic build's timeline marks
 #               -> trace-*.txt, trace-*.png (in logs.tgz)
+#   ablation    tools/ablation.py (ABLATION_ARGS, e.g. "--op fwd --hd 64 128"): each technique of the TMA kernels
+#               switched off at every point, cuDNN and FA2 in the same run -> ablation.json, its tables in the summary
 #   hopper      the TMA kernels' own checks (issue 30): tools/check_sm90.py --ws, their GPU tests, the forward and
 #               backward property tests at HOPPER_EXAMPLES Hypothesis examples (default 400), compute-sanitizer
 #               memcheck, racecheck and synccheck on tests/sanitize_cases.py --only hopper (HOPPER_TIMEOUT per part)
 # Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT,
-# E2E_TIMEOUT, VARLEN_TIMEOUT, VARIANTS_TIMEOUT, AB_TIMEOUT, TRACE_TIMEOUT, RING_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary
+# E2E_TIMEOUT, VARLEN_TIMEOUT, VARIANTS_TIMEOUT, AB_TIMEOUT, TRACE_TIMEOUT, ABLATION_TIMEOUT, RING_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary
 # is printed last; the result files stay beside it (summary.txt, bench.json, bench.png, decode.json,
 # decode.png, e2e.json, e2e.png, varlen.json, variants.json, ring.json, logs.tgz).
 set -u
@@ -109,6 +111,11 @@ if has trace; then
         > "$OUT/$name.txt" 2>&1
     note "trace hd$hd $sl${c:+ causal} (rc=$?, $(took)):"; grep -E "ms|outside|^  " "$OUT/$name.txt" >> "$SUMMARY"
   done
+fi
+
+if has ablation; then
+  timeout ${ABLATION_TIMEOUT:-540} $PY tools/ablation.py ${ABLATION_ARGS:-} --json "$OUT/ablation.json" > "$OUT/ablation.txt" 2>&1
+  note "ablation (rc=$?, $(took)):"; sed -n '/^fwd (\|^bwd (/,$p' "$OUT/ablation.txt" >> "$SUMMARY"
 fi
 
 if has hopper; then
