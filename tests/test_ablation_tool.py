@@ -32,6 +32,8 @@ def test_fwd_schedules_are_buildable_variants_of_the_planned_tile(head_dim, seql
     assert ("ping-pong" in s) == (base.block_m == 128)
     assert ("look-ahead (candidate)" in s) == (base.persistent and base.block_m == 128)
     assert ("per-tile grid" in s) == base.persistent
+    if base.persistent:
+        assert s["per-tile grid"].tma_store and not s["per-tile grid"].persistent
     if "persistent grid" in s:
         assert s["persistent grid"].persistent and not base.persistent
 

@@ -147,7 +147,7 @@ def test_bwd_wide_query_rows_compile_within_budget():
 @pytest.mark.slow
 def test_fwd_look_ahead_compiles_within_budget():
     """The TMA forward's look-ahead (the next item's first S issued before the epilogue, two Q slots;
-    tools/tune_fwd.py --look-ahead, not planned until measured) on the persistent short-key tiles of head dims
+    a tools/tune_fwd.py --ws candidate, not planned until measured) on the persistent short-key tiles of head dims
     64 and 128: plain, dropout, ALiBi and softcap builds keep everything in registers and every wgmma
     asynchronous, fp16 and bf16, causal or not. (With a window the hd128 tile parks 104 bytes causal and 168
     not, where the same tile without the look-ahead parks 0 and 96.)"""

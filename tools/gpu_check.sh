@@ -32,7 +32,7 @@
 # Timeouts: PRECOMPILE_TIMEOUT, TEST_TIMEOUT, SANITIZE_TIMEOUT, BENCH_TIMEOUT, DECODE_TIMEOUT,
 # E2E_TIMEOUT, VARLEN_TIMEOUT, VARIANTS_TIMEOUT, AB_TIMEOUT, TRACE_TIMEOUT, ABLATION_TIMEOUT, RING_TIMEOUT (s). Full logs go to OUTDIR/logs.tgz; a short summary
 # is printed last; the result files stay beside it (summary.txt, bench.json, bench.png, decode.json,
-# decode.png, e2e.json, e2e.png, varlen.json, variants.json, ring.json, logs.tgz).
+# decode.png, e2e.json, e2e.png, varlen.json, variants.json, ring.json, ablation.json, logs.tgz).
 set -u
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR [steps...]}
 shift
@@ -116,6 +116,7 @@ fi
 if has ablation; then
   timeout ${ABLATION_TIMEOUT:-540} $PY tools/ablation.py ${ABLATION_ARGS:-} --json "$OUT/ablation.json" > "$OUT/ablation.txt" 2>&1
   note "ablation (rc=$?, $(took)):"; sed -n '/^fwd (\|^bwd (/,$p' "$OUT/ablation.txt" >> "$SUMMARY"
+  grep -E "Error|Traceback" "$OUT/ablation.txt" | tail -3 >> "$SUMMARY"
 fi
 
 if has hopper; then
@@ -140,6 +141,6 @@ if has ring; then
   timeout ${RING_TIMEOUT:-400} $PY tools/bench_ring.py ${RING_ARGS:-} --json "$OUT/ring.json" > "$OUT/ring.txt" 2>&1
   note "tools/bench_ring.py (rc=$?, $(took)):"; grep -E "ring|single|speedup|Error" "$OUT/ring.txt" >> "$SUMMARY"
 fi
-(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|e2e.json|e2e.png|varlen.json|variants.json|ring.json|logs.tgz)$'))
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls | grep -v -E '^(summary.txt|bench.json|bench.png|decode.json|decode.png|e2e.json|e2e.png|varlen.json|variants.json|ring.json|ablation.json|logs.tgz)$'))
 echo "================ summary ================"
 cat "$SUMMARY"

@@ -85,7 +85,8 @@ SM90_WS_CANDIDATES[64] += [P(192, 64, pingpong=False), P(192, 96, pingpong=False
 SM90_WS_CANDIDATES[256] += [W(128, 80)]
 # The look-ahead on the planner's persistent short-key tiles: each item's first S issued right after the item
 # before's last P V, so that it runs under that item's epilogue, Q in two slots (built in session 33 without a
-# GPU; --match "persistent=1 tmastore=0 cluster=1" times them beside the planner's tiles)
+# GPU; --match "bm128 bn128 st2 overlap=1 pingpong=0 persistent=1 tmastore=0 cluster=1" lookahead=1 times them
+# beside the planner's short-key tile)
 SM90_WS_CANDIDATES[64] += [P(128, 128, pingpong=False, look_ahead=True), P(128, 128, 3, pingpong=False, look_ahead=True)]
 SM90_WS_CANDIDATES[128] += [P(128, 128, pingpong=False, look_ahead=True)]
 
