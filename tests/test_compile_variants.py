@@ -227,6 +227,47 @@ def test_decode_variants_compile_within_budget(compiled_decode):
     assert not problems, "\n".join(problems)
 
 
+def _without_arch(spec) -> tuple:
+    """A spec's fields but its arch: two archs that plan the same tile for a variant compare equal."""
+    fields = dataclasses.asdict(spec)
+    fields.pop("arch", None)
+    return type(spec).__name__, repr(sorted(fields.items()))
+
+
+@pytest.mark.slow
+def test_smaller_shared_memory_archs_compile_within_budget(tmp_path):
+    """GPUs with 100 KB of shared memory per SM (sm_86, sm_89, sm_120: RTX 30xx / 40xx / 50xx, A10, L4, L40) run
+    the mma.sync kernels with tiles of their own where sm_80's do not fit (plan.fwd_tile, bwd_tile's
+    BWD_FALLBACK_TILES, the decode tiles), untuned for want of such a GPU. Every variant whose tile differs from
+    sm_80's (sm_86's; sm_89 plans the same tiles, and sm_120 the same plus its own): it compiles within the
+    budgets sm_80's variants are held to, and its shared memory fits the arch. (Session 33, NVRTC 12.9: all 802
+    sm_86 / sm_89 / sm_120 variants within budget.)"""
+    sm80 = {_without_arch(s) for s in plan.all_fwd_specs("sm_80") + plan.all_bwd_specs("sm_80") + plan.all_decode_specs("sm_80")}
+    specs = []
+    for arch in ("sm_86", "sm_120"):
+        specs += [s for s in plan.all_fwd_specs(arch) + plan.all_bwd_specs(arch) + plan.all_decode_specs(arch)
+                  if _without_arch(s) not in sm80 and (arch == "sm_86" or _without_arch(dataclasses.replace(s, arch="sm_86"))
+                                                       not in {_without_arch(x) for x in specs})]  # fmt: skip
+    assert {s.arch for s in specs} >= {"sm_86"} and {s.family for s in specs} >= {"flash_fwd", "flash_bwd", "flash_decode"}
+    problems = []
+    for specs_, headers in _compile_into(tmp_path, specs):
+        for s in specs_:
+            p = headers[s.name]["ptxas"]
+            if not 0 < p["registers"] <= 255:
+                problems.append(f"{s.name}: {p['registers']} registers")
+            if s.family == "flash_decode":
+                budget = DECODE_MAX_STACK_BYTES_SCALAR if not s.aligned else DECODE_MAX_STACK_BYTES
+            elif s.family.startswith(("flash_fwd", "flash_bwd")):
+                budget = _budget(s)
+            else:
+                budget = 0
+            if p["stack_frame"] > budget:
+                problems.append(f"{s.name}: {p['stack_frame']} bytes of local memory > {budget}")
+            if headers[s.name]["smem_bytes"] > plan.max_smem_bytes(s.arch):
+                problems.append(f"{s.name}: {headers[s.name]['smem_bytes']} bytes of shared memory > {plan.max_smem_bytes(s.arch)}")
+    assert not problems, "\n".join(problems)
+
+
 # ---------------------------------------------------------------------------------------------
 # The attention variants (window, softcap, ALiBi, dropout): a selection of every kernel family
 # ---------------------------------------------------------------------------------------------
