@@ -7,13 +7,25 @@ check happens here, once, with a message that says what to do.
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import functools
 import math
+import struct
+import threading
 
 import numpy as np
 
 from . import checks, jit, launch, plan, tma, variants
 from .params import FWD_PACKER
+
+#: The pointer fields that open FwdParams (after the TMA kernel's tensor maps): all of a record that
+#: changes from one call of a signature to the next (run_prepared).
+_PTR_FIELDS = ("q", "k", "v", "o", "lse")
+_PTRS = struct.Struct("<" + "Q" * len(_PTR_FIELDS))
+assert FWD_PACKER.names[: len(_PTR_FIELDS)] == _PTR_FIELDS and FWD_PACKER.offset("q") == 0 \
+    and all(FWD_PACKER.dtype.fields[n][0] == np.uint64 for n in _PTR_FIELDS), \
+    "FwdParams no longer opens with the pointers"  # fmt: skip
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
@@ -63,6 +75,19 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
     if kernel is not None and tile is None:  # (a forced tile never falls back to another kernel)
         raise ValueError("kernel= needs tile=, the tile the kernel was built for")
     cupy = checks.cupy_module()
+    # A signature seen before (_signature): only the pointers are looked at.
+    key = None if tile is not None else _signature(cupy.ndarray, _desc, q, k, v, causal, softmax_scale, window_size,
+                                                   softcap, alibi_slopes, dropout_p, diag_shift, out)  # fmt: skip
+    prep = None if key is None else _PREPARED.calls.get(key)
+    if prep is not None:
+        device_id = key[0][3]
+        with cupy.cuda.Device(device_id):
+            o = cupy.empty(key[0][0], dtype=key[0][2]) if out is None else out
+            lse = cupy.empty(prep.lse_shape, dtype=cupy.float32)
+            if run_prepared(prep, cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr,
+                            lse.data.ptr):  # fmt: skip
+                return (o, lse) if return_lse else o
+        # (else the whole way: pointers off the planned load path, or a changed plan memo)
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, device_id = checks.check_qkv(q, k, v, cupy)
     softmax_scale = checks.resolve_scale(softmax_scale, head_dim)
     var = variants.resolve(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -86,17 +111,16 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
             lse.fill(-np.inf)
             return result(out, lse)
 
+        strides16 = all(checks.rows_aligned16(0, x.shape, x.strides) for x in (q, k, v, out))
         aligned = head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q, k, v, out))
         dtype = checks.DTYPE_NAMES[q.dtype]
-        how, fn, maps = load_with_maps(
-            lambda t: _plan_and_load(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned,
-                                     device_id, t, var.mods), q, k, v, out, dtype, tile)  # fmt: skip
+        plan_args = (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, var.causal, aligned, device_id)
+        how, fn, maps = load_with_maps(lambda t: _plan_and_load(*plan_args, t, var.mods), q, k, v, out, dtype, tile)
         if kernel is not None:
             fn = kernel
         unit = var.unit_scale(softmax_scale)  # the softmax's scale: softcap with softcap
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q, k, v, out))
-        record = maps + FWD_PACKER.pack(
-            q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+        fields = dict(
             q_batch_stride=qs[0], q_row_stride=qs[1], q_head_stride=qs[2],
             k_batch_stride=ks[0], k_row_stride=ks[1], k_head_stride=ks[2],
             v_batch_stride=vs[0], v_row_stride=vs[1], v_head_stride=vs[2],
@@ -106,8 +130,128 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
             sched_group=how.sched_group,
             softmax_scale=unit, scale_log2=unit * math.log2(math.e), mod=var.record(softmax_scale),
         )  # fmt: skip
-        launch.launch_record(fn, how, record, cupy.cuda.get_current_stream().ptr)
+        record = maps + FWD_PACKER.pack(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+                                        **fields)  # fmt: skip
+        stream = cupy.cuda.get_current_stream().ptr
+        launch.launch_record(fn, how, record, stream)
+        # Kept for the signature's next calls: the plan the planner made (not a fallback's), for pointers on
+        # the 16-byte rows the head dim and strides allow (a call 8 bytes off must not replace the aligned plan).
+        if key is not None and aligned == (head_dim % 8 == 0 and strides16) \
+                and how is _plan_and_load(*plan_args, None, var.mods)[0]:  # fmt: skip
+            boxes = tma.fwd_boxes(how.spec.tile.block_m, how.spec.tile.block_n, how.spec.tile.tma_store,
+                                  how.spec.tile.cluster) if maps else ()  # fmt: skip
+            _prepared_calls()[key] = _Prepared(
+                plan_args=plan_args + (None, var.mods), how=how, fn=fn,
+                record=FWD_PACKER.pack(q=0, k=0, v=0, o=0, lse=0, **fields), dtype=dtype,
+                maps=tuple((tuple(x.shape), tuple(st // tma.ELEMENT_BYTES for st in x.strides), rows)
+                           for x, rows in zip((q, k, v, out), boxes)),  # (as tma.fwd_maps encodes them)
+                zero_maps=4 - len(boxes) if maps else 0, aligned=aligned,
+                lse_shape=(batch, nheads, seqlen_q),
+            )  # fmt: skip
     return result(out, lse)
+
+
+# The prepared path: a call signature seen before skips its checks, plan lookup and packing.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What the checks and the plan make of one call signature (_signature): the plan's arguments and
+    the plan and kernel they gave, the FwdParams record with its pointers left 0, and what a call still
+    needs: the tensor maps' geometry (the maps hold the pointers: encoded per call, tma.encode's cache
+    keeps those of pointers seen before) and the load path the pointers must agree with."""
+
+    plan_args: tuple  # _plan_and_load's arguments
+    how: plan.Launch
+    fn: object  # the loaded kernel
+    record: bytes  # FwdParams with q, k, v, o, lse 0 (patched per call)
+    dtype: str  # "fp16" | "bf16"
+    maps: tuple  # (shape, element strides, box rows) of the q, k, v (and o) tensor maps; () without TMA
+    zero_maps: int  # maps left zero after those (the output map of a kernel that stores O without TMA)
+    aligned: bool  # the 16-byte load path was planned: the head dim and strides allow it, so the pointers must too
+    lse_shape: tuple
+
+
+class _PreparedCalls(threading.local):
+    def __init__(self):
+        self.calls = {}
+
+
+_PREPARED = _PreparedCalls()
+_PREPARED_MAX = 256  # signatures kept per thread (a model has a handful of attention shapes)
+
+
+def _prepared_calls() -> dict:
+    calls = _PREPARED.calls
+    if len(calls) >= _PREPARED_MAX:
+        calls.clear()
+    return calls
+
+
+def _desc(x) -> tuple:
+    """A CuPy array's static description in a signature: shape, strides, dtype, device."""
+    return x.shape, x.strides, x.dtype, x.data.device_id
+
+
+def _signature(nd, desc, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, diag_shift,
+               out) -> tuple | None:  # fmt: skip
+    """The key under which a call's checks and plan are kept (_Prepared): everything they depend on but
+    the pointers. None where the call takes the whole way every time: ALiBi (a device pointer in the
+    record), dropout (a seed per call), arguments of other types (the whole way then raises the errors).
+    ``nd`` is the array type the call's arrays must be and ``desc`` gives an array's (shape, strides in
+    bytes, NumPy dtype, device): CuPy's (_desc) here, torch's in cuflash.torch, so a torch call finds the
+    preparation its first call made through the CuPy API. Only calls the whole way completed are ever
+    kept, so a key found was checked."""
+    if alibi_slopes is not None or type(dropout_p) not in (int, float) or dropout_p != 0:
+        return None
+    if type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int \
+            or type(window_size[1]) is not int:  # fmt: skip
+        return None
+    if type(softcap) not in (int, float) or type(diag_shift) is not int or type(causal) is not bool:
+        return None
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        return None
+    if type(q) is not nd or type(k) is not nd or type(v) is not nd:
+        return None
+    qd, kd, vd = desc(q), desc(k), desc(v)
+    if qd is None or kd is None or vd is None:
+        return None
+    od = None
+    if out is not None and (type(out) is not nd or (od := desc(out)) is None):
+        return None
+    return qd, kd, vd, od, causal, softmax_scale, window_size, softcap, diag_shift
+
+
+def prepared(key) -> _Prepared | None:
+    """The preparation of a call signature (_signature) that an earlier call in this thread made, or None."""
+    return None if key is None else _PREPARED.calls.get(key)
+
+
+def run_prepared(prep: _Prepared, stream: int, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int) -> bool:
+    """Launch a prepared call by pointers (its device current, ``stream`` a stream handle, out and lse
+    allocated by the caller: out as the signature describes it, or q's shape contiguous where it had
+    none; lse float32 prep.lse_shape contiguous). Returns False, having launched nothing, where the call
+    must take the whole way: pointers off the planned load path (16-byte rows, tensor maps), or a plan
+    memo that no longer gives this plan (tests and tools clear or swap it)."""
+    if prep.aligned and (q_ptr | k_ptr | v_ptr | o_ptr) & 15:
+        return False
+    got = _plan_and_load(*prep.plan_args)
+    if got[0] is not prep.how or got[1] is not prep.fn:
+        return False
+    maps = b""
+    if prep.maps:
+        try:
+            maps = b"".join(tma.encode(ptr, shape, strides, prep.dtype, rows)
+                            for ptr, (shape, strides, rows) in zip((q_ptr, k_ptr, v_ptr, o_ptr), prep.maps))
+        except tma.TensorMapError:
+            return False
+        maps += bytes(tma.MAP_BYTES) * prep.zero_maps
+    args = launch.ARGS
+    data = maps + prep.record
+    ctypes.memmove(args.buf, data, len(data))
+    _PTRS.pack_into(args.buf, len(maps), q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
+    launch.launch(prep.fn, prep.how, args.argv_ptr, stream)
+    return True
 
 
 def tma_maps(how, q4, k4, v4, o4, dtype: str, forced: bool = False) -> bytes | None:

@@ -100,6 +100,16 @@ def encode(ptr: int, shape: tuple, strides: tuple, dtype: str, box_rows: int) ->
 O_BOX_ROWS = 16
 
 
+def fwd_boxes(block_m: int, block_n: int, store_o: bool = True, cluster: int = 1) -> tuple[int, ...]:
+    """Rows of the box of each map the warp-specialized forward reads (q, k, v, and o with ``store_o``):
+    a query tile, and a key tile split over a cluster of ``cluster`` CTAs (each loads block_n / cluster
+    of its rows)."""
+    if block_n % cluster:
+        raise ValueError(f"block_n ({block_n}) must split evenly over a cluster of {cluster}")
+    kv_rows = block_n // cluster
+    return (block_m, kv_rows, kv_rows) + ((O_BOX_ROWS,) if store_o else ())
+
+
 def fwd_maps(q4, k4, v4, o4, dtype: str, block_m: int, block_n: int, store_o: bool = True, cluster: int = 1) -> bytes:
     """The four maps of the warp-specialized forward's parameter block (FwdTmaParams: q, k, v, o), for
     4-D (batch, rows, heads, head_dim) CuPy views (varlen: a batch of 1; paged K/V: (pages,
@@ -107,13 +117,10 @@ def fwd_maps(q4, k4, v4, o4, dtype: str, block_m: int, block_n: int, store_o: bo
     persistent tiles, packed batches): the output map is left zero, so it costs no driver call and
     an output no tensor map describes does not matter. ``cluster``: CTAs that share each K/V tile, each
     loading block_n / cluster of its rows (the K and V boxes)."""
-    if block_n % cluster:
-        raise ValueError(f"block_n ({block_n}) must split evenly over a cluster of {cluster}")
-    kv_rows = block_n // cluster
-    views = ((q4, block_m), (k4, kv_rows), (v4, kv_rows)) + (((o4, O_BOX_ROWS),) if store_o else ())
+    boxes = fwd_boxes(block_m, block_n, store_o, cluster)
     maps = b"".join(encode(x.data.ptr, tuple(x.shape), tuple(s // ELEMENT_BYTES for s in x.strides), dtype, rows)
-                    for x, rows in views)  # fmt: skip
-    return maps if store_o else maps + bytes(MAP_BYTES)
+                    for x, rows in zip((q4, k4, v4, o4), boxes))  # fmt: skip
+    return maps + bytes(MAP_BYTES) * (4 - len(boxes))
 
 
 def bwd_maps(q4, k4, v4, do4, dtype: str, block_m: int, block_n: int) -> bytes:

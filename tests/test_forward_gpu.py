@@ -241,3 +241,157 @@ def test_precompiled_cache_loads_with_zero_compiles(tmp_path):
 
     stats = json.loads(run.stdout.strip().splitlines()[-1])
     assert stats["compiles"] == 0 and stats["disk_loads"] == 2 and stats["module_loads"] == 2, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# The prepared path: a call signature seen before skips its checks, plan lookup and packing
+# (forward._signature, forward.run_prepared)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fwd_launches(monkeypatch):
+    """(kernel function, Launch, parameter bytes: tensor maps and FwdParams) of every forward launch, in
+    order: cuflash.launch.launch, which the whole way (through launch_record) and the prepared path both
+    call, looked up on the module at each call. The memo of prepared calls is cleared before and after."""
+    from cuflash import forward, launch
+    from cuflash.params import FWD_DTYPE
+    from cuflash.tma import MAP_BYTES
+
+    made = []
+    real = launch.launch
+
+    def recording(fn, how, argv_ptr, stream_ptr):
+        n = FWD_DTYPE.itemsize + (4 * MAP_BYTES if how.spec.family == "flash_fwd_sm90_ws" else 0)
+        made.append((fn, how, launch.ARGS.buf.raw[:n]))
+        return real(fn, how, argv_ptr, stream_ptr)
+
+    monkeypatch.setattr(launch, "launch", recording)
+    forward._PREPARED.calls.clear()
+    yield made
+    forward._PREPARED.calls.clear()
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """The names of the calls that took the whole way's checks (checks.check_qkv, called through the module)."""
+    from cuflash import checks
+
+    seen = []
+    real = checks.check_qkv
+    monkeypatch.setattr(checks, "check_qkv", lambda *a: seen.append(a[0].shape) or real(*a))
+    return seen
+
+
+#: (what, shapes (batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim), call keywords): on the H200 the TMA
+#: kernel's persistent and per-tile launches (with and without its output map), the cp.async wgmma kernel's
+#: unaligned head dim (mma.sync), a window with softcap, a shifted diagonal, a given out, strided inputs.
+PREPARED_FWD_CASES = [
+    ("hd64 short keys", (2, 512, 512, 8, 8, 64), {}),
+    ("hd128 causal GQA", (2, 300, 333, 8, 2, 128), dict(causal=True)),
+    ("hd128 long keys", (1, 200, 4096, 4, 4, 128), {}),
+    ("hd256 window softcap", (2, 257, 300, 4, 2, 256), dict(window_size=(64, 0), softcap=20.0)),
+    ("hd40", (2, 129, 140, 4, 4, 40), dict(causal=True, softmax_scale=0.2)),
+    ("hd33 (element-wise loads)", (2, 100, 77, 3, 1, 33), dict(causal=True)),
+    ("hd64 shifted diagonal", (1, 300, 500, 4, 1, 64), dict(causal=True, diag_shift=-30)),
+    ("strided q, given out", (2, 300, 400, 4, 4, 128), dict(layout_q="bhsd", out=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, shape, kw", PREPARED_FWD_CASES)
+def test_prepared_forward_against_the_reference_and_the_whole_way(fwd_launches, checked, what, shape, kw):
+    """The second call of a signature takes the prepared path (checks.check_qkv not called) with new arrays
+    (pointers): against the float64 reference. It launches the same kernel with the same bytes (tensor maps
+    and FwdParams) as the whole way for the same call (the memo of prepared calls cleared; the lse pointer
+    aside, a new array each call), and the record's pointers are this call's."""
+    import cupy
+
+    import cuflash
+    from cuflash.params import FWD_DTYPE
+
+    kw = dict(kw)
+    layout_q, given_out = kw.pop("layout_q", "bshd"), kw.pop("out", False)
+    causal = kw.pop("causal", False)
+    b, sq, sk, h, hkv, d = shape
+    rng = np.random.default_rng(sum(shape))
+    for step in range(2):  # the first call prepares the signature, the second finds it
+        del checked[:]
+        q, k, v = random_qkv(rng, b, sq, sk, h, hkv, d, "bf16", layout_q=layout_q)
+        check_forward(q, k, v, causal=causal, dtype="bf16", what=f"{what} step {step}", **kw)
+        assert bool(checked) == (step == 0), f"{what}: step {step} {'took' if checked else 'skipped'} the checks"
+    out = poisoned(q.shape, "bf16") if given_out else None
+    cuflash.attention(q, k, v, causal=causal, out=out, return_lse=True, **kw)  # (the call below's signature)
+    records = []
+    for prepared in (True, False):
+        if not prepared:
+            from cuflash import forward
+
+            forward._PREPARED.calls.clear()
+        del checked[:], fwd_launches[:]
+        got = cuflash.attention(q, k, v, causal=causal, out=out, return_lse=True, **kw)
+        assert bool(checked) != prepared and len(fwd_launches) == 1
+        fn, how, buf = fwd_launches[0]
+        maps = len(buf) - FWD_DTYPE.itemsize
+        rec = np.frombuffer(buf[maps:], dtype=FWD_DTYPE)[0]
+        want = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=got[0].data.ptr, lse=got[1].data.ptr)
+        assert {name: int(rec[name]) for name in want} == want, f"{what} (prepared={prepared}): the record's pointers"
+        masked = bytearray(buf)
+        masked[maps + 4 * 8 : maps + 5 * 8] = bytes(8)  # lse: a new array every call
+        if not given_out:
+            masked[maps + 3 * 8 : maps + 4 * 8] = bytes(8)  # o: likewise (and its map, where the kernel has one)
+            if maps and how.spec.tile.tma_store:
+                masked[3 * 128 : 4 * 128] = bytes(128)
+        records.append((fn.ptr, how, bytes(masked)))
+        cupy.cuda.get_current_stream().synchronize()
+        if prepared:
+            first = got
+    assert records[0] == records[1], f"{what}: the prepared path launched another kernel or other bytes"
+    assert cupy.array_equal(first[0].view(cupy.uint16), got[0].view(cupy.uint16))
+    assert cupy.array_equal(first[1], got[1])
+
+
+def test_prepared_forward_follows_the_pointers_and_the_plan_memo(fwd_launches, checked):
+    """What sends a seen signature the whole way again: a base pointer off the 16-byte rows (the same
+    shape and strides, 8 bytes on: the element-wise loads, no tensor map), a cleared plan memo (tools and
+    tests clear or swap it). Both are checked against the reference; the next aligned call is prepared
+    again. ALiBi and dropout never are (their record holds a pointer or a seed per call)."""
+    import cupy
+
+    from cuflash import forward
+
+    rng = np.random.default_rng(5)
+    b, s, h, d = 2, 384, 4, 128
+    q, k, v = random_qkv(rng, b, s, s, h, h, d, "bf16")
+    check_forward(q, k, v, causal=True, dtype="bf16", what="first")
+    assert checked and len(forward._PREPARED.calls) == 1
+    flat = cupy.empty(q.size + 8, dtype=q.dtype)
+    off = flat[4 : 4 + q.size].reshape(q.shape)  # same shape and strides, base 8 bytes off 16
+    off[...] = q
+    assert off.strides == q.strides and off.data.ptr % 16 == 8
+    for what, qq in (("8 bytes off", off), ("aligned again", q.copy())):
+        del checked[:], fwd_launches[:]
+        check_forward(qq, k, v, causal=True, dtype="bf16", what=what)
+        assert bool(checked) == (what == "8 bytes off"), what
+        family = fwd_launches[-1][1].spec.family
+        assert (family == "flash_fwd_sm90_ws") == (what != "8 bytes off" and jit_arch() == "sm_90a"), (what, family)
+    forward._plan_and_load.cache_clear()
+    del checked[:]
+    check_forward(q.copy(), k, v, causal=True, dtype="bf16", what="plan memo cleared")
+    assert checked, "a cleared plan memo must send the call the whole way"
+    del checked[:]
+    check_forward(q.copy(), k, v, causal=True, dtype="bf16", what="prepared again")
+    assert not checked
+    slopes = cupy.asarray(rng.uniform(0.01, 0.2, h).astype(np.float32))
+    for what, kw in (("alibi", dict(alibi_slopes=slopes)), ("dropout", dict(dropout_p=0.2, rng_state=(7, 0)))):
+        n = len(forward._PREPARED.calls)
+        for _ in range(2):
+            del checked[:]
+            check_forward(q, k, v, causal=True, dtype="bf16", what=what, **kw)
+            assert checked, f"{what}: every call takes the whole way"
+        assert len(forward._PREPARED.calls) == n
+
+
+def jit_arch():
+    from cuflash import jit
+
+    return jit.device_arch(0)

@@ -984,3 +984,60 @@ def test_paged_kv_and_dropout_plan_key_tiles_that_fit():
     assert ws == {(plan.MOD_VARLEN, 80), (plan.MOD_VARLEN, 64), (plan.MOD_DROPOUT, 64)}
     with pytest.raises(ValueError, match="dropout needs key tiles of a multiple of 32"):
         plan.fwd_sm90_ws_spec(256, "bf16", False, W(128, 80, pingpong=False), mods=plan.MOD_DROPOUT)
+
+
+def test_forward_call_signature_of_the_prepared_path():
+    """forward._signature, the key under which a dense forward's checks and plan are kept: other pointers
+    give the same key; every static property (shape, strides, dtype, device of q, k, v and out, causal,
+    scale, window, softcap, the diagonal's shift) another; calls that take the whole way every time
+    (ALiBi, dropout, arguments of other types, which the whole way refuses) get None. A fake array type,
+    so it runs without a GPU."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cuflash import forward
+
+    class FakeArray(SimpleNamespace):
+        pass
+
+    def arr(shape, dtype=np.float16, device=0, ptr=4096, strides=None):
+        item = np.dtype(dtype).itemsize
+        if strides is None:
+            strides = tuple(int(np.prod(shape[i + 1:])) * item for i in range(len(shape)))
+        return FakeArray(shape=shape, strides=strides, dtype=np.dtype(dtype), data=SimpleNamespace(ptr=ptr, device_id=device))
+
+    q, k, v = arr((2, 512, 8, 64)), arr((2, 512, 2, 64)), arr((2, 512, 2, 64))
+    base = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                diag_shift=0, out=None)  # fmt: skip
+
+    def sig(q=q, k=k, v=v, desc=forward._desc, **kw):
+        kw = {**base, **kw}
+        return forward._signature(FakeArray, desc, q, k, v, kw["causal"], kw["softmax_scale"], kw["window_size"],
+                                  kw["softcap"], kw["alibi_slopes"], kw["dropout_p"], kw["diag_shift"], kw["out"])  # fmt: skip
+
+    key = sig()
+    assert key is not None and hash(key) is not None
+    assert sig(q=arr((2, 512, 8, 64), ptr=8192), k=arr((2, 512, 2, 64), ptr=1 << 40)) == key  # pointers only
+    assert sig(softcap=0, dropout_p=0) == key  # the same values as ints
+    for changed in (dict(q=arr((2, 512, 8, 64), strides=(2 * 512 * 1024, 1024, 128, 2))),
+                    dict(q=arr((2, 512, 8, 64), device=1)), dict(q=arr((2, 512, 8, 64), dtype=np.float32)),
+                    dict(q=arr((2, 511, 8, 64))), dict(k=arr((2, 512, 4, 64))), dict(v=arr((2, 512, 2, 64), ptr=8, strides=(0, 256, 128, 2))),
+                    dict(causal=True), dict(softmax_scale=0.1), dict(window_size=(64, 0)), dict(softcap=30.0),
+                    dict(diag_shift=3), dict(out=arr((2, 512, 8, 64))),
+                    dict(out=arr((2, 512, 8, 64), strides=(2 * 512 * 1024, 1024, 128, 2)))):  # fmt: skip
+        other = sig(**changed)
+        assert other is not None and other != key, changed
+    # a given out is its own slot: contiguous or not, never the key of a call without one
+    assert sig(out=arr((2, 512, 8, 64))) != sig(out=arr((2, 512, 8, 64), strides=(2 * 512 * 1024, 1024, 128, 2)))
+    for whole_way in (dict(alibi_slopes=arr((8,), np.float32)), dict(dropout_p=0.1), dict(dropout_p=np.float32(0)),
+                      dict(window_size=[-1, -1]), dict(window_size=(-1, -1, 0)), dict(window_size=(np.int64(64), 0)),
+                      dict(softcap=np.float32(5)), dict(softcap="5"), dict(diag_shift=np.int32(1)), dict(causal=1),
+                      dict(causal=np.bool_(True)), dict(softmax_scale=np.float32(0.125)), dict(softmax_scale=1),
+                      dict(q=np.zeros((2, 512, 8, 64), np.float16)), dict(k=[1]), dict(v=None),
+                      dict(out=np.zeros((2, 512, 8, 64), np.float16))):  # fmt: skip
+        assert sig(**whole_way) is None, whole_way
+    # An array its desc refuses (cuflash.torch's: a tensor to_cupy would copy) sends the call the whole way.
+    out = arr((2, 512, 8, 64))
+    for refused in (q, k, v, out):
+        assert sig(out=out, desc=lambda x, r=refused: None if x is r else forward._desc(x)) is None

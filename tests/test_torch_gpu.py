@@ -56,19 +56,20 @@ def test_runs_on_torch_current_stream_and_accepts_sdpa_layout_views(torch, monke
     q = torch.randn(2, 4, 257, 64, device="cuda", dtype=torch.bfloat16)  # SDPA's (b, h, s, d)
     side = torch.cuda.Stream()
     streams = []
-    real = launch.launch_record
+    real = launch.launch
 
-    def spy(fn, how, record, stream_ptr):  # every kernel of the forward and the backward, on torch's stream
+    def spy(fn, how, argv_ptr, stream_ptr):  # every kernel of the forward and the backward, on torch's stream
         streams.append(stream_ptr)
-        real(fn, how, record, stream_ptr)
+        real(fn, how, argv_ptr, stream_ptr)
 
-    monkeypatch.setattr(launch, "launch_record", spy)
+    monkeypatch.setattr(launch, "launch", spy)  # (launch_record and the prepared forward both call it)
     with torch.cuda.stream(side):
-        a = q.transpose(1, 2).requires_grad_()  # flash-attn layout view, not contiguous
-        out = ct.attention(a, a, a, causal=True)
-        out.float().sum().backward()
+        for _ in range(2):  # the whole way, then the prepared forward (forward._signature)
+            a = q.transpose(1, 2).requires_grad_()  # flash-attn layout view, not contiguous
+            out = ct.attention(a, a, a, causal=True)
+            out.float().sum().backward()
     side.synchronize()
-    assert len(streams) >= 2 and set(streams) == {side.cuda_stream}, (streams, side.cuda_stream)
+    assert len(streams) >= 4 and set(streams) == {side.cuda_stream}, (streams, side.cuda_stream)
     ref = _sdpa(torch, q.transpose(1, 2).double(), q.transpose(1, 2).double(), q.transpose(1, 2).double(), True, 64**-0.5)
     assert (out.double() - ref).abs().max().item() < 2e-2
     assert a.grad is not None and a.grad.shape == a.shape and not torch.isnan(a.grad).any()

@@ -484,3 +484,57 @@ def test_memory_comes_from_torch_and_device_follows_tensors(torch, ct):
         got = ct.flash_attn_func(x, x, x, causal=True)
     assert got.device == dev
     torch.testing.assert_close(got.to(q.device), ct.flash_attn_func(q[:1, :256], q[:1, :256], q[:1, :256], causal=True))
+
+
+@pytest.mark.parametrize("head_dim, heads, kw", [(128, (8, 2), dict(causal=True)), (64, (4, 4), {}),
+                                                 (256, (2, 1), dict(window_size=(50, 10), softcap=10.0)),
+                                                 (33, (3, 1), dict(causal=True))])  # fmt: skip
+def test_flash_attn_func_takes_the_prepared_forward(torch, ct, monkeypatch, head_dim, heads, kw):
+    """A repeated flash_attn_func launches from the tensors' pointers (the signature its first call prepared,
+    cuflash.torch.ops._fwd_prepared): without gradients straight from the implementation (no dispatcher:
+    the op is not called), with them through the op and autograd. Outputs, lse and (deterministic) gradients
+    are bitwise equal to the same calls with the memo of prepared calls cleared before each, and the
+    first call is checked against the float64 reference."""
+    from cuflash import checks, forward
+    from cuflash.torch import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    nh, nkv = heads
+    whole = []
+    real_checks = checks.check_qkv
+    monkeypatch.setattr(checks, "check_qkv", lambda *a: whole.append(1) or real_checks(*a))
+    op_calls = []
+    real_op = ops.fwd
+    monkeypatch.setattr(ops, "fwd", lambda *a: op_calls.append(1) or real_op(*a))
+    inputs = [tuple(_randn(torch, gen, (2, 170, h, head_dim), torch.bfloat16) for h in (nh, nkv, nkv)) for _ in range(3)]
+    dout = _randn(torch, gen, (2, 170, nh, head_dim), torch.bfloat16)
+
+    def calls(clear: bool):
+        """(out, lse) of every call, whether each took the whole way, the gradients of those with them."""
+        outs, took, grads = [], [], []
+        forward._PREPARED.calls.clear()
+        for grad in (False, True):
+            for q, k, v in inputs:
+                if clear:
+                    forward._PREPARED.calls.clear()
+                q, k, v = (x.detach().clone().requires_grad_(grad) for x in (q, k, v))
+                del whole[:], op_calls[:]
+                out, lse, _ = ct.flash_attn_func(q, k, v, deterministic=True, return_attn_probs=True, **kw)
+                assert len(op_calls) == grad, f"grad={grad}: the op {'was' if op_calls else 'was not'} called"
+                outs.append((out.detach(), lse))
+                took.append(bool(whole))
+                if grad:
+                    out.backward(dout)
+                    grads.append((q.grad, k.grad, v.grad))
+        return outs, took, grads
+
+    (outs, took, grads), (outs_c, took_c, grads_c) = calls(False), calls(True)
+    assert took == [True, False, False, False, False, False], took  # only the very first call: the same signature
+    assert all(took_c)
+    for a, b in zip(outs + grads, outs_c + grads_c):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    q, k, v = inputs[0]
+    want, want_lse = reference.attention_forward(_host(q), _host(k), _host(v), softmax_scale=head_dim**-0.5, **kw)
+    _close(outs[0][0], want, "first call")
+    np.testing.assert_allclose(_host(outs[0][1]), want_lse, atol=2e-3)

@@ -34,7 +34,8 @@ def ct():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interface, "_tensor", any_device_tensor)
-        mp.setattr(ops, "kvcache", ops.fwd_kvcache)  # the eager shortcut calls the CUDA implementation
+        mp.setattr(ops, "kvcache", ops.fwd_kvcache)  # the eager shortcuts call the CUDA implementations
+        mp.setattr(ops, "forward", ops.fwd)
         yield ct
 
 

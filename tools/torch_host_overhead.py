@@ -4,7 +4,7 @@
 
 Prints microseconds of host time per call (calls queued back to back, GPU idle time excluded by
 measuring before the final synchronize; the median of N rounds, default 5) for a decode step (batch 8, 16 heads, d 128, 2k cache, one new
-token appended) and a small prefill (2 x 512 tokens).
+token appended) and a small prefill (2 x 512 tokens; SDPA's backends on the same inputs, in its layout).
 """
 import statistics
 import sys
@@ -40,10 +40,19 @@ def main():
     cq, ckc, cvc, ckn, cl = c(q), c(kc), c(vc), c(kn), c(lens)
     qs, ks = q.transpose(1, 2), kc.transpose(1, 2)[:, :, :1000]
     small = torch.randn(2, 512, 16, 128, **bf)
+    small_grad = small.clone().requires_grad_()
+    cs, ss = c(small), small.transpose(1, 2)
 
     def sdpa():
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             return torch.nn.functional.scaled_dot_product_attention(qs, ks, ks)
+
+    def sdpa_prefill(backend):
+        def fn():
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(ss, ss, ss, is_causal=True)
+
+        return fn
 
     rows = [
         ("decode: cuflash.torch.flash_attn_with_kvcache", lambda: ct.flash_attn_with_kvcache(
@@ -54,7 +63,11 @@ def main():
             cq, ckc, cvc, k=ckn, v=ckn, cache_seqlens=cl, causal=True)),
         ("decode: SDPA FlashAttention-2 (no append)", sdpa),
         ("prefill 2x512: cuflash.torch.flash_attn_func", lambda: ct.flash_attn_func(small, small, small, causal=True)),
-        ("prefill 2x512: cuflash.attention (CuPy)", lambda: cuflash.attention(c(small), c(small), c(small), causal=True)),
+        ("prefill 2x512: flash_attn_func, q needs grad", lambda: ct.flash_attn_func(small_grad, small, small,
+                                                                                    causal=True)),
+        ("prefill 2x512: cuflash.attention (CuPy)", lambda: cuflash.attention(cs, cs, cs, causal=True)),
+        ("prefill 2x512: SDPA FlashAttention-2", sdpa_prefill(SDPBackend.FLASH_ATTENTION)),
+        ("prefill 2x512: SDPA cuDNN", sdpa_prefill(SDPBackend.CUDNN_ATTENTION)),
     ]
     # Rounds over all rows in turn (the host's noise comes in bursts: one row measured once can read 3x
     # its median); the median and the spread per row.

@@ -113,8 +113,8 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     _half((("q", q), ("k", k), ("v", v)))
     _tensor("alibi_slopes", alibi_slopes, optional=True)
     left, right = _window(window_size)
-    out, lse, _ = ops.fwd(q, k, v, alibi_slopes, p, _scale(softmax_scale), bool(causal), left, right, _float("softcap", softcap),
-                          bool(deterministic))  # fmt: skip
+    out, lse, _ = ops.forward(q, k, v, alibi_slopes, p, _scale(softmax_scale), bool(causal), left, right,
+                              _float("softcap", softcap), bool(deterministic))  # fmt: skip
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -35,7 +35,7 @@ from .. import kvcache as _kvcache
 from .. import varlen as _varlen
 from . import _bridge
 
-__all__ = ["fwd", "bwd", "varlen_fwd", "varlen_bwd", "fwd_kvcache", "kvcache"]
+__all__ = ["fwd", "forward", "bwd", "varlen_fwd", "varlen_bwd", "fwd_kvcache", "kvcache"]
 
 
 def _rng(dropout_p: float, device) -> tuple[int, int] | None:
@@ -53,12 +53,33 @@ def _grad_out(dout: Optional[Tensor], out: Tensor) -> Tensor:
 _SEEDED = (torch.Tag.nondeterministic_seeded,)
 
 
-@torch.library.custom_op("cuflash::fwd", mutates_args=(), device_types="cuda", tags=_SEEDED)
-def fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout_p: float,
-        softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool, diag_shift: int = 0) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Dense FlashAttention-2 forward; ``deterministic`` is kept for the backward. ``diag_shift``: see
-    cuflash.attention (ring attention's chunk pairs)."""
+def _fwd_prepared(q, k, v, softmax_scale, causal, window_left, window_right, softcap, diag_shift):
+    """A dense forward whose signature an earlier call in this thread prepared (cuflash.forward._signature),
+    launched from the tensors' pointers: no CuPy arrays, no stream or allocator switch, out and lse from
+    torch's allocator. None where the call takes the whole way (a first call, its device not the current
+    one, pointers off the planned load path, ALiBi or dropout, a tensor to_cupy would copy)."""
+    key = _forward._signature(Tensor, _bridge.desc, q, k, v, causal, softmax_scale, (window_left, window_right),
+                              softcap, None, 0.0, diag_shift, None)  # fmt: skip
+    prep = _forward.prepared(key)
+    if prep is None:
+        return None
+    index = key[0][3]
+    if torch.cuda.current_device() != index:
+        return None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device)
+    if not _forward.run_prepared(prep, _bridge.raw_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                 out.data_ptr(), lse.data_ptr()):  # fmt: skip
+        return None
+    return out, lse, _bridge.rng_tensor(None, q.device)
+
+
+def _fwd_impl(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+              deterministic, diag_shift=0):  # fmt: skip
+    if alibi_slopes is None and dropout_p == 0:
+        done = _fwd_prepared(q, k, v, softmax_scale, causal, window_left, window_right, softcap, diag_shift)
+        if done is not None:
+            return done
     rng = _rng(dropout_p, q.device)
     with _bridge.call(q.device):
         out, lse = _forward.attention(
@@ -70,12 +91,39 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout
         return _bridge.to_torch(out), _bridge.to_torch(lse), _bridge.rng_tensor(rng, q.device)
 
 
+@torch.library.custom_op("cuflash::fwd", mutates_args=(), device_types="cuda", tags=_SEEDED)
+def fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], dropout_p: float,
+        softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+        deterministic: bool, diag_shift: int = 0) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Dense FlashAttention-2 forward; ``deterministic`` is kept for the backward. ``diag_shift``: see
+    cuflash.attention (ring attention's chunk pairs)."""
+    return _fwd_impl(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                     deterministic, diag_shift)  # fmt: skip
+
+
 @fwd.register_fake
 def _(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic,
       diag_shift=0):  # fmt: skip
     b, s, h, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32),
             q.new_empty((2,), dtype=torch.int64))  # fmt: skip
+
+
+def _eager() -> bool:
+    """Whether this call runs eagerly: torch neither traces nor transforms it (torch.compile, fake
+    tensors, a dispatch mode, torch.jit.trace, vmap), so an op's implementation may run directly."""
+    return (not torch.compiler.is_compiling() and _current_dispatch_mode() is None and not torch.jit.is_tracing()
+            and not torch._C._are_functorch_transforms_active())  # fmt: skip
+
+
+def forward(q, k, v, *args):
+    """``fwd`` for a caller: its implementation directly where nothing needs the op (an eager call
+    whose inputs need no gradient: inference), else the op (autograd, tracing). The dispatcher's
+    per-call work is a good part of a short prefill's host time (tools/torch_host_overhead.py)."""
+    if (type(q) is torch.Tensor and _eager()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):  # fmt: skip
+        return _fwd_impl(q, k, v, *args)
+    return fwd(q, k, v, *args)
 
 
 @torch.library.custom_op("cuflash::bwd", mutates_args=(), device_types="cuda")
@@ -278,8 +326,7 @@ def kvcache(*args):
     version counters): a decode step's host time is its latency, and the op has no autograd to serve.
     Eager calls lose only the version-counter bump of k_cache / v_cache. (Host time per call on the
     H200 machine: tools/torch_host_overhead.py; docs/history/torch.md has the numbers.)"""
-    if (type(args[0]) is torch.Tensor and not torch.compiler.is_compiling() and _current_dispatch_mode() is None
-            and not torch.jit.is_tracing() and not torch._C._are_functorch_transforms_active()):
+    if type(args[0]) is torch.Tensor and _eager():
         return _fwd_kvcache_impl(*args)
     return fwd_kvcache(*args)
 
