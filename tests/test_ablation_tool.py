@@ -58,6 +58,8 @@ def test_bwd_schedules(head_dim, causal):
     assert (flipped in s) == (head_dim in (64, 128))
     wide = [n for n in s if "query blocks" in n]
     assert bool(wide) == (head_dim in plan.BWD_SM90_WS_WIDE_ROWS)
+    if base.block_m != 64:  # planned wide (head dim 64's 128 rows): the row ablates them back to 64
+        assert wide == ["64-row query blocks"] and s[wide[0]].block_m == 64
     for name, tile in s.items():
         if isinstance(tile, plan.BwdSm90WsTile):
             plan.bwd_sm90_ws_spec(head_dim, "bf16", causal, tile)

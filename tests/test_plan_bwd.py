@@ -153,25 +153,30 @@ def test_warp_specialized_backward_where_it_can(head_dim):
     spec, t = bp.main.spec, bp.main.spec.tile
     d = spec.head_dim
     st = 3 if d == 64 else 2
+    m = 128 if d == 64 else 64  # head dim 64: 128-row query blocks (BWD_SM90_WS_WIDE_ROWS), but for softcap
     n = 64 if d == 256 else 128  # d = 256: the consumer warpgroups split the keys of S and the head dim of dK, dV, dQ
-    assert spec.family == "flash_bwd_sm90_ws" and t == plan.BWD_SM90_WS_TILES[d] == plan.BwdSm90WsTile(block_n=n, stages=st)
+    assert spec.family == "flash_bwd_sm90_ws" and t == plan.BWD_SM90_WS_TILES[d] == plan.BwdSm90WsTile(block_n=n, block_m=m,
+                                                                                                       stages=st)  # fmt: skip
     assert bp.main.grid == (-(-700 // n), 2, 2) and bp.main.block == (384, 1, 1)  # producer + 2 consumer warpgroups
-    assert bp.num_m_blocks == -(-1000 // 64) and bp.seqlen_q_pad == bp.num_m_blocks * 64
+    assert bp.num_m_blocks == -(-1000 // m) and bp.seqlen_q_pad == bp.num_m_blocks * m
     # K, V, stages x (Q, dO), 2 dS^T buffers (split: and 2 P^T), stages x (lse_log2, D), 2 + 2 stages mbarriers,
     # 1 KB alignment
     ds_tiles = 2 if n == 64 else 1
-    smem = 1024 + 2 * n * d * 2 + 2 * st * 64 * d * 2 + 2 * ds_tiles * n * 64 * 2 + st * 512 + 8 * (2 + 2 * st)
+    smem = 1024 + 2 * n * d * 2 + 2 * st * m * d * 2 + 2 * ds_tiles * n * m * 2 + st * 8 * m + 8 * (2 + 2 * st)
     assert bp.main.smem_bytes == smem <= 227 * 1024
-    assert t.warp_tiles(d)["dq"] == (16, d // 2) and t.dq_q_warps == 4 and t.warps == 12  # the pair kernel's dQ layout
-    assert spec.template_args() == f"{d}, true, true, 0, {st}"
+    # the pair kernel's dQ layout: each warpgroup a head-dim half of 64 rows, or at 128 rows its own 64 rows
+    assert t.warp_tiles(d)["dq"] == (16, d if m == 128 else d // 2) and t.dq_q_warps == m // 16 and t.warps == 12
+    wide = ", false, 128" if m == 128 else ""
+    assert spec.template_args() == f"{d}, true, true, 0, {st}{wide}"
     with_mods = plan.plan_backward(batch=2, seqlen_q=100, seqlen_k=100, nheads=2, nheads_kv=2, head_dim=head_dim,
                                    dtype="fp16", causal=False, aligned=True, arch="sm_90a", mods=plan.MOD_SOFTCAP)  # (no SM count)
-    assert with_mods.main.spec.template_args() == f"{d}, false, false, {plan.MOD_SOFTCAP}, {st}"
+    assert with_mods.main.spec.template_args() == f"{d}, false, false, {plan.MOD_SOFTCAP}, {st}"  # 64 rows
+    assert with_mods.main.spec.tile == dataclasses.replace(t, block_m=64)
     # packed batches too (scheduler grid, varlen source); the cp.async Hopper kernel when forced; the mma.sync one elsewhere
     packed = plan.plan_backward(batch=2, seqlen_q=1000, seqlen_k=700, nheads=8, nheads_kv=2, head_dim=head_dim,
                                 dtype="bf16", causal=True, aligned=True, arch="sm_90a", mods=plan.MOD_VARLEN)
     assert packed.main.spec.family == "flash_bwd_sm90_ws" and packed.main.grid == (700 // n + 2, 2, 1)
-    assert packed.main.spec.template_args() == f"{d}, true, true, {plan.MOD_VARLEN}, {st}"
+    assert packed.main.spec.template_args() == f"{d}, true, true, {plan.MOD_VARLEN}, {st}{wide}"
     assert _bwd_plan(head_dim, tile=plan.BWD_SM90_TILES[d]).main.spec.family == "flash_bwd_sm90"
     assert _bwd_plan(head_dim, deterministic=True).main.spec == spec  # ordered dQ additions on the same kernel
     assert _bwd_plan(head_dim, arch="sm_80").main.spec.family == "flash_bwd"
@@ -195,7 +200,10 @@ def test_warp_specialized_backward_128_query_rows(persistent):
     assert "_bm128_" in spec.name
     assert bp.num_m_blocks == 8 and bp.seqlen_q_pad == 1024
     assert tile.dq_q_warps == 8 and tile.warp_tiles(64)["dq"] == (16, 64)
-    assert plan.BWD_SM90_WS_TILES[64].dq_q_warps == 4 and plan.BWD_SM90_WS_TILES[64].warp_tiles(64)["dq"] == (16, 32)
+    assert plan.BWD_SM90_WS_TILES[64] == plan.BwdSm90WsTile(block_m=128, stages=3)  # planned but for softcap
+    narrow = plan.bwd_sm90_ws_tile(64, causal=False, mods=plan.MOD_SOFTCAP | plan.MOD_WINDOW, sm_count=132)
+    assert narrow == plan.BwdSm90WsTile(stages=3) and narrow.dq_q_warps == 4 and narrow.warp_tiles(64)["dq"] == (16, 32)
+    assert plan.bwd_sm90_ws_spec(64, "bf16", False, mods=plan.MOD_SOFTCAP).tile == narrow  # the default tile too
     ring = 8 * 4 + 8 + 32 if persistent else 0
     smem = 1024 + 2 * 128 * 64 * 2 + 2 * 3 * 128 * 64 * 2 + 2 * 128 * 128 * 2 + 3 * 1024 + 8 * (2 + 2 * 3) + ring
     assert bp.main.smem_bytes == smem <= 227 * 1024
@@ -364,9 +372,12 @@ def test_ws_backward_template_and_smem_match_the_kernel_config():
     for hd in (64, 128):
         for stages in (2, 3, 4):
             for persistent in (False, True):
-                t = dataclasses.replace(plan.BWD_SM90_WS_TILES[hd], stages=stages, persistent=persistent)
-                if plan.bwd_sm90_ws_smem_bytes(hd, t) <= plan.max_smem_bytes("sm_90a"):
-                    specs.append(plan.bwd_sm90_ws_spec(hd, "fp16", True, t, plan.ALL_MODS))
+                for rows in {64, plan.BWD_SM90_WS_TILES[hd].block_m}:  # (softcap: 64 rows only)
+                    t = dataclasses.replace(plan.BWD_SM90_WS_TILES[hd], block_m=rows, stages=stages,
+                                            persistent=persistent)  # fmt: skip
+                    mods = plan.ALL_MODS if rows == 64 else plan.ALL_MODS & ~plan.MOD_SOFTCAP
+                    if plan.bwd_sm90_ws_smem_bytes(hd, t) <= plan.max_smem_bytes("sm_90a"):
+                        specs.append(plan.bwd_sm90_ws_spec(hd, "fp16", True, t, mods))
     assert any(s.tile.persistent for s in specs) and any(s.tile.stages == 4 for s in specs)
     lines = ['#include "flash_bwd_sm90_ws.cuh"']
     for s in dict.fromkeys(specs):

@@ -79,7 +79,9 @@ def bwd_schedules(head_dim: int, causal: bool, sm_count: int) -> dict:
     if bucket in (64, 128):
         candidates.append(("per-key-block grid" if base.persistent else "persistent grid",
                            dataclasses.replace(base, persistent=not base.persistent)))  # fmt: skip
-    if bucket in plan.BWD_SM90_WS_WIDE_ROWS:
+    if base.block_m != 64:  # the planned wide query blocks against the 64 rows of the other buckets
+        candidates.append(("64-row query blocks", dataclasses.replace(base, block_m=64)))
+    elif bucket in plan.BWD_SM90_WS_WIDE_ROWS:
         candidates.append((f"{plan.BWD_SM90_WS_WIDE_ROWS[bucket]}-row query blocks (candidate)",
                            dataclasses.replace(base, block_m=plan.BWD_SM90_WS_WIDE_ROWS[bucket])))  # fmt: skip
     for name, tile in candidates:

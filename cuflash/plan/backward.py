@@ -243,19 +243,24 @@ class BwdSm90WsTile(_Sm90DqLayout):
 
 
 #: Warp-specialized Hopper backward tiles: the default backward main kernel on sm_90a for aligned
-#: calls of these buckets, packed (varlen) batches and deterministic mode included.
+#: calls of these buckets, packed (varlen) batches and deterministic mode included (softcap calls at
+#: head dim 64 run 64-row query blocks: bwd_sm90_ws_tile).
 #: Measured on the H200 (tools/tune_bwd.py --sm90, bf16, 1k / 4k / 16k x causal, TFLOP/s): 3 stages
 #: 1.00-1.05x 2 stages at head dim 64; at 128, 0.96-1.03x (2 stages kept: 45 KB less shared memory).
-#: Head dim 256 fits 2 stages only (226 KB).
+#: Head dim 256 fits 2 stages only (226 KB). Head dim 64's 128-row query blocks (BWD_SM90_WS_WIDE_ROWS),
+#: on an H100 (tools/tune_bwd.py --sm90 --block-m 64 128, bf16, 512-16k tokens x causal, one run with cuDNN
+#: and FA2): 1.01-1.04x the 64-row blocks non-causal, 1.07-1.16x causal (median 1.077 of cuDNN against
+#: 0.998), 3 stages ahead of 2. Head dim 128's 80 rows lost in the same session (0.918-0.931 of cuDNN against
+#: 0.931-0.960 for 64 rows, per key block and persistent): not planned.
 BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
-    64: BwdSm90WsTile(stages=3), 128: BwdSm90WsTile(), 256: BwdSm90WsTile(block_n=64),
+    64: BwdSm90WsTile(block_m=128, stages=3), 128: BwdSm90WsTile(), 256: BwdSm90WsTile(block_n=64),
 }
 
 
 #: The warp-specialized backward's wide query blocks, rows per head-dim bucket (FlashAttention-3's tiles: 128
-#: at head dim 64, 80 at 128, dQ^T there): candidates beside the 64 rows of every bucket, not planned until
-#: measured on the GPU (tools/tune_bwd.py --block-m).
+#: at head dim 64, 80 at 128, dQ^T there), beside the 64 rows of every bucket (tools/tune_bwd.py --block-m).
 BWD_SM90_WS_WIDE_ROWS: dict[int, int] = {64: 128, 128: 80}
+
 
 
 #: Where the planner runs the warp-specialized backward persistent (one CTA per SM taking items from a
@@ -276,7 +281,8 @@ BWD_SM90_WS_PERSISTENT: frozenset[tuple[int, bool]] = frozenset({(128, False)})
 
 def bwd_sm90_ws_tile(bucket: int, causal: bool, mods: int, sm_count: int | None,
                      deterministic: bool = False) -> BwdSm90WsTile:
-    """The warp-specialized backward's tile for a call: BWD_SM90_WS_TILES[bucket], persistent where
+    """The warp-specialized backward's tile for a call: BWD_SM90_WS_TILES[bucket] (64-row query blocks for
+    softcap), persistent where
     BWD_SM90_WS_PERSISTENT lists (bucket, causal) (``causal``: the kernel's flag, after the variants' resolve),
     for non-deterministic plain batches without a variant (``mods`` == 0) when the GPU's SM count is known. Its CTAs
     start with items 0 .. G - 1 of the per-key-block grid's order and then take the next item from a counter
@@ -286,6 +292,8 @@ def bwd_sm90_ws_tile(bucket: int, causal: bool, mods: int, sm_count: int | None,
     which is safe only if the whole grid is resident at once, and a GPU shared with other work (another
     stream, MPS, a sanitizer) does not promise that."""
     tile = BWD_SM90_WS_TILES[bucket]
+    if tile.block_m != 64 and mods & MOD_SOFTCAP:  # (bwd_sm90_ws_spec says why)
+        tile = dataclasses.replace(tile, block_m=64)
     if (not mods and not deterministic and sm_count
             and (bucket, bool(causal)) in BWD_SM90_WS_PERSISTENT):  # fmt: skip
         return dataclasses.replace(tile, persistent=True)
@@ -332,7 +340,7 @@ def bwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: BwdSm90WsTil
     check_dtype(dtype)
     if bucket not in BWD_SM90_WS_TILES:
         raise ValueError(f"no warp-specialized backward tile for head-dim bucket {bucket} (have {sorted(BWD_SM90_WS_TILES)})")
-    tile = tile or BWD_SM90_WS_TILES[bucket]
+    tile = tile or bwd_sm90_ws_tile(bucket, causal, mods, None)
     if (tile.block_n != (64 if bucket == 256 else 128) or tile.block_m not in (64, BWD_SM90_WS_WIDE_ROWS.get(bucket, 64))
             or not 2 <= tile.stages <= 4 or tile.min_blocks != 1):  # fmt: skip
         raise ValueError("the warp-specialized backward runs 128 keys (64 for head dim 256) x 64 queries, 2 to 4 "
@@ -530,7 +538,7 @@ def all_bwd_specs(arch: str, head_dims=HEAD_DIM_BUCKETS, dtypes=DTYPES, causals=
                         if al and uses_sm90_backward(bucket, True, arch, False):
                             specs.append(bwd_sm90_spec(bucket, dt, c, mods=m))
                         if al and uses_sm90_ws_backward(bucket, True, arch):
-                            specs.append(bwd_sm90_ws_spec(bucket, dt, c, mods=m))
+                            specs.append(bwd_sm90_ws_spec(bucket, dt, c, bwd_sm90_ws_tile(bucket, c, m, None), m))
                             planned = bwd_sm90_ws_tile(bucket, c, m, sm_count=1)
                             if planned.persistent:  # (with the GPU's SM count the planner takes it)
                                 specs.append(bwd_sm90_ws_spec(bucket, dt, c, planned, m))
