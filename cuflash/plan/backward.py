@@ -250,8 +250,8 @@ class BwdSm90WsTile(_Sm90DqLayout):
 #: Head dim 256 fits 2 stages only (226 KB). Head dim 64's 128-row query blocks (BWD_SM90_WS_WIDE_ROWS),
 #: on an H100 (tools/tune_bwd.py --sm90 --block-m 64 128, bf16, 512-16k tokens x causal, one run with cuDNN
 #: and FA2): 1.01-1.04x the 64-row blocks non-causal, 1.07-1.16x causal (median 1.077 of cuDNN against
-#: 0.998), 3 stages ahead of 2. Head dim 128's 80 rows lost in the same session (0.918-0.931 of cuDNN against
-#: 0.931-0.960 for 64 rows, per key block and persistent): not planned.
+#: 0.998), 3 stages ahead of 2. Head dim 128's 80 rows lost in the same session (0.95-0.97x the planned grids
+#: causal, 0.92x at 512 tokens and 1.00-1.02x beyond non-causal): not planned.
 BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
     64: BwdSm90WsTile(block_m=128, stages=3), 128: BwdSm90WsTile(), 256: BwdSm90WsTile(block_n=64),
 }
