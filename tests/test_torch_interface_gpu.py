@@ -544,7 +544,7 @@ def test_flash_attn_func_takes_the_prepared_forward(torch, ct, monkeypatch, head
 def test_eager_autograd_matches_the_op(torch, ct, kw):
     """An eager call with gradients runs ops._Dense (the op's implementations and saved tensors, without the
     dispatcher): outputs, lse and gradients bitwise equal to the op's (deterministic backward; dropout replays
-    the same Philox stream from the same generator state), and lse carries no gradient in either."""
+    the same Philox stream from the same generator state)."""
     from cuflash.torch import ops
 
     gen = torch.Generator(device="cuda").manual_seed(len(kw))

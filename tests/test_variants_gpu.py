@@ -4,6 +4,7 @@ the mma.sync and (on Hopper) wgmma forward and backward, and decode, against the
 error). Dropout is also checked element by element against the reference's Philox mask."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -99,7 +100,7 @@ def test_backward_variants_property(case):
                    rng=rng, what=str(case), **_variants(rng, case))  # fmt: skip
 
 
-def _kernels(head_dim, op, dropout=False):
+def _kernels(head_dim, op, dropout=False, softcap=False):
     """The tiles to force for op "fwd" or "bwd": the mma.sync kernel's, and on Hopper the wgmma ones'
     where they exist (the cp.async and the warp-specialized TMA kernels; with ``dropout`` the forward's
     as the planner takes it: its own tile at head dims 64 and 128, key tiles of a multiple of 32,
@@ -115,7 +116,10 @@ def _kernels(head_dim, op, dropout=False):
         mods = plan.MOD_DROPOUT if dropout else 0
         tiles.append(plan.ws_default_tile(head_dim, mods))
     if arch == "sm_90a" and op == "bwd" and head_dim in plan.BWD_SM90_WS_TILES:
-        tiles.append(plan.BWD_SM90_WS_TILES[head_dim])
+        ws = plan.BWD_SM90_WS_TILES[head_dim]
+        tiles.append(dataclasses.replace(ws, block_m=64))  # (head dim 64's softcap calls run 64 rows)
+        if ws.block_m != 64 and not softcap:  # the planned wide query blocks (refused with softcap)
+            tiles.append(ws)
     return tiles
 
 
@@ -123,8 +127,8 @@ def _forward_kernels(head_dim, dropout=False):
     return _kernels(head_dim, "fwd", dropout)
 
 
-def _backward_kernels(head_dim):
-    return _kernels(head_dim, "bwd")
+def _backward_kernels(head_dim, softcap=False):
+    return _kernels(head_dim, "bwd", softcap=softcap)
 
 
 @pytest.mark.parametrize("sq,sk,window,causal", [
@@ -184,7 +188,7 @@ def test_softcap_alibi_dropout_on_every_kernel(dtype, head_dim):
         causal = variants.pop("causal", False)
         for tile in _forward_kernels(head_dim, dropout="dropout_p" in variants):
             check_forward(q, k, v, causal=causal, dtype=dtype, tile=tile, what=f"{tile} {variants}", **variants)
-        for tile in _backward_kernels(head_dim):
+        for tile in _backward_kernels(head_dim, softcap="softcap" in variants):
             check_backward(q, k, v, causal=causal, dtype=dtype, tile=tile, what=f"{tile} {variants}", **variants)
 
 

@@ -262,7 +262,6 @@ BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
 BWD_SM90_WS_WIDE_ROWS: dict[int, int] = {64: 128, 128: 80}
 
 
-
 #: Where the planner runs the warp-specialized backward persistent (one CTA per SM taking items from a
 #: counter), by (head dim bucket, kernel causal flag). Measured on the H200 against the per-key-block grid
 #: (tools/ab_sources.py, bf16, 512 / 1024 / 2048 / 8192 / 16384 tokens, 16k tokens per batch, two rounds; the

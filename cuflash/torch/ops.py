@@ -146,7 +146,8 @@ def forward(q, k, v, *args):
     subclasses). The dispatcher's and the custom op's per-call work are most of a short prefill's host time
     (tools/torch_host_overhead.py)."""
     if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _eager():
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or args[0] is not None and args[0].requires_grad):  # (ALiBi: as the op)
             return _Dense.apply(q, k, v, *args)
         return _fwd_impl(q, k, v, *args)
     return fwd(q, k, v, *args)
