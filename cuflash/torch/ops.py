@@ -20,6 +20,10 @@ generator by the forward and replayed by the backward (zeros without dropout; th
 when dropout_p > 0, so any int64 tensor may stand in there, e.g. ring attention's empty one).
 window_size travels as two ints (-1 = unbounded). The user-facing functions with flash-attn's signatures are in
 cuflash.torch.interface.
+
+Eager calls skip the dispatcher where nothing needs it: ``forward`` (the dense forward: the implementation
+directly without gradients, ``_Dense`` with them) and ``kvcache``; a repeated dense forward or decode call
+launches from the tensors' pointers (``_fwd_prepared``, ``_kvcache_prepared``; docs/design/torch.md).
 """
 from __future__ import annotations
 
