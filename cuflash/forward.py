@@ -12,11 +12,10 @@ import dataclasses
 import functools
 import math
 import struct
-import threading
 
 import numpy as np
 
-from . import checks, jit, launch, plan, tma, variants
+from . import checks, jit, launch, plan, prepared_calls, tma, variants
 from .params import FWD_PACKER
 
 #: The pointer fields that open FwdParams (after the TMA kernel's tensor maps): all of a record that
@@ -172,25 +171,9 @@ class _Prepared:
     lse_shape: tuple
 
 
-class _PreparedCalls(threading.local):
-    def __init__(self):
-        self.calls = {}
-
-
-_PREPARED = _PreparedCalls()
-_PREPARED_MAX = 256  # signatures kept per thread (a model has a handful of attention shapes)
-
-
-def _prepared_calls() -> dict:
-    calls = _PREPARED.calls
-    if len(calls) >= _PREPARED_MAX:
-        calls.clear()
-    return calls
-
-
-def _desc(x) -> tuple:
-    """A CuPy array's static description in a signature: shape, strides, dtype, device."""
-    return x.shape, x.strides, x.dtype, x.data.device_id
+_PREPARED = prepared_calls.PreparedCalls(limit=256)  # signatures kept per thread (a model has a handful of attention shapes)
+_prepared_calls = _PREPARED.room
+_desc = prepared_calls.desc
 
 
 def _signature(nd, desc, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, diag_shift,

@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from . import checks, jit, launch, plan, variants
+from . import checks, jit, launch, plan, prepared_calls, variants
 from .checks import INT32_MAX
 from .params import DECODE_PACKER, ROTARY_PACKER
 
@@ -63,25 +63,9 @@ class _Prepared:
     merge_in_kernel: bool  # the split kernel merges (else the combine kernel)
 
 
-class _PreparedCalls(threading.local):
-    def __init__(self):
-        self.calls = {}
-
-
-_PREPARED = _PreparedCalls()
-_PREPARED_MAX = 256  # signatures kept per thread (a serving loop has a handful)
-
-
-def _prepared_calls() -> dict:
-    calls = _PREPARED.calls
-    if len(calls) >= _PREPARED_MAX:
-        calls.clear()
-    return calls
-
-
-def _desc(x) -> tuple:
-    """A CuPy array's static description in a signature: shape, strides, dtype, device."""
-    return x.shape, x.strides, x.dtype, x.data.device_id
+_PREPARED = prepared_calls.PreparedCalls(limit=256)  # signatures kept per thread (a serving loop has a handful)
+_prepared_calls = _PREPARED.room
+_desc = prepared_calls.desc
 
 
 def _signature(nd, desc, q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
