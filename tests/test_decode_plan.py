@@ -1200,18 +1200,10 @@ def test_call_signature_of_the_prepared_path():
     device, flags, scale, new tokens, block table, the length's step, the policy) another; calls whose
     values must be checked each time (host lengths or block table, check=True) or whose arguments would
     fail a check get None (the whole way, which raises). A fake CuPy namespace, so it runs without a GPU."""
-    from types import SimpleNamespace
-
     import numpy as np
 
-    class FakeArray(SimpleNamespace):
-        pass
-
-    def arr(shape, dtype=np.float16, device=0, ptr=4096, strides=None):
-        item = np.dtype(dtype).itemsize
-        if strides is None:
-            strides = tuple(int(np.prod(shape[i + 1:])) * item for i in range(len(shape)))
-        return FakeArray(shape=shape, strides=strides, dtype=np.dtype(dtype), data=SimpleNamespace(ptr=ptr, device_id=device))
+    from fake_arrays import FakeArray
+    from fake_arrays import fake_array as arr
 
     q, kc, vc = arr((2, 1, 8, 64)), arr((2, 1000, 2, 64)), arr((2, 1000, 2, 64))
     base = dict(k=None, v=None, cache_seqlens=700, block_table=None, causal=False, softmax_scale=0.125, num_splits=0,

@@ -992,20 +992,12 @@ def test_forward_call_signature_of_the_prepared_path():
     scale, window, softcap, the diagonal's shift) another; calls that take the whole way every time
     (ALiBi, dropout, arguments of other types, which the whole way refuses) get None. A fake array type,
     so it runs without a GPU."""
-    from types import SimpleNamespace
-
     import numpy as np
 
     from cuflash import forward
 
-    class FakeArray(SimpleNamespace):
-        pass
-
-    def arr(shape, dtype=np.float16, device=0, ptr=4096, strides=None):
-        item = np.dtype(dtype).itemsize
-        if strides is None:
-            strides = tuple(int(np.prod(shape[i + 1:])) * item for i in range(len(shape)))
-        return FakeArray(shape=shape, strides=strides, dtype=np.dtype(dtype), data=SimpleNamespace(ptr=ptr, device_id=device))
+    from fake_arrays import FakeArray
+    from fake_arrays import fake_array as arr
 
     q, k, v = arr((2, 512, 8, 64)), arr((2, 512, 2, 64)), arr((2, 512, 2, 64))
     base = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
