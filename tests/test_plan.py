@@ -450,6 +450,11 @@ def test_launch_smem_limit():
          aligned=True, arch="sm_90a")  # fmt: skip
 @example(batch=1, seqlen_q=300, seqlen_k=8192, nheads_kv=1, group=4, head_dim=256, dtype="fp16", causal=True,
          aligned=True, arch="sm_90a")  # fmt: skip
+# (hd64's short keys reach 2048 causal since session 31; found by CI's draws on 2026-12-05)
+@example(batch=1, seqlen_q=1, seqlen_k=1025, nheads_kv=1, group=1, head_dim=64, dtype="bf16", causal=True,
+         aligned=True, arch="sm_90a")  # fmt: skip
+@example(batch=1, seqlen_q=1, seqlen_k=2049, nheads_kv=1, group=1, head_dim=64, dtype="bf16", causal=True,
+         aligned=True, arch="sm_90a")  # fmt: skip
 def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dtype, causal, aligned, arch):
     aligned = aligned and head_dim % 8 == 0
     nheads = nheads_kv * group
@@ -460,7 +465,7 @@ def test_plan_forward(batch, seqlen_q, seqlen_k, nheads_kv, group, head_dim, dty
     bucket = plan.head_dim_bucket(head_dim)
     if arch == "sm_90a" and aligned and bucket in plan.FWD_SM90_WS_TILES:  # the warp-specialized Hopper kernel
         t = plan.sm90_ws_tile(bucket, seqlen_k, causal)
-        short = seqlen_k <= {64: (1024, 1024), 128: (2048, 4096), 256: (512, 512)}.get(bucket, (0, 0))[causal]
+        short = seqlen_k <= {64: (1024, 2048), 128: (2048, 4096), 256: (512, 512)}.get(bucket, (0, 0))[causal]
         default = plan.FWD_SM90_WS_TILES[bucket]  # (no clusters since session 17: CLUSTER_KEYS is empty)
         assert t == (plan.FWD_SM90_WS_SHORT_TILES.get(bucket, default) if short else default)
         # the hint varlen caches by: the same tile but for clusters, which packed batches never take
