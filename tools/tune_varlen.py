@@ -9,7 +9,7 @@ Columns (TFLOP/s of the useful scores, the bench's FLOP model):
   packed=   the same sequences packed (attention_varlen): the varlen kernels' own overhead
   ragged    lengths uniform in [1, 2 mean] (bench_varlen.draw_lengths), the planner's kernel
   then one column per forced tile on the ragged batch (forward: the default and the short-key TMA
-  tiles; backward: the TMA kernel's ring depths and the cp.async kernel).
+  tiles; backward: the planned TMA tile's query rows and ring depths, e.g. ws128r3s, and the cp.async kernel).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                             tiles["short"] = plan.FWD_SM90_WS_SHORT_TILES[bucket]
                     else:
                         ws = plan.BWD_SM90_WS_TILES[bucket]  # (its block_n: 64 at head dim 256)
-                        tiles = {f"ws{s}": dataclasses.replace(ws, stages=s) for s in (2, 3) if bucket == 64 or s == 2}
+                        tiles = {f"ws{ws.block_m}r{s}s": dataclasses.replace(ws, stages=s) for s in (2, 3) if bucket == 64 or s == 2}
                         tiles["cp.async"] = plan.BWD_SM90_TILES[bucket]
                     for name, lengths in list(cases.items()) + [(t, ragged) for t in tiles]:
                         tot = sum(lengths)
