@@ -73,6 +73,26 @@ def poison_rows(x, rows):
     x.view("uint16")[rows] = NAN_BITS
 
 
+PACKED_LENGTHS = [300, 200, 77]  # packed_with_gaps' three sequences
+
+
+def packed_with_gaps(rng, head_dim, heads):
+    """A packed batch with rows a kernel must not read as data: the three sequences of PACKED_LENGTHS
+    (577 rows) and 40 rows after them, seqused_k 100, 150 and 77. Returns one bf16 CuPy array of shape
+    (617, h, head_dim) per h in heads (randn from rng in that order), cu_seqlens, seqused_k, the packed
+    rows (577), and the key rows no sequence uses (sequence 0's, sequence 1's, the tail; slices), which
+    the caller fills with poison_rows."""
+    import cupy
+
+    from cuflash.checks import BF16
+
+    n = sum(PACKED_LENGTHS)
+    arrays = [cupy.asarray(rng.standard_normal((n + 40, h, head_dim), dtype=np.float32).astype(BF16)) for h in heads]
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(PACKED_LENGTHS)]).astype(np.int32))
+    used = cupy.asarray(np.array([100, 150, 77], np.int32))
+    return arrays, cu, used, n, (slice(100, 300), slice(450, 500), slice(n, n + 40))
+
+
 def to_f64(x) -> np.ndarray:
     return np.asarray(x.get(), dtype=np.float64)
 

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gpu_util import check_backward, poison_rows, random_qkv, to_f64
+from gpu_util import check_backward, packed_with_gaps, poison_rows, random_qkv, to_f64
 
 pytestmark = pytest.mark.gpu
 
@@ -230,25 +230,16 @@ def test_varlen_nan_past_the_sequences_stays_out(head_dim, causal):
     and out after the last sequence). The TMA kernel zeroes them in shared memory and must give what
     the cp.async kernel (which zero-fills them) gives, with no NaN; GQA, 3 sequences."""
     _hopper()
-    import cupy
-
     from cuflash import plan, varlen
-    from cuflash.checks import BF16
 
-    rng = np.random.default_rng(head_dim + causal)
-    lengths, n = [300, 200, 77], 577
-    total = n + 40  # 40 rows after the last sequence
-    q, k, v, dout = (cupy.asarray(rng.standard_normal((total, h, head_dim), dtype=np.float32).astype(BF16))
-                     for h in (4, 2, 2, 4))  # fmt: skip
-    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-    used = cupy.asarray(np.array([100, 150, 77], np.int32))
+    (q, k, v, dout), cu, used, n, gaps = packed_with_gaps(np.random.default_rng(head_dim + causal), head_dim, (4, 2, 2, 4))
     for x in (k, v):
-        for rows in (slice(100, 300), slice(450, 500), slice(n, total)):  # sequence 0's and 1's unused keys, the tail
+        for rows in gaps:  # sequence 0's and 1's unused keys, the tail
             poison_rows(x, rows)
     for x in (q, dout):
-        poison_rows(x, slice(n, total))
+        poison_rows(x, gaps[-1])
     out, lse = varlen.run(q, k, v, cu, cu, 300, 300, seqused_k=used, causal=causal, return_lse=True)
-    poison_rows(out, slice(n, total))
+    poison_rows(out, gaps[-1])
     kw = dict(seqused_k=used, causal=causal)
     got = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, tile=plan.BWD_SM90_WS_TILES[head_dim], **kw)
     want = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, tile=plan.BWD_SM90_TILES[head_dim], **kw)
@@ -335,7 +326,6 @@ def test_wide_query_blocks_agree_with_64(head_dim):
 
     import cuflash
     from cuflash import backward, plan, varlen
-    from cuflash.checks import BF16
 
     rng = np.random.default_rng(head_dim)
     q, k, v = random_qkv(rng, 2, 1000, 1000, 4, 2, head_dim, "bf16")
@@ -347,16 +337,12 @@ def test_wide_query_blocks_agree_with_64(head_dim):
     for name, x, y in zip(("dq", "dk", "dv"), a, b):
         x, y = to_f64(x), to_f64(y)
         assert np.abs(x - y).max() <= 2e-2 * np.abs(y).max(), name
-    lengths, n = [300, 200, 77], 577
-    total = n + 40
-    q, k, v, dout = (cupy.asarray(rng.standard_normal((total, h, head_dim), dtype=np.float32).astype(BF16))
-                     for h in (4, 2, 2, 4))  # fmt: skip
-    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    (q, k, v, dout), cu, _, n, gaps = packed_with_gaps(rng, head_dim, (4, 2, 2, 4))  # (no seqused_k here)
     for x in (q, k, v, dout):
-        poison_rows(x, slice(n, total))
+        poison_rows(x, gaps[-1])
     for causal in (False, True):
         out, lse = varlen.run(q, k, v, cu, cu, 300, 300, causal=causal, return_lse=True)
-        poison_rows(out, slice(n, total))
+        poison_rows(out, gaps[-1])
         got = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, causal=causal, tile=_wide(head_dim))
         want = varlen.run_backward(dout, q, k, v, out, lse, cu, cu, 300, 300, causal=causal,
                                    tile=narrow)  # fmt: skip

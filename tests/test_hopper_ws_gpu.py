@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_util import NAN_BITS, check_forward, poison_rows, random_qkv, to_f64
+from gpu_util import NAN_BITS, PACKED_LENGTHS, check_forward, packed_with_gaps, poison_rows, random_qkv, to_f64
 
 pytestmark = pytest.mark.gpu
 
@@ -405,18 +405,13 @@ def test_varlen_nan_after_the_keys_stays_out(d):
     from cuflash import plan, varlen
     from cuflash.checks import BF16
 
-    rng = np.random.default_rng(7)
     h = 2
-    lengths = [300, 200, 77]
-    total = sum(lengths) + 40  # 40 rows after the last sequence
-    q, k0, v0 = (cupy.asarray(rng.standard_normal((total, h, d), dtype=np.float32).astype(BF16)) for _ in range(3))
-    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-    used = cupy.asarray(np.array([100, 150, 77], np.int32))
+    lengths = PACKED_LENGTHS
+    (q, k0, v0), cu, used, _, gaps = packed_with_gaps(np.random.default_rng(7), d, (h, h, h))
     k, v = k0.copy(), v0.copy()
     for x in (k, v):
-        poison_rows(x, slice(100, 300))  # sequence 0's unused keys
-        poison_rows(x, slice(450, 500))  # sequence 1's
-        poison_rows(x, slice(sum(lengths), total))  # past the last sequence
+        for rows in gaps:  # sequence 0's unused keys, sequence 1's, past the last sequence
+            poison_rows(x, rows)
     old = plan.FWD_SM90_TILES[d]
     for kw in (dict(causal=False), dict(causal=True), dict(causal=False, window_size=(64, 64))):
         got = varlen.run(q, k, v, cu, cu, 300, 300, seqused_k=used, **kw)
