@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cuflash import reference
+from hf_util import sharpen_queries
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -283,9 +284,7 @@ def _pair(hf, name, **config_changes):
     ref = hf.AutoModelForCausalLM.from_config(getattr(hf, cls)(**COMMON, **{**extra, **config_changes}),
                                               attn_implementation="eager", dtype=torch.float32)  # fmt: skip
     if name == "gemma2":
-        with torch.no_grad():
-            for layer in ref.model.layers:
-                layer.self_attn.q_proj.weight.mul_(GEMMA2_Q_SCALE)
+        sharpen_queries(ref, GEMMA2_Q_SCALE)
     ours = hf.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="cufa", dtype=torch.float32)
     ours.load_state_dict(ref.state_dict())
     return ref.eval(), ours.to(torch.float16).eval()

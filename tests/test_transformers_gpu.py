@@ -7,6 +7,7 @@ import copy
 import os
 
 import pytest
+from hf_util import sharpen_queries
 
 pytestmark = pytest.mark.gpu
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,9 +49,7 @@ def _models(torch, transformers, name, dtype, low_impl=None, **config_changes):
     ref = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**kw, **config_changes}),
                                                         attn_implementation=ref_impl, dtype=torch.float32)  # fmt: skip
     if name == "gemma2":
-        with torch.no_grad():
-            for layer in ref.model.layers:
-                layer.self_attn.q_proj.weight.mul_(GEMMA2_Q_SCALE)
+        sharpen_queries(ref, GEMMA2_Q_SCALE)
     ref = ref.cuda().eval()
     state = ref.state_dict()
     out = [ref]
