@@ -36,7 +36,10 @@ def ct():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interface, "_tensor", any_device_tensor)
         mp.setattr(ops, "kvcache", ops.fwd_kvcache)  # the eager shortcut calls the CUDA implementation
-        mp.setattr(ops, "_fwd_impl", torch_cpu_kernels._fwd)  # (ops.forward's eager call without gradients)
+        # the dense forward's eager paths (ops.forward: the implementations directly, autograd through ops._Dense)
+        # call the CPU kernels the ops run here
+        mp.setattr(ops, "_fwd_impl", torch_cpu_kernels._fwd)
+        mp.setattr(ops, "_bwd_impl", torch_cpu_kernels._bwd)
         yield ct
 
 

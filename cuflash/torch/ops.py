@@ -21,8 +21,8 @@ when dropout_p > 0, so any int64 tensor may stand in there, e.g. ring attention'
 window_size travels as two ints (-1 = unbounded). The user-facing functions with flash-attn's signatures are in
 cuflash.torch.interface.
 
-Eager calls skip the dispatcher where nothing needs it: ``forward`` (the dense forward without gradients)
-and ``kvcache``; a repeated dense forward or decode call
+Eager calls skip the dispatcher where nothing needs it: ``forward`` (the dense forward: the implementation
+directly without gradients, ``_Dense`` with them) and ``kvcache``; a repeated dense forward or decode call
 launches from the tensors' pointers (``_fwd_prepared``, ``_kvcache_prepared``; docs/design/torch.md).
 """
 from __future__ import annotations
@@ -120,14 +120,39 @@ def _eager() -> bool:
             and not torch._C._are_functorch_transforms_active())  # fmt: skip
 
 
+class _Dense(torch.autograd.Function):
+    """``fwd`` and its registered autograd (``_fwd_setup``, ``_fwd_backward``) for eager calls: the same
+    implementations, saved tensors and gradients, without the dispatcher's and the custom op's autograd
+    wrapper's per-call work, most of a short training call's host time (tools/torch_host_overhead.py).
+    The backward takes the op where torch traces it (compiled autograd)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                deterministic, diag_shift=0):  # fmt: skip
+        out, lse, rng_state = _fwd_impl(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left,
+                                        window_right, softcap, deterministic, diag_shift)  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes)
+        ctx.args = (dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic, diag_shift)
+        ctx.mark_non_differentiable(rng_state)
+        return out, lse, rng_state
+
+    @staticmethod
+    def backward(ctx, dout, dlse, drng):
+        q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
+        run = _bwd_impl if _eager() else bwd
+        dq, dk, dv = run(_grad_out(dout, out), q, k, v, out, lse, alibi_slopes, rng_state, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
 def forward(q, k, v, *args):
-    """``fwd`` for a caller: its implementation directly where nothing needs the op (an eager call
-    whose inputs need no gradient: inference), else the op (autograd, tracing). The dispatcher's
-    per-call work is a good part of a short prefill's host time (tools/torch_host_overhead.py)."""
-    alibi = args[0]
-    if (type(q) is torch.Tensor and _eager()
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                                  or alibi is not None and alibi.requires_grad))):  # fmt: skip
+    """``fwd`` for a caller: in eager mode its implementation directly (inference: no gradient needed) or
+    through ``_Dense`` (autograd), else the op (torch.compile, fake tensors, a dispatch mode, vmap, tensor
+    subclasses). The dispatcher's and the custom op's per-call work are most of a short prefill's host time
+    (tools/torch_host_overhead.py)."""
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _eager():
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or args[0] is not None and args[0].requires_grad):  # (ALiBi: as the op)
+            return _Dense.apply(q, k, v, *args)
         return _fwd_impl(q, k, v, *args)
     return fwd(q, k, v, *args)
 
@@ -137,6 +162,12 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         rng_state: Tensor, dropout_p: float, softmax_scale: Optional[float], causal: bool, window_left: int,
         window_right: int, softcap: float, deterministic: bool, diag_shift: int = 0) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Dense FlashAttention-2 backward of ``fwd``."""
+    return _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left,
+                     window_right, softcap, deterministic, diag_shift)  # fmt: skip
+
+
+def _bwd_impl(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left,
+              window_right, softcap, deterministic, diag_shift=0):  # fmt: skip
     rng = _bridge.rng_from_tensor(rng_state) if dropout_p > 0 else None
     with _bridge.call(q.device):
         grads = _backward.attention_backward(
