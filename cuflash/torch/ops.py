@@ -57,6 +57,18 @@ def _grad_out(dout: Optional[Tensor], out: Tensor) -> Tensor:
 _SEEDED = (torch.Tag.nondeterministic_seeded,)
 
 
+def _prepared_outputs(prep, key, q):
+    """The device index, out and lse (torch's allocator) of a prepared call, or None where its device is not
+    the current one: the part the dense forward and the decode step share."""
+    if prep is None:
+        return None
+    index = key[0][3]
+    if torch.cuda.current_device() != index:
+        return None
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return index, out, torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device)
+
+
 def _fwd_prepared(q, k, v, softmax_scale, causal, window_left, window_right, softcap, diag_shift):
     """A dense forward whose signature an earlier call in this thread prepared (cuflash.forward._signature),
     launched from the tensors' pointers: no CuPy arrays, no stream or allocator switch, out and lse from
@@ -65,13 +77,10 @@ def _fwd_prepared(q, k, v, softmax_scale, causal, window_left, window_right, sof
     key = _forward._signature(Tensor, _bridge.desc, q, k, v, causal, softmax_scale, (window_left, window_right),
                               softcap, None, 0.0, diag_shift, None)  # fmt: skip
     prep = _forward.prepared(key)
-    if prep is None:
+    outputs = _prepared_outputs(prep, key, q)
+    if outputs is None:
         return None
-    index = key[0][3]
-    if torch.cuda.current_device() != index:
-        return None
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device)
+    index, out, lse = outputs
     if not _forward.run_prepared(prep, _bridge.raw_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                  out.data_ptr(), lse.data_ptr()):  # fmt: skip
         return None
@@ -299,13 +308,10 @@ def _kvcache_prepared(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_in
                               softmax_scale, num_splits, True, None, False, None, (window_left, window_right),
                               softcap)  # fmt: skip
     prep = _kvcache.prepared(key)
-    if prep is None:
+    outputs = _prepared_outputs(prep, key, q)
+    if outputs is None:
         return None
-    index = key[0][3]
-    if torch.cuda.current_device() != index:
-        return None
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(prep.lse_shape, dtype=torch.float32, device=q.device)
+    index, out, lse = outputs
     seqlen_const = prep.capacity if lengths is None else (0 if cache_seqlens is not None else lengths)
     ok = _kvcache.run_prepared(
         prep, index, _bridge.raw_stream(index), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
