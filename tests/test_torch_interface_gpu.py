@@ -540,19 +540,21 @@ def test_flash_attn_func_takes_the_prepared_forward(torch, ct, monkeypatch, head
     np.testing.assert_allclose(_host(outs[0][1]), want_lse, atol=2e-3)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(30, 5), softcap=8.0), dict(dropout_p=0.2)])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(30, 5), softcap=8.0), dict(dropout_p=0.2),
+                                dict(causal=True, alibi=True)])  # fmt: skip
 def test_eager_autograd_matches_the_op(torch, ct, kw):
     """An eager call with gradients runs ops._Dense (the op's implementations and saved tensors, without the
     dispatcher): outputs, lse and gradients bitwise equal to the op's (deterministic backward; dropout replays
     the same Philox stream from the same generator state)."""
     from cuflash.torch import ops
 
-    gen = torch.Generator(device="cuda").manual_seed(len(kw))
+    gen = torch.Generator(device="cuda").manual_seed(len(str(kw)))  # (a different draw per case)
     q = _randn(torch, gen, (2, 200, 6, 64), torch.bfloat16)
     k, v = (_randn(torch, gen, (2, 230, 2, 64), torch.bfloat16) for _ in range(2))
     dout = _randn(torch, gen, q.shape, torch.bfloat16)
+    slopes = torch.rand(6, generator=gen, device="cuda", dtype=torch.float32) if kw.get("alibi") else None
     left, right = kw.get("window_size", (-1, -1))
-    args = (None, kw.get("dropout_p", 0.0), None, kw.get("causal", False), left, right, kw.get("softcap", 0.0), True)
+    args = (slopes, kw.get("dropout_p", 0.0), None, kw.get("causal", False), left, right, kw.get("softcap", 0.0), True)
     got = []
     for fn in (ops.forward, ops.fwd):
         torch.manual_seed(3)

@@ -58,8 +58,9 @@ _SEEDED = (torch.Tag.nondeterministic_seeded,)
 
 
 def _prepared_outputs(prep, key, q):
-    """The device index, out and lse (torch's allocator) of a prepared call, or None where its device is not
-    the current one: the part the dense forward and the decode step share."""
+    """The device index, out and lse (torch's allocator) of a prepared call, or None where nothing is prepared
+    (``prep`` None) or its device is not the current one: the part the dense forward and the decode step
+    share."""
     if prep is None:
         return None
     index = key[0][3]
@@ -146,6 +147,7 @@ class _Dense(torch.autograd.Function):
         return out, lse, rng_state
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (as the op: no double backward, and a clear error for one)
     def backward(ctx, dout, dlse, drng):
         q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
         run = _bwd_impl if _eager() else bwd
