@@ -75,6 +75,23 @@ def test_flash_attn_func_wiring(ct):
         _close(t.grad, want)
 
 
+def test_no_double_backward(ct):
+    """Gradients of gradients (create_graph=True) raise on the eager path (ops._Dense) as through the op,
+    rather than silently dropping attention's second-order term."""
+    import torch
+
+    from cuflash.torch import ops
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (_t(torch, gen, (1, 17, 2, 16)) for _ in range(3))
+    for fn in (ops.forward, ops.fwd):
+        out = fn(q, k, v, None, 0.0, None, True, -1, -1, 0.0, False)[0]
+        assert (type(out.grad_fn).__name__ == "_DenseBackward") == (fn is ops.forward)
+        (dq,) = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError):  # (with dq detached, the sum's other term would let this pass)
+            (dq.float().sum() + q.float().sum()).backward()
+
+
 def test_packed_forms_route_gradients(ct):
     import torch
 
