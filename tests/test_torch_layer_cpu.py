@@ -237,6 +237,44 @@ def test_bridge_desc_is_what_to_cupy_would_give(ct):
     assert not _bridge.needs_copy(torch.tensor(1.0)) and not _bridge.needs_copy(x[:, ::2])
 
 
+def test_bridge_to_torch_shares_the_block_without_a_view(ct):
+    """to_torch hands a CuPy array allocated in a torch block back over that block's storage (same bytes, no
+    copy) as a tensor that is no view of it: autograd then treats a call's outputs as the prepared path's
+    torch.empty ones (an in-place edit of a saved output raises at the backward, no 'view created inside a
+    custom Function' error on the first call only). A CPU byte block stands in for the CUDA one."""
+    import types
+
+    import torch
+
+    from cuflash.torch import _bridge
+
+    block = torch.zeros(256, dtype=torch.uint8)
+    mem = types.SimpleNamespace(_owner=block)
+    x = types.SimpleNamespace(data=types.SimpleNamespace(mem=mem, ptr=block.data_ptr() + 16), shape=(3, 4),
+                              strides=(32, 4), dtype=np.dtype(np.float32), itemsize=4)  # fmt: skip
+    t = _bridge.to_torch(x)
+    assert t._base is None and t.dtype == torch.float32 and t.shape == (3, 4) and t.stride() == (8, 1)
+    assert t.data_ptr() == block.data_ptr() + 16 and t.untyped_storage().data_ptr() == block.data_ptr()
+    t.fill_(1.0)
+    assert int(block.view(torch.float32)[4:12].sum()) == 4 and int(block.view(torch.float32).sum()) == 12
+
+    class Saves(torch.autograd.Function):  # as ops._Dense: the output is saved for the backward
+        @staticmethod
+        def forward(ctx, a):
+            out = _bridge.to_torch(x)
+            ctx.save_for_backward(out)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.saved_tensors[0]
+
+    out = Saves.apply(torch.ones(3, 4, requires_grad=True))
+    out.add_(1)  # allowed (not a view) ...
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()  # ... and caught where it matters
+
+
 def test_compile_fullgraph_traces_the_functions(ct):
     """torch.compile(fullgraph=True) over the dense, packed, varlen and kvcache functions: no graph
     break (fullgraph raises on one), the compiled loss and gradients equal the eager ones."""

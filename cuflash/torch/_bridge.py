@@ -87,15 +87,18 @@ def to_cupy_opt(t, name: str = "tensor"):
 
 
 def to_torch(x) -> torch.Tensor:
-    """The torch tensor over CuPy array ``x``: a view of the torch block it was allocated in (call's
-    allocator), else through DLPack."""
+    """The torch tensor over CuPy array ``x``: over the storage of the torch block it was allocated in (call's
+    allocator), else through DLPack. Not a view of the block (``set_``, not ``as_strided``): autograd treats
+    the output as it treats the prepared path's ``torch.empty`` ones, so an in-place edit of a saved output
+    raises at the backward, on a signature's first call and on later ones alike."""
     owner = getattr(x.data.mem, "_owner", None)
     dtype = _TORCH_DTYPES.get(x.dtype)
     itemsize = x.itemsize
     if isinstance(owner, torch.Tensor) and owner.dtype == torch.uint8 and dtype is not None:
         offset = x.data.ptr - owner.data_ptr()
         if offset % itemsize == 0 and owner.numel() % itemsize == 0 and all(s % itemsize == 0 for s in x.strides):
-            return owner.view(dtype).as_strided(x.shape, tuple(s // itemsize for s in x.strides), offset // itemsize)
+            t = torch.empty(0, dtype=dtype, device=owner.device)
+            return t.set_(owner.untyped_storage(), offset // itemsize, x.shape, tuple(s // itemsize for s in x.strides))
     return torch.from_dlpack(x)
 
 
