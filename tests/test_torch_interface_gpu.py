@@ -565,3 +565,18 @@ def test_eager_autograd_matches_the_op(torch, ct, kw):
         got.append((out.detach(), lse.detach(), a.grad, b.grad, c.grad))
     for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), *got):
         assert torch.equal(x, y), name
+
+
+def test_inplace_edit_of_out_is_caught_on_every_call(torch, ct):
+    """A signature's first call (the whole way: out from the call's allocator through to_torch) and its later
+    ones (the prepared path: out from torch.empty) give outputs autograd treats alike: an in-place edit is
+    allowed and the backward, which needs out, raises on it."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (_randn(torch, gen, (2, 160, 4, 64), torch.bfloat16) for _ in range(3))
+    for call in range(3):
+        a, b, c = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = ct.flash_attn_func(a, b, c, causal=True)
+        assert out._base is None, call
+        out.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.float().sum().backward()
