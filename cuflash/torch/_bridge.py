@@ -12,7 +12,7 @@ Every op in cuflash.torch.ops runs its CuPy call inside ``call(device)``, which 
 
 Tensors cross without a copy, the memory shared: a torch tensor becomes a CuPy array over its pointer
 and strides (owning a reference to the tensor), and an output CuPy allocated through torch's allocator
-becomes a strided view of the torch block it lives in. DLPack is the fallback for anything else (its
+becomes a tensor over the storage of the torch block it lives in (not a view of the block). DLPack is the fallback for anything else (its
 stream handshake cost ~10 us per tensor on the H200 machine, most of a decode step's host time).
 """
 from __future__ import annotations
