@@ -2,6 +2,7 @@
 planner's tile there, every one a kernel the planner's spec checks accept) and the summary table."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -73,3 +74,13 @@ def test_summarize_medians_and_ratios():
     assert "| planned | 1.000 (0.80) [3] |" in text  # 0.8, 1.0, 1.2
     assert "| no overlap | 0.640 (0.60); 0.800x [3] |" in text  # 0.64, 1.0, 0.6 of cuDNN; 0.8, 1.0, 0.5 of planned
     assert "flash" not in text.split("|---|")[1]
+
+
+def test_from_json_prints_the_saved_runs_tables(tmp_path, monkeypatch, capsys):
+    rows = [{"op": "bwd", "head_dim": 128, "tflops": {"planned": 90.0, "wide": 99.0, "cudnn": 100.0}}]
+    saved = tmp_path / "ablation.json"
+    saved.write_text(json.dumps({"environment": {}, "rows": rows}))
+    monkeypatch.setattr(sys, "argv", ["ablation.py", "--from-json", str(saved)])
+    assert ablation.main() == 0
+    out = capsys.readouterr().out
+    assert "| planned | 0.900 (0.90) [1] |" in out and "| wide | 0.990 (0.99); 1.100x [1] |" in out

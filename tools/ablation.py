@@ -4,6 +4,7 @@ timed in one run with SDPA's cuDNN and FlashAttention-2 backends on the same inp
 
     python3 tools/ablation.py [--op fwd bwd] [--hd 64 128 256] [--seqlen 1024 4096 16384] [--dtype bf16]
                               [--repeats 10] [--json ablation.json]
+    python3 tools/ablation.py --from-json docs/results/ablation-h200.json   # the tables of a saved run, no GPU
 
 Per point (batch x seqlen = 16k tokens, heads x head dim = 2048, causal both) the schedules are derived from
 the tile the planner takes there (so the short-key points ablate their persistent tile, the long ones the
@@ -185,7 +186,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", help="write the point rows and the environment here")
+    ap.add_argument("--from-json", help="print the tables of a saved run (--json) and exit; no GPU needed")
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            print(summarize(json.load(f)["rows"]))
+        return 0
     from cuflash import bench, jit
 
     if jit.device_arch(0) != "sm_90a":

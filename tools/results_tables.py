@@ -95,6 +95,19 @@ def decode_table(rows: list, env: dict, source: str) -> list[str]:
     return out
 
 
+def prefill_decode_table(rows: list) -> list[str]:
+    """Prefill against decode at batch 1 (the decode file's ``prefill_vs_decode``): per kv heads and cache
+    length, the causal prefill's ms and TFLOP/s and one decode step's us and KV TB/s."""
+    if not rows:
+        return []
+    out = ["| kv heads | cache tokens | prefill ms | prefill TFLOP/s | decode step us | decode TB/s |",
+           "|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (-r["nheads_kv"], r["cache_len"])):
+        out.append(f"| {r['nheads_kv']} | {r['cache_len']} | {r['prefill_ms']:.2f} | {r['prefill_tflops']:.0f} | "
+                   f"{r['decode_ms'] * 1e3:.1f} | {r['decode_tbps']:.2f} |")
+    return out + [""]
+
+
 VARIANT_PEERS = {"window": ("flex", "FlexAttention"), "softcap": ("flex", "FlexAttention"),
                  "alibi": ("flex", "FlexAttention"), "dropout": ("flash", "FA2 + dropout")}
 
@@ -220,7 +233,8 @@ def main() -> int:
     for op in OPS:  # the newest file holding each operation in this dtype
         have = [(d["environment"]["date"], str(p), d) for p, d in runs
                 if "rows" in d and "window_check" not in d and d.get("benchmark") not in ("varlen", "e2e")
-                and any(r.get("op", "fwd") == op and r.get("dtype") == a.dtype for r in d["rows"])]
+                and any(r.get("op", "fwd") == op and r.get("dtype") == a.dtype and "cuflash" in r.get("tflops", {})
+                        for r in d["rows"])]  # (tools/ablation.py's rows name their schedules, not "cuflash")
         if have:
             _, path, d = max(have, key=lambda x: x[0])
             lines += prefill_table(op, d["rows"], d["environment"], a.dtype, path)
@@ -230,6 +244,7 @@ def main() -> int:
     for path, d in runs:
         if "decode" in d:
             lines += decode_table(d["decode"], d["environment"], str(path))
+            lines += prefill_decode_table(d.get("prefill_vs_decode", []))
     for path, d in runs:
         if "window_check" in d:
             lines += variants_table(d, str(path))
