@@ -251,7 +251,9 @@ class BwdSm90WsTile(_Sm90DqLayout):
 #: on an H100 (tools/tune_bwd.py --sm90 --block-m 64 128, bf16, 512-16k tokens x causal, one run with cuDNN
 #: and FA2): 1.01-1.04x the 64-row blocks non-causal, 1.07-1.16x causal (median 1.077 of cuDNN against
 #: 0.998), 3 stages ahead of 2. Head dim 128's 80 rows lost in the same session (0.95-0.97x the planned grids
-#: causal, 0.92x at 512 tokens and 1.00-1.02x beyond non-causal): not planned.
+#: causal, 0.92x at 512 tokens and 1.00-1.02x beyond non-causal): not planned. On the H200 (tools/ablation.py,
+#: docs/results/ablation-h200.json): hd64's 128 rows 1.06x the 64-row blocks; hd128's 80 rows 1.02-1.06x
+#: non-causal, 0.95-1.04x causal, and 0.912-0.916 of cuDNN against 0.923-0.937 over 512-16k x causal.
 BWD_SM90_WS_TILES: dict[int, BwdSm90WsTile] = {
     64: BwdSm90WsTile(block_m=128, stages=3), 128: BwdSm90WsTile(), 256: BwdSm90WsTile(block_n=64),
 }
