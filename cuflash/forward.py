@@ -77,7 +77,7 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
     # A signature seen before (_signature): only the pointers are looked at.
     key = None if tile is not None else _signature(cupy.ndarray, _desc, q, k, v, causal, softmax_scale, window_size,
                                                    softcap, alibi_slopes, dropout_p, diag_shift, out)  # fmt: skip
-    prep = None if key is None else _PREPARED.calls.get(key)
+    prep = prepared(key)
     if prep is not None:
         device_id = key[0][3]
         with cupy.cuda.Device(device_id):
