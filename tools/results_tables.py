@@ -7,7 +7,8 @@ Prefill (forward, backward, forward+backward; files written by `cuflash bench --
 row per head dim and causal flag with the TFLOP/s of cuflash, FlashAttention-2 (torch SDPA
 FLASH_ATTENTION) and cuDNN at the longest sequence, and the median and lowest ratio cuflash / peer over
 all sequence lengths. Decode (`cuflash bench --decode --json`): one row per kv heads and batch with
-cuflash's KV TB/s over the cache lengths and the ratios to the peers. Variants (`cuflash bench --variant
+cuflash's KV TB/s over the cache lengths and the ratios to the peers, then its prefill-against-decode rows
+(batch 1: one causal prefill, one decode step). Variants (`cuflash bench --variant
 ... --json`): one row per variant, operation and head dim with the TFLOP/s at the longest sequence and
 the ratios to the variant's peer (FlexAttention; SDPA FlashAttention-2 for dropout) over the lengths,
 and the sliding-window tile check. Varlen (`cuflash bench --varlen --json`): one row per operation, head
