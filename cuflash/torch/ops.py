@@ -134,25 +134,21 @@ class _Dense(torch.autograd.Function):
     """``fwd`` and its registered autograd (``_fwd_setup``, ``_fwd_backward``) for eager calls: the same
     implementations, saved tensors and gradients, without the dispatcher's and the custom op's autograd
     wrapper's per-call work, most of a short training call's host time (tools/torch_host_overhead.py).
-    The backward takes the op where torch traces it (compiled autograd)."""
+    The backward takes the op where torch records it (a double backward, compiled autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-                deterministic, diag_shift=0):  # fmt: skip
-        out, lse, rng_state = _fwd_impl(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left,
-                                        window_right, softcap, deterministic, diag_shift)  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes)
-        ctx.args = (dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic, diag_shift)
-        ctx.mark_non_differentiable(rng_state)
-        return out, lse, rng_state
+    def forward(ctx, *inputs):
+        result = _fwd_impl(*inputs)
+        _fwd_setup(ctx, inputs if len(inputs) == 12 else inputs + (0,), result)
+        ctx.mark_non_differentiable(result[2])
+        return result
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # (as the op: no double backward, and a clear error for one)
     def backward(ctx, dout, dlse, drng):
-        q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
-        run = _bwd_impl if _eager() else bwd
-        dq, dk, dv = run(_grad_out(dout, out), q, k, v, out, lse, alibi_slopes, rng_state, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        # The implementation only where nothing records the backward: a double backward (create_graph=True)
+        # or compiled autograd takes the op, which has no autograd of its own, so gradients of these
+        # gradients raise there, as through the op, instead of silently missing attention's second-order term.
+        return _dense_grads(ctx, dout, _bwd_impl if _eager() and not torch.is_grad_enabled() else bwd)
 
 
 def forward(q, k, v, *args):
@@ -204,10 +200,16 @@ def _fwd_setup(ctx, inputs, output):
     ctx.args = (dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic, diag_shift)
 
 
-def _fwd_backward(ctx, dout, dlse, drng):
+def _dense_grads(ctx, dout, run):
+    """The dense forward's input gradients from what _fwd_setup saved, the backward run by ``run`` (the
+    ``bwd`` op or its implementation)."""
     q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = bwd(_grad_out(dout, out), q, k, v, out, lse, alibi_slopes, rng_state, *ctx.args)
+    dq, dk, dv = run(_grad_out(dout, out), q, k, v, out, lse, alibi_slopes, rng_state, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+def _fwd_backward(ctx, dout, dlse, drng):
+    return _dense_grads(ctx, dout, bwd)
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
