@@ -12,8 +12,9 @@ Every op in cuflash.torch.ops runs its CuPy call inside ``call(device)``, which 
 
 Tensors cross without a copy, the memory shared: a torch tensor becomes a CuPy array over its pointer
 and strides (owning a reference to the tensor), and an output CuPy allocated through torch's allocator
-becomes a tensor over the storage of the torch block it lives in (not a view of the block). DLPack is the fallback for anything else (its
-stream handshake cost ~10 us per tensor on the H200 machine, most of a decode step's host time).
+becomes a tensor over the storage of the torch block it lives in (not a view of the block). DLPack is the
+fallback for anything else (its stream handshake cost ~10 us per tensor on the H200 machine, most of a
+decode step's host time).
 """
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def _allocator(index: int):
 
         def fn(nbytes: int):
             # The tensor owns the block; CuPy's MemoryPointer keeps the tensor alive, and torch reuses
-            # the block once the last CuPy array (or the torch tensor DLPack made of it) is gone.
+            # the block once the last CuPy array and the last torch tensor over its storage (to_torch) are gone.
             block = torch.empty(-(-max(int(nbytes), 1) // 16) * 16, dtype=torch.uint8, device=device)
             mem = cp.cuda.UnownedMemory(block.data_ptr(), nbytes, block, index)
             return cp.cuda.MemoryPointer(mem, 0)
