@@ -208,7 +208,7 @@ def main() -> int:
                     rows.append(row)
                     if a.json:
                         with open(a.json, "w") as f:
-                            json.dump({"environment": env, "rows": rows}, f, indent=1)
+                            json.dump({"benchmark": "ablation", "environment": env, "rows": rows}, f, indent=1)
                     t = row["tflops"]
                     print(f"{op} hd{hd} causal={int(causal)} s={s:5d}: " + "  ".join(f"{n} {v:.0f}" for n, v in t.items())
                           + "".join(f"\n    {n}: {why}" for n, why in row["notes"].items()), flush=True)  # fmt: skip

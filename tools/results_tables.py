@@ -233,9 +233,8 @@ def main() -> int:
     lines, envs = [], []
     for op in OPS:  # the newest file holding each operation in this dtype
         have = [(d["environment"]["date"], str(p), d) for p, d in runs
-                if "rows" in d and "window_check" not in d and d.get("benchmark") not in ("varlen", "e2e")
-                and any(r.get("op", "fwd") == op and r.get("dtype") == a.dtype and "cuflash" in r.get("tflops", {})
-                        for r in d["rows"])]  # (tools/ablation.py's rows name their schedules, not "cuflash")
+                if "rows" in d and "window_check" not in d and d.get("benchmark") not in ("varlen", "e2e", "ablation")
+                and any(r.get("op", "fwd") == op and r.get("dtype") == a.dtype for r in d["rows"])]
         if have:
             _, path, d = max(have, key=lambda x: x[0])
             lines += prefill_table(op, d["rows"], d["environment"], a.dtype, path)
