@@ -199,13 +199,14 @@ def variant_cases(rng, arch):
 
 def hopper_cases(rng, arch, forward_only=False):
     """The warp-specialized TMA forward: each schedule on ragged causal / windowed cases at 1, 3 and
-    ragged key-tile counts, with and without clusters of 2 sharing K/V by multicast; the 3-warpgroup hd64 tile; the persistent tiles, several tiles per CTA (O
-    out by 16-byte stores and by TMA stores, whose shared-memory reads the next tile's staging waits for);
-    partial last boxes; varlen NaN tails and paged K/V; the TMA backward's ring depths, a window,
-    variants and its varlen NaN tails."""
+    ragged key-tile counts, with and without clusters of 2 sharing K/V by multicast; the 3-warpgroup hd64
+    tile; the persistent tiles, several tiles per CTA (O out by 16-byte stores and by TMA stores, whose
+    shared-memory reads the next tile's staging waits for); partial last boxes; varlen NaN tails and paged
+    K/V; the persistent packed walk over many items (its slot records); the TMA backward's ring depths, a
+    window, variants and its varlen NaN tails."""
     if arch != "sm_90a":
         sys.exit("--only hopper needs an sm_90a GPU")
-    from test_hopper_ws_gpu import test_varlen_nan_after_the_keys_stays_out
+    from test_hopper_ws_gpu import persistent_varlen_case, test_varlen_nan_after_the_keys_stays_out
 
     W = plan.Sm90WsTile
     for tile in (W(128, 128, pingpong=False), W(128, 128), W(128, 128, overlap=False), W(128, 64, 3), W(192, 64),
@@ -240,6 +241,11 @@ def hopper_cases(rng, arch, forward_only=False):
     for d in (128, 256):
         test_varlen_nan_after_the_keys_stays_out(d)
         print(f"ok varlen NaN tails, paged, d={d}")
+    for d in (64, 128):  # the persistent packed walk's slot records, ~15 items per CTA
+        for causal in (False, True):
+            err_o, err_lse = persistent_varlen_case(rng, d, causal)
+            assert err_o <= 1e-2 and err_lse <= 1e-3, (err_o, err_lse)
+            print(f"ok persistent varlen walk d={d} causal={causal}: out {err_o:.2e}, lse {err_lse:.2e}")
     if not forward_only:
         hopper_bwd_cases(rng, arch)
 

@@ -14,7 +14,9 @@ its own Python process (run in ab/<name>, PYTHONPATH too; its own kernel cache .
 cuflash only (no peers), with cuflash.bench.run_point, in rounds that alternate the trees, and prints
 one line per point: TFLOP/s of every tree in every round, then each tree's median ratio to the first
 tree. The points: --op fwd or bwd, --head-dim, --seqlen, both causal flags, 16k tokens per batch,
-2048 / head_dim heads (the paper grid's shapes).
+2048 / head_dim heads (the paper grid's shapes). With --varlen, packed batches of 16k tokens and 16 heads
+instead (attention_varlen / attention_varlen_backward): each --seqlen is a mean length, timed twice, as
+the ragged batch of `cuflash bench --varlen` (bench_varlen.draw_lengths) and as equal lengths ("equal").
 """
 from __future__ import annotations
 
@@ -33,11 +35,40 @@ import cuflash
 from cuflash import bench
 print("MODULE" + cuflash.__file__, flush=True)
 points = json.loads(sys.argv[1])
+
+# Packed batches (--varlen): the ragged lengths of `cuflash bench --varlen` and equal ones, 16k tokens, 16 heads.
+import numpy as np, cupy
+from cuflash.bench_varlen import draw_lengths, pairs
+from cuflash.checks import numpy_dtype
+
+def varlen_point(op, dtype, hd, causal, mean, name, tokens=16384, heads=16):
+    rng = cupy.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((tokens, heads, hd), dtype=cupy.float32).astype(numpy_dtype(dtype))
+                   for _ in range(4))
+    res = {}
+    for kind, lengths in (("ragged", draw_lengths(mean, tokens)), ("equal", [mean] * (tokens // mean))):
+        n = sum(lengths)
+        qs, ks, vs, ds = (x[:n] for x in (q, k, v, do))
+        cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        mx = max(lengths)
+        if op == "fwd":
+            fn = lambda: cuflash.attention_varlen(qs, ks, vs, cu, cu, mx, mx, causal=causal)
+        else:
+            o, lse = cuflash.attention_varlen(qs, ks, vs, cu, cu, mx, mx, causal=causal, return_lse=True)
+            fn = lambda: cuflash.attention_varlen_backward(ds, qs, ks, vs, o, lse, cu, cu, mx, mx, causal=causal)
+        ms = bench.time_ms({"f": fn}, repeats=10)["f"]
+        res[f"{name} {kind}"] = 4.0 * hd * pairs(lengths, causal) * heads * (1.0 if op == "fwd" else 2.5) / (ms * 1e9)
+    return res
+
 out = {}
-for op, dtype, hd, causal, s in points:
-    b, h = max(1, 16384 // s), 2048 // hd
-    row = bench.run_point(dtype, hd, causal, s, b, h, repeats=10, peers=False, naive_max_gb=0, op=op)
-    out[f"{op} {dtype} hd{hd} {'causal' if causal else 'full'} {s}"] = row.tflops["cuflash"]
+for op, dtype, hd, causal, s, varlen in points:
+    name = f"{op} {dtype} hd{hd} {'causal' if causal else 'full'} {s}"
+    if not varlen:
+        b, h = max(1, 16384 // s), 2048 // hd
+        row = bench.run_point(dtype, hd, causal, s, b, h, repeats=10, peers=False, naive_max_gb=0, op=op)
+        out[name] = row.tflops["cuflash"]
+    else:
+        out.update(varlen_point(op, dtype, hd, causal, s, name))
     bench.release_memory()
 print("RESULT" + json.dumps(out))
 """
@@ -49,10 +80,12 @@ import inspect, json, sys
 from cuflash import jit, plan
 points = json.loads(sys.argv[1])
 arch, specs = jit.device_arch(0), set()
-for op, dtype, hd, causal, s in points:
+for op, dtype, hd, causal, s, varlen in points:
     b, h = max(1, 16384 // s), 2048 // hd
     kw = dict(batch=b, seqlen_q=s, seqlen_k=s, nheads=h, nheads_kv=h, head_dim=hd, dtype=dtype, causal=causal,
               aligned=True, arch=arch)
+    if varlen:  # (the timed calls compile what they miss: packed plans depend on the lengths drawn)
+        continue
     if op == "fwd":
         specs.add(plan.plan_forward(**kw, sm_count=jit.device_sm_count(0), l2_bytes=jit.device_l2_bytes(0)).spec)
     else:
@@ -152,11 +185,12 @@ def main() -> int:
     rn.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     rn.add_argument("--seqlen", type=int, nargs="+", default=[1024, 4096, 16384])
     rn.add_argument("--rounds", type=int, default=2)
+    rn.add_argument("--varlen", action="store_true", help="packed batches: each --seqlen a mean length (ragged, equal)")
     a = ap.parse_args()
     if a.cmd == "export":
         export(a.revs, a.into)
         return 0
-    points = [(a.op, a.dtype, hd, causal, s) for hd in a.head_dim for causal in (False, True) for s in a.seqlen]
+    points = [(a.op, a.dtype, hd, causal, s, a.varlen) for hd in a.head_dim for causal in (False, True) for s in a.seqlen]
     return run(a.folder, a.trees, points, a.rounds)
 
 
