@@ -139,7 +139,7 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
                 and how is _plan_and_load(*plan_args, None, var.mods)[0]:  # fmt: skip
             boxes = tma.fwd_boxes(how.spec.tile.block_m, how.spec.tile.block_n, how.spec.tile.tma_store,
                                   how.spec.tile.cluster) if maps else ()  # fmt: skip
-            _prepared_calls()[key] = _Prepared(
+            _PREPARED.room()[key] = _Prepared(
                 plan_args=plan_args + (None, var.mods), how=how, fn=fn,
                 record=FWD_PACKER.pack(q=0, k=0, v=0, o=0, lse=0, **fields), dtype=dtype,
                 maps=tuple((tuple(x.shape), tuple(st // tma.ELEMENT_BYTES for st in x.strides), rows)
@@ -172,7 +172,6 @@ class _Prepared:
 
 
 _PREPARED = prepared_calls.PreparedCalls(limit=256)  # signatures kept per thread (a model has a handful of attention shapes)
-_prepared_calls = _PREPARED.room
 _desc = prepared_calls.desc
 
 

@@ -64,7 +64,6 @@ class _Prepared:
 
 
 _PREPARED = prepared_calls.PreparedCalls(limit=256)  # signatures kept per thread (a serving loop has a handful)
-_prepared_calls = _PREPARED.room
 _desc = prepared_calls.desc
 
 
@@ -586,7 +585,7 @@ def attention_with_kvcache(
             lse_offset=4 * rows_out * bucket, merge_in_kernel=merge_in_kernel,
         )  # fmt: skip
         if key is not None:
-            _prepared_calls()[key] = prep
+            _PREPARED.room()[key] = prep
         return _run(prep, cupy, device_id, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, out, lse, seqlens_dev, bt_dev,
                     seqlen_const, return_lse)  # fmt: skip
 

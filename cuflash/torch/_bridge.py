@@ -97,7 +97,7 @@ def to_torch(x) -> torch.Tensor:
     itemsize = x.itemsize
     if isinstance(owner, torch.Tensor) and owner.dtype == torch.uint8 and dtype is not None:
         offset = x.data.ptr - owner.data_ptr()
-        if offset % itemsize == 0 and owner.numel() % itemsize == 0 and all(s % itemsize == 0 for s in x.strides):
+        if offset % itemsize == 0 and all(s % itemsize == 0 for s in x.strides):
             t = torch.empty(0, dtype=dtype, device=owner.device)
             return t.set_(owner.untyped_storage(), offset // itemsize, x.shape, tuple(s // itemsize for s in x.strides))
     return torch.from_dlpack(x)

@@ -139,7 +139,7 @@ class _Dense(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs):
         result = _fwd_impl(*inputs)
-        _fwd_setup(ctx, inputs if len(inputs) == 12 else inputs + (0,), result)
+        _fwd_setup(ctx, inputs, result)
         ctx.mark_non_differentiable(result[2])
         return result
 
@@ -194,7 +194,10 @@ def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, dropout_p, softmax_scale
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic, diag_shift = inputs
+    """Saves what the backward needs. ``inputs``: fwd's arguments, diag_shift left out where a caller left it
+    at its default (_Dense.apply passes what it was given)."""
+    q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic, *rest = inputs
+    diag_shift = rest[0] if rest else 0
     out, lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes)  # (no gradient flows to alibi_slopes)
     ctx.args = (dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic, diag_shift)
