@@ -148,22 +148,10 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
         }
     }
 
-    // Varlen: the tile of head y in a scheduler slot already resolved (varlen_slot; the persistent TMA
-    // forward's producer resolves each slot once and hands it to its consumers).
-    CUFLASH_DEVICE FwdTileRef(const FwdParams& p, const VarlenTile<FwdParams>& slot, int y)
-        : mask(p.mod, p.seqlen_q, p.seqlen_k) {
-        init_varlen(p, slot, y);
-    }
-
-    // The scheduler slot x of a packed batch (varlen.cuh): the sequence that owns it and its query tile.
-    CUFLASH_DEVICE static VarlenTile<FwdParams> varlen_slot(const FwdParams& p, int x) {
-        return VarlenTile<FwdParams>(p, false, Cfg::kBlockM, Cfg::kBlockM, Cfg::kIsCausal, x);
-    }
-
     // Varlen (varlen.cuh): blockIdx.x is a scheduler slot naming sequence b and its query tile (the
     // heaviest first with causal), or nothing (skip()); rows, lengths and lse from the prefix sums.
-    CUFLASH_DEVICE void init_varlen(const FwdParams& p, int x, int y) { init_varlen(p, varlen_slot(p, x), y); }
-    CUFLASH_DEVICE void init_varlen(const FwdParams& p, const VarlenTile<FwdParams>& slot, int y) {
+    CUFLASH_DEVICE void init_varlen(const FwdParams& p, int x, int y) {
+        const VarlenTile<FwdParams> slot(p, false, Cfg::kBlockM, Cfg::kBlockM, Cfg::kIsCausal, x);
         const SeqInfo<true>& seq = slot.seq;
         skip_ = slot.skip;
         seqlen_k_ = seq.seqlen_k;

@@ -18,8 +18,7 @@
 //              +15 of the softmax (the wgmma accumulator layout, wgmma.cuh).
 //
 //   shared memory:  Q[kBlockM x d] | K[kStages][kBlockN x d] | V[kStages][kBlockN x d] | (persistent) O staging
-//                   [kBlockM x d] | (look-ahead) second Q slot | (persistent packed batches) slot records |
-//                   mbarriers
+//                   [kBlockM x d] | (look-ahead) second Q slot | mbarriers
 //                   (every tile in 64-column atoms of the 128-byte swizzle, 1024-byte aligned)
 //
 // Schedule of a consumer warpgroup (kOverlap, FlashAttention-3's intra-warpgroup pipelining):
@@ -44,9 +43,6 @@
 // Varlen: the first key tile of a sequence (the last block, visited first) may stick out past its keys;
 // its V rows there are zeroed in shared memory before the first P V (clear_v_tail), as the cp.async
 // kernel's zero-filled loads do. Plain batches get zeros from TMA (rows outside the tensor map).
-// Persistent packed batches (kSlotRing): only the producer warp runs the scheduler's search for an item's
-// slot; it posts the resolved slot (a VarlenTile) in a two-record ring in shared memory, and the consumers
-// build their tile from the record instead of repeating the search's dependent global loads between items.
 //
 // Epilogue: each consumer warp stages its normalized O rows in its own rows of the Q tile (Q's swizzled
 // layout, WarpTile::store) and writes lse; its lane 0 stores the rows with TMA (kSchedTmaStore: tma_o, a
@@ -128,13 +124,6 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr bool kLookAhead = (kSched_ & kSchedLookAhead) != 0 && kPersistent && kOverlap && !kPingPong &&
                                        kCluster == 1 && (kMods_ & kModVarlen) == 0;
     static constexpr int kQSlots = kLookAhead ? 2 : 1;
-    // Persistent packed batches: the producer resolves each work item's scheduler slot (varlen.cuh's search and
-    // the sequence's prefix sums: dependent global loads) and hands it to the consumers through a ring of
-    // kSlotRecords shared-memory records, each with a "full" and an "empty" mbarrier, so the consumers never
-    // wait on those loads between items (the producer runs an item ahead).
-    static constexpr bool kSlotRing = kPersistent && (kMods_ & kModVarlen) != 0;
-    static constexpr int kSlotRecords = kSlotRing ? 2 : 0;
-    static constexpr int kSlotRecordBytes = 64;  // one VarlenTile<FwdParams> each
     // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
     // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40, one
     // tile's 24), the consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384, 24 x 128 + 240 x
@@ -143,15 +132,14 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kPersistent ? 232 : 240;
     static constexpr int kTileBytesQ = kBlockM * kHeadDim * 2;
     static constexpr int kTileBytesKV = kBlockN * kHeadDim * 2;
-    // Q full, Q empty; K full, V full, K empty, V empty per slot; (look-ahead) Q full, Q empty of the second Q slot;
-    // (slot ring) full, then empty, per record
-    static constexpr int kBarriers = 2 + 4 * kStages + 2 * (kQSlots - 1) + 2 * kSlotRecords;
+    // Q full, Q empty; K full, V full, K empty, V empty per slot; (look-ahead) Q full, Q empty of the second Q slot
+    static constexpr int kBarriers = 2 + 4 * kStages + 2 * (kQSlots - 1);
     // 1024 bytes of slack to align the base to the swizzle pattern; the mbarriers after the tiles.
     // Persistent: O is staged in a tile of its own, so the next item's Q can load during the epilogue.
     static constexpr int kTileBytesO = kPersistent ? kTileBytesQ : 0;
-    // (Look-ahead: the second Q slot after the O staging tile; slot ring: its records before the mbarriers.)
-    static constexpr int kSmemBytes = 1024 + kQSlots * kTileBytesQ + 2 * kStages * kTileBytesKV + kTileBytesO +
-                                      kSlotRecords * kSlotRecordBytes + 8 * ((kBarriers + 1) / 2 * 2);
+    // (Look-ahead: the second Q slot after the O staging tile.)
+    static constexpr int kSmemBytes =
+        1024 + kQSlots * kTileBytesQ + 2 * kStages * kTileBytesKV + kTileBytesO + 8 * ((kBarriers + 1) / 2 * 2);
 
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "whole 64-element swizzle atoms, N <= 256");
     static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (the register split above)");
@@ -198,15 +186,13 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             return (int)blockIdx.x / kCluster * kCluster + r;
         }
     };
-    auto pair_of = [&](int item) {  // (persistent) the (head, batch) pair of an item: head pair % heads
-        const int group_items = p.sched_group * m_items;
-        const int first = item / group_items * p.sched_group;  // the group's first pair
-        return first + item % group_items % min(p.sched_group, heads * batches - first);
-    };
     auto tile_of = [&](int item, int r) {
         if constexpr (Cfg::kPersistent) {
-            const int pair = pair_of(item);
-            return FwdTileRef<Cfg>(p, m_index(item, r), pair % heads, pair / heads);
+            const int group_items = p.sched_group * m_items;
+            const int first = item / group_items * p.sched_group;  // the group's first pair
+            const int size = min(p.sched_group, heads * batches - first), in = item % group_items;
+            const int pair = first + in % size;
+            return FwdTileRef<Cfg>(p, in / size * kCluster + r, pair % heads, pair / heads);
         } else {
             return FwdTileRef<Cfg>(p, m_index(item, r), blockIdx.y, blockIdx.z);
         }
@@ -239,8 +225,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     const u32 s_v0 = s_k0 + kStages * Cfg::kTileBytesKV;
     const u32 s_o = s_v0 + kStages * Cfg::kTileBytesKV;  // (persistent: O staging)
     const u32 s_q1 = s_o + Cfg::kTileBytesO;              // (look-ahead: the second Q slot)
-    const u32 s_rec = s_q1 + (Cfg::kQSlots - 1) * Cfg::kTileBytesQ;  // (slot ring: the records)
-    const u32 s_bar = s_rec + Cfg::kSlotRecords * Cfg::kSlotRecordBytes;
+    const u32 s_bar = s_q1 + (Cfg::kQSlots - 1) * Cfg::kTileBytesQ;
     const u32 full_q = s_bar, empty_q = s_bar + 8u;
     // The u-th Q tile of the CTA's walk: its slot, barriers and phase (look-ahead: two slots taken in turn).
     constexpr bool kLookAhead = Cfg::kLookAhead;
@@ -253,15 +238,6 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     auto empty_k = [&](int s) { return s_bar + 8u * (2 + 2 * kStages + s); };
     auto empty_v = [&](int s) { return s_bar + 8u * (2 + 3 * kStages + s); };
     auto generic = [&](u32 s_addr) { return smem_raw + (s_addr - smem_u32(smem_raw)); };
-    // Slot ring: record i of the ring at s_rec + 64 i; its "full" and "empty" barriers after all the others.
-    constexpr int kRecBar0 = 2 + 4 * kStages + 2 * (Cfg::kQSlots - 1);
-    auto rec_full = [&](int w) { return s_bar + 8u * (kRecBar0 + w % 2); };  // (w: the walk's w-th item)
-    auto rec_empty = [&](int w) { return s_bar + 8u * (kRecBar0 + 2 + w % 2); };
-    auto rec_slot = [&](int w) {
-        return reinterpret_cast<VarlenTile<FwdParams>*>(generic(s_rec + (w % 2) * Cfg::kSlotRecordBytes));
-    };
-    static_assert(!Cfg::kSlotRing || (Cfg::kSlotRecords == 2 && sizeof(VarlenTile<FwdParams>) <= Cfg::kSlotRecordBytes),
-                  "two records, each holding a resolved slot");
 
     if (tid == 0) {
 #pragma unroll
@@ -275,11 +251,6 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
             mbar_init(full_v(s), 1);
             mbar_init(empty_k(s), 4 * Cfg::kConsumers * kCluster);  // (clusters: every CTA's consumer warps)
             mbar_init(empty_v(s), 4 * Cfg::kConsumers * kCluster);
-        }
-#pragma unroll
-        for (int w = 0; w < Cfg::kSlotRecords; ++w) {
-            mbar_init(rec_full(w), 1);                    // the producer's lane 0 posts
-            mbar_init(rec_empty(w), 4 * Cfg::kConsumers);  // lane 0 of every consumer warp has read it
         }
         mbar_fence_init();
     }
@@ -317,22 +288,8 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                                       row + rank * kShareRows, hk, batch, (1u << kCluster) - 1);  // fmt: skip
             }
         };
-        int posted = 0;  // (slot ring) items posted so far
         for (int item = item0; item < n_items; item += item_step) {
-            const FwdTileRef<Cfg> tile = [&] {
-                if constexpr (Cfg::kSlotRing) {  // resolve the slot and post it for the consumers (spare slots too)
-                    const VarlenTile<FwdParams> slot = FwdTileRef<Cfg>::varlen_slot(p, m_index(item, 0));
-                    if (lane == 0) {
-                        mbar_wait(rec_empty(posted), ((posted / 2) & 1) ^ 1);  // the record two items back was read
-                        *rec_slot(posted) = slot;
-                        mbar_arrive(rec_full(posted));  // (release: the record's stores before the arrival)
-                    }
-                    ++posted;
-                    return FwdTileRef<Cfg>(p, slot, pair_of(item) % heads);
-                } else {
-                    return tile_of(item, rank);
-                }
-            }();
+            const FwdTileRef<Cfg> tile = tile_of(item, rank);
             if (tile.skip()) continue;
             // (look-ahead: every item's Q, rows that see no key included: a stand-in S reads it)
             const bool own = (kCluster == 1 || m_index(item, rank) < p.num_m_blocks) && (kLookAhead || !tile.empty());
@@ -448,20 +405,8 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         release_kv(empty_v(st));
     };
 
-    int taken = 0;  // (slot ring) records taken so far
     for (int item = item0; item < n_items; item += item_step) {
-        const FwdTileRef<Cfg> tile = [&] {
-            if constexpr (Cfg::kSlotRing) {  // the slot as the producer resolved it
-                mbar_wait(rec_full(taken), (taken / 2) & 1);
-                const VarlenTile<FwdParams> slot = *rec_slot(taken);
-                __syncwarp();
-                if (signals) mbar_arrive(rec_empty(taken));  // (after every lane's loads of the record)
-                ++taken;
-                return FwdTileRef<Cfg>(p, slot, pair_of(item) % heads);
-            } else {
-                return tile_of(item, rank);
-            }
-        }();
+        const FwdTileRef<Cfg> tile = tile_of(item, rank);
         if (tile.skip()) continue;  // a spare slot of the varlen scheduler
         int lo, hi;
         kv_span(item, tile, lo, hi);

@@ -202,7 +202,7 @@ def hopper_cases(rng, arch, forward_only=False):
     ragged key-tile counts, with and without clusters of 2 sharing K/V by multicast; the 3-warpgroup hd64
     tile; the persistent tiles, several tiles per CTA (O out by 16-byte stores and by TMA stores, whose
     shared-memory reads the next tile's staging waits for); partial last boxes; varlen NaN tails and paged
-    K/V; the persistent packed walk over many items (its slot records); the TMA backward's ring depths, a
+    K/V; the persistent packed walk over many items (spare slots, empty items); the TMA backward's ring depths, a
     window, variants and its varlen NaN tails."""
     if arch != "sm_90a":
         sys.exit("--only hopper needs an sm_90a GPU")
@@ -241,7 +241,7 @@ def hopper_cases(rng, arch, forward_only=False):
     for d in (128, 256):
         test_varlen_nan_after_the_keys_stays_out(d)
         print(f"ok varlen NaN tails, paged, d={d}")
-    for d in (64, 128):  # the persistent packed walk's slot records, ~15 items per CTA
+    for d in (64, 128):  # the persistent packed walk, ~15 items per CTA (spare slots, empty items)
         for causal in (False, True):
             err_o, err_lse = persistent_varlen_case(rng, d, causal)
             assert err_o <= 1e-2 and err_lse <= 1e-3, (err_o, err_lse)

@@ -142,9 +142,9 @@ def test_persistent_walks_every_tile(head_dim, causal, which):
 def persistent_varlen_case(rng, head_dim, causal):
     """A packed batch whose persistent walk gives every CTA about 15 items (60 sequences x 16 heads): spare
     scheduler slots, sequences without queries, without keys, and (causal, more queries than keys) query
-    tiles whose rows see no key, so the producer's slot records (kSlotRing) wrap many times and the
-    consumers skip and empty-write items between real ones. The persistent tile's result against the
-    same tile launched one CTA per tile; returns the largest difference of out and of lse."""
+    tiles whose rows see no key, so each CTA's producer and consumers skip and empty-write items between
+    real ones many times over. The persistent tile's result against the same tile launched one CTA per
+    tile; returns the largest difference of out and of lse."""
     import dataclasses
 
     import cupy
@@ -175,9 +175,9 @@ def persistent_varlen_case(rng, head_dim, causal):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_varlen_walks_many_items(head_dim, causal):
-    """The persistent packed forward's slot records (the producer resolves each item's scheduler slot once,
-    the consumers read it from shared memory) over ~15 items per CTA with spare slots and empty items: the
-    same results as one CTA per tile (persistent_varlen_case)."""
+    """The persistent packed forward over ~15 items per CTA with spare scheduler slots and empty items
+    (test_persistent_walks_every_tile's packed batch gives a CTA 1-2): the same results as one CTA per tile
+    (persistent_varlen_case)."""
     _hopper()
     err_o, err_lse = persistent_varlen_case(np.random.default_rng(head_dim + causal), head_dim, causal)
     assert err_o <= 1e-2 and err_lse <= 1e-3, (err_o, err_lse)

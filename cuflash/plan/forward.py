@@ -291,17 +291,15 @@ def sm90_ws_tile(bucket: int, seqlen_k: int, causal: bool, default_only: bool = 
     return ws_default_tile(bucket, mods)
 
 
-def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile, varlen: bool = False) -> int:
+def fwd_sm90_ws_smem_bytes(head_dim_bucket: int, tile: Sm90WsTile) -> int:
     """Dynamic shared memory of the warp-specialized forward: must match Sm90WsFwdConfig::kSmemBytes
     (alignment slack, Q (look-ahead: two slots), the K/V ring, persistent: an O staging tile, 2 + 4 * stages
-    mbarriers of 8 bytes (look-ahead: 2 more) rounded to 16; a persistent tile for packed batches (``varlen``):
-    the slot ring's two 64-byte records and their 4 mbarriers)."""
+    mbarriers of 8 bytes (look-ahead: 2 more) rounded to 16)."""
     q_slots = 2 if getattr(tile, "look_ahead", False) else 1
-    records = 2 if varlen and getattr(tile, "persistent", False) else 0
-    barriers = 2 + 4 * tile.stages + 2 * (q_slots - 1) + 2 * records
+    barriers = 2 + 4 * tile.stages + 2 * (q_slots - 1)
     o_rows = tile.block_m if getattr(tile, "persistent", False) else 0  # persistent: O staged in a tile of its own
     return (1024 + 2 * (q_slots * tile.block_m + o_rows + 2 * tile.stages * tile.block_n) * head_dim_bucket
-            + 64 * records + 8 * ((barriers + 1) // 2 * 2))  # fmt: skip
+            + 8 * ((barriers + 1) // 2 * 2))  # fmt: skip
 
 
 def fwd_tile(bucket: int, arch: str) -> Tile:
@@ -399,7 +397,7 @@ class Sm90WsKernelSpec(HopperSpec):
 
     @property
     def smem_bytes(self) -> int:
-        return fwd_sm90_ws_smem_bytes(self.head_dim, self.tile, varlen=bool(self.mods & MOD_VARLEN))
+        return fwd_sm90_ws_smem_bytes(self.head_dim, self.tile)
 
     def template_args(self) -> str:
         """C++ template argument list of cuflash::Sm90WsFwdConfig for this variant."""
@@ -431,6 +429,8 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
     if tile.block_m == 192 and bucket // 2 + 3 * tile.block_n // 4 > 128:  # 160 registers per consumer thread
         raise ValueError(f"warp-specialized tile {tile}: O + S + P registers do not fit 3 consumer warpgroups "
                          f"at head dim {bucket} (take block_m 128 or a smaller block_n)")  # fmt: skip
+    if fwd_sm90_ws_smem_bytes(bucket, tile) > max_smem_bytes("sm_90a"):
+        raise ValueError(f"warp-specialized tile {tile} needs {fwd_sm90_ws_smem_bytes(bucket, tile)} bytes of shared memory")
     if tile.cluster not in (1, 2) or tile.block_n // tile.cluster % 8:
         raise ValueError(f"warp-specialized tile {tile}: cluster must be 1 or 2, and each CTA's share of a key tile "
                          f"(block_n / cluster) a multiple of 8 rows")  # fmt: skip
@@ -445,9 +445,6 @@ def fwd_sm90_ws_spec(head_dim: int, dtype: str, causal: bool, tile: Sm90WsTile |
         # (3 consumer warpgroups, 160 registers a thread, park 72 bytes with the S in flight through the epilogue)
         raise ValueError(f"warp-specialized tile {tile}: look_ahead needs a persistent, overlapped 128-row tile "
                          f"without ping-pong or clusters, and block_n <= block_m")  # fmt: skip
-    smem = fwd_sm90_ws_smem_bytes(bucket, tile, varlen=bool(mods & MOD_VARLEN))
-    if smem > max_smem_bytes("sm_90a"):
-        raise ValueError(f"warp-specialized tile {tile} needs {smem} bytes of shared memory")
     return Sm90WsKernelSpec(bucket, dtype, bool(causal), tile, mods=check_mods(mods))
 
 
