@@ -1,10 +1,12 @@
 """Host time per call of the PyTorch bridge against the CuPy API and SDPA (a decode step is host-bound).
 
-    python3 tools/torch_host_overhead.py [--rounds N] [--profile]   # needs a GPU and torch; --profile: cProfile of the decode call
+    python3 tools/torch_host_overhead.py [--rounds N] [--profile [ROW]]   # needs a GPU and torch; --profile: cProfile of
+                                                                          # row ROW's call (default 0, the decode call)
 
 Prints microseconds of host time per call (calls queued back to back, GPU idle time excluded by
 measuring before the final synchronize; the median of N rounds, default 5) for a decode step (batch 8, 16 heads, d 128, 2k cache, one new
-token appended) and a small prefill (2 x 512 tokens; SDPA's backends on the same inputs, in its layout).
+token appended), a small prefill (2 x 512 tokens; SDPA's backends on the same inputs, in its layout) and the same
+tokens as a packed batch of two sequences (varlen).
 """
 import statistics
 import sys
@@ -42,6 +44,8 @@ def main():
     small = torch.randn(2, 512, 16, 128, **bf)
     small_grad = small.clone().requires_grad_()
     cs, ss = c(small), small.transpose(1, 2)
+    packed, cu = small.reshape(1024, 16, 128), torch.tensor([0, 512, 1024], dtype=torch.int32, device="cuda")
+    cpk, ccu = c(packed), c(cu)
 
     def sdpa():
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -68,6 +72,10 @@ def main():
         ("prefill 2x512: cuflash.attention (CuPy)", lambda: cuflash.attention(cs, cs, cs, causal=True)),
         ("prefill 2x512: SDPA FlashAttention-2", sdpa_prefill(SDPBackend.FLASH_ATTENTION)),
         ("prefill 2x512: SDPA cuDNN", sdpa_prefill(SDPBackend.CUDNN_ATTENTION)),
+        ("packed 2x512: cuflash.torch.flash_attn_varlen_func", lambda: ct.flash_attn_varlen_func(
+            packed, packed, packed, cu, cu, 512, 512, causal=True)),
+        ("packed 2x512: cuflash.attention_varlen (CuPy)", lambda: cuflash.attention_varlen(
+            cpk, cpk, cpk, ccu, ccu, 512, 512, causal=True)),
     ]
     # Rounds over all rows in turn (the host's noise comes in bursts: one row measured once can read 3x
     # its median); the median and the spread per row.
@@ -80,18 +88,20 @@ def main():
     for name, _ in rows:
         t = sorted(times[name])
         print(f"{name:52} {statistics.median(t):8.1f}  ({t[0]:.1f}-{t[-1]:.1f})")
-    if "--profile" in sys.argv[1:]:  # where the eager decode call's host time goes, function by function
+    if "--profile" in sys.argv[1:]:  # where a call's host time goes, function by function
         import cProfile
         import pstats
 
-        fn = rows[0][1]
+        at = sys.argv.index("--profile") + 1
+        row = int(sys.argv[at]) if at < len(sys.argv) and sys.argv[at].isdigit() else 0
+        fn = rows[row][1]
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(300):
             fn()
         prof.disable()
         torch.cuda.synchronize()
-        print(f"\nprofile of 300 calls of {rows[0][0]} (cumulative seconds; / 300 for per call):")
+        print(f"\nprofile of 300 calls of {rows[row][0]} (cumulative seconds; / 300 for per call):")
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
 
 
