@@ -16,7 +16,7 @@ import struct
 import numpy as np
 
 from . import checks, jit, launch, plan, prepared_calls, tma, variants
-from .params import FWD_PACKER
+from .params import FWD_PACKER, MOD_DTYPE
 
 #: The pointer fields that open FwdParams (after the TMA kernel's tensor maps): all of a record that
 #: changes from one call of a signature to the next (run_prepared).
@@ -25,6 +25,12 @@ _PTRS = struct.Struct("<" + "Q" * len(_PTR_FIELDS))
 assert FWD_PACKER.names[: len(_PTR_FIELDS)] == _PTR_FIELDS and FWD_PACKER.offset("q") == 0 \
     and all(FWD_PACKER.dtype.fields[n][0] == np.uint64 for n in _PTR_FIELDS), \
     "FwdParams no longer opens with the pointers"  # fmt: skip
+#: A packed (varlen) call's other per-call pointers: cu_seqlens_q, cu_seqlens_k and seqused_k, side by side
+#: in the record's ModParams (run_prepared's varlen_ptrs).
+_VARLEN_PTRS = struct.Struct("<QQQ")
+_VARLEN_AT = FWD_PACKER.offset("mod") + MOD_DTYPE.fields["cu_seqlens_q"][1]
+assert [MOD_DTYPE.fields[n][1] for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k")] == \
+    [MOD_DTYPE.fields["cu_seqlens_q"][1] + 8 * i for i in range(3)], "ModParams' varlen pointers are no longer side by side"
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
@@ -209,15 +215,17 @@ def prepared(key) -> _Prepared | None:
     return None if key is None else _PREPARED.calls.get(key)
 
 
-def run_prepared(prep: _Prepared, stream: int, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int) -> bool:
+def run_prepared(prep: _Prepared, stream: int, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int,
+                 varlen_ptrs: tuple | None = None, load=None) -> bool:  # fmt: skip
     """Launch a prepared call by pointers (its device current, ``stream`` a stream handle, out and lse
     allocated by the caller: out as the signature describes it, or q's shape contiguous where it had
     none; lse float32 prep.lse_shape contiguous). Returns False, having launched nothing, where the call
     must take the whole way: pointers off the planned load path (16-byte rows, tensor maps), or a plan
-    memo that no longer gives this plan (tests and tools clear or swap it)."""
+    memo that no longer gives this plan (tests and tools clear or swap it). A packed call (cuflash/varlen.py)
+    gives ``varlen_ptrs`` (cu_seqlens_q, cu_seqlens_k, seqused_k or 0) and its plan memo as ``load``."""
     if prep.aligned and (q_ptr | k_ptr | v_ptr | o_ptr) & 15:
         return False
-    got = _plan_and_load(*prep.plan_args)
+    got = (load or _plan_and_load)(*prep.plan_args)
     if got[0] is not prep.how or got[1] is not prep.fn:
         return False
     maps = b""
@@ -232,6 +240,8 @@ def run_prepared(prep: _Prepared, stream: int, q_ptr: int, k_ptr: int, v_ptr: in
     data = maps + prep.record
     ctypes.memmove(args.buf, data, len(data))
     _PTRS.pack_into(args.buf, len(maps), q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
+    if varlen_ptrs is not None:
+        _VARLEN_PTRS.pack_into(args.buf, len(maps) + _VARLEN_AT, *varlen_ptrs)
     launch.launch(prep.fn, prep.how, args.argv_ptr, stream)
     return True
 

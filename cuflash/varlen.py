@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import backward, checks, forward, jit, launch, plan, variants
+from . import backward, checks, forward, jit, launch, plan, prepared_calls, tma, variants
 from .params import BWD_PACKER, FWD_PACKER
 
 #: Most sequences in one packed batch (the device-side search of varlen.cuh counts in int32 powers of 32).
@@ -67,6 +67,21 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
     """``attention_varlen`` with a forced tile (a plan.Tile runs the mma.sync kernel, a plan.Sm90Tile the
     Hopper one); for tests and tuning. tile=None is exactly ``attention_varlen``."""
     cupy = checks.cupy_module()
+    # A signature seen before (_signature): only the pointers are looked at (forward.py's prepared path).
+    key = None if tile is not None else _signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                                                   seqused_k, block_table, out, check, cupy.ndarray, forward._desc)  # fmt: skip
+    prep = None if key is None else _PREPARED.calls.get(key)
+    if prep is not None:
+        with cupy.cuda.Device(key[0][0][3]):
+            o = cupy.empty(q.shape, dtype=q.dtype) if out is None else out
+            lse = cupy.empty(prep.lse_shape, dtype=cupy.float32)
+            used = 0 if seqused_k is None else seqused_k.data.ptr
+            if forward.run_prepared(prep, cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr, v.data.ptr,
+                                    o.data.ptr, lse.data.ptr, (cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr, used),
+                                    _plan_and_load):  # fmt: skip
+                return (o, lse) if return_lse else o
+        # (else the whole way: pointers off the planned load path, or a changed plan memo)
     g = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, check, cupy,
                       block_table=block_table)  # fmt: skip
     softmax_scale = checks.resolve_scale(softmax_scale, g.head_dim)
@@ -90,17 +105,16 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         aligned = g.head_dim % 8 == 0 and all(checks.aligned16(x) for x in (q4, k4, v4, o4))
         dtype = checks.DTYPE_NAMES[q.dtype]
         keys_hint = plan.short_keys_hint(max_seqlen_k)  # (longer keys share a plan-cache entry)
-        how, fn, maps = forward.load_with_maps(
-            lambda t: _plan_and_load(g.batch, g.total_q, g.walk_keys, g.nheads, g.nheads_kv, g.head_dim, dtype,
-                                     var.causal, aligned, g.device_id, var.mods, t, keys_hint, g.paged),
-            q4, k4, v4, o4, dtype, tile)  # fmt: skip
+        plan_args = (g.batch, g.total_q, g.walk_keys, g.nheads, g.nheads_kv, g.head_dim, dtype, var.causal, aligned,
+                     g.device_id, var.mods)  # fmt: skip
+        how, fn, maps = forward.load_with_maps(lambda t: _plan_and_load(*plan_args, t, keys_hint, g.paged),
+                                               q4, k4, v4, o4, dtype, tile)  # fmt: skip
         if g.paged and k.shape[1] % how.spec.tile.block_n:
             raise ValueError(f"page size {k.shape[1]} is not a multiple of the key tile ({how.spec.tile.block_n} keys) "
                              f"of tile {how.spec.tile} (the planner fits its own tiles to pages: pass tile=None)")  # fmt: skip
         unit = var.unit_scale(softmax_scale)
         qs, ks, vs, os_ = (checks.elem_strides(x) for x in (q4, k4, v4, o4))
-        record = maps + FWD_PACKER.pack(
-            q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+        fields = dict(
             q_batch_stride=0, q_row_stride=qs[1], q_head_stride=qs[2],
             k_batch_stride=ks[0] if g.paged else 0, k_row_stride=ks[1], k_head_stride=ks[2],  # (paged: page stride)
             v_batch_stride=vs[0] if g.paged else 0, v_row_stride=vs[1], v_head_stride=vs[2],
@@ -109,10 +123,53 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
             seqlen_q=g.total_q, seqlen_k=g.total_k, head_dim=g.head_dim, num_m_blocks=how.m_blocks,
             sched_group=how.sched_group,
             softmax_scale=unit, scale_log2=unit * math.log2(math.e),
-            mod=var.record(softmax_scale, *g.pointers, paged=g.paged_record),
         )  # fmt: skip
+        record = maps + FWD_PACKER.pack(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
+                                        mod=var.record(softmax_scale, *g.pointers, paged=g.paged_record), **fields)  # fmt: skip
         launch.launch_record(fn, how, record, cupy.cuda.get_current_stream().ptr)
+        # Kept for the signature's next calls (as forward.run keeps its own): the plan the planner made, for
+        # pointers on the 16-byte rows the head dim and strides allow.
+        strides16 = all(checks.rows_aligned16(0, x.shape, x.strides) for x in (q4, k4, v4, o4))
+        if key is not None and aligned == (g.head_dim % 8 == 0 and strides16) \
+                and how is _plan_and_load(*plan_args, None, keys_hint, False)[0]:  # fmt: skip
+            t = how.spec.tile
+            boxes = tma.fwd_boxes(t.block_m, t.block_n, t.tma_store, t.cluster) if maps else ()
+            _PREPARED.room()[key] = forward._Prepared(
+                plan_args=plan_args + (None, keys_hint, False), how=how, fn=fn,
+                record=FWD_PACKER.pack(q=0, k=0, v=0, o=0, lse=0, mod=var.record(softmax_scale), **fields),
+                dtype=dtype,
+                maps=tuple((tuple(x.shape), tuple(st // tma.ELEMENT_BYTES for st in x.strides), rows)
+                           for x, rows in zip((q4, k4, v4, o4), boxes)),  # (as tma.fwd_maps encodes them)
+                zero_maps=4 - len(boxes) if maps else 0, aligned=aligned, lse_shape=(g.nheads, g.total_q),
+            )  # fmt: skip
     return result(out, lse)
+
+
+# The prepared path of the packed forward: forward.py's (_Prepared, run_prepared), keyed by the varlen
+# arguments too. The prefix sums' values are never looked at on the host without check=True, so their
+# arrays' descriptions and the max_seqlen ints are all a signature needs of them.
+_PREPARED = prepared_calls.PreparedCalls(limit=256)
+
+
+def _signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,
+               softcap, alibi_slopes, dropout_p, seqused_k, block_table, out, check, nd, desc) -> tuple | None:  # fmt: skip
+    """The key under which a packed call's checks and plan are kept: forward._signature's (``nd`` the array
+    type, ``desc`` an array's description, as there), with the prefix sums' and seqused_k's descriptions and
+    the max_seqlen ints. None where the call takes the whole way every time: check=True (it reads the prefix
+    sums), paged K/V (a block table the host may read), and forward._signature's cases (ALiBi, dropout,
+    arguments of other types)."""
+    if check is not False or block_table is not None or type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+        return None
+    base = forward._signature(nd, desc, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                              0, out)  # fmt: skip
+    if base is None or type(cu_seqlens_q) is not nd or type(cu_seqlens_k) is not nd:
+        return None
+    if seqused_k is not None and type(seqused_k) is not nd:
+        return None
+    cq, ck, used = desc(cu_seqlens_q), desc(cu_seqlens_k), None if seqused_k is None else desc(seqused_k)
+    if cq is None or ck is None or (seqused_k is not None and used is None):
+        return None
+    return base, cq, ck, used, max_seqlen_q, max_seqlen_k
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

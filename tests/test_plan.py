@@ -1038,3 +1038,46 @@ def test_forward_call_signature_of_the_prepared_path():
     out = arr((2, 512, 8, 64))
     for refused in (q, k, v, out):
         assert sig(out=out, desc=lambda x, r=refused: None if x is r else forward._desc(x)) is None
+
+
+def test_varlen_call_signature_of_the_prepared_path():
+    """varlen._signature, the key under which a packed forward's checks and plan are kept: the dense key of
+    q, k, v, out and the variants, plus the prefix sums' and seqused_k's descriptions and the max_seqlen ints.
+    Other pointers give the same key (the prefix sums' values are not part of it: the prepared path passes
+    their pointers); other shapes, max_seqlen values or seqused_k's presence another; check=True, paged K/V,
+    ALiBi, dropout and arguments of other types None. Fake arrays, no GPU."""
+    import numpy as np
+
+    from cuflash import forward, varlen
+
+    from fake_arrays import FakeArray
+    from fake_arrays import fake_array as arr
+
+    q, k = arr((1000, 8, 64)), arr((1000, 2, 64))
+    cu = arr((5,), np.int32)
+    base = dict(q=q, k=k, v=k, cu_q=cu, cu_k=cu, max_q=300, max_k=300, causal=True, softmax_scale=None,
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, seqused_k=None, block_table=None,
+                out=None, check=False)  # fmt: skip
+
+    def sig(desc=forward._desc, **kw):
+        a = {**base, **kw}
+        return varlen._signature(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], a["max_q"], a["max_k"], a["causal"],
+                                 a["softmax_scale"], a["window_size"], a["softcap"], a["alibi_slopes"], a["dropout_p"],
+                                 a["seqused_k"], a["block_table"], a["out"], a["check"], FakeArray, desc)  # fmt: skip
+
+    key = sig()
+    assert key is not None and hash(key) is not None
+    assert sig(q=arr((1000, 8, 64), ptr=1 << 30), cu_q=arr((5,), np.int32, ptr=64), cu_k=arr((5,), np.int32, ptr=96)) == key
+    for changed in (dict(q=arr((999, 8, 64))), dict(cu_q=arr((6,), np.int32), cu_k=arr((6,), np.int32)),
+                    dict(cu_k=arr((5,), np.int32, device=1)), dict(max_q=301), dict(max_k=2048),
+                    dict(seqused_k=arr((4,), np.int32)), dict(causal=False), dict(window_size=(64, 0)),
+                    dict(softcap=20.0), dict(out=arr((1000, 8, 64)))):  # fmt: skip
+        other = sig(**changed)
+        assert other is not None and other != key, changed
+    assert sig(seqused_k=arr((4,), np.int32)) == sig(seqused_k=arr((4,), np.int32, ptr=1 << 20))
+    for whole_way in (dict(check=True), dict(block_table=arr((4, 3), np.int32)), dict(alibi_slopes=arr((8,), np.float32)),
+                      dict(dropout_p=0.1), dict(max_q=np.int64(300)), dict(max_k=300.0), dict(cu_q=np.zeros(5, np.int32)),
+                      dict(seqused_k=np.zeros(4, np.int32)), dict(q=np.zeros((1000, 8, 64), np.float16))):  # fmt: skip
+        assert sig(**whole_way) is None, whole_way
+    for refused in (cu, q):  # an array its desc refuses (cuflash.torch's: one to_cupy would copy)
+        assert sig(desc=lambda x, r=refused: None if x is r else forward._desc(x)) is None

@@ -75,6 +75,52 @@ def test_runs_on_torch_current_stream_and_accepts_sdpa_layout_views(torch, monke
     assert a.grad is not None and a.grad.shape == a.shape and not torch.isnan(a.grad).any()
 
 
+def test_packed_forward_eager_and_prepared_paths(torch, monkeypatch):
+    """flash_attn_varlen_func in eager mode: the first call of a signature takes the whole way, the next ones
+    launch from the tensors' pointers (ops._varlen_prepared: no CuPy arrays), on torch's current stream, with
+    the bits of the CuPy API's call on the same tensors; with gradients (ops._Varlen) output and gradients
+    are the custom op's, bit for bit."""
+    import cupy
+
+    import cuflash
+    import cuflash.torch as ct
+    from cuflash import launch, varlen
+    from cuflash.torch import ops
+
+    lengths = [300, 0, 129, 71]
+    cu = torch.tensor([0, 300, 300, 429, 500], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(500, 4, 128, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    prepared = []
+    real = ops._varlen_prepared
+    monkeypatch.setattr(ops, "_varlen_prepared", lambda *a: prepared.append(r := real(*a)) or r)
+    streams = []
+    real_launch = launch.launch
+    monkeypatch.setattr(launch, "launch", lambda fn, how, argv, stream: streams.append(stream) or
+                        real_launch(fn, how, argv, stream))  # fmt: skip
+    varlen._PREPARED.calls.clear()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        outs = [ct.flash_attn_varlen_func(q, k, v, cu, cu, 300, 300, causal=True) for _ in range(3)]
+    side.synchronize()
+    assert [p is not None for p in prepared] == [False, True, True], "the second and third calls are prepared"
+    assert set(streams) == {side.cuda_stream} and len(streams) == 3
+    want = cuflash.attention_varlen(*(cupy.from_dlpack(x) for x in (q, k, v, cu, cu)), 300, 300, causal=True)
+    for out in outs:
+        assert cupy.array_equal(cupy.from_dlpack(out).view(cupy.uint16), want.view(cupy.uint16))
+    assert sum(lengths) == q.shape[0]
+    dout = torch.randn_like(q)
+    results = []
+    for fn in (ops.varlen_forward, ops.varlen_fwd):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = fn(qq, kk, vv, cu, cu, 300, 300, None, None, None, 0.0, None, True, -1, -1, 0.0, False)[0]
+        assert (type(out.grad_fn).__name__ == "_VarlenBackward") == (fn is ops.varlen_forward)
+        out.backward(dout)
+        results.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_deterministic_backward_is_bitwise_reproducible(torch):
     import cuflash.torch as ct
 

@@ -36,10 +36,12 @@ def ct():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interface, "_tensor", any_device_tensor)
         mp.setattr(ops, "kvcache", ops.fwd_kvcache)  # the eager shortcut calls the CUDA implementation
-        # the dense forward's eager paths (ops.forward: the implementations directly, autograd through ops._Dense)
-        # call the CPU kernels the ops run here
+        # the dense and packed forwards' eager paths (ops.forward, ops.varlen_forward: the implementations
+        # directly, autograd through ops._Dense, ops._Varlen) call the CPU kernels the ops run here
         mp.setattr(ops, "_fwd_impl", torch_cpu_kernels._fwd)
         mp.setattr(ops, "_bwd_impl", torch_cpu_kernels._bwd)
+        mp.setattr(ops, "_varlen_fwd_impl", torch_cpu_kernels._varlen_fwd)
+        mp.setattr(ops, "_varlen_bwd_impl", torch_cpu_kernels._varlen_bwd)
         yield ct
 
 
@@ -76,8 +78,9 @@ def test_flash_attn_func_wiring(ct):
 
 
 def test_no_double_backward(ct):
-    """Gradients of gradients (create_graph=True) raise on the eager path (ops._Dense) as through the op,
-    rather than silently dropping attention's second-order term."""
+    """Gradients of gradients (create_graph=True) raise on the eager paths (ops._Dense, ops._Varlen) as through
+    the ops, rather than silently dropping attention's second-order term; the packed eager path's gradients
+    are the op's, and without gradients it records no graph."""
     import torch
 
     from cuflash.torch import ops
@@ -92,6 +95,23 @@ def test_no_double_backward(ct):
             (dq,) = torch.autograd.grad(loss(out), q, create_graph=True)
             with pytest.raises(RuntimeError, match="no autograd formula"):  # (as the op; dq detached would pass)
                 (dq.float().sum() + q.float().sum()).backward()
+    # the packed forward's eager path (ops._Varlen) alike, and its gradients are the op's
+    qp, kp, vp = (x.detach()[0].requires_grad_() for x in (q, k, v))
+    cu = torch.tensor([0, 5, 17], dtype=torch.int32)
+    grads = []
+    for fn in (ops.varlen_forward, ops.varlen_fwd):
+        args = (qp, kp, vp, cu, cu, 12, 12, None, None, None, 0.0, None, True, -1, -1, 0.0, False)
+        out = fn(*args)[0]
+        assert (type(out.grad_fn).__name__ == "_VarlenBackward") == (fn is ops.varlen_forward)
+        grads.append(torch.autograd.grad(out.float().square().sum(), (qp, kp, vp)))
+        (dq,) = torch.autograd.grad(fn(*args)[0].float().sum(), qp, create_graph=True)
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            (dq.float().sum() + qp.float().sum()).backward()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():  # no gradient needed: the implementation directly, no graph
+        assert ops.varlen_forward(qp, kp, vp, cu, cu, 12, 12, None, None, None, 0.0, None, True, -1, -1, 0.0,
+                                  False)[0].grad_fn is None  # fmt: skip
 
 
 def test_packed_forms_route_gradients(ct):

@@ -287,6 +287,124 @@ def test_seqused_k():
     assert (to_f64(dk)[~mask] == 0).all() and (to_f64(dv)[~mask] == 0).all()
 
 
+#: (what, head dim, call keywords, seqused_k): the planned TMA kernels (persistent short-key tile, and the
+#: default tile past SHORT_KEYS), GQA with a window and softcap, the mma.sync kernel (head dim 33) and
+#: seqused_k, whose pointer the prepared path patches too.
+PREPARED_VARLEN_CASES = [
+    ("hd64 short keys", 64, dict(causal=False), False),
+    ("hd128 causal seqused_k", 128, dict(causal=True), True),
+    ("hd128 long keys", 128, dict(causal=True, max_seqlen=5000), False),
+    ("hd256 GQA window softcap", 256, dict(window_size=(64, 0), softcap=20.0, kv_heads=1), False),
+    ("hd33 (mma.sync, element-wise loads)", 33, dict(causal=True), False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, head_dim, kw, used", PREPARED_VARLEN_CASES)
+def test_prepared_varlen_forward(monkeypatch, what, head_dim, kw, used):
+    """A signature seen before (varlen._signature) takes the prepared path: no checks, the pointers of the
+    new q, k, v, out, lse, prefix sums and seqused_k patched into the first call's record. Three calls
+    with new arrays each, the second with other lengths in prefix sums of the same shape (their values are
+    read by the kernel only): each sequence against the float64 reference; then the prepared call and the
+    whole way for the same arrays give the same bits."""
+    import math
+
+    import cupy
+
+    import cuflash
+    from cuflash import varlen
+
+    kw = dict(kw)
+    mx, hkv = kw.pop("max_seqlen", 300), kw.pop("kv_heads", 2)
+    seen = []
+    real = varlen._check_inputs
+    monkeypatch.setattr(varlen, "_check_inputs", lambda *a, **k: seen.append(1) or real(*a, **k))
+    varlen._PREPARED.calls.clear()
+    rng = np.random.default_rng(head_dim)
+    layouts = ([300, 0, 129, 71], [100, 250, 150, 0], [300, 0, 129, 71])  # (500 tokens each)
+    for step, lengths in enumerate(layouts):
+        del seen[:]
+        q = _packed(rng, lengths, 2, head_dim, "bf16")
+        k, v = _packed(rng, lengths, hkv, head_dim, "bf16"), _packed(rng, lengths, hkv, head_dim, "bf16")
+        cu = _cu(lengths)
+        cu_k = cu
+        seqused = None
+        if used:  # the used keys as a packing of their own, for the reference
+            n_used = [min(n, 90) for n in lengths]
+            seqused = cupy.asarray(np.array(n_used, dtype=np.int32))
+            keep = np.concatenate([np.arange(s, s + u) for s, u in zip(np.cumsum([0] + lengths[:-1]), n_used)])
+            k_ref, v_ref, cu_k = k[cupy.asarray(keep)], v[cupy.asarray(keep)], _cu(n_used)
+        out, lse = cuflash.attention_varlen(q, k, v, cu, cu, mx, mx, seqused_k=seqused, return_lse=True, **kw)
+        assert bool(seen) == (step == 0), f"{what}: call {step} {'took' if seen else 'skipped'} the checks"
+        _check_seq_forward(out, lse, q, k_ref if used else k, v_ref if used else v, cu, cu_k,
+                           causal=kw.get("causal", False), scale=1 / math.sqrt(head_dim), dtype="bf16",
+                           what=f"{what} call {step}", **{n: kw[n] for n in ("window_size", "softcap") if n in kw})  # fmt: skip
+    assert len(varlen._PREPARED.calls) == 1
+    results = []
+    for step in range(3):  # a given out: the whole way (a signature of its own), prepared, then the whole way again
+        if step == 2:
+            varlen._PREPARED.calls.clear()
+        del seen[:]
+        given = poisoned(q.shape, "bf16")
+        got = cuflash.attention_varlen(q, k, v, cu, cu, mx, mx, seqused_k=seqused, return_lse=True, out=given, **kw)
+        assert got[0] is given and bool(seen) == (step != 1), f"{what}: given out, call {step}"
+        results.append(got)
+    for got in results[1:]:
+        assert cupy.array_equal(results[0][0].view(cupy.uint16), got[0].view(cupy.uint16)), what
+        assert cupy.array_equal(results[0][1], got[1]), what
+
+
+def test_prepared_varlen_follows_the_pointers_and_the_plan_memo(monkeypatch):
+    """A q 8 bytes off the 16-byte rows (same shape and strides) sends a prepared signature the whole way
+    (element-wise loads, no tensor map); so does a cleared plan memo; check=True, ALiBi and dropout always
+    take it. Each call against the reference."""
+    import math
+
+    import cupy
+
+    import cuflash
+    from cuflash import varlen
+
+    seen = []
+    real = varlen._check_inputs
+    monkeypatch.setattr(varlen, "_check_inputs", lambda *a, **k: seen.append(1) or real(*a, **k))
+    varlen._PREPARED.calls.clear()
+    rng = np.random.default_rng(11)
+    lengths, d = [200, 0, 77, 300], 128
+    q = _packed(rng, lengths, 4, d, "bf16")
+    k, v = _packed(rng, lengths, 4, d, "bf16"), _packed(rng, lengths, 4, d, "bf16")
+    cu = _cu(lengths)
+    flat = cupy.empty(q.size + 8, dtype=q.dtype)
+    off = flat[4 : 4 + q.size].reshape(q.shape)
+    off[...] = q
+    assert off.strides == q.strides and off.data.ptr % 16 == 8
+
+    def call(qq, whole_way, **kw):
+        del seen[:]
+        out, lse = cuflash.attention_varlen(qq, k, v, cu, cu, 300, 300, causal=True, return_lse=True, **kw)
+        assert bool(seen) == whole_way, (whole_way, kw)
+        extra = {"alibi_slopes": kw["alibi_slopes"]} if "alibi_slopes" in kw else {}
+        _check_seq_forward(out, lse, qq, k, v, cu, cu, causal=True, scale=1 / math.sqrt(d), dtype="bf16",
+                           what=str(kw), **extra)  # fmt: skip
+
+    call(q, True)
+    call(q.copy(), False)
+    call(off, True)
+    call(q.copy(), False)
+    varlen._plan_and_load.cache_clear()
+    call(q.copy(), True)
+    call(q.copy(), False)
+    slopes = cupy.asarray(rng.uniform(0.01, 0.2, 4).astype(np.float32))
+    for kw in (dict(check=True), dict(alibi_slopes=slopes)):
+        for _ in range(2):
+            call(q, True, **kw)
+    n = len(varlen._PREPARED.calls)
+    for _ in range(2):
+        del seen[:]
+        cuflash.attention_varlen(q, k, v, cu, cu, 300, 300, dropout_p=0.1)
+        assert seen
+    assert len(varlen._PREPARED.calls) == n
+
+
 @pytest.mark.parametrize("window", [None, (300, 0)])
 def test_deterministic_varlen_and_window(window):
     """deterministic=True: bitwise identical gradients run after run, packed and (window) dense. The

@@ -22,8 +22,9 @@ window_size travels as two ints (-1 = unbounded). The user-facing functions with
 cuflash.torch.interface.
 
 Eager calls skip the dispatcher where nothing needs it: ``forward`` (the dense forward: the implementation
-directly without gradients, ``_Dense`` with them) and ``kvcache``; a repeated dense forward or decode call
-launches from the tensors' pointers (``_fwd_prepared``, ``_kvcache_prepared``; docs/design/torch.md).
+directly without gradients, ``_Dense`` with them), ``varlen_forward`` (the packed one, ``_Varlen`` with
+gradients) and ``kvcache``; a repeated dense or packed forward or decode call launches from the tensors'
+pointers (``_fwd_prepared``, ``_varlen_prepared``, ``_kvcache_prepared``; docs/design/torch.md).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from .. import kvcache as _kvcache
 from .. import varlen as _varlen
 from . import _bridge
 
-__all__ = ["fwd", "forward", "bwd", "varlen_fwd", "varlen_bwd", "fwd_kvcache", "kvcache"]
+__all__ = ["fwd", "forward", "bwd", "varlen_fwd", "varlen_forward", "varlen_bwd", "fwd_kvcache", "kvcache"]
 
 
 def _rng(dropout_p: float, device) -> tuple[int, int] | None:
@@ -221,13 +222,35 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 # Variable-length (packed) forward / backward.
 
 
-@torch.library.custom_op("cuflash::varlen_fwd", mutates_args=(), device_types="cuda", tags=_SEEDED)
-def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-               max_seqlen_k: int, seqused_k: Optional[Tensor], block_table: Optional[Tensor],
-               alibi_slopes: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
-               window_left: int, window_right: int, softcap: float,
-               deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Packed variable-length forward (k, v paged when block_table is given)."""
+def _varlen_prepared(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal,
+                     window_left, window_right, softcap):  # fmt: skip
+    """A packed forward whose signature an earlier call in this thread prepared (cuflash.varlen._signature),
+    launched from the tensors' pointers as _fwd_prepared launches a dense one. None where the call takes
+    the whole way."""
+    key = _varlen._signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                             (window_left, window_right), softcap, None, 0.0, seqused_k, None, None, False, Tensor,
+                             _bridge.desc)  # fmt: skip
+    prep = None if key is None else _varlen._PREPARED.calls.get(key)
+    outputs = _prepared_outputs(prep, None if key is None else key[0], q)  # (key[0]: the dense part of the key)
+    if outputs is None:
+        return None
+    index, out, lse = outputs
+    used = 0 if seqused_k is None else seqused_k.data_ptr()
+    if not _forward.run_prepared(prep, _bridge.raw_stream(index), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                 out.data_ptr(), lse.data_ptr(), (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), used),
+                                 _varlen._plan_and_load):  # fmt: skip
+        return None
+    return out, lse, _bridge.rng_tensor(None, q.device)
+
+
+def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
+                     alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                     deterministic):  # fmt: skip
+    if alibi_slopes is None and dropout_p == 0 and block_table is None:
+        done = _varlen_prepared(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                softmax_scale, causal, window_left, window_right, softcap)  # fmt: skip
+        if done is not None:
+            return done
     rng = _rng(dropout_p, q.device)
     with _bridge.call(q.device):
         out, lse = _varlen.attention_varlen(
@@ -239,6 +262,18 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
             block_table=_bridge.to_cupy_opt(block_table, "block_table"), return_lse=True,
         )[:2]  # fmt: skip  (with dropout the rng_state comes last: the one passed in)
         return _bridge.to_torch(out), _bridge.to_torch(lse), _bridge.rng_tensor(rng, q.device)
+
+
+@torch.library.custom_op("cuflash::varlen_fwd", mutates_args=(), device_types="cuda", tags=_SEEDED)
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+               max_seqlen_k: int, seqused_k: Optional[Tensor], block_table: Optional[Tensor],
+               alibi_slopes: Optional[Tensor], dropout_p: float, softmax_scale: Optional[float], causal: bool,
+               window_left: int, window_right: int, softcap: float,
+               deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Packed variable-length forward (k, v paged when block_table is given)."""
+    return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
+                            alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                            deterministic)  # fmt: skip
 
 
 @varlen_fwd.register_fake
@@ -256,6 +291,14 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                causal: bool, window_left: int, window_right: int, softcap: float,
                deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Packed variable-length backward of ``varlen_fwd`` (packed k, v only)."""
+    return _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                            alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                            deterministic)  # fmt: skip
+
+
+def _varlen_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                     alibi_slopes, rng_state, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                     deterministic):  # fmt: skip
     rng = _bridge.rng_from_tensor(rng_state) if dropout_p > 0 else None
     with _bridge.call(q.device):
         grads = _varlen.attention_varlen_backward(
@@ -285,19 +328,52 @@ def _varlen_setup(ctx, inputs, output):
     ctx.args = (dropout_p, softmax_scale, causal, wl, wr, softcap, deterministic)
 
 
-def _varlen_backward(ctx, dout, dlse, drng):
+def _varlen_grads(ctx, dout, run):
+    """The packed forward's input gradients from what _varlen_setup saved, the backward run by ``run`` (the
+    ``varlen_bwd`` op or its implementation)."""
     if ctx.paged:
         raise RuntimeError(
             "the paged varlen forward (block_table) has no backward, as in flash-attn: call it under "
             "torch.no_grad(), or pass packed k, v for training"
         )
     q, k, v, out, lse, rng_state, cu_q, cu_k, seqused_k, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = varlen_bwd(_grad_out(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens, seqused_k,
-                            alibi_slopes, rng_state, *ctx.args)  # fmt: skip
+    dq, dk, dv = run(_grad_out(dout, out), q, k, v, out, lse, cu_q, cu_k, *ctx.max_seqlens, seqused_k, alibi_slopes,
+                     rng_state, *ctx.args)  # fmt: skip
     return (dq, dk, dv) + (None,) * 14
 
 
+def _varlen_backward(ctx, dout, dlse, drng):
+    return _varlen_grads(ctx, dout, varlen_bwd)
+
+
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup)
+
+
+class _Varlen(torch.autograd.Function):
+    """``varlen_fwd`` and its registered autograd for eager calls, as _Dense is for ``fwd``."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        result = _varlen_fwd_impl(*inputs)
+        _varlen_setup(ctx, inputs, result)
+        ctx.mark_non_differentiable(result[2])
+        return result
+
+    @staticmethod
+    def backward(ctx, dout, dlse, drng):
+        # (as _Dense: the implementation only where nothing records the backward)
+        return _varlen_grads(ctx, dout, _varlen_bwd_impl if _eager() and not torch.is_grad_enabled() else varlen_bwd)
+
+
+def varlen_forward(q, k, v, *args):
+    """``varlen_fwd`` for a caller, as ``forward`` is for ``fwd``: in eager mode its implementation directly
+    (no gradient needed) or through ``_Varlen`` (autograd), else the op."""
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _eager():
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or args[6] is not None and args[6].requires_grad):  # (ALiBi: as the op)
+            return _Varlen.apply(q, k, v, *args)
+        return _varlen_fwd_impl(q, k, v, *args)
+    return varlen_fwd(q, k, v, *args)
 
 
 # Decode against a KV cache.
