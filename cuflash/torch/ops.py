@@ -152,17 +152,24 @@ class _Dense(torch.autograd.Function):
         return _dense_grads(ctx, dout, _bwd_impl if _eager() and not torch.is_grad_enabled() else bwd)
 
 
-def forward(q, k, v, *args):
-    """``fwd`` for a caller: in eager mode its implementation directly (inference: no gradient needed) or
-    through ``_Dense`` (autograd), else the op (torch.compile, fake tensors, a dispatch mode, vmap, tensor
-    subclasses). The dispatcher's and the custom op's per-call work are most of a short prefill's host time
-    (tools/torch_host_overhead.py)."""
+def _eager_or_op(op, impl, function, alibi_at: int, q, k, v, args):
+    """An attention forward for a caller: in eager mode ``impl`` directly (no gradient needed) or through
+    the autograd.Function ``function`` (gradients), else the custom ``op`` (torch.compile, fake tensors, a
+    dispatch mode, vmap, tensor subclasses). args[alibi_at] is the ALiBi slopes: a gradient they need makes
+    the call an autograd one, as the op's does."""
     if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _eager():
+        alibi = args[alibi_at]
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or args[0] is not None and args[0].requires_grad):  # (ALiBi: as the op)
-            return _Dense.apply(q, k, v, *args)
-        return _fwd_impl(q, k, v, *args)
-    return fwd(q, k, v, *args)
+                                        or alibi is not None and alibi.requires_grad):  # fmt: skip
+            return function.apply(q, k, v, *args)
+        return impl(q, k, v, *args)
+    return op(q, k, v, *args)
+
+
+def forward(q, k, v, *args):
+    """``fwd`` for a caller (_eager_or_op: ``_fwd_impl``, ``_Dense``, the op). The dispatcher's and the
+    custom op's per-call work are most of a short prefill's host time (tools/torch_host_overhead.py)."""
+    return _eager_or_op(fwd, _fwd_impl, _Dense, 0, q, k, v, args)
 
 
 @torch.library.custom_op("cuflash::bwd", mutates_args=(), device_types="cuda")
@@ -366,14 +373,9 @@ class _Varlen(torch.autograd.Function):
 
 
 def varlen_forward(q, k, v, *args):
-    """``varlen_fwd`` for a caller, as ``forward`` is for ``fwd``: in eager mode its implementation directly
-    (no gradient needed) or through ``_Varlen`` (autograd), else the op."""
-    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _eager():
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or args[6] is not None and args[6].requires_grad):  # (ALiBi: as the op)
-            return _Varlen.apply(q, k, v, *args)
-        return _varlen_fwd_impl(q, k, v, *args)
-    return varlen_fwd(q, k, v, *args)
+    """``varlen_fwd`` for a caller, as ``forward`` is for ``fwd`` (_eager_or_op: ``_varlen_fwd_impl``,
+    ``_Varlen``, the op)."""
+    return _eager_or_op(varlen_fwd, _varlen_fwd_impl, _Varlen, 6, q, k, v, args)
 
 
 # Decode against a KV cache.
