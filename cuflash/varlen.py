@@ -146,8 +146,11 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
 
 
 # The prepared path of the packed forward: forward.py's (_Prepared, run_prepared), keyed by the varlen
-# arguments too. The prefix sums' values are never looked at on the host without check=True, so their
-# arrays' descriptions and the max_seqlen ints are all a signature needs of them.
+# arguments too. The prefix sums' values are never looked at on the host without check=True or a host
+# block table (both excluded), so their arrays' descriptions are all a signature needs of them; of the
+# max_seqlen ints only max_seqlen_k's short-key hint reaches the plan (max_seqlen_q is only checked). So it
+# serves calls that repeat their shapes (the number of sequences, the token totals): a loop whose packing
+# changes the number of sequences from batch to batch takes the whole way each time.
 _PREPARED = prepared_calls.PreparedCalls(limit=256)
 
 
@@ -155,10 +158,12 @@ def _signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                softcap, alibi_slopes, dropout_p, seqused_k, block_table, out, check, nd, desc) -> tuple | None:  # fmt: skip
     """The key under which a packed call's checks and plan are kept: forward._signature's (``nd`` the array
     type, ``desc`` an array's description, as there), with the prefix sums' and seqused_k's descriptions and
-    the max_seqlen ints. None where the call takes the whole way every time: check=True (it reads the prefix
-    sums), paged K/V (a block table the host may read), and forward._signature's cases (ALiBi, dropout,
-    arguments of other types)."""
-    if check is not False or block_table is not None or type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+    plan.short_keys_hint(max_seqlen_k) (what the plan takes of the max_seqlen ints; both must be ints >= 0,
+    the whole way's check). None where the call takes the whole way every time: check=True (it reads the
+    prefix sums), paged K/V (a block table the host may read), and forward._signature's cases (ALiBi,
+    dropout, arguments of other types)."""
+    if check is not False or block_table is not None or type(max_seqlen_q) is not int or type(max_seqlen_k) is not int \
+            or max_seqlen_q < 0 or max_seqlen_k < 0:  # fmt: skip
         return None
     base = forward._signature(nd, desc, q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                               0, out)  # fmt: skip
@@ -169,7 +174,7 @@ def _signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     cq, ck, used = desc(cu_seqlens_q), desc(cu_seqlens_k), None if seqused_k is None else desc(seqused_k)
     if cq is None or ck is None or (seqused_k is not None and used is None):
         return None
-    return base, cq, ck, used, max_seqlen_q, max_seqlen_k
+    return base, cq, ck, used, plan.short_keys_hint(max_seqlen_k)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,

@@ -1042,10 +1042,11 @@ def test_forward_call_signature_of_the_prepared_path():
 
 def test_varlen_call_signature_of_the_prepared_path():
     """varlen._signature, the key under which a packed forward's checks and plan are kept: the dense key of
-    q, k, v, out and the variants, plus the prefix sums' and seqused_k's descriptions and the max_seqlen ints.
-    Other pointers give the same key (the prefix sums' values are not part of it: the prepared path passes
-    their pointers); other shapes, max_seqlen values or seqused_k's presence another; check=True, paged K/V,
-    ALiBi, dropout and arguments of other types None. Fake arrays, no GPU."""
+    q, k, v, out and the variants, plus the prefix sums' and seqused_k's descriptions and max_seqlen_k's
+    short-key hint. Other pointers give the same key (the prefix sums' values are not part of it: the
+    prepared path passes their pointers), as do other max_seqlen values with the same hint; other shapes, a
+    max_seqlen_k of another hint or seqused_k's presence another; check=True, paged K/V, ALiBi, dropout,
+    negative max_seqlen and arguments of other types None. Fake arrays, no GPU."""
     import numpy as np
 
     from cuflash import forward, varlen
@@ -1068,15 +1069,22 @@ def test_varlen_call_signature_of_the_prepared_path():
     key = sig()
     assert key is not None and hash(key) is not None
     assert sig(q=arr((1000, 8, 64), ptr=1 << 30), cu_q=arr((5,), np.int32, ptr=64), cu_k=arr((5,), np.int32, ptr=96)) == key
+    from cuflash import plan
+
+    longest = max(max(v) for v in plan.SHORT_KEYS.values())
+    assert plan.short_keys_hint(299) != plan.short_keys_hint(300) != plan.short_keys_hint(longest + 1)
+    assert sig(max_q=7) == key and sig(max_q=0) == key  # (max_seqlen_q reaches no plan)
+    assert sig(max_k=longest + 1) == sig(max_k=longest + 500) != key  # one hint past the short keys
     for changed in (dict(q=arr((999, 8, 64))), dict(cu_q=arr((6,), np.int32), cu_k=arr((6,), np.int32)),
-                    dict(cu_k=arr((5,), np.int32, device=1)), dict(max_q=301), dict(max_k=2048),
+                    dict(cu_k=arr((5,), np.int32, device=1)), dict(max_k=299), dict(max_k=2048),
                     dict(seqused_k=arr((4,), np.int32)), dict(causal=False), dict(window_size=(64, 0)),
                     dict(softcap=20.0), dict(out=arr((1000, 8, 64)))):  # fmt: skip
         other = sig(**changed)
         assert other is not None and other != key, changed
     assert sig(seqused_k=arr((4,), np.int32)) == sig(seqused_k=arr((4,), np.int32, ptr=1 << 20))
     for whole_way in (dict(check=True), dict(block_table=arr((4, 3), np.int32)), dict(alibi_slopes=arr((8,), np.float32)),
-                      dict(dropout_p=0.1), dict(max_q=np.int64(300)), dict(max_k=300.0), dict(cu_q=np.zeros(5, np.int32)),
+                      dict(dropout_p=0.1), dict(max_q=np.int64(300)), dict(max_k=300.0), dict(max_q=-1), dict(max_k=-1),
+                      dict(max_q=True), dict(cu_q=np.zeros(5, np.int32)),
                       dict(seqused_k=np.zeros(4, np.int32)), dict(q=np.zeros((1000, 8, 64), np.float16))):  # fmt: skip
         assert sig(**whole_way) is None, whole_way
     for refused in (cu, q):  # an array its desc refuses (cuflash.torch's: one to_cupy would copy)
