@@ -18,8 +18,8 @@ import numpy as np
 from . import checks, jit, launch, plan, prepared_calls, tma, variants
 from .params import FWD_PACKER, MOD_DTYPE
 
-#: The pointer fields that open FwdParams (after the TMA kernel's tensor maps): all of a record that
-#: changes from one call of a signature to the next (run_prepared).
+#: The pointer fields that open FwdParams (after the TMA kernel's tensor maps): all of a dense record that
+#: changes from one call of a signature to the next (run_prepared; a packed one's three more: _VARLEN_PTRS).
 _PTR_FIELDS = ("q", "k", "v", "o", "lse")
 _PTRS = struct.Struct("<" + "Q" * len(_PTR_FIELDS))
 assert FWD_PACKER.names[: len(_PTR_FIELDS)] == _PTR_FIELDS and FWD_PACKER.offset("q") == 0 \

@@ -36,12 +36,13 @@ from cuflash import bench
 print("MODULE" + cuflash.__file__, flush=True)
 points = json.loads(sys.argv[1])
 
-# Packed batches (--varlen): the ragged lengths of `cuflash bench --varlen` and equal ones, 16k tokens, 16 heads.
-import numpy as np, cupy
-from cuflash.bench_varlen import draw_lengths, pairs
-from cuflash.checks import numpy_dtype
-
+# Packed batches (--varlen): the ragged lengths of `cuflash bench --varlen` and equal ones, 16k tokens, 16 heads
+# (imported here: a tree older than cuflash.bench_varlen still runs the dense points).
 def varlen_point(op, dtype, hd, causal, mean, name, tokens=16384, heads=16):
+    import numpy as np, cupy
+    from cuflash.bench_varlen import draw_lengths, pairs
+    from cuflash.checks import numpy_dtype
+
     rng = cupy.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((tokens, heads, hd), dtype=cupy.float32).astype(numpy_dtype(dtype))
                    for _ in range(4))

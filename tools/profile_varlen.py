@@ -1,5 +1,6 @@
-"""One even dense forward and one packed forward of the same sequences (equal lengths, or --ragged:
-bench_varlen's lengths), each run twice (the first compiles), for ncu: where packing costs time.
+"""One even dense forward and one packed forward of the same tokens (the packed one of equal lengths, the
+dense batch's sequences, or --ragged: bench_varlen's lengths), each run twice (the first compiles), for ncu:
+where packing costs time.
 
     ncu --clock-control none -k regex:flash_fwd --launch-skip 0 --section WarpStateStats ... \\
         python tools/profile_varlen.py --hd 64 --mean 512

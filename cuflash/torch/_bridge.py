@@ -67,9 +67,10 @@ def to_cupy(t: torch.Tensor, name: str = "tensor", copy_ok: bool = True):
 
 
 def desc(t: torch.Tensor) -> tuple | None:
-    """What cuflash.kvcache's call signatures hold of an array, for a torch tensor: (shape, strides in
-    bytes, NumPy dtype, device index), as ``to_cupy(t)`` would give them (None for a dtype that crosses
-    by DLPack, or a tensor ``to_cupy`` would copy: such a call takes the whole way)."""
+    """What the prepared paths' call signatures (cuflash.kvcache, forward, varlen) hold of an array, for a
+    torch tensor: (shape, strides in bytes, NumPy dtype, device index), as ``to_cupy(t)`` would give them
+    (None for a dtype that crosses by DLPack, or a tensor ``to_cupy`` would copy: such a call takes the
+    whole way)."""
     dtype = _NUMPY_DTYPES.get(t.dtype)
     if dtype is None or not t.is_cuda or needs_copy(t):
         return None

@@ -158,9 +158,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         _tensor(name, t, optional=True)
     left, right = _window(window_size)
     out, lse, _ = ops.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, _int("max_seqlen_q", max_seqlen_q),
-                                 _int("max_seqlen_k", max_seqlen_k), seqused_k, block_table, alibi_slopes, p,
-                                 _scale(softmax_scale), bool(causal), left, right, _float("softcap", softcap),
-                                 bool(deterministic))  # fmt: skip
+                                     _int("max_seqlen_k", max_seqlen_k), seqused_k, block_table, alibi_slopes, p,
+                                     _scale(softmax_scale), bool(causal), left, right, _float("softcap", softcap),
+                                     bool(deterministic))  # fmt: skip
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -60,8 +60,8 @@ _SEEDED = (torch.Tag.nondeterministic_seeded,)
 
 def _prepared_outputs(prep, key, q):
     """The device index, out and lse (torch's allocator) of a prepared call, or None where nothing is prepared
-    (``prep`` None) or its device is not the current one: the part the dense forward and the decode step
-    share."""
+    (``prep`` None) or its device is not the current one: the part the dense and packed forwards and the
+    decode step share. ``key``: the call's dense key (q's description first)."""
     if prep is None:
         return None
     index = key[0][3]
