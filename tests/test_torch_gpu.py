@@ -77,9 +77,9 @@ def test_runs_on_torch_current_stream_and_accepts_sdpa_layout_views(torch, monke
 
 def test_packed_forward_eager_and_prepared_paths(torch, monkeypatch):
     """flash_attn_varlen_func in eager mode: the first call of a signature takes the whole way, the next ones
-    launch from the tensors' pointers (ops._varlen_prepared: no CuPy arrays), on torch's current stream, with
-    the bits of the CuPy API's call on the same tensors; with gradients (ops._Varlen) output and gradients
-    are the custom op's, bit for bit."""
+    launch from the tensors' pointers (ops._varlen_prepared: no CuPy arrays), on torch's current stream, all
+    three with the bits of the CuPy API's call on the same tensors; with gradients (ops._Varlen) output and
+    gradients are the custom op's, bit for bit (the deterministic backward: its dQ additions are ordered)."""
     import cupy
 
     import cuflash
@@ -100,6 +100,7 @@ def test_packed_forward_eager_and_prepared_paths(torch, monkeypatch):
                         real_launch(fn, how, argv, stream))  # fmt: skip
     varlen._PREPARED.calls.clear()
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # (q, k, v, cu were made on the default stream)
     with torch.cuda.stream(side):
         outs = [ct.flash_attn_varlen_func(q, k, v, cu, cu, 300, 300, causal=True) for _ in range(3)]
     side.synchronize()
@@ -113,7 +114,7 @@ def test_packed_forward_eager_and_prepared_paths(torch, monkeypatch):
     results = []
     for fn in (ops.varlen_forward, ops.varlen_fwd):
         qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        out = fn(qq, kk, vv, cu, cu, 300, 300, None, None, None, 0.0, None, True, -1, -1, 0.0, False)[0]
+        out = fn(qq, kk, vv, cu, cu, 300, 300, None, None, None, 0.0, None, True, -1, -1, 0.0, True)[0]
         assert (type(out.grad_fn).__name__ == "_VarlenBackward") == (fn is ops.varlen_forward)
         out.backward(dout)
         results.append((out.detach(), qq.grad, kk.grad, vv.grad))

@@ -355,8 +355,8 @@ def test_prepared_varlen_forward(monkeypatch, what, head_dim, kw, used):
 
 def test_prepared_varlen_follows_the_pointers_and_the_plan_memo(monkeypatch):
     """A q 8 bytes off the 16-byte rows (same shape and strides) sends a prepared signature the whole way
-    (element-wise loads, no tensor map); so does a cleared plan memo; check=True, ALiBi and dropout always
-    take it. Each call against the reference."""
+    (element-wise loads, no tensor map) and leaves its aligned preparation in place; so does a cleared plan
+    memo send it; check=True, ALiBi and dropout always take it. Each call against the reference."""
     import math
 
     import cupy
@@ -388,7 +388,11 @@ def test_prepared_varlen_follows_the_pointers_and_the_plan_memo(monkeypatch):
 
     call(q, True)
     call(q.copy(), False)
+    (prep,) = varlen._PREPARED.calls.values()
+    assert prep.aligned
     call(off, True)
+    (kept,) = varlen._PREPARED.calls.values()
+    assert kept is prep, "the misaligned call must not replace the aligned preparation"
     call(q.copy(), False)
     varlen._plan_and_load.cache_clear()
     call(q.copy(), True)
