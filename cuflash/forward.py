@@ -143,16 +143,9 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
         # the 16-byte rows the head dim and strides allow (a call 8 bytes off must not replace the aligned plan).
         if key is not None and aligned == (head_dim % 8 == 0 and strides16) \
                 and how is _plan_and_load(*plan_args, None, var.mods)[0]:  # fmt: skip
-            boxes = tma.fwd_boxes(how.spec.tile.block_m, how.spec.tile.block_n, how.spec.tile.tma_store,
-                                  how.spec.tile.cluster) if maps else ()  # fmt: skip
-            _PREPARED.room()[key] = _Prepared(
-                plan_args=plan_args + (None, var.mods), how=how, fn=fn,
-                record=FWD_PACKER.pack(q=0, k=0, v=0, o=0, lse=0, **fields), dtype=dtype,
-                maps=tuple((tuple(x.shape), tuple(st // tma.ELEMENT_BYTES for st in x.strides), rows)
-                           for x, rows in zip((q, k, v, out), boxes)),  # (as tma.fwd_maps encodes them)
-                zero_maps=4 - len(boxes) if maps else 0, aligned=aligned,
-                lse_shape=(batch, nheads, seqlen_q),
-            )  # fmt: skip
+            _PREPARED.room()[key] = preparation(plan_args + (None, var.mods), how, fn,
+                                                FWD_PACKER.pack(q=0, k=0, v=0, o=0, lse=0, **fields), dtype,
+                                                (q, k, v, out), bool(maps), aligned, (batch, nheads, seqlen_q))  # fmt: skip
     return result(out, lse)
 
 
@@ -175,6 +168,19 @@ class _Prepared:
     zero_maps: int  # maps left zero after those (the output map of a kernel that stores O without TMA)
     aligned: bool  # the 16-byte load path was planned: the head dim and strides allow it, so the pointers must too
     lse_shape: tuple
+
+
+def preparation(plan_args: tuple, how, fn, record: bytes, dtype: str, arrays: tuple, maps: bool, aligned: bool,
+                lse_shape: tuple) -> _Prepared:
+    """The _Prepared of a call the whole way just launched (forward.run, varlen.run): ``record`` its FwdParams
+    with the per-call pointers 0, ``arrays`` its 4-D q, k, v, out views, ``maps`` whether its kernel takes
+    tensor maps (their geometry is kept as tma.fwd_maps encodes them)."""
+    t = how.spec.tile
+    boxes = tma.fwd_boxes(t.block_m, t.block_n, t.tma_store, t.cluster) if maps else ()
+    return _Prepared(plan_args=plan_args, how=how, fn=fn, record=record, dtype=dtype,
+                     maps=tuple((tuple(x.shape), tuple(st // tma.ELEMENT_BYTES for st in x.strides), rows)
+                                for x, rows in zip(arrays, boxes)),
+                     zero_maps=4 - len(boxes) if maps else 0, aligned=aligned, lse_shape=lse_shape)  # fmt: skip
 
 
 _PREPARED = prepared_calls.PreparedCalls(limit=256)  # signatures kept per thread (a model has a handful of attention shapes)

@@ -1,5 +1,6 @@
 """What the prepared paths of the decode step (cuflash/kvcache.py), the dense forward (cuflash/forward.py) and
-the packed forward (cuflash/varlen.py) share: a per-thread memo of prepared call signatures, and a CuPy array's description in a signature.
+the packed forward (cuflash/varlen.py) share: a per-thread memo of prepared call signatures, and a CuPy
+array's description in a signature.
 
 A signature is everything a call's checks and plan depend on but its pointers; a call whose signature an
 earlier call in the thread prepared launches from its pointers (docs/design/torch.md, docs/design/decode.md).

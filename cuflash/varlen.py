@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from . import backward, checks, forward, jit, launch, plan, prepared_calls, tma, variants
+from . import backward, checks, forward, jit, launch, plan, prepared_calls, variants
 from .params import BWD_PACKER, FWD_PACKER
 
 #: Most sequences in one packed batch (the device-side search of varlen.cuh counts in int32 powers of 32).
@@ -71,7 +71,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
     key = None if tile is not None else _signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                    causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                                                    seqused_k, block_table, out, check, cupy.ndarray, forward._desc)  # fmt: skip
-    prep = None if key is None else _PREPARED.calls.get(key)
+    prep = prepared(key)
     if prep is not None:
         with cupy.cuda.Device(key[0][0][3]):
             o = cupy.empty(q.shape, dtype=q.dtype) if out is None else out
@@ -129,19 +129,13 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
         launch.launch_record(fn, how, record, cupy.cuda.get_current_stream().ptr)
         # Kept for the signature's next calls (as forward.run keeps its own): the plan the planner made, for
         # pointers on the 16-byte rows the head dim and strides allow.
-        strides16 = all(checks.rows_aligned16(0, x.shape, x.strides) for x in (q4, k4, v4, o4))
-        if key is not None and aligned == (g.head_dim % 8 == 0 and strides16) \
+        if key is not None and aligned == (g.head_dim % 8 == 0 and all(
+                checks.rows_aligned16(0, x.shape, x.strides) for x in (q4, k4, v4, o4))) \
                 and how is _plan_and_load(*plan_args, None, keys_hint, False)[0]:  # fmt: skip
-            t = how.spec.tile
-            boxes = tma.fwd_boxes(t.block_m, t.block_n, t.tma_store, t.cluster) if maps else ()
-            _PREPARED.room()[key] = forward._Prepared(
-                plan_args=plan_args + (None, keys_hint, False), how=how, fn=fn,
-                record=FWD_PACKER.pack(q=0, k=0, v=0, o=0, lse=0, mod=var.record(softmax_scale), **fields),
-                dtype=dtype,
-                maps=tuple((tuple(x.shape), tuple(st // tma.ELEMENT_BYTES for st in x.strides), rows)
-                           for x, rows in zip((q4, k4, v4, o4), boxes)),  # (as tma.fwd_maps encodes them)
-                zero_maps=4 - len(boxes) if maps else 0, aligned=aligned, lse_shape=(g.nheads, g.total_q),
-            )  # fmt: skip
+            _PREPARED.room()[key] = forward.preparation(
+                plan_args + (None, keys_hint, False), how, fn,
+                FWD_PACKER.pack(q=0, k=0, v=0, o=0, lse=0, mod=var.record(softmax_scale), **fields), dtype,
+                (q4, k4, v4, o4), bool(maps), aligned, (g.nheads, g.total_q))  # fmt: skip
     return result(out, lse)
 
 
@@ -152,6 +146,11 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
 # serves calls that repeat their shapes (the number of sequences, the token totals): a loop whose packing
 # changes the number of sequences from batch to batch takes the whole way each time.
 _PREPARED = prepared_calls.PreparedCalls(limit=256)
+
+
+def prepared(key) -> forward._Prepared | None:
+    """The preparation of a packed call signature (_signature) that an earlier call in this thread made, or None."""
+    return None if key is None else _PREPARED.calls.get(key)
 
 
 def _signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size,

@@ -1089,3 +1089,28 @@ def test_varlen_call_signature_of_the_prepared_path():
         assert sig(**whole_way) is None, whole_way
     for refused in (cu, q):  # an array its desc refuses (cuflash.torch's: one to_cupy would copy)
         assert sig(desc=lambda x, r=refused: None if x is r else forward._desc(x)) is None
+
+
+def test_preparation_keeps_the_tensor_maps_geometry():
+    """forward.preparation (what forward.run and varlen.run keep of a launched call): per tensor map the
+    array's shape, its strides in elements and the box rows tma.fwd_boxes gives the planned tile; the maps a
+    kernel leaves zero counted (the output map of a kernel storing O without TMA); none without maps."""
+    import numpy as np
+
+    from cuflash import forward, tma
+
+    from fake_arrays import fake_array as arr
+
+    q = arr((2, 512, 8, 128), dtype=np.float16)
+    kv = arr((2, 512, 2, 128), dtype=np.float16)
+    for tile in (plan.FWD_SM90_WS_SHORT_TILES[128], plan.FWD_SM90_WS_TILES[128]):
+        how = plan.plan_forward(batch=2, seqlen_q=512, seqlen_k=512, nheads=8, nheads_kv=2, head_dim=128, dtype="fp16",
+                                causal=False, aligned=True, arch="sm_90a", tile=tile, sm_count=132)  # fmt: skip
+        prep = forward.preparation(("args",), how, None, b"rec", "fp16", (q, kv, kv, q), True, True, (2, 8, 512))
+        boxes = tma.fwd_boxes(tile.block_m, tile.block_n, tile.tma_store, tile.cluster)
+        assert [m[2] for m in prep.maps] == list(boxes) and prep.zero_maps == 4 - len(boxes)
+        assert prep.maps[0][:2] == ((2, 512, 8, 128), (512 * 8 * 128, 8 * 128, 128, 1))
+        assert prep.maps[1][:2] == ((2, 512, 2, 128), (512 * 2 * 128, 2 * 128, 128, 1))
+        assert (prep.plan_args, prep.record, prep.lse_shape, prep.aligned) == (("args",), b"rec", (2, 8, 512), True)
+    none = forward.preparation((), how, None, b"", "fp16", (q, kv, kv, q), False, False, (2, 8, 512))
+    assert none.maps == () and none.zero_maps == 0

@@ -131,25 +131,36 @@ def _eager() -> bool:
             and not torch._C._are_functorch_transforms_active())  # fmt: skip
 
 
+def _eager_forward(ctx, impl, setup, inputs):
+    """The forward of an eager autograd.Function (_Dense, _Varlen): the op's implementation and its
+    registered setup_context, rng_state not differentiable."""
+    result = impl(*inputs)
+    setup(ctx, inputs, result)
+    ctx.mark_non_differentiable(result[2])
+    return result
+
+
+def _backward_run(impl, op):
+    """What an eager autograd.Function's backward runs: the implementation only where nothing records the
+    backward. A double backward (create_graph=True) or compiled autograd takes the op, which has no autograd
+    of its own, so gradients of these gradients raise there, as through the op, instead of silently missing
+    attention's second-order term."""
+    return impl if _eager() and not torch.is_grad_enabled() else op
+
+
 class _Dense(torch.autograd.Function):
     """``fwd`` and its registered autograd (``_fwd_setup``, ``_fwd_backward``) for eager calls: the same
     implementations, saved tensors and gradients, without the dispatcher's and the custom op's autograd
     wrapper's per-call work, most of a short training call's host time (tools/torch_host_overhead.py).
-    The backward takes the op where torch records it (a double backward, compiled autograd)."""
+    The backward takes the op where torch records it (_backward_run)."""
 
     @staticmethod
     def forward(ctx, *inputs):
-        result = _fwd_impl(*inputs)
-        _fwd_setup(ctx, inputs, result)
-        ctx.mark_non_differentiable(result[2])
-        return result
+        return _eager_forward(ctx, _fwd_impl, _fwd_setup, inputs)
 
     @staticmethod
     def backward(ctx, dout, dlse, drng):
-        # The implementation only where nothing records the backward: a double backward (create_graph=True)
-        # or compiled autograd takes the op, which has no autograd of its own, so gradients of these
-        # gradients raise there, as through the op, instead of silently missing attention's second-order term.
-        return _dense_grads(ctx, dout, _bwd_impl if _eager() and not torch.is_grad_enabled() else bwd)
+        return _dense_grads(ctx, dout, _backward_run(_bwd_impl, bwd))
 
 
 def _eager_or_op(op, impl, function, alibi_at: int, q, k, v, args):
@@ -237,7 +248,7 @@ def _varlen_prepared(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     key = _varlen._signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                              (window_left, window_right), softcap, None, 0.0, seqused_k, None, None, False, Tensor,
                              _bridge.desc)  # fmt: skip
-    prep = None if key is None else _varlen._PREPARED.calls.get(key)
+    prep = _varlen.prepared(key)
     outputs = _prepared_outputs(prep, None if key is None else key[0], q)  # (key[0]: the dense part of the key)
     if outputs is None:
         return None
@@ -361,15 +372,11 @@ class _Varlen(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        result = _varlen_fwd_impl(*inputs)
-        _varlen_setup(ctx, inputs, result)
-        ctx.mark_non_differentiable(result[2])
-        return result
+        return _eager_forward(ctx, _varlen_fwd_impl, _varlen_setup, inputs)
 
     @staticmethod
     def backward(ctx, dout, dlse, drng):
-        # (as _Dense: the implementation only where nothing records the backward)
-        return _varlen_grads(ctx, dout, _varlen_bwd_impl if _eager() and not torch.is_grad_enabled() else varlen_bwd)
+        return _varlen_grads(ctx, dout, _backward_run(_varlen_bwd_impl, varlen_bwd))
 
 
 def varlen_forward(q, k, v, *args):
