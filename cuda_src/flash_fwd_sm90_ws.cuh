@@ -86,6 +86,7 @@ constexpr int kSchedPersistent = 4;  // one CTA per SM walks the tiles; the next
 constexpr int kSchedTmaStore = 8;    // O leaves by TMA stores (else 16-byte stores from every lane; packed batches always)
 constexpr int kSchedCluster = 16;    // clusters of 2 CTAs share each K/V tile: each loads half and multicasts it (plain batches)
 constexpr int kSchedLookAhead = 32;  // (persistent, plain batches) the next item's first S issued before this item's epilogue
+constexpr int kSchedPaired = 64;     // (persistent, causal, plain batches, no clusters) query tiles taken in heavy/light pairs
 
 // Timeline events of a diagnostic build (trace.cuh, tools/trace_fwd.py; other builds mark nothing). The
 // producer marks when it starts an item and when its waits for a free Q / K / V slot end (the load is
@@ -124,6 +125,10 @@ struct Sm90WsFwdConfig : Sm90WarpTileShape<kHeadDim_, kBlockN_> {  // (WarpTile'
     static constexpr bool kLookAhead = (kSched_ & kSchedLookAhead) != 0 && kPersistent && kOverlap && !kPingPong &&
                                        kCluster == 1 && (kMods_ & kModVarlen) == 0;
     static constexpr int kQSlots = kLookAhead ? 2 : 1;
+    // Paired walk (persistent, causal, one CTA, plain batches): a CTA takes query tiles u and m - 1 - u of one
+    // (head, batch) pair back to back, so that what each CTA takes adds up the same (see locate below).
+    static constexpr bool kPaired = (kSched_ & kSchedPaired) != 0 && kPersistent && kIsCausal && kCluster == 1 &&
+                                    (kMods_ & kModVarlen) == 0;
     // Registers per thread after the hand-over: the launch gives 65536 / kNThreads (168 or 128); the
     // producer keeps kProducerRegs (its warp walks the tiles: a persistent CTA's walk needs 40, one
     // tile's 24), the consumers take the rest (40 x 128 + 232 x 256 = 64512 = 168 x 384, 24 x 128 + 240 x
@@ -178,21 +183,61 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     const int m_items = (p.num_m_blocks + kCluster - 1) / kCluster;  // items per (head, batch) pair
     const int n_items = Cfg::kPersistent ? m_items * heads * batches : 1;
     const int item_step = Cfg::kPersistent ? (int)gridDim.x / kCluster : 1;
+    // (Persistent) item -> the query-tile index (before causal's reversal) of rank 0 and the (head, batch) pair.
+    // Paired walk (kPaired): causal tiles cost about their index + 1 key blocks, so a CTA that took every
+    // item_step-th tile of the plain walk carried whatever mix of heavy and light tiles the stride gave it
+    // (0.76-0.95 of an even share on 132 SMs, by the L2 group size; docs/history/hopper.md, session 38).
+    // Here a unit is tiles u and m - 1 - u of one pair (together m + 1 blocks), in groups of sched_group
+    // pairs as above (u outermost); the CTA's items 2d and 2d + 1 (rounds 2d and 2d + 1 of the stride)
+    // are unit d * item_step + its index, heavy tile first. What is left after the last whole double
+    // round goes one tile per item: the leftover units' heavy tiles, their light tiles, then the middle
+    // tiles of an odd count (one per pair). Every tile is one item, so n_items and the walk are unchanged.
+    auto locate = [&](int item, int& m_idx, int& pair) {
+        const int pairs = heads * batches;
+        if constexpr (Cfg::kPaired) {
+            const int half = p.num_m_blocks / 2, units = half * pairs;
+            int unit, light;
+            const int whole = units / item_step * item_step;  // units handed out in whole double rounds
+            if (item < 2 * whole) {
+                unit = item / (2 * item_step) * item_step + item % item_step;
+                light = item / item_step & 1;
+            } else {
+                const int e = item - 2 * whole, left = units - whole;
+                if (e < 2 * left) {
+                    unit = whole + (e < left ? e : e - left);
+                    light = e >= left;
+                } else {
+                    m_idx = half, pair = e - 2 * left;
+                    return;
+                }
+            }
+            const int group_units = p.sched_group * half;
+            const int first = unit / group_units * p.sched_group;
+            const int size = min(p.sched_group, pairs - first), in = unit % group_units;
+            pair = first + in % size;
+            m_idx = light ? p.num_m_blocks - 1 - in / size : in / size;
+        } else {
+            const int group_items = p.sched_group * m_items;
+            const int first = item / group_items * p.sched_group;  // the group's first pair
+            const int size = min(p.sched_group, pairs - first), in = item % group_items;
+            pair = first + in % size;
+            m_idx = in / size * kCluster;
+        }
+    };
     auto m_index = [&](int item, int r) {  // the query-tile index (before causal's reversal) of rank r
         if constexpr (Cfg::kPersistent) {
-            const int size = min(p.sched_group, heads * batches - item / (p.sched_group * m_items) * p.sched_group);
-            return item % (p.sched_group * m_items) / size * kCluster + r;
+            int m_idx, pair;
+            locate(item, m_idx, pair);
+            return m_idx + r;
         } else {
             return (int)blockIdx.x / kCluster * kCluster + r;
         }
     };
     auto tile_of = [&](int item, int r) {
         if constexpr (Cfg::kPersistent) {
-            const int group_items = p.sched_group * m_items;
-            const int first = item / group_items * p.sched_group;  // the group's first pair
-            const int size = min(p.sched_group, heads * batches - first), in = item % group_items;
-            const int pair = first + in % size;
-            return FwdTileRef<Cfg>(p, in / size * kCluster + r, pair % heads, pair / heads);
+            int m_idx, pair;
+            locate(item, m_idx, pair);
+            return FwdTileRef<Cfg>(p, m_idx + r, pair % heads, pair / heads);
         } else {
             return FwdTileRef<Cfg>(p, m_index(item, r), blockIdx.y, blockIdx.z);
         }

@@ -276,6 +276,34 @@ def test_persistent_walk_in_l2_groups(head_dim, causal, group, monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("shape", [
+    (3, 1000, 1000, 16, 4),   # 8 query tiles (even), 48 pairs: 192 units, one whole double round of 132 and 60 left
+    (2, 1100, 1100, 8, 8),    # 9 tiles (odd): 64 units, fewer than the CTAs, then the 16 middle tiles
+    (4, 2048, 2048, 32, 16),  # 16 tiles, 128 pairs: 1024 units, 7 whole double rounds and 100 left
+    (2, 1500, 700, 8, 8),     # bottom-right causal with more queries than keys: 6 of 12 tiles per pair see no key
+])  # fmt: skip
+def test_paired_walk_takes_every_tile_once(head_dim, shape):
+    """The persistent causal walk in heavy/light pairs (Sm90WsTile.paired: query tiles u and m - 1 - u of one
+    (head, batch) pair back to back; what is left after the whole double rounds one tile per item, the middle
+    tiles of an odd count last) computes every tile once: against the float64 reference, and bitwise equal
+    to the strided walk (the same tile products in the same order, on other CTAs), outputs and lse."""
+    _hopper()
+    import dataclasses
+
+    from cuflash import forward, plan
+
+    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[head_dim], paired=True)  # (head dim 64 plans the strided walk)
+    assert tile.persistent
+    q, k, v = random_qkv(np.random.default_rng(shape[1] + head_dim), *shape, head_dim, "bf16")
+    if shape[1] < 2048:  # (the float64 reference on the smaller cases)
+        check_forward(q, k, v, causal=True, dtype="bf16", tile=tile, what=f"paired walk {shape}")
+    got = forward.run(q, k, v, causal=True, tile=tile, return_lse=True)
+    want = forward.run(q, k, v, causal=True, tile=dataclasses.replace(tile, paired=False), return_lse=True)
+    for g, w in zip(got, want):
+        assert bool((g == w).all()), shape
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_walk_groups_paged_kv(head_dim, causal, monkeypatch):
     """Paged K/V: a head's walk reads every sequence's pages, so the L2 groups are sized from

@@ -599,7 +599,7 @@ def test_persistent_tma_forward_walks_the_grid_with_one_cta_per_sm():
     assert small.grid == (4, 1, 1) and small.m_blocks == 1  # never more CTAs than tiles
     packed = plan.plan_forward(batch=5, seqlen_q=3000, seqlen_k=3000, sm_count=132, mods=plan.MOD_VARLEN, **kw)
     assert packed.m_blocks == plan.varlen_tiles(3000, 5, 128) and packed.grid == (min(packed.m_blocks * 4, 132), 1, 1)
-    assert "_persistent" in big.spec.name and big.spec.template_args().endswith(f", {1 | 4 | 8}")  # (TMA store: 8)
+    assert "_persistent" in big.spec.name and big.spec.template_args().endswith(f", {1 | 4 | 8 | 64}")  # (TMA store: 8; paired walk: 64)
     with pytest.raises(ValueError, match="sm_count"):
         plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=900, **kw)
     plain = plan.plan_forward(batch=2, seqlen_q=1000, seqlen_k=1500, **{**kw, "tile": None})
@@ -940,7 +940,7 @@ def test_ws_forward_look_ahead_rules():
     W = plan.Sm90WsTile
     la = W(128, 128, pingpong=False, persistent=True, tma_store=False, look_ahead=True)
     spec = plan.fwd_sm90_ws_spec(128, "bf16", True, la)
-    assert la.sched == 1 | 4 | 32 and spec.name.endswith("_persistent_la_vec16_sm90a")
+    assert la.sched == 1 | 4 | 32 | 64 and spec.name.endswith("_persistent_la_vec16_sm90a")
     assert spec.smem_bytes == plan.fwd_sm90_ws_smem_bytes(128, dataclasses.replace(la, look_ahead=False)) + 128 * 128 * 2 + 16
     assert spec.smem_bytes <= plan.max_smem_bytes("sm_90a")
     packed = plan.fwd_sm90_ws_spec(128, "bf16", True, la, plan.MOD_VARLEN)

@@ -89,13 +89,25 @@ SM90_WS_CANDIDATES[256] += [W(128, 80)]
 # beside the planner's short-key tile)
 SM90_WS_CANDIDATES[64] += [P(128, 128, pingpong=False, look_ahead=True), P(128, 128, 3, pingpong=False, look_ahead=True)]
 SM90_WS_CANDIDATES[128] += [P(128, 128, pingpong=False, look_ahead=True)]
+# hd128's 3-warpgroup default tile, persistent: the 1.5x query rows per K/V byte of 192 x 80 with the next item's
+# loads under this one's epilogue, for the 1k-8k keys where the per-tile 192 x 80 and the persistent 128 x 128
+# trade places (its 172 bytes of local memory are the item's walk state, stored and loaded outside the key loop).
+# Session 38, H100, bf16, 1k-8k tokens x causal, median ratio to cuDNN: 2 stages 0.684, 3 stages 0.712, against
+# the per-tile 192 x 80's 0.948 and the persistent 128 x 128's 0.910 in the same run (causal 1k-8k: 240-421
+# TFLOP/s against 296-593): not a candidate for the planner
+SM90_WS_CANDIDATES[128] += [P(192, 80, pingpong=False), P(192, 80, 3, pingpong=False)]
+# The persistent short-key tiles with the plain strided walk instead of the paired one (Sm90WsTile.paired;
+# causal only: non-causal tiles all cost the same)
+for _d in (64, 128):
+    SM90_WS_CANDIDATES[_d] += [P(128, 128, pingpong=False, paired=False)]
 
 
 def describe(tile) -> str:
     if isinstance(tile, Sm90WsTile):
         return (f"ws bm{tile.block_m} bn{tile.block_n} st{tile.stages} overlap={int(tile.overlap)} "
                 f"pingpong={int(bool(tile.sched & 2))} persistent={int(tile.persistent)} tmastore={int(tile.tma_store)} "
-                f"cluster={tile.cluster} lookahead={int(tile.look_ahead)}")
+                f"cluster={tile.cluster} lookahead={int(tile.look_ahead)}"
+                f"{' paired=' + str(int(tile.paired)) if tile.persistent else ''}")
     if isinstance(tile, Sm90Tile):
         return f"sm90 bm{tile.block_m} bn{tile.block_n} st{tile.stages} mb{tile.min_blocks}"
     return f"bm{tile.block_m} bn{tile.block_n} w{tile.warps} qreg={int(tile.q_in_regs)} st={tile.stages}"

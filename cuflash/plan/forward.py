@@ -117,6 +117,10 @@ class Sm90WsTile:
     # each consumer warpgroup issues the next item's first S = Q K^T right after this item's last P V, so that
     # it runs under the epilogue; Q takes two slots (the next item's loads while this one's is read)
     look_ahead: bool = False
+    # (persistent, causal, plain batches, no clusters) the walk takes query tiles u and m - 1 - u of a (head,
+    # batch) pair back to back, so that each CTA's share of the causal work is even (False: every grid-stride
+    # tile in the group order, whose mix of heavy and light tiles depends on the stride and the L2 group size)
+    paired: bool = True
 
     @property
     def warps(self) -> int:
@@ -125,10 +129,10 @@ class Sm90WsTile:
     @property
     def sched(self) -> int:
         """The kernel's kSched bits (flash_fwd_sm90_ws.cuh): 1 overlap, 2 ping-pong, 4 persistent, 8 TMA store,
-        16 clusters of 2, 32 look-ahead."""
+        16 clusters of 2, 32 look-ahead, 64 the paired walk (persistent only)."""
         return (int(self.overlap) | (2 if self.pingpong and self.block_m == 128 else 0) | (4 if self.persistent else 0)
                 | (8 if self.tma_store else 0) | (16 if self.cluster == 2 else 0)
-                | (32 if self.look_ahead else 0))  # fmt: skip
+                | (32 if self.look_ahead else 0) | (64 if self.persistent and self.paired else 0))  # fmt: skip
 
 
 #: Warp-specialized Hopper forward tiles per head-dim bucket: the default forward on sm_90a for
@@ -211,8 +215,13 @@ def fit_key_tile(tile: Sm90WsTile, *, paged: bool = False, mods: int = 0) -> Sm9
 #: (its last tile 40% full): 1.07x the default non-causal, 1.02x causal (tools/tune_fwd.py, session 18), 1.04x
 #: and 1.07x in the A/B of the planner change (tools/ab_sources.py, session 19); at 1024 keys (12.8 tiles of
 #: 80) 0.98-1.00x (session 18).
+#: The causal walk (Sm90WsTile.paired; session 38, H100, bf16, tools/tune_fwd.py, TFLOP/s strided -> paired, two
+#: runs): hd128 512 keys 211/213 -> 225/222, 1024 320/320 -> 343/346, 2048 381/380 -> 457/452, 4096 476/475 ->
+#: 527/529 (the strided walk's CTAs carry 0.76-0.91 of an even share there, by the L2 group size on 50 MiB);
+#: hd64 512 189/198 -> 173/182, 1024 270/260 -> 249/250, 2048 324/320 -> 321/321 (also with the light tile first on
+#: every other CTA): hd64 keeps the strided walk, for a reason not yet profiled.
 FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
-    64: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
+    64: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False, paired=False),
     128: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
     256: Sm90WsTile(128, 64, pingpong=False),
 }
@@ -388,7 +397,8 @@ class Sm90WsKernelSpec(HopperSpec):
         t = self.tile
         return self._variant_name(f"{'_ov' if t.overlap else ''}{'_pp' if t.sched & 2 else ''}"
                                   f"{'_persistent' if t.persistent else ''}{'_tmao' if t.tma_store else ''}"
-                                  f"{f'_c{t.cluster}' if t.cluster > 1 else ''}{'_la' if t.look_ahead else ''}")
+                                  f"{f'_c{t.cluster}' if t.cluster > 1 else ''}{'_la' if t.look_ahead else ''}"
+                                  f"{'_strided' if t.persistent and not t.paired else ''}")
 
     @property
     def cluster(self) -> int:
