@@ -225,6 +225,13 @@ def hopper_cases(rng, arch, forward_only=False):
             q, k, v = random_qkv(rng, 4, 600, 700, 16, 4, d, "bf16")
             err, bound = check_forward(q, k, v, causal=causal, dtype="bf16", tile=tile)
             print(f"ok short-key {tile} d={d} causal={causal}: err {err:.2e} <= {bound:.2e}")
+    # the paired causal walk past its whole double rounds: 9 query tiles x 64 pairs = 256 units on 132 CTAs (one
+    # double round, 124 units left one tile per item, then 64 middle tiles); head dim 64 forced onto it
+    for d in (128, 64):
+        q, k, v = random_qkv(rng, 4, 1100, 1100, 16, 4, d, "bf16")
+        tile = dataclasses.replace(short[d], paired=True)
+        err, bound = check_forward(q, k, v, causal=True, dtype="bf16", tile=tile)
+        print(f"ok paired walk {tile} d={d}: err {err:.2e} <= {bound:.2e}")
     # the look-ahead (the next item's first S under the epilogue, two Q slots): CTAs walk 2-6 items; causal with
     # more queries than keys and a window make items whose rows see no key (their stand-in S reads their Q);
     # a ring of 4 slots of 64 keys (the stand-in reads a Q tile with a key tile's strides)
