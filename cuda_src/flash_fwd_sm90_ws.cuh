@@ -5,7 +5,7 @@
 // header first): O = softmax(scale * Q K^T + mask) V and lse per query row for each (query tile, head,
 // batch) or varlen scheduler slot, K/V tiles visited from the last to the first. One CTA per tile, or
 // (kPersistent) one CTA per SM walking the tiles grid-stride, in groups of (head, batch) pairs whose
-// K/V fit in L2 (FwdParams.sched_group; see tile_of below).
+// K/V fit in L2 (FwdParams.sched_group; see locate below; kPaired: causal query tiles in heavy/light pairs).
 //
 // Roles (kConsumers = kBlockM / 64 consumer warpgroups, plus one producer warpgroup: warpgroup 0)
 //   producer   one thread issues every load: per tile Q, then for each K/V tile K and V into a ring

@@ -37,6 +37,10 @@ def test_fwd_schedules_are_buildable_variants_of_the_planned_tile(head_dim, seql
         assert s["per-tile grid"].tma_store and not s["per-tile grid"].persistent
     if "persistent grid" in s:
         assert s["persistent grid"].persistent and not base.persistent
+    walk = "strided walk" if base.paired else "paired walk (candidate)"  # (a causal persistent tile's walk flipped)
+    assert (walk in s) == (base.persistent and causal)
+    if walk in s:
+        assert s[walk].persistent and s[walk].paired != base.paired
 
 
 def test_fwd_schedules_cover_the_persistent_points():
@@ -47,6 +51,10 @@ def test_fwd_schedules_cover_the_persistent_points():
     assert "persistent grid" in long and "look-ahead (candidate)" not in long
     assert "ping-pong" not in long  # (the default has 3 consumer warpgroups at head dim 128)
     assert "persistent grid" not in ablation.fwd_schedules(256, 16384, True, **H200)  # (no room for O's staging tile)
+    # the causal walk: hd128 plans the paired one (ablated: strided), hd64 the strided one (paired: a candidate)
+    assert "strided walk" in ablation.fwd_schedules(128, 1024, True, **H200)
+    assert "paired walk (candidate)" in ablation.fwd_schedules(64, 1024, True, **H200)
+    assert not {"strided walk", "paired walk (candidate)"} & set(short)  # (non-causal: every tile costs the same)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -12,7 +12,8 @@ default tile):
 
     forward   planned; no intra-warpgroup overlap (overlap=False); ping-pong (2 consumer warpgroups only);
               the persistent grid flipped (off for a persistent tile: the per-tile launch with TMA stores; on
-              otherwise, with 16-byte stores, where it fits); the
+              otherwise, with 16-byte stores, where it fits); a causal persistent tile's walk flipped (the paired
+              walk off where planned, on as a candidate where not: Sm90WsTile.paired); the
               look-ahead (a candidate, persistent 128-row tiles); no warp specialization (the cp.async wgmma
               kernel, FWD_SM90_TILES)
     backward  planned; the persistent grid flipped (head dims 64, 128); the wide query blocks (a candidate:
@@ -62,6 +63,9 @@ def fwd_schedules(head_dim: int, seqlen: int, causal: bool, sm_count: int, l2_by
         candidates.append(("per-tile grid", dataclasses.replace(base, persistent=False, tma_store=True, look_ahead=False)))
         if base.block_m == 128:
             candidates.append(("look-ahead (candidate)", dataclasses.replace(base, look_ahead=True)))
+        if causal and base.cluster == 1:  # (the walk's order only matters where tiles differ in cost)
+            candidates.append(("strided walk" if base.paired else "paired walk (candidate)",
+                               dataclasses.replace(base, paired=not base.paired)))  # fmt: skip
     else:
         candidates.append(("persistent grid", dataclasses.replace(base, persistent=True, tma_store=False)))
     for name, tile in candidates:
