@@ -117,6 +117,22 @@ def test_no_double_backward(ct):
         out = ops.varlen_forward(qp, kp, vp, cu, cu, 12, 12, None, None, None, 0.0, None, True, -1, -1, 0.0, False)[0]
         assert out.grad_fn is None
 
+    # a tensor subclass anywhere among the tensor arguments (not only q, k, v) takes the op, which dispatches it
+    class Marked(torch.Tensor):
+        pass
+
+    took = []
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "varlen_fwd", lambda *a: took.append("packed") or ops._varlen_fwd_impl(*a))
+        mp.setattr(ops, "fwd", lambda *a: took.append("dense") or ops._fwd_impl(*a))
+        ops.varlen_forward(qp, kp, vp, cu.as_subclass(Marked), cu, 12, 12, None, None, None, 0.0, None, True, -1, -1,
+                           0.0, False)  # fmt: skip
+        slopes = torch.full((q.shape[2],), 0.1).as_subclass(Marked)
+        ops.forward(q.detach(), k.detach(), v.detach(), slopes, 0.0, None, True, -1, -1, 0.0, False)
+        assert took == ["packed", "dense"]
+        ops.forward(q.detach(), k.detach(), v.detach(), None, 0.0, None, True, -1, -1, 0.0, False)
+        assert took == ["packed", "dense"]  # (plain tensors: the implementation directly)
+
 
 def test_packed_forms_route_gradients(ct):
     import torch

@@ -163,12 +163,14 @@ class _Dense(torch.autograd.Function):
         return _dense_grads(ctx, dout, _backward_run(_bwd_impl, bwd))
 
 
-def _eager_or_op(op, impl, function, alibi_at: int, q, k, v, args):
+def _eager_or_op(op, impl, function, alibi_at: int, tensors_at: tuple, q, k, v, args):
     """An attention forward for a caller: in eager mode ``impl`` directly (no gradient needed) or through
     the autograd.Function ``function`` (gradients), else the custom ``op`` (torch.compile, fake tensors, a
-    dispatch mode, vmap, tensor subclasses). args[alibi_at] is the ALiBi slopes: a gradient they need makes
-    the call an autograd one, as the op's does."""
-    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _eager():
+    dispatch mode, vmap, tensor subclasses: q, k, v or any optional tensor argument at ``tensors_at`` in
+    args). args[alibi_at] is the ALiBi slopes: a gradient they need makes the call an autograd one, as the
+    op's does."""
+    if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and _eager()
+            and all(args[i] is None or type(args[i]) is torch.Tensor for i in tensors_at)):  # fmt: skip
         alibi = args[alibi_at]
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or alibi is not None and alibi.requires_grad):  # fmt: skip
@@ -180,7 +182,7 @@ def _eager_or_op(op, impl, function, alibi_at: int, q, k, v, args):
 def forward(q, k, v, *args):
     """``fwd`` for a caller (_eager_or_op: ``_fwd_impl``, ``_Dense``, the op). The dispatcher's and the
     custom op's per-call work are most of a short prefill's host time (tools/torch_host_overhead.py)."""
-    return _eager_or_op(fwd, _fwd_impl, _Dense, 0, q, k, v, args)
+    return _eager_or_op(fwd, _fwd_impl, _Dense, 0, (0,), q, k, v, args)
 
 
 @torch.library.custom_op("cuflash::bwd", mutates_args=(), device_types="cuda")
@@ -382,7 +384,7 @@ class _Varlen(torch.autograd.Function):
 def varlen_forward(q, k, v, *args):
     """``varlen_fwd`` for a caller, as ``forward`` is for ``fwd`` (_eager_or_op: ``_varlen_fwd_impl``,
     ``_Varlen``, the op)."""
-    return _eager_or_op(varlen_fwd, _varlen_fwd_impl, _Varlen, 6, q, k, v, args)
+    return _eager_or_op(varlen_fwd, _varlen_fwd_impl, _Varlen, 6, (0, 1, 4, 5, 6), q, k, v, args)  # (cu_seqlens, seqused_k, block_table, alibi)
 
 
 # Decode against a KV cache.
