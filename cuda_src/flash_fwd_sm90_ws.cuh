@@ -171,7 +171,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     // may hold fewer): inside a group the query-tile index is outermost, then the pair. So the CTAs
     // that run together read the K/V of one group's heads, which the host sized to stay in L2
     // (plan.persistent_group), and causal's heaviest tiles (FwdTileRef reverses the index) come first
-    // in each group.
+    // in each group. (kPaired permutes these items: see locate.)
     // Clusters (kCluster 2): an item is a pair of query tiles, 2 i and 2 i + 1 of one (head, batch) pair,
     // and the CTA of rank r takes tile 2 i + r (the last pair of an odd count has one tile: its rank-1 CTA
     // only helps load). Both visit the K/V tiles of the pair's hull (kv_span), each loading half the
@@ -184,10 +184,10 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     const int n_items = Cfg::kPersistent ? m_items * heads * batches : 1;
     const int item_step = Cfg::kPersistent ? (int)gridDim.x / kCluster : 1;
     // (Persistent) item -> the query-tile index (before causal's reversal) of rank 0 and the (head, batch) pair.
-    // Paired walk (kPaired): causal tiles cost about their index + 1 key blocks, so a CTA that took every
+    // Paired walk (kPaired): causal tile i (after the reversal) costs about i + 1 key blocks, so a CTA that took every
     // item_step-th tile of the plain walk carried whatever mix of heavy and light tiles the stride gave it
     // (0.76-0.95 of an even share on 132 SMs, by the L2 group size; docs/history/hopper.md, session 38).
-    // Here a unit is tiles u and m - 1 - u of one pair (together m + 1 blocks), in groups of sched_group
+    // Here a unit is indices u and m - 1 - u of one pair (tiles m - 1 - u and u: m + 1 blocks), in groups of sched_group
     // pairs as above (u outermost); the CTA's items 2d and 2d + 1 (rounds 2d and 2d + 1 of the stride)
     // are unit d * item_step + its index, heavy tile first. What is left after the last whole double
     // round goes one tile per item: the leftover units' heavy tiles, their light tiles, then the middle
@@ -211,7 +211,7 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                     return;
                 }
             }
-            const int group_units = p.sched_group * half;
+            const int group_units = p.sched_group * half;  // (half >= 1 here: with one tile there are no units)
             const int first = unit / group_units * p.sched_group;
             const int size = min(p.sched_group, pairs - first), in = unit % group_units;
             pair = first + in % size;

@@ -35,8 +35,9 @@ def test_fwd_schedules_are_buildable_variants_of_the_planned_tile(head_dim, seql
     assert ("per-tile grid" in s) == base.persistent
     if base.persistent:
         assert s["per-tile grid"].tma_store and not s["per-tile grid"].persistent
-    if "persistent grid" in s:
+    if "persistent grid" in s:  # (on the walk the planner takes for the bucket's persistent tile: hd64 strided)
         assert s["persistent grid"].persistent and not base.persistent
+        assert s["persistent grid"].paired == plan.FWD_SM90_WS_SHORT_TILES[head_dim].paired
     walk = "strided walk" if base.paired else "paired walk (candidate)"  # (a causal persistent tile's walk flipped)
     assert (walk in s) == (base.persistent and causal)
     if walk in s:

@@ -663,6 +663,46 @@ def test_cluster_walk_gives_each_tile_to_one_rank(pairs, group, m_blocks, cluste
         assert walk == list(_persistent_walk(pairs * m_blocks, pairs, group, m_blocks))
 
 
+def _kernel_locate_paired(item: int, m: int, pairs: int, group: int, step: int) -> tuple[int, int]:
+    """flash_fwd_sm90_ws.cuh's locate with kPaired, transcribed: (query-tile index before causal's reversal,
+    pair) of a walk item; ``step`` is the grid (item_step)."""
+    half = m // 2
+    units = half * pairs
+    whole = units // step * step
+    if item < 2 * whole:
+        unit, light = item // (2 * step) * step + item % step, item // step & 1
+    else:
+        e, left = item - 2 * whole, units - whole
+        if e >= 2 * left:
+            return half, e - 2 * left  # the middle tiles of an odd count
+        unit, light = whole + (e if e < left else e - left), int(e >= left)
+    first = unit // (group * half) * group
+    size, within = min(group, pairs - first), unit % (group * half)
+    return (m - 1 - within // size if light else within // size), first + within % size
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 16])
+@pytest.mark.parametrize("pairs,group", [(1, 1), (7, 3), (48, 5), (48, 48), (300, 200)])
+@pytest.mark.parametrize("step", [1, 5, 64, 132])
+def test_paired_walk_is_a_permutation_that_pairs_tiles_on_one_cta(m, pairs, group, step):
+    """The paired causal walk (Sm90WsTile.paired) takes every (query tile, pair) once over the same n_items
+    as the strided walk; in its whole double rounds a CTA takes index u (the heavy tile m - 1 - u once
+    reversed) and then m - 1 - u of one pair in consecutive rounds, so each of its units costs m + 1 key
+    blocks; the units of a group of pairs hold only that group's pairs."""
+    n = m * pairs
+    step = min(step, n)
+    walk = [_kernel_locate_paired(i, m, pairs, group, step) for i in range(n)]
+    assert sorted(walk) == sorted((x, pr) for x in range(m) for pr in range(pairs))
+    whole = m // 2 * pairs // step * step
+    for i in range(2 * whole):
+        if i // step % 2 == 0:
+            (x, pr), (y, pr2) = walk[i], walk[i + step]
+            assert pr == pr2 and x < m // 2 and y == m - 1 - x  # (blocks: (m - x) + (x + 1) = m + 1)
+            unit = i // (2 * step) * step + i % step
+            assert pr // group == unit // (group * (m // 2))  # the unit's group
+    assert walk[2 * (m // 2) * pairs:] == ([(m // 2, pr) for pr in range(pairs)] if m % 2 else [])  # middle tiles last
+
+
 def test_clusters_launch_whole_clusters_and_only_where_they_pay(monkeypatch):
     """A cluster tile's grid is a multiple of its cluster: per tile, the query tiles rounded up (an odd
     count's last CTA only helps load); persistent, min(items, SMs / 2) clusters of pairs of query tiles.

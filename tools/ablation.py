@@ -67,7 +67,9 @@ def fwd_schedules(head_dim: int, seqlen: int, causal: bool, sm_count: int, l2_by
             candidates.append(("strided walk" if base.paired else "paired walk (candidate)",
                                dataclasses.replace(base, paired=not base.paired)))  # fmt: skip
     else:
-        candidates.append(("persistent grid", dataclasses.replace(base, persistent=True, tma_store=False)))
+        short = plan.FWD_SM90_WS_SHORT_TILES.get(plan.head_dim_bucket(head_dim))  # (its walk: the planner's for the bucket)
+        candidates.append(("persistent grid", dataclasses.replace(base, persistent=True, tma_store=False,
+                                                                  paired=short.paired if short else True)))  # fmt: skip
     for name, tile in candidates:
         if _valid_fwd(head_dim, causal, tile):
             out[name] = tile
