@@ -56,6 +56,8 @@ def test_tile_option():
                                                                           tma_store=False)  # fmt: skip
     assert trace_fwd.parse_tile("128,128,persistent,notma,lookahead", None) == W(128, 128, pingpong=False, persistent=True,
                                                                              tma_store=False, look_ahead=True)
+    assert trace_fwd.parse_tile("128,128,persistent,notma,strided", None) == W(128, 128, pingpong=False, persistent=True,
+                                                                           tma_store=False, paired=False)
     assert trace_fwd.parse_tile(None, W(192, 128)) == W(192, 128)
     with pytest.raises(SystemExit):
         trace_fwd.parse_tile("128,128,fast", None)

@@ -21,7 +21,8 @@
 #               attention over every GPU against one GPU, forward + backward -> ring.json
 #   ab          tools/ab_sources.py run ab (AB_ARGS, e.g. "--op fwd --head-dim 128"): the source trees
 #               exported under ab/ (carry it), timed side by side -> ab.txt (the table goes into the summary)
-#   trace       tools/trace_fwd.py (TRACE_POINTS, default "128:512 128:512:causal 64:512 256:512"; head dim:tokens[:causal]):
+#   trace       tools/trace_fwd.py (TRACE_POINTS, default "128:512 128:512:causal 64:512 256:512"; head dim:tokens[:causal[:tile]],
+#               the tile as trace_fwd.py's --tile, e.g. 64:512:causal:128,128,persistent,notma,strided):
 #               where the TMA forward's time goes per work item, from a diagnostic build's timeline marks
 #               -> trace-*.txt, trace-*.png (in logs.tgz)
 #   ablation    tools/ablation.py (ABLATION_ARGS, e.g. "--op fwd --hd 64 128"): each technique of the TMA kernels
@@ -105,11 +106,11 @@ fi
 
 if has trace; then
   for point in ${TRACE_POINTS:-128:512 128:512:causal 64:512 256:512}; do
-    IFS=: read -r hd sl c <<< "$point"
-    name="trace-hd$hd-$sl${c:+-causal}"
-    timeout ${TRACE_TIMEOUT:-120} $PY tools/trace_fwd.py --hd "$hd" --seqlen "$sl" ${c:+--causal} --plot "$OUT/$name.png" \
-        > "$OUT/$name.txt" 2>&1
-    note "trace hd$hd $sl${c:+ causal} (rc=$?, $(took)):"; grep -E "ms|outside|^  " "$OUT/$name.txt" >> "$SUMMARY"
+    IFS=: read -r hd sl c tile <<< "$point"
+    name="trace-hd$hd-$sl${c:+-causal}${tile:+-${tile//,/-}}"
+    timeout ${TRACE_TIMEOUT:-120} $PY tools/trace_fwd.py --hd "$hd" --seqlen "$sl" ${c:+--causal} ${tile:+--tile "$tile"} \
+        --plot "$OUT/$name.png" > "$OUT/$name.txt" 2>&1
+    note "trace hd$hd $sl${c:+ causal}${tile:+ $tile} (rc=$?, $(took)):"; grep -E "ms|outside|^  " "$OUT/$name.txt" >> "$SUMMARY"
   done
 fi
 

@@ -47,21 +47,21 @@ def trace_layout() -> tuple[int, int, int]:
 
 
 def parse_tile(text: str | None, default):
-    """--tile "block_m,block_n[,persistent][,pingpong][,notma][,cluster][,lookahead]" -> an Sm90WsTile (the
+    """--tile "block_m,block_n[,persistent][,pingpong][,notma][,cluster][,lookahead][,strided]" -> an Sm90WsTile (the
     planner's when None; cluster: clusters of 2 sharing K/V by multicast; lookahead: each item's first S issued
-    before the epilogue of the item before)."""
+    before the epilogue of the item before; strided: a persistent causal walk without the heavy/light pairs)."""
     from cuflash.plan import Sm90WsTile
 
     if not text:
         return default
     parts = text.split(",")
     flags = set(parts[2:])
-    unknown = flags - {"persistent", "pingpong", "notma", "cluster", "lookahead"}
+    unknown = flags - {"persistent", "pingpong", "notma", "cluster", "lookahead", "strided"}
     if unknown:
-        sys.exit(f"--tile: unknown flags {sorted(unknown)} (persistent, pingpong, notma, cluster, lookahead)")
+        sys.exit(f"--tile: unknown flags {sorted(unknown)} (persistent, pingpong, notma, cluster, lookahead, strided)")
     return Sm90WsTile(int(parts[0]), int(parts[1]), pingpong="pingpong" in flags, persistent="persistent" in flags,
                       tma_store="notma" not in flags, cluster=2 if "cluster" in flags else 1,
-                      look_ahead="lookahead" in flags)  # fmt: skip
+                      look_ahead="lookahead" in flags, paired="strided" not in flags)  # fmt: skip
 
 
 def _role_marks(row):
@@ -172,7 +172,8 @@ def main() -> int:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--tile", help="block_m,block_n[,persistent][,pingpong][,notma] (default: the planner's)")
+    ap.add_argument("--tile", help="block_m,block_n[,persistent][,pingpong][,notma][,cluster][,lookahead][,strided] "
+                                   "(default: the planner's)")
     ap.add_argument("--json", help="write the decoded marks here")
     ap.add_argument("--plot", help="PNG of the first CTAs' timelines")
     ap.add_argument("--ctas", type=int, default=6, help="CTAs in the plot")
