@@ -86,6 +86,15 @@ struct FwdConfig {
 };
 
 
+// q = n / f.d, r = n % f.d for 0 <= n < 2^31 (params.h FastDiv): floor(n * mul / 2^(31 + l)) is exact for
+// every such n when mul = ceil(2^(31 + l) / d), l = ceil(log2 d) (Granlund and Montgomery 1994, round-up
+// multiplier); tests/test_params_layout.py checks the host's multipliers against Python's // over the range.
+CUFLASH_DEVICE int fast_div(const FastDiv& f, int n) { return f.d == 1 ? n : (int)(__umulhi((u32)n, f.mul) >> f.shift); }
+CUFLASH_DEVICE void fast_divmod(const FastDiv& f, int n, int& q, int& r) {
+    q = fast_div(f, n);
+    r = n - q * f.d;
+}
+
 // A forward CTA's values of the variants: the first K/V block it visits (window), the ALiBi slope of
 // its head and its dropout stream. Empty for plain variants, whose CTA state (and code) stay as they were.
 template <int kMods>
@@ -130,7 +139,7 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
         // Causal row tiles differ in cost (tile m visits about m+1 K/V blocks): launch the heavy ones first.
         const int m_block = Cfg::kIsCausal ? p.num_m_blocks - 1 - x : x;
         const int h = y, b = z;
-        const int hk = h / p.head_ratio;  // GQA: query head h reads kv head h / (nheads / nheads_kv)
+        const int hk = fast_div(p.kv_ratio, h);  // GQA: query head h reads kv head h / (nheads / nheads_kv)
         m0 = m_block * Cfg::kBlockM;
         // 64-bit offsets: batch * batch_stride and m0 * row_stride can exceed 2^31 elements.
         q = static_cast<const u16*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
@@ -158,7 +167,7 @@ struct FwdTileRef : FwdModState<Cfg::kMods> {
         bt_row_ = seq.bt_row;
         mask = Mask(p.mod, seq.seqlen_q, seq.seqlen_k);
         const int h = y, b = seq.b;
-        const int hk = h / p.head_ratio;
+        const int hk = fast_div(p.kv_ratio, h);
         m0 = slot.m_block * Cfg::kBlockM;
         q = static_cast<const u16*>(p.q) + seq.q_off(0, p.q_row_stride) + h * p.q_head_stride + m0 * p.q_row_stride;
         k = static_cast<const u16*>(p.k) + seq.k_off(0, p.k_row_stride) + hk * p.k_head_stride;

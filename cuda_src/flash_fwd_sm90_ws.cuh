@@ -192,15 +192,21 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
     // are unit d * item_step + its index, heavy tile first. What is left after the last whole double
     // round goes one tile per item: the leftover units' heavy tiles, their light tiles, then the middle
     // tiles of an odd count (one per pair). Every tile is one item, so n_items and the walk are unchanged.
+    // The divisions go through FastDiv multipliers (FwdParams.walk_*; plan/forward.py fwd_walk): a CTA runs this
+    // for every item, and plain integer division put ~100-clock SFU chains between its items.
     auto locate = [&](int item, int& m_idx, int& pair) {
         const int pairs = heads * batches;
+        int first, in;  // the group's first pair; the index inside the group
+        bool light = false;
         if constexpr (Cfg::kPaired) {
             const int half = p.num_m_blocks / 2, units = half * pairs;
-            int unit, light;
-            const int whole = units / item_step * item_step;  // units handed out in whole double rounds
+            int unit;
+            const int whole = fast_div(p.walk_step, units) * item_step;  // units handed out in whole double rounds
             if (item < 2 * whole) {
-                unit = item / (2 * item_step) * item_step + item % item_step;
-                light = item / item_step & 1;
+                int round, col;
+                fast_divmod(p.walk_step, item, round, col);
+                unit = (round >> 1) * item_step + col;
+                light = round & 1;
             } else {
                 const int e = item - 2 * whole, left = units - whole;
                 if (e < 2 * left) {
@@ -211,18 +217,16 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
                     return;
                 }
             }
-            const int group_units = p.sched_group * half;  // (half >= 1 here: with one tile there are no units)
-            const int first = unit / group_units * p.sched_group;
-            const int size = min(p.sched_group, pairs - first), in = unit % group_units;
-            pair = first + in % size;
-            m_idx = light ? p.num_m_blocks - 1 - in / size : in / size;
+            fast_divmod(p.walk_units, unit, first, in);  // (half >= 1 here: with one tile there are no units)
         } else {
-            const int group_items = p.sched_group * m_items;
-            const int first = item / group_items * p.sched_group;  // the group's first pair
-            const int size = min(p.sched_group, pairs - first), in = item % group_items;
-            pair = first + in % size;
-            m_idx = in / size * kCluster;
+            fast_divmod(p.walk_items, item, first, in);
         }
+        first *= p.sched_group;
+        const FastDiv size = pairs - first < p.sched_group ? p.walk_tail : p.walk_group;  // (the last group may hold fewer)
+        int row;
+        fast_divmod(size, in, row, pair);
+        pair += first;
+        m_idx = Cfg::kPaired ? (light ? p.num_m_blocks - 1 - row : row) : row * kCluster;
     };
     auto m_index = [&](int item, int r) {  // the query-tile index (before causal's reversal) of rank r
         if constexpr (Cfg::kPersistent) {
@@ -237,7 +241,9 @@ CUFLASH_DEVICE void flash_fwd_sm90_ws_kernel(const FwdTmaParams& P) {
         if constexpr (Cfg::kPersistent) {
             int m_idx, pair;
             locate(item, m_idx, pair);
-            return FwdTileRef<Cfg>(p, m_idx + r, pair % heads, pair / heads);
+            int b, h;
+            fast_divmod(p.walk_heads, pair, b, h);
+            return FwdTileRef<Cfg>(p, m_idx + r, h, b);
         } else {
             return FwdTileRef<Cfg>(p, m_index(item, r), blockIdx.y, blockIdx.z);
         }

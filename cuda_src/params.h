@@ -40,6 +40,15 @@ struct ModParams {
                                      //   + diag_shift (masks.cuh diag_shift_of; a ring's chunk pairs); else 0
 };
 
+// n / d and n % d for 0 <= n < 2^31 by a multiply-high and a shift (primitives.cuh fast_divmod; the host's
+// cuflash/params.py fast_divisor): a plain integer division compiles to a ~100-clock chain through the SFU
+// (I2F, MUFU.RCP, F2I, corrections), which the persistent forward paid for each work item.
+struct FastDiv {
+    int d;                     // the divisor, >= 1
+    unsigned int mul;          // ceil(2^(31 + l) / d), l = ceil(log2 d) (d == 1: 0, unused)
+    unsigned int shift;        // l - 1 (d == 1: 0)
+};
+
 struct FwdParams {
     const void* q;             // (batch, seqlen_q, nheads, head_dim)
     const void* k;             // (batch, seqlen_k, nheads_kv, head_dim)
@@ -70,6 +79,14 @@ struct FwdParams {
     float scale_log2;          // softmax_scale * log2(e): the kernel exponentiates with exp2
     struct ModParams mod;      // the variants (softcap: softmax_scale and scale_log2 are the softcap's)
     int sched_group;           // persistent Hopper forward: (head, batch) pairs per group of its walk (L2 reuse)
+    // The forward's divisors (plan/forward.py fwd_walk), each a FastDiv of:
+    struct FastDiv walk_step;  //   the persistent walk's stride in items (gridDim.x / cluster; else 1)
+    struct FastDiv walk_items; //   sched_group * query items per (head, batch) pair: the walk's items per group
+    struct FastDiv walk_units; //   sched_group * (num_m_blocks / 2): the paired walk's units per group
+    struct FastDiv walk_group; //   sched_group (pairs per group)
+    struct FastDiv walk_tail;  //   the last group's pairs (1..sched_group)
+    struct FastDiv walk_heads; //   nheads: (head, batch) pair -> head, batch
+    struct FastDiv kv_ratio;   //   head_ratio: query head -> kv head
 };
 
 // Parameter block shared by the three backward kernels (cuda_src/flash_bwd.cuh): preprocess,

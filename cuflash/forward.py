@@ -16,7 +16,7 @@ import struct
 import numpy as np
 
 from . import checks, jit, launch, plan, prepared_calls, tma, variants
-from .params import FWD_PACKER, MOD_DTYPE
+from .params import FWD_PACKER, MOD_DTYPE, walk_fields
 
 #: The pointer fields that open FwdParams (after the TMA kernel's tensor maps): all of a dense record that
 #: changes from one call of a signature to the next (run_prepared; a packed one's three more: _VARLEN_PTRS).
@@ -132,7 +132,7 @@ def run(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, wi
             o_batch_stride=os_[0], o_row_stride=os_[1], o_head_stride=os_[2],
             batch=batch, nheads=nheads, nheads_kv=nheads_kv, head_ratio=nheads // nheads_kv,
             seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, num_m_blocks=how.m_blocks,
-            sched_group=how.sched_group,
+            sched_group=how.sched_group, **walk_fields(how.walk),
             softmax_scale=unit, scale_log2=unit * math.log2(math.e), mod=var.record(softmax_scale),
         )  # fmt: skip
         record = maps + FWD_PACKER.pack(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,

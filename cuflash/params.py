@@ -7,6 +7,7 @@ with the host C compiler and checks every field's offset and size against these 
 """
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -42,6 +43,36 @@ MOD_FIELDS = [
 
 MOD_DTYPE = np.dtype(MOD_FIELDS, align=True)
 
+#: Field order, names and types of struct FastDiv: a divisor and its multiplier (fast_divisor).
+FASTDIV_DTYPE = np.dtype([("d", _I32), ("mul", np.uint32), ("shift", np.uint32)], align=True)
+
+#: The FastDiv fields of FwdParams (plan/forward.py fwd_walk fills them, in this order).
+WALK_FIELDS = ("walk_step", "walk_items", "walk_units", "walk_group", "walk_tail", "walk_heads", "kv_ratio")
+
+
+def fast_divisor(d: int) -> tuple[int, int, int]:
+    """The FastDiv of ``d`` (1 <= d < 2^31): (d, mul, shift) such that n // d == (n * mul >> 32) >> shift for
+    every 0 <= n < 2^31 (d == 1: the kernel takes n itself). mul = ceil(2^(31 + l) / d) with l = ceil(log2 d)
+    < 2^32 since d > 2^(l - 1); the error of the rounded-up multiplier, below 2^l / 2^(31 + l) per unit of
+    n, never carries n / d past an integer (Granlund and Montgomery 1994)."""
+    if not 1 <= d < 1 << 31:
+        raise ValueError(f"a FastDiv divisor must be in [1, 2^31), got {d}")
+    if d == 1:
+        return (1, 0, 0)
+    shift = (d - 1).bit_length()  # l = ceil(log2 d)
+    return (d, -(-(1 << (31 + shift)) // d), shift - 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def walk_fields(divisors: tuple[int, ...]) -> dict[str, tuple[int, int, int]]:
+    """FwdParams' FastDiv fields by name from a Launch's ``walk`` (plan/forward.py fwd_walk), for
+    RecordPacker.pack (the dict is shared between calls: copy it before changing it)."""
+    if len(divisors) != len(WALK_FIELDS):
+        raise ValueError(f"a forward launch's walk holds {len(WALK_FIELDS)} divisors ({', '.join(WALK_FIELDS)}), "
+                         f"got {divisors!r}: plan it with plan.plan_forward")  # fmt: skip
+    return {name: fast_divisor(d) for name, d in zip(WALK_FIELDS, divisors)}
+
+
 #: Field order, names and types of struct FwdParams.
 FWD_FIELDS = [
     ("q", _PTR),
@@ -73,7 +104,7 @@ FWD_FIELDS = [
     ("scale_log2", _F32),
     ("mod", MOD_DTYPE),
     ("sched_group", _I32),
-]
+] + [(name, FASTDIV_DTYPE) for name in WALK_FIELDS]
 
 FWD_DTYPE = np.dtype(FWD_FIELDS, align=True)
 
@@ -199,5 +230,5 @@ DECODE_PACKER = RecordPacker(DECODE_DTYPE)
 ROTARY_PACKER = RecordPacker(ROTARY_DTYPE)
 
 #: Every C struct of cuda_src/params.h and its NumPy mirror (tests/test_params_layout.py checks them all).
-STRUCTS = {"ModParams": MOD_DTYPE, "FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE,
+STRUCTS = {"ModParams": MOD_DTYPE, "FastDiv": FASTDIV_DTYPE, "FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE,
            "RotaryParams": ROTARY_DTYPE}

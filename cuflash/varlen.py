@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from . import backward, checks, forward, jit, launch, plan, prepared_calls, variants
-from .params import BWD_PACKER, FWD_PACKER
+from .params import BWD_PACKER, FWD_PACKER, walk_fields
 
 #: Most sequences in one packed batch (the device-side search of varlen.cuh counts in int32 powers of 32).
 MAX_SEQUENCES = 2**24
@@ -121,7 +121,7 @@ def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, caus
             o_batch_stride=0, o_row_stride=os_[1], o_head_stride=os_[2],
             batch=g.batch, nheads=g.nheads, nheads_kv=g.nheads_kv, head_ratio=g.nheads // g.nheads_kv,
             seqlen_q=g.total_q, seqlen_k=g.total_k, head_dim=g.head_dim, num_m_blocks=how.m_blocks,
-            sched_group=how.sched_group,
+            sched_group=how.sched_group, **walk_fields(how.walk),
             softmax_scale=unit, scale_log2=unit * math.log2(math.e),
         )  # fmt: skip
         record = maps + FWD_PACKER.pack(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=out.data.ptr, lse=lse.data.ptr,

@@ -76,3 +76,26 @@ def test_launch_ex_structs_match_cuda_h(struct, tmp_path):
                .stdout.splitlines())  # fmt: skip
     assert int(out.pop("size")) == size and int(out.pop("pss")) == 6
     assert {c: int(v) for c, v in out.items()} == {c: off for c, off in fields.values()}
+
+
+def test_fast_divisor_divides_exactly_over_the_kernels_range():
+    """FastDiv (params.h; flash_fwd.cuh fast_div): (n * mul >> 32) >> shift == n // d for every 0 <= n < 2^31,
+    checked at every divisor up to 4096 and around each power of two up to 2^31 - 1, at n near 0, near every
+    multiple of d up to 2^16 d, near 2^31 and at random; mul fits 32 bits. Divisors outside [1, 2^31) are an error."""
+    import random
+
+    rng = random.Random(0)
+    top = (1 << 31) - 1
+    divisors = set(range(1, 4097)) | {(1 << k) + e for k in range(12, 31) for e in (-1, 0, 1)} | {top}
+    divisors |= {rng.randrange(2, top) for _ in range(500)}
+    for d in sorted(divisors):
+        dd, mul, shift = params.fast_divisor(d)
+        assert dd == d and 0 <= mul < 1 << 32 and 0 <= shift < 31
+        ns = {0, 1, 2, top, top - 1, top - d + 1} | {rng.randrange(0, 1 << 31) for _ in range(64)}
+        ns |= {k * d + e for k in (1, 2, 3, 1 << 8, 1 << 16, top // d) for e in (-1, 0, 1)}
+        for n in ns:
+            if 0 <= n <= top:
+                assert (n if d == 1 else (n * mul >> 32) >> shift) == n // d, (d, n)
+    for bad in (0, -3, 1 << 31):
+        with pytest.raises(ValueError, match="FastDiv"):
+            params.fast_divisor(bad)

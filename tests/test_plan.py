@@ -13,7 +13,7 @@ import re
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from cuflash import jit, plan
+from cuflash import jit, params, plan
 from nvrtc_util import compile_static_asserts
 
 #: Opt-in dynamic shared memory per block (CUDA programming guide, compute capabilities table).
@@ -663,9 +663,51 @@ def test_cluster_walk_gives_each_tile_to_one_rank(pairs, group, m_blocks, cluste
         assert walk == list(_persistent_walk(pairs * m_blocks, pairs, group, m_blocks))
 
 
-def _kernel_locate_paired(item: int, m: int, pairs: int, group: int, step: int) -> tuple[int, int]:
-    """flash_fwd_sm90_ws.cuh's locate with kPaired, transcribed: (query-tile index before causal's reversal,
-    pair) of a walk item; ``step`` is the grid (item_step)."""
+def _fast_div(f: tuple[int, int, int], n: int) -> int:
+    """flash_fwd.cuh's fast_div on a FastDiv (d, mul, shift) of cuflash.params.fast_divisor."""
+    d, mul, shift = f
+    return n if d == 1 else (n * mul >> 32) >> shift
+
+
+def _kernel_locate(item: int, m: int, pairs: int, group: int, step: int, paired: bool, cluster: int = 1
+                   ) -> tuple[int, int]:  # fmt: skip
+    """flash_fwd_sm90_ws.cuh's locate, transcribed with the divisors the host hands it (plan.fwd_walk through
+    params.walk_fields): (query-tile index before causal's reversal, pair) of a walk item; ``step`` is the
+    grid in clusters (item_step)."""
+    f = params.walk_fields(plan.fwd_walk(m, cluster, step, group, pairs, 1, 1))
+    light = False
+    if paired:
+        half = m // 2
+        units = half * pairs
+        whole = _fast_div(f["walk_step"], units) * step
+        if item < 2 * whole:
+            rnd = _fast_div(f["walk_step"], item)
+            unit, light = (rnd >> 1) * step + item - rnd * step, rnd & 1
+        else:
+            e, left = item - 2 * whole, units - whole
+            if e >= 2 * left:
+                return half, e - 2 * left  # the middle tiles of an odd count
+            unit, light = whole + (e if e < left else e - left), e >= left
+        first = _fast_div(f["walk_units"], unit)
+        within = unit - first * f["walk_units"][0]
+    else:
+        first = _fast_div(f["walk_items"], item)
+        within = item - first * f["walk_items"][0]
+    first *= group
+    size = f["walk_tail"] if pairs - first < group else f["walk_group"]
+    row = _fast_div(size, within)
+    pair = first + within - row * size[0]
+    return (m - 1 - row if light else row) if paired else row * cluster, pair
+
+
+def _plain_locate(item: int, m: int, pairs: int, group: int, step: int, paired: bool, cluster: int = 1
+                  ) -> tuple[int, int]:  # fmt: skip
+    """The same walk with Python's integer division (what the kernel computed before its FastDiv fields)."""
+    if not paired:
+        group_items = group * -(-m // cluster)
+        first = item // group_items * group
+        size, within = min(group, pairs - first), item % group_items
+        return within // size * cluster, first + within % size
     half = m // 2
     units = half * pairs
     whole = units // step * step
@@ -674,11 +716,36 @@ def _kernel_locate_paired(item: int, m: int, pairs: int, group: int, step: int) 
     else:
         e, left = item - 2 * whole, units - whole
         if e >= 2 * left:
-            return half, e - 2 * left  # the middle tiles of an odd count
+            return half, e - 2 * left
         unit, light = whole + (e if e < left else e - left), int(e >= left)
     first = unit // (group * half) * group
     size, within = min(group, pairs - first), unit % (group * half)
     return (m - 1 - within // size if light else within // size), first + within % size
+
+
+def test_fwd_walk_divisors_reproduce_the_walk():
+    """The kernel's walk through FastDiv multipliers (FwdParams.walk_*, plan.fwd_walk) maps every item as
+    integer division does, for both walks, clusters, partial last groups and strides above and below the
+    group's items; and the divisors of a planned launch are the kernel's: its stride in clusters, the
+    group's items and units, the last group's pairs, nheads and nheads / nheads_kv."""
+    for m, pairs, group, step, cluster in ((1, 1, 1, 1, 1), (4, 1024, 200, 132, 1), (9, 7, 3, 5, 1), (16, 48, 5, 64, 1),
+                                           (3, 300, 200, 132, 1), (8, 40, 6, 66, 2), (7, 13, 13, 6, 2),
+                                           (33, 1000, 37, 131, 1)):  # fmt: skip
+        items = -(-m // cluster) * pairs
+        for paired in (False, True) if cluster == 1 else (False,):
+            for i in range(items):
+                assert _kernel_locate(i, m, pairs, group, step, paired, cluster) == \
+                    _plain_locate(i, m, pairs, group, step, paired, cluster), (m, pairs, group, step, paired, i)  # fmt: skip
+    kw = dict(seqlen_k=512, head_dim=64, dtype="bf16", aligned=True, arch="sm_90a", sm_count=132, l2_bytes=50 << 20)
+    launch = plan.plan_forward(batch=30, seqlen_q=512, nheads=32, nheads_kv=8, causal=True, **kw)
+    assert launch.spec.tile.persistent and launch.grid == (132, 1, 1) and launch.m_blocks == 4
+    g = launch.sched_group
+    assert 1 < g < 960 and launch.walk == (132, 4 * g, 2 * g, g, 960 - (959 // g) * g, 32, 4)
+    per_tile = plan.plan_forward(batch=3, seqlen_q=20000, nheads=6, nheads_kv=2, causal=False, **{**kw, "seqlen_k": 20000})
+    m = -(-20000 // per_tile.spec.tile.block_m)
+    assert not per_tile.spec.tile.persistent and per_tile.walk == (1, m, m // 2, 1, 1, 6, 3)
+    with pytest.raises(ValueError, match="walk"):
+        params.walk_fields((1, 2))
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 16])
@@ -691,7 +758,7 @@ def test_paired_walk_is_a_permutation_that_pairs_tiles_on_one_cta(m, pairs, grou
     blocks; the units of a group of pairs hold only that group's pairs."""
     n = m * pairs
     step = min(step, n)
-    walk = [_kernel_locate_paired(i, m, pairs, group, step) for i in range(n)]
+    walk = [_kernel_locate(i, m, pairs, group, step, True) for i in range(n)]
     assert sorted(walk) == sorted((x, pr) for x in range(m) for pr in range(pairs))
     whole = m // 2 * pairs // step * step
     for i in range(2 * whole):

@@ -38,7 +38,7 @@ from .forward import (
     CLUSTER_KEYS, PERSISTENT_L2_SHARE, SHORT_KEYS, fwd_spec, persistent_group, short_keys_hint, fwd_tile, plan_forward,
     DROPOUT_KEYS, PAGE_KEYS, WS_KEY_TILES, fit_key_tile, sm90_ws_tile, ws_default_tile, uses_sm90_forward,
     uses_sm90_ws_forward,
-    cluster_pays, varlen_tiles, with_tile,
+    cluster_pays, fwd_walk, varlen_tiles, with_tile,
 )
 
 #: Each kernel family's variant list, as `cuflash precompile --kernels` selects them.
@@ -97,6 +97,7 @@ __all__ = [
     "FWD_SM90_WS_SHORT_TILES",
     "PERSISTENT_L2_SHARE",
     "persistent_group",
+    "fwd_walk",
     "sm90_ws_tile",
     "ws_default_tile",
     "PAGE_KEYS",

@@ -564,16 +564,32 @@ def plan_forward(
         grid = (varlen_tiles(seqlen_q, batch, spec.tile.block_m), nheads, 1)
     else:
         grid = (-(-seqlen_q // spec.tile.block_m), nheads, batch)
-    m_blocks, cluster = grid[0], getattr(spec.tile, "cluster", 1)
+    m_blocks, cluster, pairs = grid[0], getattr(spec.tile, "cluster", 1), grid[1] * grid[2]
     if getattr(spec.tile, "persistent", False):  # one CTA per SM (at most one per tile) walks grid's tiles
         if sm_count is None or sm_count < cluster:
             raise ValueError("a persistent tile needs sm_count (the GPU's multiprocessors)")
-        group = persistent_group(grid[1] * grid[2], seqlen_k, head_dim, nheads // nheads_kv, l2_bytes, causal)
-        items = -(-m_blocks // cluster) * grid[1] * grid[2]  # (clusters: pairs of query tiles)
-        return Launch(spec, (min(items, sm_count // cluster) * cluster, 1, 1), (spec.threads, 1, 1),
-                      spec.smem_bytes, m_blocks=m_blocks, sched_group=group)  # fmt: skip
+        group = persistent_group(pairs, seqlen_k, head_dim, nheads // nheads_kv, l2_bytes, causal)
+        items = -(-m_blocks // cluster) * pairs  # (clusters: pairs of query tiles)
+        ctas = min(items, sm_count // cluster) * cluster
+        return Launch(spec, (ctas, 1, 1), (spec.threads, 1, 1), spec.smem_bytes, m_blocks=m_blocks, sched_group=group,
+                      walk=fwd_walk(m_blocks, cluster, ctas // cluster, group, pairs, nheads, nheads // nheads_kv))  # fmt: skip
     grid = (-(-m_blocks // cluster) * cluster,) + grid[1:]  # (clusters: an odd count's last CTA only helps load)
-    return Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, m_blocks=m_blocks)
+    return Launch(spec, grid, (spec.threads, 1, 1), spec.smem_bytes, m_blocks=m_blocks,
+                  walk=fwd_walk(m_blocks, cluster, 1, 1, pairs, nheads, nheads // nheads_kv))  # fmt: skip
+
+
+def fwd_walk(m_blocks: int, cluster: int, step: int, group: int, pairs: int, nheads: int, head_ratio: int
+             ) -> tuple[int, ...]:  # fmt: skip
+    """The divisors of FwdParams' FastDiv fields, in cuflash/params.py WALK_FIELDS order, for a launch of
+    ``m_blocks`` query tiles per (head, batch) pair (varlen: scheduler slots) in clusters of ``cluster``, over
+    ``pairs`` (head, batch) pairs (varlen: heads) in groups of ``group`` (FwdParams.sched_group), a persistent
+    CTA taking every ``step``-th item (gridDim.x / cluster; 1 for the per-tile launches, whose kernels read
+    only the last): the persistent walk's stride, its items and the paired walk's units per group, the
+    group's and the last group's pairs, nheads and nheads / nheads_kv (flash_fwd_sm90_ws.cuh locate)."""
+    if min(m_blocks, cluster, step, group, pairs, nheads, head_ratio) < 1:
+        raise ValueError(f"fwd_walk needs every count >= 1, got {(m_blocks, cluster, step, group, pairs, nheads, head_ratio)}")
+    tail = pairs - (pairs - 1) // group * group
+    return (step, group * -(-m_blocks // cluster), group * max(m_blocks // 2, 1), group, tail, nheads, head_ratio)
 
 
 def cluster_pays(m_blocks: int, cluster: int) -> bool:
