@@ -292,7 +292,7 @@ def test_paired_walk_takes_every_tile_once(head_dim, shape):
 
     from cuflash import forward, plan
 
-    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[head_dim], paired=True)  # (head dim 64 plans the strided walk)
+    tile = dataclasses.replace(plan.FWD_SM90_WS_SHORT_TILES[head_dim], paired=True)  # (the planner's walk, whatever it is)
     assert tile.persistent
     q, k, v = random_qkv(np.random.default_rng(shape[1] + head_dim), *shape, head_dim, "bf16")
     if shape[1] < 2048:  # (the float64 reference on the smaller cases)

@@ -96,8 +96,8 @@ SM90_WS_CANDIDATES[128] += [P(128, 128, pingpong=False, look_ahead=True)]
 # the per-tile 192 x 80's 0.948 and the persistent 128 x 128's 0.910 in the same run (causal 1k-8k: 240-421
 # TFLOP/s against 296-593): not a candidate for the planner
 SM90_WS_CANDIDATES[128] += [P(192, 80, pingpong=False), P(192, 80, 3, pingpong=False)]
-# The persistent short-key tile on the strided walk (Sm90WsTile.paired=False: hd64's planned walk; P(128, 128) above
-# takes the paired one, hd128's). Causal only: non-causal tiles all cost the same
+# The persistent short-key tile on the strided walk (Sm90WsTile.paired=False; P(128, 128) above takes the paired one,
+# the planner's since session 39 at both head dims). Causal only: non-causal tiles all cost the same
 for _d in (64, 128):
     SM90_WS_CANDIDATES[_d] += [P(128, 128, pingpong=False, paired=False)]
 

@@ -219,9 +219,12 @@ def fit_key_tile(tile: Sm90WsTile, *, paged: bool = False, mods: int = 0) -> Sm9
 #: runs): hd128 512 keys 211/213 -> 225/222, 1024 320/320 -> 343/346, 2048 381/380 -> 457/452, 4096 476/475 ->
 #: 527/529 (the strided walk's CTAs carry 0.76-0.91 of an even share there, by the L2 group size on 50 MiB);
 #: hd64 512 189/198 -> 173/182, 1024 270/260 -> 249/250, 2048 324/320 -> 321/321 (also with the light tile first on
-#: every other CTA): hd64 keeps the strided walk, for a reason not yet profiled.
+#: every other CTA). The trace of hd64 causal 512 (session 39) put the loss between items: 0.40 us strided, 0.71
+#: paired, the walk's integer divisions (more of them on the paired walk). With the divisions on FastDiv
+#: multipliers (FwdParams.walk_*): 0.21 / 0.28 us, and hd64 causal strided -> paired 191 -> 197 at 512 keys, 272 ->
+#: 275 at 1024, 321 -> 341 at 2048 (one run, H100): both head dims take the paired walk.
 FWD_SM90_WS_SHORT_TILES: dict[int, Sm90WsTile] = {
-    64: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False, paired=False),
+    64: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
     128: Sm90WsTile(128, 128, pingpong=False, persistent=True, tma_store=False),
     256: Sm90WsTile(128, 64, pingpong=False),
 }
