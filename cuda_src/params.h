@@ -40,7 +40,7 @@ struct ModParams {
                                      //   + diag_shift (masks.cuh diag_shift_of; a ring's chunk pairs); else 0
 };
 
-// n / d and n % d for 0 <= n < 2^31 by a multiply-high and a shift (primitives.cuh fast_divmod; the host's
+// n / d and n % d for 0 <= n < 2^31 by a multiply-high and a shift (flash_fwd.cuh fast_div, fast_divmod; the host's
 // cuflash/params.py fast_divisor): a plain integer division compiles to a ~100-clock chain through the SFU
 // (I2F, MUFU.RCP, F2I, corrections), which the persistent forward paid for each work item.
 struct FastDiv {

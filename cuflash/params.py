@@ -230,5 +230,5 @@ DECODE_PACKER = RecordPacker(DECODE_DTYPE)
 ROTARY_PACKER = RecordPacker(ROTARY_DTYPE)
 
 #: Every C struct of cuda_src/params.h and its NumPy mirror (tests/test_params_layout.py checks them all).
-STRUCTS = {"ModParams": MOD_DTYPE, "FastDiv": FASTDIV_DTYPE, "FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE, "DecodeParams": DECODE_DTYPE,
-           "RotaryParams": ROTARY_DTYPE}
+STRUCTS = {"ModParams": MOD_DTYPE, "FastDiv": FASTDIV_DTYPE, "FwdParams": FWD_DTYPE, "BwdParams": BWD_DTYPE,
+           "DecodeParams": DECODE_DTYPE, "RotaryParams": ROTARY_DTYPE}

@@ -119,7 +119,7 @@ class Launch:
     # Persistent forward: (head, batch) pairs per group of its walk, FwdParams.sched_group (forward.py's
     # persistent_group); 0 for the other launches.
     sched_group: int = 0
-    # Forward: the divisors of FwdParams' FastDiv fields (cuflash/params.py WALK_FIELDS order; forward.py's
+    # Forward: the divisors of FwdParams' FastDiv fields (cuflash/params.py WALK_FIELDS order; plan/forward.py's
     # fwd_walk); () for the other launches.
     walk: tuple = ()
 
