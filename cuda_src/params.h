@@ -82,7 +82,7 @@ struct FwdParams {
     // The forward's divisors (plan/forward.py fwd_walk), each a FastDiv of:
     struct FastDiv walk_step;  //   the persistent walk's stride in items (gridDim.x / cluster; else 1)
     struct FastDiv walk_items; //   sched_group * query items per (head, batch) pair: the walk's items per group
-    struct FastDiv walk_units; //   sched_group * (num_m_blocks / 2): the paired walk's units per group
+    struct FastDiv walk_units; //   sched_group * max(num_m_blocks / 2, 1): the paired walk's units per group
     struct FastDiv walk_group; //   sched_group (pairs per group)
     struct FastDiv walk_tail;  //   the last group's pairs (1..sched_group)
     struct FastDiv walk_heads; //   nheads: (head, batch) pair -> head, batch

@@ -746,6 +746,8 @@ def test_fwd_walk_divisors_reproduce_the_walk():
     assert not per_tile.spec.tile.persistent and per_tile.walk == (1, m, m // 2, 1, 1, 6, 3)
     with pytest.raises(ValueError, match="walk"):
         params.walk_fields((1, 2))
+    with pytest.raises(ValueError, match="2\\^31"):
+        plan.fwd_walk(1 << 16, 1, 132, 1, 1 << 15, 1 << 15, 1)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 16])
@@ -844,12 +846,19 @@ def test_persistent_group_keeps_a_groups_kv_within_the_l2_share():
 
 def test_persistent_launch_needs_its_group():
     """The persistent walk divides by FwdParams.sched_group: a Launch of a persistent tile without one
-    (0) is refused; plan_forward sizes it from the real head dim (112 in bucket 128: K/V of 112 columns)."""
+    (0) is refused, as is one without its walk's divisors or with a stride (walk[0]) that is not its grid in
+    clusters (the kernel strides by gridDim.x); plan_forward sizes the group from the real head dim (112 in
+    bucket 128: K/V of 112 columns)."""
     tile = plan.FWD_SM90_WS_SHORT_TILES[128]
     spec = plan.fwd_sm90_ws_spec(128, "bf16", False, tile)
+    walk = plan.fwd_walk(4, 1, 132, 1, 64, 16, 1)
     with pytest.raises(ValueError, match="sched_group"):
-        plan.Launch(spec, (132, 1, 1), (spec.threads, 1, 1), spec.smem_bytes, m_blocks=4)
-    assert plan.Launch(spec, (132, 1, 1), (spec.threads, 1, 1), spec.smem_bytes, m_blocks=4, sched_group=1).sched_group == 1
+        plan.Launch(spec, (132, 1, 1), (spec.threads, 1, 1), spec.smem_bytes, m_blocks=4, walk=walk)
+    for bad in ((), plan.fwd_walk(4, 1, 131, 1, 64, 16, 1)):
+        with pytest.raises(ValueError, match="walk"):
+            plan.Launch(spec, (132, 1, 1), (spec.threads, 1, 1), spec.smem_bytes, m_blocks=4, sched_group=1, walk=bad)
+    ok = plan.Launch(spec, (132, 1, 1), (spec.threads, 1, 1), spec.smem_bytes, m_blocks=4, sched_group=1, walk=walk)
+    assert ok.sched_group == 1 and ok.walk == walk
     l2 = 50 << 20
     kw = dict(batch=64, seqlen_q=1024, seqlen_k=1024, nheads=16, nheads_kv=16, dtype="bf16", causal=False, aligned=True,
               arch="sm_90a", sm_count=132, l2_bytes=l2)  # fmt: skip

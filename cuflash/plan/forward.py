@@ -591,6 +591,8 @@ def fwd_walk(m_blocks: int, cluster: int, step: int, group: int, pairs: int, nhe
     group's and the last group's pairs, nheads and nheads / nheads_kv (flash_fwd_sm90_ws.cuh locate)."""
     if min(m_blocks, cluster, step, group, pairs, nheads, head_ratio) < 1:
         raise ValueError(f"fwd_walk needs every count >= 1, got {(m_blocks, cluster, step, group, pairs, nheads, head_ratio)}")
+    if -(-m_blocks // cluster) * pairs >= 1 << 31:  # (the kernel's item indices are 32-bit, FastDiv's numerators < 2^31)
+        raise ValueError(f"{m_blocks} query tiles x {pairs} (head, batch) pairs: over 2^31 work items")
     tail = pairs - (pairs - 1) // group * group
     return (step, group * -(-m_blocks // cluster), group * max(m_blocks // 2, 1), group, tail, nheads, head_ratio)
 
