@@ -129,9 +129,10 @@ class Launch:
         if self.spec.family == "flash_fwd_sm90_ws" and getattr(self.spec.tile, "persistent", False):
             if self.sched_group < 1:
                 raise ValueError(f"a persistent launch needs sched_group >= 1 (got {self.sched_group}): plan it with plan_forward")
-            # Its stride in items is gridDim.x / cluster, and the kernel divides by walk[0] (FwdParams.walk_step)
+            # Its stride in items is gridDim.x / cluster, and the kernel divides by walk[0] (FwdParams.walk_step;
+            # the walk's length is params.walk_fields' check, where the record is packed)
             cluster = getattr(self.spec.tile, "cluster", 1)
-            if len(self.walk) != 7 or self.walk[0] * cluster != self.grid[0]:
+            if not self.walk or self.walk[0] * cluster != self.grid[0]:
                 raise ValueError(f"a persistent launch needs its walk's divisors, the first its grid in clusters "
                                  f"({self.grid[0]} // {cluster}); got {self.walk!r}: plan it with plan_forward")  # fmt: skip
 
